@@ -1,0 +1,168 @@
+"""The ``patchbay`` command line: plugins, config, check, run and bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from patchbay.registry import PluginError, Registration, Registry, default_registry, parse_reference
+from patchbay.settings import ConfigError, dump_settings, load_settings
+
+
+def _registry(args: argparse.Namespace) -> Registry:
+    if getattr(args, "strict", False):
+        return default_registry(strict=True)
+    return default_registry()
+
+
+def _describe(registration: Registration) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "kind": registration.kind.name,
+        "name": registration.name,
+        "distribution": registration.origin.distribution,
+        "version": registration.origin.version,
+        "plugin": registration.origin.plugin,
+        "target": registration.target_path,
+        "description": registration.description,
+    }
+    try:
+        implementation = registration.resolve()
+    except PluginError as exc:
+        row.update(available=False, reason=str(exc), capabilities=None)
+        return row
+    reason = implementation.unavailable_reason()
+    doc = (implementation.__doc__ or "").strip().splitlines()
+    row.update(
+        available=reason is None,
+        reason=reason,
+        capabilities=implementation.capabilities.as_dict(),
+        description=registration.description or (doc[0] if doc else ""),
+    )
+    return row
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    registry = _registry(args)
+    rows = [_describe(r) for r in registry.registrations(args.kind)]
+    failures = [
+        {"plugin": f.origin.plugin, "distribution": f.origin.distribution, "version": f.origin.version,
+         "error": f.error, "traceback": f.traceback_summary}
+        for f in registry.failures
+    ]
+    conflicts = [str(conflict) for conflict in registry.conflicts]
+    if args.json:
+        print(json.dumps({"plugins": rows, "failures": failures, "conflicts": conflicts}, indent=2))
+        return 0
+    current_kind = None
+    for row in rows:
+        if row["kind"] != current_kind:
+            current_kind = row["kind"]
+            print(f"\n{current_kind}:")
+        status = "available" if row["available"] else f"unavailable: {row['reason']}"
+        version = f" {row['version']}" if row["version"] else ""
+        print(f"  {row['name']:<16} {row['distribution']}{version}  [{status}]")
+        if row["description"]:
+            print(f"  {'':<16} {row['description']}")
+        if row["capabilities"] and args.verbose:
+            for key, value in row["capabilities"].items():
+                print(f"  {'':<18}{key}: {value}")
+    for failure in failures:
+        version = f" {failure['version']}" if failure["version"] else ""
+        print(f"\nbroken plugin {failure['plugin']!r} from {failure['distribution']}{version}: {failure['error']}")
+        print(textwrap.indent(failure["traceback"], "    "))
+    for conflict in conflicts:
+        print(f"\nconflict: {conflict}")
+    return 0
+
+
+def _load(args: argparse.Namespace, *, with_plugins: bool = True) -> Any:
+    registry = default_registry() if with_plugins else None
+    return load_settings(args.file, overrides=args.set or [], registry=registry)
+
+
+def cmd_config_validate(args: argparse.Namespace) -> int:
+    _load(args)
+    print(f"{args.file}: valid")
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    print(dump_settings(_load(args)), end="")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import pytest
+
+    kind, name = parse_reference(args.reference)
+    default_registry().get(kind.name, name)  # fail early, with the available names
+    with tempfile.TemporaryDirectory(prefix="patchbay-check-") as tmp:
+        test_file = Path(tmp) / f"test_{kind.name}_{name.replace('-', '_')}.py"
+        test_file.write_text(
+            "from patchbay.testing import suite_for\n"
+            f"TestConformance = suite_for({kind.name!r}, {name!r})\n"
+        )
+        (Path(tmp) / "pytest.ini").write_text("[pytest]\n")
+        print(f"conformance suite for {kind.name}:{name}")
+        code = pytest.main([str(test_file), "-v", "-rA", "-p", "no:cacheprovider", "--rootdir", tmp,
+                            "-c", str(Path(tmp) / "pytest.ini"), *args.pytest_args])
+    return int(code)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from patchbay.run_command import run_from_settings
+
+    settings = load_settings(args.config, overrides=args.set or [], registry=default_registry())
+    return run_from_settings(settings, config_path=args.config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="patchbay", description="An LLM inference runner built of plugins.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plugins = sub.add_parser("plugins", help="list every installed plugin, its origin and capabilities")
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    plugins.add_argument("--strict", action="store_true", help="a plugin that fails to load is an error")
+    plugins.add_argument("--kind", help="only this kind")
+    plugins.add_argument("-v", "--verbose", action="store_true", help="show capabilities")
+    plugins.set_defaults(handler=cmd_plugins)
+
+    config = sub.add_parser("config", help="validate or show a YAML configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    for name, handler, help_text in (
+        ("validate", cmd_config_validate, "check a YAML file, its plugin names and their options"),
+        ("show", cmd_config_show, "print the effective configuration after defaults and overrides"),
+    ):
+        command = config_sub.add_parser(name, help=help_text)
+        command.add_argument("file")
+        command.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a setting")
+        command.set_defaults(handler=handler)
+
+    check = sub.add_parser("check", help="run the conformance suite against a plugin (KIND:NAME)")
+    check.add_argument("reference", metavar="KIND:NAME")
+    check.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+    check.set_defaults(handler=cmd_check)
+
+    run = sub.add_parser("run", help="run the job a YAML file describes")
+    run.add_argument("config")
+    run.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a setting")
+    run.set_defaults(handler=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ConfigError, PluginError) as exc:
+        print(f"patchbay: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The hook specifications: the whole surface through which plugins reach patchbay.
+
+A plugin is a module (or object) registered under the ``patchbay`` entry-point
+group, for example in the plugin's ``pyproject.toml``::
+
+    [project.entry-points.patchbay]
+    my_plugin = "my_package.patchbay_hooks"
+
+The module implements one or more of the hooks below, each marked with
+:data:`hookimpl`.  Every hook receives a ``register`` callback; calling it
+announces one implementation of that kind::
+
+    from patchbay import hookimpl
+
+    @hookimpl
+    def register_samplers(register):
+        register("my_sampler", "my_package.sampling:MySampler")
+
+``register(name, target, *, description="")`` takes:
+
+``name``
+    The name operators write in YAML (``sampler: {name: my_sampler}``).  Names
+    are open strings: lowercase letters, digits, ``_`` and ``-``.  Two plugins
+    registering the same name for the same kind is an error that names both
+    distributions; deny one of them (``plugins.deny``) to choose.
+``target``
+    The implementation, either as a class or, preferably, as a lazy
+    ``"module:Class"`` reference that patchbay imports only when the
+    implementation is first used.
+``description``
+    One line shown by ``patchbay plugins``.
+
+Registration must be free of side effects: do not import torch kernels,
+compile extensions, touch a device or read files inside a hook.  Do that in
+the implementation's constructor, which runs only when a run selects it.
+
+Hooks are called once per loaded plugin with per-plugin error containment:
+an exception raised by one plugin's hook is reported against that plugin
+(distribution, version, error) and the other plugins still register.
+Return values are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import pluggy
+
+PROJECT_NAME = "patchbay"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class RegisterCallback(Protocol):
+    """The ``register`` callback every registration hook receives."""
+
+    def __call__(self, name: str, target: str | type, *, description: str = "") -> None:
+        """Announce implementation ``target`` under ``name`` (see the module docstring)."""
+
+
+@hookspec
+def register_attention_backends(register: RegisterCallback) -> None:
+    """Register attention backends.
+
+    Each target must be a subclass of
+    :class:`patchbay.interfaces.AttentionBackend`.  A backend computes
+    attention for one layer over the paged KV cache and writes that layer's
+    new keys and values into the cache.  It names the metadata builder it
+    consumes through its ``metadata_builder`` class attribute; that builder is
+    registered separately through :func:`register_attention_metadata_builders`
+    (by the same plugin or another one).
+
+    Called once per plugin when the registry loads.  The return value is
+    ignored.
+    """
+
+
+@hookspec
+def register_attention_metadata_builders(register: RegisterCallback) -> None:
+    """Register attention-metadata builders.
+
+    Each target must be a subclass of
+    :class:`patchbay.interfaces.AttentionMetadataBuilder`.  A builder turns
+    the runner's backend-neutral :class:`patchbay.interfaces.CommonAttentionMetadata`
+    for one KV-cache group into the metadata object its backends read.  It is
+    built once per step per KV-cache group and shared by all layers in the group.
+
+    Called once per plugin when the registry loads.  The return value is
+    ignored.
+    """
+
+
+@hookspec
+def register_drafters(register: RegisterCallback) -> None:
+    """Register speculative-decoding drafters (proposers).
+
+    Each target must be a subclass of :class:`patchbay.interfaces.Drafter`.
+    A drafter proposes up to ``num_speculative_tokens`` draft tokens per
+    request after each step; the target model verifies them in the next step
+    through a rejection sampler, so a drafter can only change speed, never
+    the output.  Drafters declare what they need from the runner (token ids
+    only, last hidden states, auxiliary hidden states, attention metadata) in
+    their capabilities.
+
+    Called once per plugin when the registry loads.  The return value is
+    ignored.
+    """
+
+
+@hookspec
+def register_samplers(register: RegisterCallback) -> None:
+    """Register samplers and rejection samplers.
+
+    Each target must be a subclass of :class:`patchbay.interfaces.Sampler`
+    (turns logits into next tokens, with logprobs when asked) or of
+    :class:`patchbay.interfaces.RejectionSampler` (verifies draft tokens for
+    speculative decoding).  Both share the ``sampler`` kind and one namespace
+    of names.
+
+    Called once per plugin when the registry loads.  The return value is
+    ignored.
+    """
+
+
+@hookspec
+def register_kv_connectors(register: RegisterCallback) -> None:
+    """Register KV-cache connectors.
+
+    Each target must be a subclass of :class:`patchbay.interfaces.KVConnector`,
+    a factory for the connector's two roles: the scheduler side
+    (:class:`patchbay.interfaces.KVConnectorScheduler`, decides how many
+    prompt tokens can be loaded instead of computed) and the worker side
+    (:class:`patchbay.interfaces.KVConnectorWorker`, moves KV blocks between
+    the paged cache and the connector's store around the forward pass).
+
+    Called once per plugin when the registry loads.  The return value is
+    ignored.
+    """

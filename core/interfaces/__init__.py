@@ -1,0 +1,42 @@
+"""The typed interfaces of the five plugin kinds (the contract plugin authors code against)."""
+
+from patchbay.interfaces.attention import (
+    AttentionBackend,
+    AttentionCapabilities,
+    AttentionConfig,
+    AttentionImpl,
+    AttentionLayerSpec,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from patchbay.interfaces.base import Capabilities, NoOptions, Plugin, ServingConfig
+from patchbay.interfaces.drafter import DraftBatch, Drafter, DrafterCapabilities, DrafterConfig, DraftProposals
+from patchbay.interfaces.kv_connector import (
+    KVConnector,
+    KVConnectorCapabilities,
+    KVConnectorConfig,
+    KVConnectorMetadata,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    RequestView,
+)
+from patchbay.interfaces.sampler import (
+    SAMPLING_PARAMS,
+    RejectionSampler,
+    Sampler,
+    SamplerBase,
+    SamplerCapabilities,
+    SamplerConfig,
+    SamplerOutput,
+    SamplingMetadata,
+    SpecDecodeMetadata,
+)
+
+__all__ = [
+    "SAMPLING_PARAMS", "AttentionBackend", "AttentionCapabilities", "AttentionConfig", "AttentionImpl",
+    "AttentionLayerSpec", "AttentionMetadataBuilder", "Capabilities", "CommonAttentionMetadata", "DraftBatch",
+    "DraftProposals", "Drafter", "DrafterCapabilities", "DrafterConfig", "KVConnector", "KVConnectorCapabilities",
+    "KVConnectorConfig", "KVConnectorMetadata", "KVConnectorScheduler", "KVConnectorWorker", "NoOptions", "Plugin",
+    "RejectionSampler", "RequestView", "Sampler", "SamplerBase", "SamplerCapabilities", "SamplerConfig",
+    "SamplerOutput", "SamplingMetadata", "ServingConfig", "SpecDecodeMetadata",
+]

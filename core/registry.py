@@ -1,0 +1,397 @@
+"""The plugin registry: one generic mechanism serving all five kinds.
+
+Plugins are modules exposed under the ``patchbay`` entry-point group (the
+built-in ones included).  Loading imports each module on its own and calls
+its registration hooks with per-plugin containment: a plugin that fails is
+recorded as a :class:`LoadFailure` with its distribution, version and error,
+and the others still load.  In strict mode the first failure raises.
+Implementations are referenced lazily and imported only by :meth:`Registry.resolve`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from importlib import metadata as importlib_metadata
+from typing import Any
+
+import pluggy
+
+from patchbay import hookspecs
+from patchbay.interfaces import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    Drafter,
+    KVConnector,
+    Plugin,
+    SamplerBase,
+)
+
+ENTRY_POINT_GROUP = "patchbay"
+LOCAL_DISTRIBUTION = "<local>"
+_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_\-]*$")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One plugin kind: its name in ``KIND:NAME`` references, its hook and its interface."""
+
+    name: str
+    hook: str
+    interface: type[Plugin]
+    label: str
+
+
+KINDS: dict[str, Kind] = {
+    kind.name: kind
+    for kind in (
+        Kind("attention", "register_attention_backends", AttentionBackend, "attention backends"),
+        Kind("attention_metadata_builder", "register_attention_metadata_builders", AttentionMetadataBuilder,
+             "attention-metadata builders"),
+        Kind("drafter", "register_drafters", Drafter, "speculative-decoding drafters"),
+        Kind("sampler", "register_samplers", SamplerBase, "samplers"),
+        Kind("kv_connector", "register_kv_connectors", KVConnector, "KV-cache connectors"),
+    )
+}
+
+
+class PluginError(Exception):
+    """Base class of every registry error."""
+
+
+class PluginLoadError(PluginError):
+    """A plugin failed to load (strict mode) or an implementation failed to resolve."""
+
+
+class PluginConflictError(PluginError):
+    """Two plugins registered the same name for one kind."""
+
+
+class UnknownPluginError(PluginError, LookupError):
+    """A name that no loaded plugin registered; the message lists the available names."""
+
+
+def kind_of(name: str) -> Kind:
+    """The :class:`Kind` called ``name``; the error lists the valid kinds."""
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise UnknownPluginError(f"unknown plugin kind {name!r}; kinds are: {', '.join(KINDS)}") from None
+
+
+def parse_reference(reference: str) -> tuple[Kind, str]:
+    """Split ``"KIND:NAME"`` (as in ``patchbay check sampler:standard``) into kind and name."""
+    kind_name, sep, name = reference.partition(":")
+    if not sep or not name:
+        raise UnknownPluginError(f"expected KIND:NAME (kinds: {', '.join(KINDS)}), got {reference!r}")
+    return kind_of(kind_name), name
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a registration came from: the entry point and its distribution."""
+
+    plugin: str
+    distribution: str = LOCAL_DISTRIBUTION
+    version: str = ""
+
+    def __str__(self) -> str:
+        version = f" {self.version}" if self.version else ""
+        return f"plugin {self.plugin!r} from {self.distribution}{version}"
+
+
+@dataclass
+class Registration:
+    """One implementation: its kind, name, lazy target and origin."""
+
+    kind: Kind
+    name: str
+    target: str | type
+    origin: Origin
+    description: str = ""
+    _resolved: type[Plugin] | None = field(default=None, repr=False)
+
+    @property
+    def reference(self) -> str:
+        return f"{self.kind.name}:{self.name}"
+
+    @property
+    def target_path(self) -> str:
+        if isinstance(self.target, str):
+            return self.target
+        return f"{self.target.__module__}:{self.target.__qualname__}"
+
+    def resolve(self) -> type[Plugin]:
+        """Import the implementation (once) and check it implements the kind's interface."""
+        if self._resolved is not None:
+            return self._resolved
+        target = self.target
+        if isinstance(target, str):
+            module_name, _, attribute = target.partition(":")
+            try:
+                obj: Any = importlib.import_module(module_name)
+                for part in attribute.split("."):
+                    obj = getattr(obj, part)
+            except Exception as exc:
+                raise PluginLoadError(
+                    f"{self.reference} ({self.origin}) could not import {target!r}: {type(exc).__name__}: {exc}"
+                ) from exc
+            target = obj
+        if not (isinstance(target, type) and issubclass(target, self.kind.interface)):
+            raise PluginLoadError(
+                f"{self.reference} ({self.origin}) points to {target!r}, "
+                f"which is not a subclass of {self.kind.interface.__module__}.{self.kind.interface.__name__}"
+            )
+        self._resolved = target
+        return target
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """A plugin that could not be loaded or whose registration hook failed."""
+
+    origin: Origin
+    error: str
+    """One line: exception type and message."""
+    traceback_summary: str
+    """The last frames of the traceback, for the ``patchbay plugins`` report."""
+
+    def __str__(self) -> str:
+        return f"{self.origin}: {self.error}"
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Two origins registered one name of one kind; the name is unusable until one is denied."""
+
+    kind: Kind
+    name: str
+    first: Origin
+    second: Origin
+
+    def __str__(self) -> str:
+        return (
+            f"{self.kind.name}:{self.name} is registered twice: by {self.first} and by {self.second}; "
+            f"deny one of them (plugins.deny or PATCHBAY_PLUGINS__DENY)"
+        )
+
+
+def _summarise(exc: BaseException, frames: int = 3) -> tuple[str, str]:
+    error = f"{type(exc).__name__}: {exc}"
+    summary = traceback.extract_tb(exc.__traceback__)[-frames:]
+    lines = [f"{frame.filename}:{frame.lineno} in {frame.name}" for frame in summary]
+    return error, "\n".join(lines)
+
+
+class Registry:
+    """Every registered implementation of every kind, loaded from entry points or added by hand.
+
+    ``allow`` and ``deny`` hold names of plugins (entry-point names),
+    distributions, or single implementations (``KIND:NAME``).  A non-empty
+    ``allow`` admits only what it names; ``deny`` always wins.  Denied plugin
+    modules are not imported at all.
+    """
+
+    def __init__(self, *, strict: bool = False, allow: Iterable[str] = (), deny: Iterable[str] = ()) -> None:
+        self.strict = strict
+        self.allow = frozenset(allow)
+        self.deny = frozenset(deny)
+        self.failures: list[LoadFailure] = []
+        self.conflicts: list[Conflict] = []
+        self._registrations: dict[tuple[str, str], Registration] = {}
+        self._conflicted: dict[tuple[str, str], Conflict] = {}
+        self._manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self._manager.add_hookspecs(hookspecs)
+        self._origins: dict[str, Origin] = {}
+
+    # -- loading ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_entry_points(
+        cls,
+        *,
+        strict: bool = False,
+        allow: Iterable[str] = (),
+        deny: Iterable[str] = (),
+        entry_points: Iterable[importlib_metadata.EntryPoint] | None = None,
+    ) -> Registry:
+        """Load every plugin of the ``patchbay`` entry-point group (or the given entry points)."""
+        registry = cls(strict=strict, allow=allow, deny=deny)
+        if entry_points is None:
+            entry_points = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
+        for entry_point in sorted(entry_points, key=lambda ep: ep.name):
+            registry._load_entry_point(entry_point)
+        registry._manager.check_pending()
+        return registry
+
+    def _load_entry_point(self, entry_point: importlib_metadata.EntryPoint) -> None:
+        dist = getattr(entry_point, "dist", None)
+        origin = Origin(
+            plugin=entry_point.name,
+            distribution=dist.name if dist is not None else LOCAL_DISTRIBUTION,
+            version=dist.version if dist is not None else "",
+        )
+        if not self._admits_plugin(origin):
+            return
+        try:
+            module = entry_point.load()
+        except Exception as exc:
+            self._fail(origin, exc)
+            return
+        self.add_plugin(module, name=origin.plugin, distribution=origin.distribution, version=origin.version)
+
+    def add_plugin(self, plugin: object, *, name: str, distribution: str = LOCAL_DISTRIBUTION, version: str = "") -> None:
+        """Register a module or object of hook implementations and run its registration hooks.
+
+        This is what entry-point loading does for each plugin; tests use it to
+        add a plugin object for the duration of a test (see :meth:`remove_plugin`).
+        """
+        origin = Origin(name, distribution, version)
+        if origin.plugin in self._origins:
+            raise PluginConflictError(f"a plugin named {origin.plugin!r} is already loaded ({self._origins[origin.plugin]})")
+        try:
+            self._manager.register(plugin, name=origin.plugin)
+        except Exception as exc:
+            self._fail(origin, exc)
+            return
+        self._origins[origin.plugin] = origin
+        for kind in KINDS.values():
+            for impl in getattr(self._manager.hook, kind.hook).get_hookimpls():
+                if impl.plugin_name != origin.plugin:
+                    continue
+                try:
+                    impl.function(register=self._register_callback(kind, origin))
+                except Exception as exc:
+                    self._forget(origin.plugin)
+                    self._fail(origin, exc)
+                    return
+
+    def remove_plugin(self, name: str) -> None:
+        """Unregister a plugin added with :meth:`add_plugin` and drop its registrations."""
+        self._forget(name)
+
+    def _forget(self, plugin: str) -> None:
+        self._origins.pop(plugin, None)
+        if self._manager.get_plugin(plugin) is not None:
+            self._manager.unregister(name=plugin)
+        for key, registration in list(self._registrations.items()):
+            if registration.origin.plugin == plugin:
+                del self._registrations[key]
+
+    def _register_callback(self, kind: Kind, origin: Origin) -> hookspecs.RegisterCallback:
+        def register(name: str, target: str | type, *, description: str = "") -> None:
+            self._record(Registration(kind, name, target, origin, description))
+
+        return register
+
+    def _record(self, registration: Registration) -> None:
+        kind, name, origin = registration.kind, registration.name, registration.origin
+        if not isinstance(name, str) or not _NAME_PATTERN.match(name):
+            raise PluginError(
+                f"{origin} registered an invalid {kind.name} name {name!r} "
+                "(use lowercase letters, digits, '_' and '-')"
+            )
+        if not isinstance(registration.target, (str, type)) or (
+            isinstance(registration.target, str) and ":" not in registration.target
+        ):
+            raise PluginError(
+                f"{origin} registered {kind.name}:{name} with target {registration.target!r}; "
+                "expected a class or a 'module:Class' string"
+            )
+        if not self._admits_implementation(origin, f"{kind.name}:{name}"):
+            return
+        key = (kind.name, name)
+        if key in self._conflicted:
+            return
+        existing = self._registrations.get(key)
+        if existing is not None:
+            conflict = Conflict(kind, name, existing.origin, origin)
+            if self.strict:
+                raise PluginConflictError(str(conflict))
+            del self._registrations[key]
+            self._conflicted[key] = conflict
+            self.conflicts.append(conflict)
+            return
+        self._registrations[key] = registration
+
+    def _admits_plugin(self, origin: Origin) -> bool:
+        if origin.plugin in self.deny or origin.distribution in self.deny:
+            return False
+        if not self.allow:
+            return True
+        # An allow list naming single implementations admits every module; the filter runs per implementation.
+        return origin.plugin in self.allow or origin.distribution in self.allow or any(":" in a for a in self.allow)
+
+    def _admits_implementation(self, origin: Origin, reference: str) -> bool:
+        if reference in self.deny:
+            return False
+        if not self.allow:
+            return True
+        return origin.plugin in self.allow or origin.distribution in self.allow or reference in self.allow
+
+    def _fail(self, origin: Origin, exc: BaseException) -> None:
+        error, summary = _summarise(exc)
+        failure = LoadFailure(origin, error, summary)
+        if self.strict:
+            raise PluginLoadError(f"{failure}\n{summary}") from exc
+        self.failures.append(failure)
+
+    # -- lookup ----------------------------------------------------------------------------
+
+    def registrations(self, kind: str | None = None) -> list[Registration]:
+        """Registrations of one kind (or all), sorted by kind then name."""
+        found = [r for r in self._registrations.values() if kind is None or r.kind.name == kind]
+        return sorted(found, key=lambda r: (list(KINDS).index(r.kind.name), r.name))
+
+    def names(self, kind: str) -> list[str]:
+        """Registered names of ``kind``, sorted."""
+        kind_of(kind)
+        return [r.name for r in self.registrations(kind)]
+
+    def get(self, kind: str, name: str) -> Registration:
+        """The registration of ``kind:name``; unknown or conflicting names raise with the choices."""
+        kind_obj = kind_of(kind)
+        conflict = self._conflicted.get((kind, name))
+        if conflict is not None:
+            raise PluginConflictError(str(conflict))
+        try:
+            return self._registrations[(kind, name)]
+        except KeyError:
+            available = ", ".join(self.names(kind)) or "none"
+            raise UnknownPluginError(
+                f"no {kind_obj.label[:-1]} named {name!r} is installed; available: {available}"
+            ) from None
+
+    def resolve(self, kind: str, name: str) -> type[Plugin]:
+        """Import and return the implementation class of ``kind:name``."""
+        return self.get(kind, name).resolve()
+
+
+_default: Registry | None = None
+
+
+def default_registry(*, strict: bool | None = None, allow: Iterable[str] | None = None,
+                     deny: Iterable[str] | None = None) -> Registry:
+    """The process-wide registry, loaded once from entry points with the environment's plugin policy.
+
+    Arguments left ``None`` come from ``PATCHBAY_PLUGINS__STRICT``,
+    ``PATCHBAY_PLUGINS__ALLOW`` and ``PATCHBAY_PLUGINS__DENY``.  Passing any
+    argument loads a fresh registry with that policy (not cached).
+    """
+    global _default
+    from patchbay.settings import load_settings
+
+    if strict is None and allow is None and deny is None:
+        if _default is None:
+            policy = load_settings().plugins
+            _default = Registry.from_entry_points(strict=policy.strict, allow=policy.allow, deny=policy.deny)
+        return _default
+    policy = load_settings().plugins
+    return Registry.from_entry_points(
+        strict=policy.strict if strict is None else strict,
+        allow=policy.allow if allow is None else allow,
+        deny=policy.deny if deny is None else deny,
+    )

@@ -1,0 +1,89 @@
+"""The messages between the scheduler and the model runner, one pair per step.
+
+The scheduler decides; the runner executes.  Each step the scheduler emits a
+:class:`SchedulerOutput` describing only what *changed* since the previous
+step, the runner applies it to its persistent batch, runs the model and
+answers with a :class:`ModelRunnerOutput`, from which the scheduler advances
+its requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+BlockIds = tuple[list[int], ...]
+"""Block ids of one request, one list per KV-cache group."""
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (its state was dropped).
+
+    The runner must run ``all_token_ids[num_computed_tokens:]`` over the
+    coming steps; the first ``num_computed_tokens`` are already in the KV
+    cache (prefix-cache hit, or loaded by a KV connector).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens generated before a preemption; empty for a fresh request."""
+    sampling_params: Any
+    block_ids: BlockIds
+    num_computed_tokens: int
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass
+class CachedRequestData:
+    """Requests already in the runner's batch that run again this step (parallel lists)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[BlockIds | None] = field(default_factory=list)
+    """Blocks appended to each request's block table this step (``None``: none)."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+    """Tokens in the cache before this step, as the scheduler counts them (drafts rejected last step excluded)."""
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's schedule."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """Tokens each scheduled request runs this step (draft tokens included)."""
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens verified this step, by request; they are the last tokens scheduled for it."""
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests finished or aborted since the previous step: the runner drops their state."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+    """Requests preempted this step: the runner drops their state; they come back as new."""
+    kv_connector_metadata: Any = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The runner's answer to one :class:`SchedulerOutput`."""
+
+    req_ids: list[str]
+    """Requests of the batch in row order."""
+    sampled_token_ids: list[list[int]]
+    """New tokens of each request (empty for a partial prefill; several with accepted drafts)."""
+    logprobs: list[Any] | None = None
+    prompt_logprobs: dict[str, Any] = field(default_factory=dict)
+    draft_token_ids: list[list[int]] | None = None
+    """Drafts proposed for the next step, by row."""
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    """Blocks a KV connector failed to load; the scheduler recomputes them."""

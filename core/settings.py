@@ -1,0 +1,397 @@
+"""Settings of a whole run: pydantic models, loaded from YAML, overridden from env and CLI.
+
+Precedence, lowest first: defaults, the YAML file, environment variables
+(``PATCHBAY_`` prefix, ``__`` between nested keys, e.g.
+``PATCHBAY_SCHEDULER__MAX_NUM_SEQS=8``), then ``--set key.path=value``
+overrides on the command line.  Unknown keys are errors everywhere.  Every
+problem is reported with where the offending value came from (file, env var
+or CLI flag), its key path and, for plugin sections, the plugin.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from patchbay.registry import Registry
+
+ENV_PREFIX = "PATCHBAY_"
+ENV_NESTED_DELIMITER = "__"
+DEFAULT_MODEL = "default"
+"""The model path that means the bundled SmolLM2-135M-Instruct."""
+
+
+class Section(BaseModel):
+    """Base of every settings section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelSettings(Section):
+    path: str = DEFAULT_MODEL
+    """A local Hugging Face model directory, or ``default`` for the bundled SmolLM2-135M-Instruct."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """``auto``: float32 on CPUs (no fast bf16 here), bfloat16 on GPUs."""
+    max_model_len: PositiveInt | None = None
+    """Longest prompt + output in tokens; default: the model's own limit."""
+
+
+class RuntimeSettings(Section):
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:1``, ..."""
+    threads: PositiveInt | None = None
+    """CPU threads for torch; default: all cores."""
+    seed: int = 0
+
+
+class CacheSettings(Section):
+    block_size: PositiveInt = 16
+    num_blocks: PositiveInt | None = None
+    """Size the KV pool by block count ..."""
+    memory: ByteSize | None = None
+    """... or by a memory budget (``512MiB``, ``2GB``); neither: a default budget."""
+    prefix_caching: bool = True
+
+    @model_validator(mode="after")
+    def _one_sizing(self) -> CacheSettings:
+        if self.num_blocks is not None and self.memory is not None:
+            raise ValueError("give either num_blocks or memory, not both")
+        return self
+
+
+class SchedulerSettings(Section):
+    max_num_seqs: PositiveInt = 64
+    """Most requests running at once."""
+    max_num_batched_tokens: PositiveInt = 2048
+    """Token budget of one step (prefill chunks plus decodes)."""
+    chunked_prefill: bool = True
+    """Split long prompts across steps; when off, a prompt must fit the token budget whole."""
+
+
+class AttentionSettings(Section):
+    backend: str = "auto"
+    """A registered attention backend, or ``auto`` to pick by capabilities."""
+    metadata_builder: str | None = None
+    """Override the backend's own metadata builder (rarely needed)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplerSettings(Section):
+    name: str = "greedy"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class SpeculativeSettings(Section):
+    method: str
+    """A registered drafter (``ngram``, ``eagle``, ``medusa``, ...)."""
+    num_speculative_tokens: PositiveInt = 3
+    rejection_sampler: str = "rejection"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class KVConnectorSettings(Section):
+    name: str
+    role: Literal["both", "producer", "consumer"] = "both"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+def _split_names(value: Any) -> Any:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class PluginPolicy(Section):
+    strict: bool = False
+    """Any plugin that fails to load is an error instead of a report."""
+    allow: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """If non-empty, only these plugins (entry-point or distribution names, or ``KIND:NAME``) load."""
+    deny: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """These plugins never load (a comma-separated string is accepted, handy in env vars)."""
+
+    _split = field_validator("allow", "deny", mode="before")(_split_names)
+
+
+class InputSettings(Section):
+    prompts: list[str | dict[str, Any]] = Field(default_factory=list)
+    """Inline prompts: strings, or objects with ``prompt`` / ``messages`` and per-request sampling parameters."""
+    file: Path | None = None
+    """A JSONL file of requests, one object per line, same shape as inline objects."""
+    chat_template: bool = True
+    """Wrap plain string prompts in the tokenizer's chat template when it has one."""
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    """Default sampling parameters for every request (``max_tokens``, ``stop``, ...)."""
+
+
+class OutputSettings(Section):
+    path: Path | None = None
+    """Where ``patchbay run`` writes JSONL results; default: not written."""
+    progress: bool = True
+
+
+class Settings(BaseSettings):
+    """Every setting of a run.  See docs/configuration.md for the YAML form."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTED_DELIMITER, extra="forbid", validate_default=True
+    )
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    attention: AttentionSettings = Field(default_factory=AttentionSettings)
+    sampler: SamplerSettings = Field(default_factory=SamplerSettings)
+    speculative: SpeculativeSettings | None = None
+    kv_connector: KVConnectorSettings | None = None
+    plugins: PluginPolicy = Field(default_factory=PluginPolicy)
+    inputs: InputSettings = Field(default_factory=InputSettings)
+    outputs: OutputSettings = Field(default_factory=OutputSettings)
+
+    def plugin_choices(self) -> list[PluginChoice]:
+        """Every plugin this run names, with its options and the key path of its YAML section."""
+        choices = []
+        if self.attention.backend != "auto":
+            choices.append(PluginChoice("attention", self.attention.backend, self.attention.options,
+                                        ("attention", "backend"), ("attention", "options")))
+        elif self.attention.options:
+            choices.append(PluginChoice("attention", "auto", self.attention.options,
+                                        ("attention", "backend"), ("attention", "options")))
+        if self.attention.metadata_builder is not None:
+            choices.append(PluginChoice("attention_metadata_builder", self.attention.metadata_builder, {},
+                                        ("attention", "metadata_builder"), None))
+        choices.append(PluginChoice("sampler", self.sampler.name, self.sampler.options,
+                                    ("sampler", "name"), ("sampler", "options")))
+        if self.speculative is not None:
+            choices.append(PluginChoice("drafter", self.speculative.method, self.speculative.options,
+                                        ("speculative", "method"), ("speculative", "options")))
+            choices.append(PluginChoice("sampler", self.speculative.rejection_sampler, {},
+                                        ("speculative", "rejection_sampler"), None))
+        if self.kv_connector is not None:
+            choices.append(PluginChoice("kv_connector", self.kv_connector.name, self.kv_connector.options,
+                                        ("kv_connector", "name"), ("kv_connector", "options")))
+        return choices
+
+
+@dataclass(frozen=True)
+class PluginChoice:
+    """A plugin named in settings: kind, name, raw options and where they sit."""
+
+    kind: str
+    name: str
+    options: Mapping[str, Any]
+    name_path: tuple[str, ...]
+    options_path: tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One thing wrong with a configuration, with where it came from."""
+
+    source: str
+    """The YAML file, ``env PATCHBAY_...`` or ``--set key=value``."""
+    path: str
+    """Dotted key path, e.g. ``sampler.options.temperature``."""
+    message: str
+    plugin: str | None = None
+    """``KIND:NAME`` of the plugin whose section is at fault."""
+
+    def __str__(self) -> str:
+        plugin = f" (plugin {self.plugin})" if self.plugin else ""
+        return f"{self.source}: {self.path}{plugin}: {self.message}"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; ``problems`` lists every problem found."""
+
+    def __init__(self, problems: list[ConfigProblem]) -> None:
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  {problem}" for problem in problems))
+
+
+class _Sources:
+    """Remembers which source set each key path, to name it in errors."""
+
+    def __init__(self, default: str) -> None:
+        self.default = default
+        self._by_path: dict[tuple[str, ...], str] = {}
+
+    def mark(self, data: Mapping[str, Any], label: str | Callable[[tuple[str, ...]], str],
+             prefix: tuple[str, ...] = ()) -> None:
+        for key, value in data.items():
+            path = (*prefix, str(key))
+            self._by_path[path] = label if isinstance(label, str) else label(path)
+            if isinstance(value, Mapping):
+                self.mark(value, label, path)
+
+    def of(self, path: tuple[str, ...]) -> str:
+        for end in range(len(path), 0, -1):
+            label = self._by_path.get(path[:end])
+            if label is not None:
+                return label
+        return self.default
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _nest(path: Iterable[str], value: Any) -> dict[str, Any]:
+    keys = list(path)
+    nested: Any = value
+    for key in reversed(keys):
+        nested = {key: nested}
+    return nested
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a settings YAML file; an unreadable file or a non-mapping top level is a :class:`ConfigError`."""
+    source = str(path)
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError([ConfigProblem(source, "<file>", f"cannot read: {exc.strerror or exc}")]) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError([ConfigProblem(source, "<file>", f"not valid YAML: {exc}")]) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([ConfigProblem(source, "<file>", f"expected a mapping at top level, got {type(data).__name__}")])
+    return data
+
+
+def env_overrides() -> list[tuple[str, dict[str, Any]]]:
+    """Settings from ``PATCHBAY_*`` environment variables, parsed by pydantic-settings.
+
+    Nested keys are joined by ``__`` (``PATCHBAY_CACHE__NUM_BLOCKS=64``);
+    list and mapping values are JSON, except the plugin allow/deny lists,
+    which also take comma-separated names.
+    """
+    data = EnvSettingsSource(Settings)()
+    return [(_env_label, data)] if data else []
+
+
+def _env_label(path: tuple[str, ...]) -> str:
+    return "env " + ENV_PREFIX + ENV_NESTED_DELIMITER.join(path).upper()
+
+
+def cli_overrides(assignments: Iterable[str]) -> list[tuple[str, dict[str, Any]]]:
+    """``key.path=value`` strings (``--set``) as ``(label, nested dict)`` pairs."""
+    found = []
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        label = f"--set {assignment}"
+        if not sep or not key.strip():
+            raise ConfigError([ConfigProblem(label, key or "<empty>", "expected KEY.PATH=VALUE")])
+        found.append((label, _nest(key.strip().split("."), _parse_scalar(raw))))
+    return found
+
+
+def _parse_scalar(raw: str) -> Any:
+    # YAML scalars, so that --set scheduler.max_num_seqs=8 gives an int and --set a.b=[1,2] a list.
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def load_settings(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    overrides: Iterable[str] = (),
+    registry: Registry | None = None,
+) -> Settings:
+    """Load settings from ``path`` (optional), the environment and ``--set`` overrides.
+
+    When ``registry`` is given, every plugin the settings name is looked up
+    and its options are validated against the plugin's ``Options`` model.
+    Raises :class:`ConfigError` listing every problem found.
+    """
+    label = str(path) if path is not None else "<defaults>"
+    sources = _Sources(label)
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = read_yaml(path)
+        sources.mark(data, label)
+    for override_label, override in [*env_overrides(), *cli_overrides(overrides)]:
+        sources.mark(override, override_label)
+        data = _deep_merge(data, override)
+    try:
+        settings = Settings.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError([_problem_from_error(error, sources) for error in exc.errors()]) from None
+    if registry is not None:
+        problems = validate_plugin_choices(settings, registry, sources)
+        if problems:
+            raise ConfigError(problems)
+    return settings
+
+
+def _problem_from_error(error: Mapping[str, Any], sources: _Sources, prefix: tuple[str, ...] = (),
+                        plugin: str | None = None) -> ConfigProblem:
+    loc = (*prefix, *(str(part) for part in error["loc"]))
+    message = error["msg"]
+    if error["type"] == "extra_forbidden":
+        message = "unknown key"
+    elif error["type"] == "missing":
+        message = "required key is missing"
+    elif "input" in error and not isinstance(error["input"], (dict, list)):
+        message = f"{message} (got {error['input']!r})"
+    return ConfigProblem(sources.of(loc), ".".join(loc) or "<root>", message, plugin)
+
+
+def validate_plugin_choices(settings: Settings, registry: Registry, sources: _Sources | None = None) -> list[ConfigProblem]:
+    """Check that every plugin named in ``settings`` exists and that its options are valid."""
+    from patchbay.registry import PluginError
+
+    sources = sources or _Sources("<settings>")
+    problems: list[ConfigProblem] = []
+    for choice in settings.plugin_choices():
+        reference = f"{choice.kind}:{choice.name}"
+        if choice.name == "auto":
+            problems.append(ConfigProblem(sources.of(choice.options_path or choice.name_path),
+                                          ".".join(choice.options_path or choice.name_path),
+                                          "options need a named backend; 'auto' picks one at run time"))
+            continue
+        try:
+            implementation = registry.resolve(choice.kind, choice.name)
+        except PluginError as exc:
+            problems.append(ConfigProblem(sources.of(choice.name_path), ".".join(choice.name_path), str(exc)))
+            continue
+        if choice.options_path is None:
+            continue
+        try:
+            implementation.Options.model_validate(dict(choice.options))
+        except ValidationError as exc:
+            problems.extend(_problem_from_error(error, sources, choice.options_path, reference) for error in exc.errors())
+    return problems
+
+
+def plugin_options(implementation: type, options: Mapping[str, Any], *, where: str) -> BaseModel:
+    """Validate ``options`` against ``implementation.Options``; errors name ``where`` (a key path)."""
+    try:
+        return implementation.Options.model_validate(dict(options))
+    except ValidationError as exc:
+        sources = _Sources("<settings>")
+        raise ConfigError(
+            [_problem_from_error(error, sources, tuple(where.split("."))) for error in exc.errors()]
+        ) from None
+
+
+def dump_settings(settings: Settings) -> str:
+    """The effective settings as YAML (what ``patchbay config show`` prints)."""
+    return yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,45 @@
+"""The conformance kit: one suite per plugin kind, for any implementation.
+
+Plugin authors subclass the suite of their kind in their own tests (see
+docs/plugin-guide.md); ``patchbay check KIND:NAME`` runs the same suite
+against any installed plugin with no code from its author.
+"""
+
+from __future__ import annotations
+
+from patchbay.registry import kind_of
+from patchbay.testing.kinds import (
+    AttentionBackendBaseSuite,
+    DrafterBaseSuite,
+    KVConnectorBaseSuite,
+    MetadataBuilderBaseSuite,
+    SamplerBaseSuite,
+)
+from patchbay.testing.suite import PluginSuite
+
+# The full suite of each kind; kinds whose numeric suite exists replace their entry with it.
+AttentionBackendSuite = AttentionBackendBaseSuite
+MetadataBuilderSuite = MetadataBuilderBaseSuite
+SamplerSuite = SamplerBaseSuite
+DrafterSuite = DrafterBaseSuite
+KVConnectorSuite = KVConnectorBaseSuite
+
+SUITES: dict[str, type[PluginSuite]] = {
+    "attention": AttentionBackendSuite,
+    "attention_metadata_builder": MetadataBuilderSuite,
+    "sampler": SamplerSuite,
+    "drafter": DrafterSuite,
+    "kv_connector": KVConnectorSuite,
+}
+
+
+def suite_for(kind: str, name: str) -> type[PluginSuite]:
+    """A ready-to-collect suite class testing the installed plugin ``kind:name``."""
+    base = SUITES[kind_of(kind).name]
+    return type(f"Test_{kind}_{name}".replace("-", "_"), (base,), {"plugin_name": name, "__test__": True})
+
+
+__all__ = [
+    "SUITES", "AttentionBackendSuite", "DrafterSuite", "KVConnectorSuite", "MetadataBuilderSuite", "PluginSuite",
+    "SamplerSuite", "suite_for",
+]

@@ -1,0 +1,102 @@
+"""The registration-level conformance suites of the five kinds.
+
+Each kind's numeric checks (dense-attention oracle, sampling statistics, ...)
+extend these suites in their own modules.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from patchbay.interfaces import (
+    AttentionCapabilities,
+    AttentionConfig,
+    Capabilities,
+    DrafterCapabilities,
+    DrafterConfig,
+    KVConnectorCapabilities,
+    KVConnectorConfig,
+    SamplerCapabilities,
+    SamplerConfig,
+    ServingConfig,
+)
+from patchbay.testing.suite import PluginSuite, _replace
+
+
+class AttentionBackendBaseSuite(PluginSuite):
+    kind: ClassVar[str] = "attention"
+    capabilities_class: ClassVar[type[Capabilities]] = AttentionCapabilities
+
+    def supported_config(self, capabilities: AttentionCapabilities) -> AttentionConfig:
+        head_size = capabilities.head_sizes[0] if capabilities.head_sizes else 64
+        block_size = capabilities.block_sizes[0] if capabilities.block_sizes else 16 * capabilities.block_size_multiple
+        return AttentionConfig(device=capabilities.devices[0], dtype=capabilities.dtypes[0], head_size=head_size,
+                               num_heads=8, num_kv_heads=8, block_size=block_size)
+
+    def unsupported_configs(self, capabilities: AttentionCapabilities) -> list[tuple[str, ServingConfig]]:
+        found = super().unsupported_configs(capabilities)
+        base = self.supported_config(capabilities)
+        if capabilities.head_sizes is not None:
+            found.append(("head size", _replace(base, head_size=max(capabilities.head_sizes) + 1)))
+        if not capabilities.supports_gqa:
+            found.append(("GQA", _replace(base, num_kv_heads=2)))
+        if not capabilities.supports_sliding_window:
+            found.append(("sliding window", _replace(base, sliding_window=128)))
+        if not capabilities.supports_logits_soft_cap:
+            found.append(("soft cap", _replace(base, logits_soft_cap=30.0)))
+        return found
+
+
+class MetadataBuilderBaseSuite(PluginSuite):
+    kind: ClassVar[str] = "attention_metadata_builder"
+
+
+class SamplerBaseSuite(PluginSuite):
+    kind: ClassVar[str] = "sampler"
+    capabilities_class: ClassVar[type[Capabilities]] = SamplerCapabilities
+
+    def supported_config(self, capabilities: SamplerCapabilities) -> SamplerConfig:
+        return SamplerConfig(device=capabilities.devices[0], dtype=capabilities.dtypes[0], role=capabilities.role)
+
+    def unsupported_configs(self, capabilities: SamplerCapabilities) -> list[tuple[str, ServingConfig]]:
+        found = super().unsupported_configs(capabilities)
+        base = self.supported_config(capabilities)
+        other_role = "verify" if capabilities.role == "sample" else "sample"
+        found.append(("role", _replace(base, role=other_role)))
+        if not capabilities.supports_random:
+            found.append(("random sampling", _replace(base, random_sampling=True)))
+        found.append(("unknown parameter", _replace(base, params_used=frozenset({"no_such_parameter"}))))
+        return found
+
+
+class DrafterBaseSuite(PluginSuite):
+    kind: ClassVar[str] = "drafter"
+    capabilities_class: ClassVar[type[Capabilities]] = DrafterCapabilities
+
+    def supported_config(self, capabilities: DrafterCapabilities) -> DrafterConfig:
+        return DrafterConfig(device=capabilities.devices[0], dtype=capabilities.dtypes[0], num_speculative_tokens=1)
+
+    def unsupported_configs(self, capabilities: DrafterCapabilities) -> list[tuple[str, ServingConfig]]:
+        found = super().unsupported_configs(capabilities)
+        base = self.supported_config(capabilities)
+        found.append(("zero draft tokens", _replace(base, num_speculative_tokens=0)))
+        if capabilities.max_num_speculative_tokens is not None:
+            found.append(("too many draft tokens",
+                          _replace(base, num_speculative_tokens=capabilities.max_num_speculative_tokens + 1)))
+        return found
+
+
+class KVConnectorBaseSuite(PluginSuite):
+    kind: ClassVar[str] = "kv_connector"
+    capabilities_class: ClassVar[type[Capabilities]] = KVConnectorCapabilities
+
+    def supported_config(self, capabilities: KVConnectorCapabilities) -> KVConnectorConfig:
+        return KVConnectorConfig(device=capabilities.devices[0], dtype=capabilities.dtypes[0], role=capabilities.roles[0])
+
+    def unsupported_configs(self, capabilities: KVConnectorCapabilities) -> list[tuple[str, ServingConfig]]:
+        found = super().unsupported_configs(capabilities)
+        base = self.supported_config(capabilities)
+        for role in ("both", "producer", "consumer"):
+            if role not in capabilities.roles:
+                found.append((f"role {role}", _replace(base, role=role)))
+        return found

@@ -1,0 +1,1 @@
+"""patchbay's built-in plugins, registered through the ``patchbay`` entry-point group like any other."""

@@ -1,0 +1,1 @@
+"""Built-in attention backends and their metadata builders."""

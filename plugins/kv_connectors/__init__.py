@@ -1,0 +1,1 @@
+"""Built-in kv connectors plugins (registered through the patchbay entry points)."""

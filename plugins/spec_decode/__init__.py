@@ -1,0 +1,1 @@
+"""Built-in spec decode plugins (registered through the patchbay entry points)."""
