@@ -1,0 +1,264 @@
+"""The engine: builds the model, KV cache, scheduler and runner from settings, and steps them.
+
+One step: the scheduler decides, the runner executes, the scheduler
+advances the requests, and the engine turns the news into
+:class:`RequestOutput` updates (detokenising only where stop strings need it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from patchbay.hf_model import HFCausalLM
+from patchbay.interfaces import AttentionConfig, AttentionMetadataBuilder, Sampler, SamplerConfig
+from patchbay.kv_cache_manager import KVCacheManager, num_blocks_for_memory
+from patchbay.kv_cache_spec import KVCacheGroup, group_layers
+from patchbay.model_loader import resolve_model_dir
+from patchbay.model_runner import ModelRunner
+from patchbay.outputs import RequestMetrics, RequestOutput, find_stop_string
+from patchbay.plugin_selection import create, require_serves, select_attention_backend
+from patchbay.registry import Registry, default_registry
+from patchbay.request import Request
+from patchbay.sampling_params import SamplingParams
+from patchbay.scheduler import Scheduler
+from patchbay.settings import ConfigError, ConfigProblem, Settings, plugin_options
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+"""KV pool budget when neither cache.num_blocks nor cache.memory is set."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError([ConfigProblem("<run>", "runtime.device", f"{name!r} requested but CUDA is not available")])
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """``auto`` is float32 on CPUs (bf16 matmuls are many times slower without native bf16) and bfloat16 on GPUs."""
+    if name != "auto":
+        return name
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life."""
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class Engine:
+    """Everything needed to serve requests, built from :class:`Settings`."""
+
+    def __init__(self, settings: Settings, *, registry: Registry | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.settings = settings
+        registry = registry or default_registry()
+        if settings.runtime.threads is not None:
+            torch.set_num_threads(settings.runtime.threads)
+        torch.manual_seed(settings.runtime.seed)
+        self.device = resolve_device(settings.runtime.device)
+        self.dtype = resolve_dtype(settings.model.dtype, self.device)
+        model_dir = resolve_model_dir(settings.model.path)
+        self.model_dir = model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = HFCausalLM.load(model_dir, dtype=self.dtype, device=self.device)
+        shape = self.model.shape
+        self.max_model_len = min(
+            settings.model.max_model_len or 1 << 62, shape.max_position_embeddings or 1 << 62
+        )
+        if self.max_model_len >= 1 << 62:
+            raise ConfigError([ConfigProblem("<run>", "model.max_model_len",
+                                             f"{shape.architecture} declares no length limit; set model.max_model_len")])
+
+        block_size = settings.cache.block_size
+        self.groups = group_layers(self.model.kv_cache_specs(block_size, self.dtype))
+        self.backend_name, backend_class = select_attention_backend(
+            registry, settings.attention.backend, [self._attention_config(g) for g in self.groups]
+        )
+        backend = backend_class(plugin_options(backend_class, settings.attention.options, where="attention.options"))
+        builder_name = settings.attention.metadata_builder or backend_class.metadata_builder
+        builders: list[AttentionMetadataBuilder] = [
+            create(registry, "attention_metadata_builder", builder_name, {}, "attention.metadata_builder",
+                   block_size=g.spec.block_size, sliding_window=g.spec.sliding_window, device=str(self.device))
+            for g in self.groups
+        ]
+        sampler_class = registry.resolve("sampler", settings.sampler.name)
+        require_serves(sampler_class, f"sampler:{settings.sampler.name}", "sampler.name",
+                       [SamplerConfig(device=self.device.type, dtype=self.dtype)])
+        self.sampler: Sampler = create(registry, "sampler", settings.sampler.name, settings.sampler.options,
+                                       "sampler.options")
+
+        num_blocks = self._num_blocks()
+        self.kv_cache_manager = KVCacheManager(self.groups, num_blocks, settings.cache.prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=settings.scheduler.max_num_seqs,
+            max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=block_size,
+            chunked_prefill=settings.scheduler.chunked_prefill,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            backend=backend,
+            builders=builders,
+            sampler=self.sampler,
+            groups=self.groups,
+            num_blocks=num_blocks,
+            max_num_reqs=settings.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
+            device=self.device,
+        )
+        self.num_blocks = num_blocks
+        self.stats = EngineStats()
+        self._outputs: dict[str, RequestOutput] = {}
+        self._ids = itertools.count()
+        eos = shape.eos_token_ids
+        self._eos_token_id = eos[0] if eos else None
+        self._extra_eos = list(eos[1:])
+        logger.info("model %s (%s, %s on %s), attention backend %s, %d KV blocks of %d tokens",
+                    shape.architecture, model_dir, self.dtype, self.device, self.backend_name, num_blocks, block_size)
+
+    def _attention_config(self, group: KVCacheGroup) -> AttentionConfig:
+        spec = group.spec
+        any_layer = next(s for s in self.model.layer_specs.values() if s.layer_name == group.layer_names[0])
+        return AttentionConfig(
+            device=self.device.type,
+            dtype=self.dtype,
+            head_size=spec.head_size,
+            num_heads=any_layer.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            block_size=spec.block_size,
+            sliding_window=spec.sliding_window,
+            logits_soft_cap=any_layer.logits_soft_cap,
+        )
+
+    def _num_blocks(self) -> int:
+        cache = self.settings.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        memory = int(cache.memory) if cache.memory is not None else DEFAULT_KV_CACHE_MEMORY
+        return num_blocks_for_memory(self.groups, memory)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id.  Invalid requests raise ``ValueError`` naming the request."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._outputs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_sampling(request_id, sampling_params)
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        vocab = self.model.shape.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r} has token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}")
+        if self._extra_eos and not sampling_params.ignore_eos:
+            sampling_params = sampling_params.model_copy(
+                update={"stop_token_ids": [*sampling_params.stop_token_ids, *self._extra_eos]}
+            )
+        request = Request(request_id, prompt_token_ids, sampling_params, eos_token_id=self._eos_token_id,
+                          block_size=self.settings.cache.block_size)
+        self.scheduler.add_request(request)
+        self._outputs[request_id] = RequestOutput(
+            request_id, prompt, list(prompt_token_ids), sampling_params, metrics=RequestMetrics(request.arrival_time)
+        )
+        self.stats.num_prompt_tokens += len(prompt_token_ids)
+        return request_id
+
+    def _check_sampling(self, request_id: str, params: SamplingParams) -> None:
+        config = SamplerConfig(device=self.device.type, dtype=self.dtype, params_used=params.params_used(),
+                               random_sampling=not params.greedy)
+        reasons = self.sampler.validate(config)
+        if reasons:
+            raise ValueError(f"request {request_id!r}: sampler {self.settings.sampler.name!r} cannot serve it: "
+                             + "; ".join(reasons))
+        if params.n != 1:
+            raise ValueError(f"request {request_id!r}: n={params.n} is not supported yet (use n=1)")
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests; their outputs finish with reason ``abort``."""
+        self.scheduler.abort_requests(request_ids)
+        for request_id in request_ids:
+            output = self._outputs.get(request_id)
+            if output is not None and not output.finished:
+                output.finish_reason = "abort"
+                output.metrics.finish_time = time.monotonic()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- stepping --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the requests that finished in it."""
+        scheduler_output = self.scheduler.schedule()
+        self.stats.num_preemptions += len(scheduler_output.preempted_req_ids)
+        runner_output = self.runner.execute_model(scheduler_output)
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.stats.num_steps += 1
+        now = time.monotonic()
+        logprobs_by_id = dict(zip(runner_output.req_ids, runner_output.logprobs or [], strict=False))
+        finished = []
+        stopped: list[tuple[str, str]] = []
+        for update in updates:
+            output = self._outputs[update.request_id]
+            if update.new_token_ids:
+                if output.metrics.first_token_time is None:
+                    output.metrics.first_token_time = now
+                    output.metrics.num_cached_tokens = max(update.num_cached_tokens, 0)
+                output.metrics.token_times.extend([now] * len(update.new_token_ids))
+                output.token_ids.extend(update.new_token_ids)
+                self.stats.num_generated_tokens += len(update.new_token_ids)
+                if output.sampling_params.logprobs is not None:
+                    output.logprobs = (output.logprobs or []) + [logprobs_by_id.get(update.request_id)]
+            if update.finish_reason is None and output.sampling_params.stop:
+                stop = self._stop_string(output, len(update.new_token_ids))
+                if stop is not None:
+                    stopped.append((update.request_id, stop))
+                    update.finish_reason, update.stop_reason = "stop", stop
+            if update.finish_reason is not None:
+                output.finish_reason = update.finish_reason
+                output.stop_reason = update.stop_reason
+                output.metrics.finish_time = now
+                if not output.text:
+                    output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+                finished.append(self._outputs.pop(update.request_id))
+        for request_id, stop in stopped:
+            self.scheduler.finish_requests([request_id], "stop", stop)
+        return finished
+
+    def _stop_string(self, output: RequestOutput, num_new_tokens: int) -> str | None:
+        text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        tail_text = self.tokenizer.decode(output.token_ids[-num_new_tokens:], skip_special_tokens=True)
+        found = find_stop_string(text, output.sampling_params.stop, len(tail_text) + 1)
+        if found is None:
+            return None
+        stop, index = found
+        output.text = text[:index]
+        return stop

@@ -1,0 +1,60 @@
+"""What the attention layers of one forward pass need, set by the runner around the pass.
+
+transformers calls patchbay's registered attention function once per layer
+with only the layer module and its tensors; the function finds the layer's
+backend implementation, KV-cache tensor and the step's attention metadata
+here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from patchbay.interfaces import AttentionImpl
+
+
+@dataclass
+class LayerBinding:
+    """One attention layer's implementation, cache tensor and KV-cache group."""
+
+    impl: AttentionImpl
+    kv_cache: torch.Tensor
+    group: int
+
+
+@dataclass
+class ForwardContext:
+    """Per-step state shared by every attention layer: bindings by layer index, metadata by group."""
+
+    layers: dict[int, LayerBinding]
+    group_metadata: list[Any]
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
+    """Make ``context`` current for the duration of one forward pass."""
+    global _current
+    previous, _current = _current, context
+    try:
+        yield context
+    finally:
+        _current = previous
+
+
+def current_forward_context() -> ForwardContext:
+    """The current context; calling attention outside a patchbay forward pass is an error."""
+    if _current is None:
+        raise RuntimeError(
+            "patchbay attention was called outside a patchbay forward pass; a model loaded with "
+            "attn_implementation='patchbay' only runs inside patchbay's model runner"
+        )
+    return _current

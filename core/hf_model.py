@@ -1,0 +1,185 @@
+"""Running Hugging Face decoder-only models through patchbay's attention backends.
+
+patchbay registers an attention function with transformers'
+``AttentionInterface``.  The model runs on one flattened sequence of this
+step's tokens (batch size 1, explicit ``position_ids``); every layer's
+attention call is routed to the selected backend, which reads and writes
+the paged KV cache.  transformers builds no attention mask for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from patchbay.forward_context import current_forward_context
+from patchbay.interfaces import AttentionLayerSpec
+from patchbay.kv_cache_spec import KVCacheSpec
+from patchbay.model_loader import ModelLoadError
+
+ATTN_IMPLEMENTATION = "patchbay"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def _patchbay_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    # transformers hands [1, heads, tokens, head_size]; backends take [tokens, heads, head_size].
+    context = current_forward_context()
+    binding = context.layers[module.layer_idx]
+    output = binding.impl.forward(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        binding.kv_cache,
+        context.group_metadata[binding.group],
+    )
+    return output.unsqueeze(0), None
+
+
+def register_attention_function() -> None:
+    """Make ``attn_implementation="patchbay"`` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _patchbay_attention)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the runner needs to know of a loaded model."""
+
+    architecture: str
+    num_layers: int
+    vocab_size: int
+    hidden_size: int
+    max_position_embeddings: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+class HFCausalLM:
+    """A transformers causal LM whose attention runs through patchbay."""
+
+    def __init__(self, model: nn.Module, layer_specs: dict[int, AttentionLayerSpec], shape: ModelShape) -> None:
+        self.model = model
+        self.layer_specs = layer_specs
+        self.shape = shape
+        self._decoder = model.base_model
+        self._lm_head = model.get_output_embeddings()
+        self._final_soft_cap = getattr(model.config, "final_logit_softcapping", None)
+
+    @classmethod
+    def load(cls, model_dir: Path, *, dtype: str, device: torch.device) -> HFCausalLM:
+        """Load ``model_dir`` with patchbay attention; unsupported architectures raise :class:`ModelLoadError`."""
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        register_attention_function()
+        config = AutoConfig.from_pretrained(model_dir)
+        architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        if getattr(config, "is_encoder_decoder", False):
+            raise ModelLoadError(f"{architecture}: encoder-decoder models are not supported; patchbay runs decoder-only LMs")
+        model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+        if model_class is None:
+            raise ModelLoadError(f"{architecture} ({config.model_type}) is not a causal language model transformers knows")
+        if not getattr(model_class, "_supports_attention_backend", False):
+            raise ModelLoadError(
+                f"{architecture} does not support transformers' AttentionInterface, so its attention "
+                "cannot be routed to patchbay's paged KV cache"
+            )
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch_dtype(dtype), attn_implementation=ATTN_IMPLEMENTATION
+        )
+        model.to(device).eval()
+        layer_specs = _attention_layers(model, architecture)
+        eos = _eos_token_ids(model_dir, config, GenerationConfig)
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        shape = ModelShape(
+            architecture=architecture,
+            num_layers=len(layer_specs),
+            vocab_size=text_config.vocab_size,
+            hidden_size=text_config.hidden_size,
+            max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
+            eos_token_ids=eos,
+        )
+        return cls(model, layer_specs, shape)
+
+    def kv_cache_specs(self, block_size: int, dtype: str) -> dict[str, KVCacheSpec]:
+        """Each attention layer's KV-cache spec, by layer name (in layer order)."""
+        return {
+            spec.layer_name: KVCacheSpec(block_size, spec.num_kv_heads, spec.head_size, dtype, spec.sliding_window)
+            for _, spec in sorted(self.layer_specs.items())
+        }
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``[num_tokens, hidden]`` of one flattened step (inside a forward context)."""
+        output = self._decoder(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
+        return output.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[rows, vocab]`` of the given hidden states."""
+        logits = self._lm_head(hidden_states).float()
+        if self._final_soft_cap:
+            logits = torch.tanh(logits / self._final_soft_cap) * self._final_soft_cap
+        return logits
+
+
+def _attention_layers(model: nn.Module, architecture: str) -> dict[int, AttentionLayerSpec]:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    layer_types = getattr(config, "layer_types", None)
+    soft_cap = getattr(config, "attn_logit_softcapping", None)
+    specs: dict[int, AttentionLayerSpec] = {}
+    for name, module in model.named_modules():
+        layer_idx = getattr(module, "layer_idx", None)
+        if layer_idx is None or not hasattr(module, "scaling") or layer_idx in specs:
+            continue
+        window = getattr(module, "sliding_window", None)
+        if window is None and not hasattr(module, "sliding_window"):
+            if layer_types is not None:
+                window = config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
+            elif getattr(config, "use_sliding_window", True):
+                window = getattr(config, "sliding_window", None)
+        specs[layer_idx] = AttentionLayerSpec(
+            layer_name=name,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            scale=float(module.scaling),
+            sliding_window=window,
+            logits_soft_cap=soft_cap,
+        )
+    if len(specs) != config.num_hidden_layers:
+        raise ModelLoadError(
+            f"{architecture}: found {len(specs)} attention layers with a layer_idx, expected "
+            f"{config.num_hidden_layers}; its attention modules do not follow transformers' conventions"
+        )
+    return specs
+
+
+def _eos_token_ids(model_dir: Path, config: Any, generation_config_class: Any) -> tuple[int, ...]:
+    try:
+        eos = generation_config_class.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)

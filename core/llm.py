@@ -1,0 +1,102 @@
+"""The offline API: ``patchbay.LLM(settings).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from patchbay.engine import Engine
+from patchbay.outputs import RequestOutput
+from patchbay.registry import Registry
+from patchbay.sampling_params import SamplingParams
+from patchbay.settings import Settings, load_settings
+
+Prompt = str | list[int] | dict[str, Any]
+"""A text prompt, prompt token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` / ``{"messages": [...]}``."""
+
+
+class LLM:
+    """Generate text with a model on patchbay's engine.
+
+    ``settings`` is a :class:`Settings`, a path to a YAML file, or ``None``
+    for the defaults (the bundled SmolLM2-135M-Instruct); keyword overrides
+    use dotted keys with ``__`` for dots, e.g. ``LLM(scheduler__max_num_seqs=8)``.
+    """
+
+    def __init__(self, settings: Settings | str | os.PathLike[str] | None = None, *,
+                 registry: Registry | None = None, **overrides: Any) -> None:
+        assignments = [f"{key.replace('__', '.')}={_yaml_scalar(value)}" for key, value in overrides.items()]
+        if isinstance(settings, Settings):
+            if assignments:
+                raise TypeError("pass overrides either in the Settings object or as keywords, not both")
+            self.settings = settings
+        else:
+            self.settings = load_settings(settings, overrides=assignments, registry=registry)
+        self.engine = Engine(self.settings, registry=registry)
+        self.tokenizer = self.engine.tokenizer
+
+    def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """Prompt text (if any) and token ids; ``messages`` go through the chat template."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list):
+            return None, [int(token) for token in prompt]
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(token) for token in prompt["prompt_token_ids"]]
+        if "messages" in prompt:
+            text = self.tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
+            return text, self.tokenizer.encode(text, add_special_tokens=False)
+        if "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError(f"a prompt object needs 'prompt', 'prompt_token_ids' or 'messages'; got keys {sorted(prompt)}")
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        request_ids: Sequence[str] | None = None,
+        on_finished: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched continuously; outputs come back in prompt order.
+
+        ``sampling_params`` is one for all prompts or one per prompt (default:
+        greedy, 16 tokens).  ``on_finished`` is called as each request ends
+        (progress bars, streaming to a file).  ``request_ids`` names the
+        requests (default: the engine numbers them).
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling parameter sets")
+        order: dict[str, int] = {}
+        try:
+            for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                text, token_ids = self.encode(prompt)
+                request_id = self.engine.add_request(
+                    token_ids, params, prompt=text, request_id=None if request_ids is None else request_ids[index]
+                )
+                order[request_id] = index
+        except Exception:
+            self.engine.abort(list(order))
+            raise
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.request_id in order:
+                    results[order[output.request_id]] = output
+                    if on_finished is not None:
+                        on_finished(output)
+        return [result for result in results if result is not None]
+
+
+def _yaml_scalar(value: Any) -> str:
+    import json
+
+    return value if isinstance(value, str) else json.dumps(value)

@@ -1,0 +1,157 @@
+"""``patchbay run CONFIG``: read requests, generate, write JSONL results, print a summary."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from pydantic import ValidationError
+
+from patchbay.outputs import RequestOutput
+from patchbay.sampling_params import SamplingParams
+from patchbay.settings import ConfigError, ConfigProblem, Settings
+
+_REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids"}
+
+
+def read_requests(settings: Settings, config_path: str | None) -> list[tuple[str, Any, SamplingParams]]:
+    """The run's requests as ``(id, prompt, sampling params)``; errors name the file, line or index at fault."""
+    config_label = config_path or "<settings>"
+    items: list[tuple[str, str, Any]] = []  # (where, default id, raw item)
+    for index, item in enumerate(settings.inputs.prompts):
+        items.append((f"{config_label}: inputs.prompts.{index}", str(index), item))
+    if settings.inputs.file is not None:
+        path = settings.inputs.file
+        if not path.is_absolute() and config_path is not None:
+            path = Path(config_path).parent / path
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError([ConfigProblem(config_label, "inputs.file", f"cannot read {path}: {exc.strerror}")]) from exc
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError([ConfigProblem(f"{path}:{number}", "<line>", f"not valid JSON: {exc.msg}")]) from exc
+            items.append((f"{path}:{number}", f"{path.stem}-{number}", item))
+    if not items:
+        raise ConfigError([ConfigProblem(config_label, "inputs", "no requests: set inputs.prompts or inputs.file")])
+    requests = []
+    seen: set[str] = set()
+    for where, default_id, item in items:
+        request_id, prompt, params = _parse_item(item, where, default_id, settings)
+        if request_id in seen:
+            raise ConfigError([ConfigProblem(where, "id", f"duplicate request id {request_id!r}")])
+        seen.add(request_id)
+        requests.append((request_id, prompt, params))
+    return requests
+
+
+def _parse_item(item: Any, where: str, default_id: str, settings: Settings) -> tuple[str, Any, SamplingParams]:
+    if isinstance(item, str):
+        prompt: Any = {"messages": [{"role": "user", "content": item}]} if settings.inputs.chat_template else item
+        overrides: dict[str, Any] = {}
+        request_id = default_id
+    elif isinstance(item, dict):
+        given = _REQUEST_KEYS & {"prompt", "messages", "prompt_token_ids"} & item.keys()
+        if len(given) != 1:
+            raise ConfigError([ConfigProblem(where, "<request>",
+                                             "needs exactly one of 'prompt', 'messages', 'prompt_token_ids'")])
+        (key,) = given
+        prompt = {key: item[key]}
+        overrides = {k: v for k, v in item.items() if k not in _REQUEST_KEYS}
+        request_id = str(item.get("id", default_id))
+    else:
+        raise ConfigError([ConfigProblem(where, "<request>", f"expected a string or an object, got {type(item).__name__}")])
+    try:
+        params = SamplingParams.model_validate({**settings.inputs.sampling, **overrides})
+    except ValidationError as exc:
+        problems = [ConfigProblem(where, ".".join(str(p) for p in error["loc"]) or "<sampling>",
+                                  "unknown key" if error["type"] == "extra_forbidden" else error["msg"])
+                    for error in exc.errors()]
+        raise ConfigError(problems) from None
+    return request_id, prompt, params
+
+
+def _percentiles(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"p50 {values[0] * 1e3:.1f} ms"
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return f"p50 {cuts[49] * 1e3:.1f} ms, p90 {cuts[89] * 1e3:.1f} ms, p99 {cuts[98] * 1e3:.1f} ms"
+
+
+def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
+    """The end-of-run summary ``patchbay run`` prints."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    generated = sum(len(o.token_ids) for o in outputs)
+    ttft = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
+    itl = [gap for o in outputs for gap in o.metrics.inter_token_latencies]
+    reasons: dict[str, int] = {}
+    for output in outputs:
+        reasons[str(output.finish_reason)] = reasons.get(str(output.finish_reason), 0) + 1
+    timings = engine.runner.timings
+    step_total = sum(timings.values()) or 1.0
+    breakdown = ", ".join(f"{phase} {100 * seconds / step_total:.0f}%" for phase, seconds in timings.items())
+    lines = [
+        f"requests:            {len(outputs)} ({', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))})",
+        f"prompt tokens:       {prompt_tokens} ({sum(o.metrics.num_cached_tokens for o in outputs)} from prefix cache)",
+        f"generated tokens:    {generated}",
+        f"wall time:           {elapsed:.2f} s",
+        f"throughput:          {generated / elapsed:.1f} generated tok/s, {(prompt_tokens + generated) / elapsed:.1f} total tok/s",
+        f"time to first token: {_percentiles(ttft)}",
+        f"inter-token latency: {_percentiles(itl)}",
+        f"engine:              {engine.stats.num_steps} steps, {engine.stats.num_preemptions} preemptions, "
+        f"attention {engine.backend_name}, {engine.dtype} on {engine.device}",
+        f"runner time:         {breakdown}",
+    ]
+    return "\n".join(lines)
+
+
+def run_from_settings(settings: Settings, *, config_path: str | None = None, stream: TextIO = sys.stdout) -> int:
+    """Run the job ``settings`` describe; the exit status of ``patchbay run``."""
+    from tqdm import tqdm
+
+    from patchbay.llm import LLM
+
+    requests = read_requests(settings, config_path)
+    llm = LLM(settings)
+    output_file = None
+    if settings.outputs.path is not None:
+        settings.outputs.path.parent.mkdir(parents=True, exist_ok=True)
+        output_file = settings.outputs.path.open("w")
+    progress = tqdm(total=len(requests), desc="requests", unit="req", disable=not settings.outputs.progress,
+                    file=sys.stderr)
+
+    def finished(output: RequestOutput) -> None:
+        progress.update(1)
+        if output_file is not None:
+            output_file.write(json.dumps(output.as_dict()) + "\n")
+            output_file.flush()
+
+    started = time.monotonic()
+    try:
+        prompts = [prompt for _, prompt, _ in requests]
+        params = [p for _, _, p in requests]
+        outputs = llm.generate(prompts, params, request_ids=[rid for rid, _, _ in requests], on_finished=finished)
+    finally:
+        progress.close()
+        if output_file is not None:
+            output_file.close()
+    elapsed = time.monotonic() - started
+    for output in outputs[:8]:
+        text = output.text.replace("\n", " ")
+        print(f"[{output.request_id}] {text[:200]}", file=stream)
+    if len(outputs) > 8:
+        print(f"... {len(outputs) - 8} more", file=stream)
+    print("\n" + summarise(outputs, elapsed, llm.engine), file=stream)
+    if output_file is not None:
+        print(f"results:             {settings.outputs.path}", file=stream)
+    return 0
