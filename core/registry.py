@@ -200,9 +200,8 @@ class Registry:
         self.allow = frozenset(allow)
         self.deny = frozenset(deny)
         self.failures: list[LoadFailure] = []
-        self.conflicts: list[Conflict] = []
-        self._registrations: dict[tuple[str, str], Registration] = {}
-        self._conflicted: dict[tuple[str, str], Conflict] = {}
+        self._claims: dict[tuple[str, str], list[Registration]] = {}
+        """Every registration of each (kind, name); a name with two or more claimants is a conflict."""
         self._manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._manager.add_hookspecs(hookspecs)
         self._origins: dict[str, Origin] = {}
@@ -224,7 +223,11 @@ class Registry:
             entry_points = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
         for entry_point in sorted(entry_points, key=lambda ep: ep.name):
             registry._load_entry_point(entry_point)
-        registry._manager.check_pending()
+        try:
+            registry._manager.check_pending()
+        except pluggy.PluginValidationError as exc:  # a backstop: add_plugin already reports unknown hooks
+            if strict:
+                raise PluginLoadError(str(exc)) from exc
         return registry
 
     def _load_entry_point(self, entry_point: importlib_metadata.EntryPoint) -> None:
@@ -235,6 +238,12 @@ class Registry:
             version=dist.version if dist is not None else "",
         )
         if not self._admits_plugin(origin):
+            return
+        if origin.plugin in self._origins:
+            self._fail(origin, PluginConflictError(
+                f"entry point name {origin.plugin!r} is also used by {self._origins[origin.plugin]}; "
+                "entry-point names in the 'patchbay' group must be unique"
+            ))
             return
         try:
             module = entry_point.load()
@@ -250,11 +259,16 @@ class Registry:
         add a plugin object for the duration of a test (see :meth:`remove_plugin`).
         """
         origin = Origin(name, distribution, version)
+        if not self._admits_plugin(origin):
+            return
         if origin.plugin in self._origins:
             raise PluginConflictError(f"a plugin named {origin.plugin!r} is already loaded ({self._origins[origin.plugin]})")
         try:
             self._manager.register(plugin, name=origin.plugin)
+            self._reject_unknown_hooks(plugin)
         except Exception as exc:
+            if self._manager.get_plugin(origin.plugin) is not None:
+                self._manager.unregister(name=origin.plugin)
             self._fail(origin, exc)
             return
         self._origins[origin.plugin] = origin
@@ -269,6 +283,15 @@ class Registry:
                     self._fail(origin, exc)
                     return
 
+    def _reject_unknown_hooks(self, plugin: object) -> None:
+        # pluggy accepts implementations of hooks it has no spec for; a misspelled hook would silently do nothing.
+        for caller in self._manager.get_hookcallers(plugin) or []:
+            if caller.spec is None and any(not impl.optionalhook for impl in caller.get_hookimpls()):
+                raise pluggy.PluginValidationError(
+                    plugin, f"implements unknown hook {caller.name!r}; known hooks: "
+                    + ", ".join(kind.hook for kind in KINDS.values())
+                )
+
     def remove_plugin(self, name: str) -> None:
         """Unregister a plugin added with :meth:`add_plugin` and drop its registrations."""
         self._forget(name)
@@ -277,9 +300,10 @@ class Registry:
         self._origins.pop(plugin, None)
         if self._manager.get_plugin(plugin) is not None:
             self._manager.unregister(name=plugin)
-        for key, registration in list(self._registrations.items()):
-            if registration.origin.plugin == plugin:
-                del self._registrations[key]
+        for key, claims in list(self._claims.items()):
+            claims[:] = [claim for claim in claims if claim.origin.plugin != plugin]
+            if not claims:
+                del self._claims[key]
 
     def _register_callback(self, kind: Kind, origin: Origin) -> hookspecs.RegisterCallback:
         def register(name: str, target: str | type, *, description: str = "") -> None:
@@ -303,19 +327,10 @@ class Registry:
             )
         if not self._admits_implementation(origin, f"{kind.name}:{name}"):
             return
-        key = (kind.name, name)
-        if key in self._conflicted:
-            return
-        existing = self._registrations.get(key)
-        if existing is not None:
-            conflict = Conflict(kind, name, existing.origin, origin)
-            if self.strict:
-                raise PluginConflictError(str(conflict))
-            del self._registrations[key]
-            self._conflicted[key] = conflict
-            self.conflicts.append(conflict)
-            return
-        self._registrations[key] = registration
+        claims = self._claims.setdefault((kind.name, name), [])
+        if claims and self.strict:
+            raise PluginConflictError(str(Conflict(kind, name, claims[0].origin, origin)))
+        claims.append(registration)
 
     def _admits_plugin(self, origin: Origin) -> bool:
         if origin.plugin in self.deny or origin.distribution in self.deny:
@@ -341,9 +356,16 @@ class Registry:
 
     # -- lookup ----------------------------------------------------------------------------
 
+    @property
+    def conflicts(self) -> list[Conflict]:
+        """Names claimed by more than one plugin (unusable until all but one are denied or removed)."""
+        return [Conflict(claims[0].kind, claims[0].name, claims[0].origin, claims[1].origin)
+                for claims in self._claims.values() if len(claims) > 1]
+
     def registrations(self, kind: str | None = None) -> list[Registration]:
-        """Registrations of one kind (or all), sorted by kind then name."""
-        found = [r for r in self._registrations.values() if kind is None or r.kind.name == kind]
+        """Usable registrations of one kind (or all), sorted by kind then name; conflicting names are left out."""
+        found = [claims[0] for claims in self._claims.values()
+                 if len(claims) == 1 and (kind is None or claims[0].kind.name == kind)]
         return sorted(found, key=lambda r: (list(KINDS).index(r.kind.name), r.name))
 
     def names(self, kind: str) -> list[str]:
@@ -354,16 +376,13 @@ class Registry:
     def get(self, kind: str, name: str) -> Registration:
         """The registration of ``kind:name``; unknown or conflicting names raise with the choices."""
         kind_obj = kind_of(kind)
-        conflict = self._conflicted.get((kind, name))
-        if conflict is not None:
-            raise PluginConflictError(str(conflict))
-        try:
-            return self._registrations[(kind, name)]
-        except KeyError:
+        claims = self._claims.get((kind, name), [])
+        if len(claims) > 1:
+            raise PluginConflictError(str(Conflict(kind_obj, name, claims[0].origin, claims[1].origin)))
+        if not claims:
             available = ", ".join(self.names(kind)) or "none"
-            raise UnknownPluginError(
-                f"no {kind_obj.label[:-1]} named {name!r} is installed; available: {available}"
-            ) from None
+            raise UnknownPluginError(f"no {kind_obj.label[:-1]} named {name!r} is installed; available: {available}")
+        return claims[0]
 
     def resolve(self, kind: str, name: str) -> type[Plugin]:
         """Import and return the implementation class of ``kind:name``."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
 
 if TYPE_CHECKING:
     from patchbay.registry import Registry
@@ -169,12 +169,12 @@ class Settings(BaseSettings):
             choices.append(PluginChoice("attention_metadata_builder", self.attention.metadata_builder, {},
                                         ("attention", "metadata_builder"), None))
         choices.append(PluginChoice("sampler", self.sampler.name, self.sampler.options,
-                                    ("sampler", "name"), ("sampler", "options")))
+                                    ("sampler", "name"), ("sampler", "options"), sampler_role="sample"))
         if self.speculative is not None:
             choices.append(PluginChoice("drafter", self.speculative.method, self.speculative.options,
                                         ("speculative", "method"), ("speculative", "options")))
             choices.append(PluginChoice("sampler", self.speculative.rejection_sampler, {},
-                                        ("speculative", "rejection_sampler"), None))
+                                        ("speculative", "rejection_sampler"), None, sampler_role="verify"))
         if self.kv_connector is not None:
             choices.append(PluginChoice("kv_connector", self.kv_connector.name, self.kv_connector.options,
                                         ("kv_connector", "name"), ("kv_connector", "options")))
@@ -190,6 +190,8 @@ class PluginChoice:
     options: Mapping[str, Any]
     name_path: tuple[str, ...]
     options_path: tuple[str, ...] | None
+    sampler_role: str | None = None
+    """For samplers: ``sample`` (the main sampler) or ``verify`` (speculative decoding's rejection sampler)."""
 
 
 @dataclass(frozen=True)
@@ -281,7 +283,14 @@ def env_overrides() -> list[tuple[str, dict[str, Any]]]:
     list and mapping values are JSON, except the plugin allow/deny lists,
     which also take comma-separated names.
     """
-    data = EnvSettingsSource(Settings)()
+    try:
+        data = EnvSettingsSource(Settings)()
+    except SettingsError as exc:
+        # pydantic-settings names the field ("error parsing value for field "inputs" from source ...").
+        field = str(exc).split('"')[1] if '"' in str(exc) else ""
+        variables = sorted(v for v in os.environ if v.upper().startswith(f"{ENV_PREFIX}{field.upper()}"))
+        label = f"env {', '.join(variables)}" if variables else "environment"
+        raise ConfigError([ConfigProblem(label, field or "<env>", f"not valid JSON: {exc.__cause__ or exc}")]) from None
     return [(_env_label, data)] if data else []
 
 
@@ -372,6 +381,11 @@ def validate_plugin_choices(settings: Settings, registry: Registry, sources: _So
         except PluginError as exc:
             problems.append(ConfigProblem(sources.of(choice.name_path), ".".join(choice.name_path), str(exc)))
             continue
+        role = getattr(implementation.capabilities, "role", None)
+        if choice.sampler_role is not None and role != choice.sampler_role:
+            problems.append(ConfigProblem(sources.of(choice.name_path), ".".join(choice.name_path),
+                                          f"{reference} is a {role!r} sampler; this key needs a {choice.sampler_role!r} one",
+                                          reference))
         if choice.options_path is None:
             continue
         try:

@@ -1,0 +1,99 @@
+"""Shared fixtures of the patchbay test suite.
+
+Each group below is self-contained; add new groups rather than growing one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+# ------------------------------------------------------------------------------------------------
+# Third-party plugin packages and the `patchbay` command line
+#
+# tests/example_plugin, tests/broken_plugin and tests/duplicate_plugin are real distributions with
+# their own pyproject.toml.  `plugin_site` pip-installs them into a temporary directory (never into
+# the venv); a process started with PYTHONPATH=<site> sees their `patchbay` entry points exactly
+# as it would after `pip install patchbay-example-plugin`.
+# ------------------------------------------------------------------------------------------------
+
+PLUGIN_PACKAGES = (TESTS_DIR / "example_plugin", TESTS_DIR / "broken_plugin", TESTS_DIR / "duplicate_plugin")
+DENY_BROKEN_AND_DUPLICATE = "patchbay-broken-plugin,patchbay-duplicate-plugin"
+"""PATCHBAY_PLUGINS__DENY value that leaves the built-ins and the example plugin: a clean registry."""
+
+
+def pip_install_into(target: Path, packages: Iterable[Path]) -> None:
+    """``pip install --no-deps --no-build-isolation --target target packages...`` with this interpreter, offline."""
+    env = clean_env(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+               "--target", str(target), *(str(package) for package in packages)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+
+
+def clean_env(site: Path | None = None, **overrides: str) -> dict[str, str]:
+    """This process's environment without PATCHBAY_* settings and PYTHONPATH, plus ``overrides``.
+
+    With ``site``, PYTHONPATH points at it so its distributions' entry points are discovered.
+    """
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("PATCHBAY_") and key != "PYTHONPATH"}
+    if site is not None:
+        env["PYTHONPATH"] = str(site)
+    env.update(overrides)
+    return env
+
+
+def patchbay_command() -> list[str]:
+    """The installed ``patchbay`` console script next to this interpreter (or ``python -m patchbay.cli``)."""
+    script = Path(sys.executable).with_name("patchbay")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "patchbay.cli"]
+
+
+def run_patchbay(*args: str, site: Path | None, env: Mapping[str, str] | None = None, cwd: Path | None = None,
+                 timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``patchbay ARGS...`` in a subprocess that sees the distributions installed in ``site``."""
+    return subprocess.run([*patchbay_command(), *args], capture_output=True, text=True, timeout=timeout,
+                          env=clean_env(site, **dict(env or {})), cwd=cwd)
+
+
+@pytest.fixture(scope="session")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding installs of the example, broken and duplicate plugin distributions."""
+    sources = tmp_path_factory.mktemp("plugin-sources")
+    copies = []
+    for package in PLUGIN_PACKAGES:
+        # Build from a copy, so pip's in-tree build leaves no build/ or *.egg-info in tests/.
+        copy = sources / package.name
+        shutil.copytree(package, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        copies.append(copy)
+    site = tmp_path_factory.mktemp("plugin-site")
+    pip_install_into(site, copies)
+    return site
+
+
+@pytest.fixture(scope="session")
+def patchbay_cli(plugin_site: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``patchbay_cli("plugins", "--json", env={...})`` runs the CLI with the plugin packages installed."""
+
+    def run(*args: str, env: Mapping[str, str] | None = None, cwd: Path | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return run_patchbay(*args, site=plugin_site, env=env, cwd=cwd, timeout=timeout)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def example_only_env() -> dict[str, str]:
+    """Environment for a registry of the built-ins and the example plugin only (broken and duplicate denied)."""
+    return {"PATCHBAY_PLUGINS__DENY": DENY_BROKEN_AND_DUPLICATE}

@@ -1,0 +1,1 @@
+"""patchbay-duplicate-plugin: registers sampler ``example_argmax``, which patchbay-example-plugin also registers."""

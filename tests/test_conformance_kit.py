@@ -1,0 +1,369 @@
+"""The conformance kit, used as a third-party plugin author uses it, and shown to catch bad plugins.
+
+Two ways to point a suite at a plugin:
+
+* installed plugin: subclass the kind's suite and set ``plugin_name`` (the
+  "few lines" of a third party's test file).  Here those files run with
+  ``pytester`` in a subprocess that sees the plugin packages of ``plugin_site``.
+* plugin not installed: also override the ``patchbay_registry`` fixture with
+  a :class:`Registry` to which the plugin's hooks were added (the classes at
+  the end of this module run that way, in this process).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from patchbay.registry import Registry
+from patchbay.testing import DrafterSuite, KVConnectorSuite, MetadataBuilderSuite, SamplerSuite
+from patchbay.testing.suite import PluginSuite
+
+pytest_plugins = ["pytester"]
+
+EXAMPLE_SOURCE = Path(__file__).resolve().parent / "example_plugin"
+
+# The "few lines" a third party writes to test its installed plugin with the kit.
+THIRD_PARTY_TEST_FILE = """
+from patchbay.testing import DrafterSuite, KVConnectorSuite, MetadataBuilderSuite, SamplerSuite
+
+
+class TestExampleArgmax(SamplerSuite):
+    plugin_name = "example_argmax"
+
+
+class TestExampleRepeat(DrafterSuite):
+    plugin_name = "example_repeat"
+
+
+class TestExampleMemory(KVConnectorSuite):
+    plugin_name = "example_memory"
+
+
+class TestExamplePassthrough(MetadataBuilderSuite):
+    plugin_name = "example_passthrough"
+"""
+
+# A distribution of deliberately bad samplers, each wrong in exactly one way the kit checks.
+BAD_SAMPLERS = '''
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from patchbay.interfaces import Sampler, SamplerCapabilities, SamplerOutput
+
+
+class _Argmax(Sampler):
+    """Argmax, greedy only, no parameters."""
+
+    capabilities: ClassVar[SamplerCapabilities] = SamplerCapabilities(supported_params=frozenset(),
+                                                                      supports_random=False)
+
+    def sample(self, logits, metadata):
+        return SamplerOutput(sampled_token_ids=logits.argmax(-1, keepdim=True))
+
+
+class NoDefaultsSampler(_Argmax):
+    """Its options have a required key, so an empty YAML section is invalid."""
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        vocab_file: str
+
+
+class LenientOptionsSampler(_Argmax):
+    """Its options ignore unknown keys, so typos in YAML pass silently."""
+
+    class Options(BaseModel):
+        top_k: int = 0
+
+
+class ValidateIgnoresCapabilitiesSampler(_Argmax):
+    """Declares greedy-only but its validate accepts everything."""
+
+    @classmethod
+    def validate(cls, config):
+        return []
+
+
+class ValidateRejectsEverythingSampler(_Argmax):
+    """Declares CPU float32 support but its validate refuses every configuration."""
+
+    @classmethod
+    def validate(cls, config):
+        return ["not today"]
+
+
+class UndocumentedSampler(_Argmax):
+    pass
+
+
+class DeclaredGapSampler(NoDefaultsSampler):
+    """Like NoDefaultsSampler, but the plugin class declares the gap itself."""
+
+    known_gaps = {"test_options_have_defaults": "needs a vocab file; there is no sensible default"}
+'''
+
+BAD_EAGER_IMPL = '''
+from patchbay.interfaces import Sampler, SamplerCapabilities, SamplerOutput
+
+
+class EagerSampler(Sampler):
+    """A fine sampler whose plugin imports it while registering."""
+
+    capabilities = SamplerCapabilities(supported_params=frozenset(), supports_random=False)
+
+    def sample(self, logits, metadata):
+        return SamplerOutput(sampled_token_ids=logits.argmax(-1, keepdim=True))
+'''
+
+BAD_HOOKS = '''
+from patchbay import hookimpl
+
+import bad_eager_impl  # imports an implementation at registration: the kit must catch this
+
+
+@hookimpl
+def register_samplers(register):
+    register("bad_no_defaults", "bad_samplers:NoDefaultsSampler")
+    register("bad_lenient_options", "bad_samplers:LenientOptionsSampler")
+    register("bad_validate_ignores_capabilities", "bad_samplers:ValidateIgnoresCapabilitiesSampler")
+    register("bad_validate_rejects_everything", "bad_samplers:ValidateRejectsEverythingSampler")
+    register("bad_undocumented", "bad_samplers:UndocumentedSampler")
+    register("declared_gap", "bad_samplers:DeclaredGapSampler")
+    register("bad_eager", "bad_eager_impl:EagerSampler")
+'''
+
+OUTCOME_LINE = re.compile(r"^\S+::(\w+)::(\w+)(?:\[[^\]]*\])? (PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR)\b", re.MULTILINE)
+
+
+def outcomes(result: pytest.RunResult) -> dict[tuple[str, str], set[str]]:
+    """(class, test) -> outcomes, from a ``-v`` run (a parametrized test may have several)."""
+    found: dict[tuple[str, str], set[str]] = {}
+    for suite, test, outcome in OUTCOME_LINE.findall(result.stdout.str()):
+        found.setdefault((suite, test), set()).add(outcome)
+    return found
+
+
+def kit_tests(suite: type[PluginSuite]) -> set[str]:
+    return {name for name in dir(suite) if name.startswith("test_")}
+
+
+@pytest.fixture
+def third_party(pytester: pytest.Pytester, plugin_site: Path, example_only_env, monkeypatch) -> pytest.Pytester:
+    """A pytester whose subprocess runs see the example plugin and a ``bad-samplers`` 0.0.1 distribution."""
+    for key in [key for key in os.environ if key.startswith("PATCHBAY_")]:
+        monkeypatch.delenv(key)
+    for key, value in example_only_env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PYTHONPATH", str(plugin_site))  # pytester prepends its own directory
+    pytester.makepyfile(bad_samplers=BAD_SAMPLERS, bad_eager_impl=BAD_EAGER_IMPL, bad_hooks=BAD_HOOKS)
+    dist_info = pytester.mkdir("bad_samplers-0.0.1.dist-info")
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: bad-samplers\nVersion: 0.0.1\n")
+    (dist_info / "entry_points.txt").write_text("[patchbay]\nbad = bad_hooks\n")
+    return pytester
+
+
+def run_suites(pytester: pytest.Pytester, source: str) -> pytest.RunResult:
+    pytester.makepyfile(test_plugin_conformance=textwrap.dedent(source))
+    return pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider")
+
+
+# -- an installed third-party plugin ---------------------------------------------------------------
+
+
+def test_a_few_lines_run_the_whole_kit_against_an_installed_plugin(third_party):
+    result = run_suites(third_party, THIRD_PARTY_TEST_FILE)
+    found = outcomes(result)
+
+    for suite_name, suite in [("TestExampleArgmax", SamplerSuite), ("TestExampleRepeat", DrafterSuite),
+                              ("TestExampleMemory", KVConnectorSuite), ("TestExamplePassthrough", MetadataBuilderSuite)]:
+        ran = {test: found.get((suite_name, test)) for test in kit_tests(suite)}
+        assert None not in ran.values(), f"{suite_name}: kit tests that never ran: {ran}"
+        # Not vacuous: every check, registration hygiene included, passed rather than skipped.
+        assert all(result_set == {"PASSED"} for result_set in ran.values()), f"{suite_name}: {ran}"
+    assert result.ret == 0, result.stdout.str()[-3000:]
+
+
+# -- bad plugins fail the checks they break, and only those -----------------------------------------
+
+
+BAD_PLUGIN_TESTS = """
+from patchbay.testing import SamplerSuite
+
+
+class TestNoDefaults(SamplerSuite):
+    plugin_name = "bad_no_defaults"
+
+
+class TestLenientOptions(SamplerSuite):
+    plugin_name = "bad_lenient_options"
+
+
+class TestValidateIgnoresCapabilities(SamplerSuite):
+    plugin_name = "bad_validate_ignores_capabilities"
+
+
+class TestValidateRejectsEverything(SamplerSuite):
+    plugin_name = "bad_validate_rejects_everything"
+
+
+class TestUndocumented(SamplerSuite):
+    plugin_name = "bad_undocumented"
+
+
+class TestEagerRegistration(SamplerSuite):
+    plugin_name = "bad_eager"
+"""
+
+EXPECTED_FAILURE = {
+    "TestNoDefaults": "test_options_have_defaults",
+    "TestLenientOptions": "test_options_reject_unknown_keys",
+    "TestValidateIgnoresCapabilities": "test_validate_rejects_what_capabilities_exclude",
+    "TestValidateRejectsEverything": "test_validate_accepts_a_supported_config",
+    "TestUndocumented": "test_is_documented",
+    "TestEagerRegistration": "test_registration_has_no_side_effects",
+}
+
+
+def test_each_bad_plugin_fails_exactly_the_check_it_breaks(third_party):
+    result = run_suites(third_party, BAD_PLUGIN_TESTS)
+    found = outcomes(result)
+
+    for suite_name, failing_test in EXPECTED_FAILURE.items():
+        for test in kit_tests(SamplerSuite):
+            expected = {"FAILED"} if test == failing_test else {"PASSED"}
+            assert found.get((suite_name, test)) == expected, (suite_name, test, found.get((suite_name, test)))
+    output = result.stdout.str()
+    assert "registering sampler:bad_eager imported bad_eager_impl" in output
+    assert "Options() must be constructible with no keys" in output
+    assert "validate accepted a config outside its capabilities" in output
+    assert result.ret != 0
+
+
+def test_a_suite_that_names_no_plugin_or_a_missing_one_does_not_pass(third_party):
+    result = run_suites(third_party, """
+        from patchbay.testing import SamplerSuite
+
+
+        class TestForgotThePluginName(SamplerSuite):
+            pass
+
+
+        class TestPluginNotInstalled(SamplerSuite):
+            plugin_name = "not_installed_anywhere"
+    """)
+    found = outcomes(result)
+    assert {outcome for outcomes_of_test in found.values() for outcome in outcomes_of_test} == {"ERROR"}
+    assert len(found) == 2 * len(kit_tests(SamplerSuite))
+    output = result.stdout.str()
+    assert "TestForgotThePluginName must set plugin_name or override the plugin_class fixture" in output
+    assert "no sampler named 'not_installed_anywhere' is installed; available: " in output
+
+
+# -- known gaps ----------------------------------------------------------------------------------------
+
+
+def test_known_gaps_turn_failures_into_expected_failures_and_stale_gaps_fail(third_party):
+    result = run_suites(third_party, """
+        from patchbay.testing import SamplerSuite
+
+
+        class TestGapListedByTheTestFile(SamplerSuite):
+            plugin_name = "bad_no_defaults"
+            known_gaps = {"test_options_have_defaults": "needs a vocab file; there is no sensible default"}
+
+
+        class TestGapDeclaredByThePluginClass(SamplerSuite):
+            plugin_name = "declared_gap"
+
+
+        class TestStaleGap(SamplerSuite):
+            plugin_name = "example_argmax"
+            known_gaps = {"test_options_have_defaults": "fixed in 0.3.0, entry left behind"}
+    """)
+    found = outcomes(result)
+    assert found[("TestGapListedByTheTestFile", "test_options_have_defaults")] == {"XFAIL"}
+    assert found[("TestGapDeclaredByThePluginClass", "test_options_have_defaults")] == {"XFAIL"}
+    # Strict: a known gap that passes fails the run, so the stale entry gets removed.
+    assert found[("TestStaleGap", "test_options_have_defaults")] == {"FAILED"}
+    assert "[XPASS(strict)] known gap: fixed in 0.3.0, entry left behind" in result.stdout.str()
+    # The gap is about one test: the others ran and passed.
+    assert found[("TestGapListedByTheTestFile", "test_options_reject_unknown_keys")] == {"PASSED"}
+    result.assert_outcomes(passed=3 * len(kit_tests(SamplerSuite)) - 3, xfailed=2, failed=1)
+
+
+def test_a_plugin_class_gap_applies_when_the_registry_fixture_is_overridden(third_party):
+    result = run_suites(third_party, """
+        import pytest
+
+        from patchbay import hookimpl
+        from patchbay.registry import Registry
+        from patchbay.testing import SamplerSuite
+
+        from bad_samplers import DeclaredGapSampler
+
+
+        class LocalPlugin:
+            @hookimpl
+            def register_samplers(self, register):
+                register("local_gap", DeclaredGapSampler)
+
+
+        class TestLocalPluginWithDeclaredGap(SamplerSuite):
+            plugin_name = "local_gap"
+
+            @pytest.fixture
+            def patchbay_registry(self):
+                registry = Registry()
+                registry.add_plugin(LocalPlugin(), name="local")
+                return registry
+    """)
+    assert outcomes(result)[("TestLocalPluginWithDeclaredGap", "test_options_have_defaults")] == {"XFAIL"}
+
+
+# -- a plugin that is not installed: override the registry fixture (runs in this process) --------------
+
+
+@pytest.fixture(scope="module")
+def example_registry() -> Registry:
+    """A registry holding only the example plugin's hooks, imported from its source tree."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(EXAMPLE_SOURCE))
+        import patchbay_example.hooks
+
+        registry = Registry()
+        registry.add_plugin(patchbay_example.hooks, name="example")
+        yield registry
+
+
+class UsesExampleRegistry:
+    @pytest.fixture
+    def patchbay_registry(self, example_registry: Registry) -> Registry:
+        return example_registry
+
+
+class TestExampleArgmaxInProcess(UsesExampleRegistry, SamplerSuite):
+    plugin_name = "example_argmax"
+
+
+class TestExampleRepeatInProcess(UsesExampleRegistry, DrafterSuite):
+    plugin_name = "example_repeat"
+
+
+class TestExampleMemoryInProcess(UsesExampleRegistry, KVConnectorSuite):
+    plugin_name = "example_memory"
+
+
+class TestExamplePassthroughInProcess(UsesExampleRegistry, MetadataBuilderSuite):
+    plugin_name = "example_passthrough"
+
+
+def test_in_process_suites_really_use_the_overridden_registry(example_registry):
+    assert example_registry.resolve("sampler", "example_argmax").__module__ == "patchbay_example.sampler"
+    assert sys.modules["patchbay_example.sampler"].__file__.startswith(str(EXAMPLE_SOURCE))
