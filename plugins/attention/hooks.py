@@ -21,3 +21,11 @@ def register_attention_backends(register):
 def register_attention_metadata_builders(register):
     register("common", "patchbay.plugins.attention.common:CommonMetadataBuilder",
              description="passes the runner's common metadata through, with per-request lengths on the CPU")
+    register("varlen", "patchbay.plugins.attention.common:VarlenMetadataBuilder",
+             description="common, plus the cache slots of every request's keys as one ragged sequence")
+    register("torch_sdpa", "patchbay.plugins.attention.torch_sdpa:TorchSDPAMetadataBuilder",
+             description="plans each step's SDPA calls: batched short queries, per-request prefills")
+    register("flex", "patchbay.plugins.attention.flex:FlexMetadataBuilder",
+             description="varlen, plus the step's flex_attention BlockMask")
+    register("xformers", "patchbay.plugins.attention.xformers_backend:XFormersMetadataBuilder",
+             description="varlen, plus the step's xformers block-diagonal causal bias")

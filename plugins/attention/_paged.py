@@ -1,0 +1,111 @@
+"""What the built-in backends share: paged-cache arithmetic (writing new keys and values, finding cached ones).
+
+A slot is ``block_id * block_size + offset``: the row of a token in the cache
+viewed as ``[num_blocks * block_size, num_kv_heads, head_size]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``key[i]`` and ``value[i]`` at cache slot ``slot_mapping[i]`` for every ``i < len(slot_mapping)``.
+
+    ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_size]``
+    views (as :meth:`AttentionBackend.split_kv_cache` returns them); rows of
+    ``key``/``value`` past ``len(slot_mapping)`` are padding and are not written.
+    """
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    slots = slot_mapping.long()
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
+        flat.index_copy_(0, slots, new[:num_tokens].to(cache.dtype))
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The cache rows of ``block_ids`` (flat, long), concatenated: ``[len(block_ids) * block_size, heads, head_size]``.
+
+    ``index_select`` over whole blocks copies about twice as fast on CPU as
+    advanced indexing of the 4-D cache.  ``out``, if given, is a flat buffer
+    of exactly the gathered size to write into (see :class:`Workspace`).
+    """
+    num_blocks, block_size, num_heads, head_size = cache.shape
+    flat = cache.view(num_blocks, -1)
+    if out is None:
+        rows = flat.index_select(0, block_ids)
+    else:
+        rows = torch.index_select(flat, 0, block_ids, out=out.view(block_ids.shape[0], flat.shape[1]))
+    return rows.view(-1, num_heads, head_size)
+
+
+class Workspace:
+    """Scratch buffers reused by every layer of a backend, step after step.
+
+    Layers run one after another, so one buffer per purpose suffices.  On
+    CPU, gathering decode batches into fresh tensors of many megabytes can
+    cost a round of page faults per allocation (the allocator hands them
+    back to the OS); reusing buffers avoids it.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat tensor of ``numel`` elements, valid until the next request for ``name``."""
+        found = self._buffers.get(name)
+        if found is None or found.numel() < numel or found.dtype != dtype or found.device != device:
+            found = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[name] = found
+        return found[:numel]
+
+
+def ragged_slots(
+    block_table: torch.Tensor,
+    starts: list[int],
+    ends: list[int],
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cache slots of positions ``starts[i] .. ends[i] - 1`` of every request ``i``, concatenated.
+
+    Returns ``(slots, request_ids, positions)``, each ``[sum(ends - starts)]``
+    and long, on ``block_table``'s device.  Example with block size 4,
+    ``starts = [0, 2]``, ``ends = [3, 5]``, block table ``[[7, 0], [2, 9]]``::
+
+        request_ids = [0, 0, 0, 1, 1, 1]
+        positions   = [0, 1, 2, 2, 3, 4]
+        slots       = [28, 29, 30, 10, 11, 36]
+    """
+    device = block_table.device
+    lengths_list = [end - start for start, end in zip(starts, ends)]
+    total = sum(lengths_list)
+    lengths = torch.tensor(lengths_list, dtype=torch.long, device=device)
+    request_ids = torch.repeat_interleave(torch.arange(len(lengths_list), device=device), lengths, output_size=total)
+    # [3, 3] -> first output row of each request [0, 3]; subtracting it gives each row's offset in its request.
+    first_row = torch.cumsum(lengths, 0) - lengths
+    start_of = torch.tensor(starts, dtype=torch.long, device=device)
+    positions = torch.arange(total, device=device) - first_row[request_ids] + start_of[request_ids]
+    blocks = block_table[request_ids, positions // block_size].long()
+    return blocks * block_size + positions % block_size, request_ids, positions
+
+
+def window_start(first_query_position: int, sliding_window: int | None) -> int:
+    """The first key position a query at ``first_query_position`` may see (0 without a window)."""
+    if sliding_window is None:
+        return 0
+    return max(0, first_query_position - sliding_window + 1)
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why CUDA cannot be used here, or ``None``; cheap, and initialises no CUDA context."""
+    if not torch.cuda.is_available():
+        return "needs CUDA (torch.cuda.is_available() is False)"
+    return None
