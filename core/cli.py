@@ -1,4 +1,4 @@
-"""The ``patchbay`` command line: plugins, config, check, run and bench."""
+"""The ``patchbay`` command line: plugins, config, check and run."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from patchbay.registry import PluginError, Registration, Registry, default_registry, parse_reference
+from patchbay.model_loader import ModelLoadError
+from patchbay.registry import PluginError, Registration, Registry, default_registry, parse_reference, registry_for
 from patchbay.settings import ConfigError, dump_settings, load_settings
 
 
@@ -80,14 +81,16 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace, *, with_plugins: bool = True) -> Any:
-    registry = default_registry() if with_plugins else None
-    return load_settings(args.file, overrides=args.set or [], registry=registry)
+def _load(args: argparse.Namespace) -> Any:
+    return load_settings(args.file, overrides=args.set or [], registry=registry_for)
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
-    _load(args)
-    print(f"{args.file}: valid")
+    from patchbay.run_command import read_requests
+
+    settings = _load(args)
+    requests = read_requests(settings, args.file) if settings.inputs.prompts or settings.inputs.file else []
+    print(f"{args.file}: valid ({len(requests)} requests)")
     return 0
 
 
@@ -117,7 +120,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from patchbay.run_command import run_from_settings
 
-    settings = load_settings(args.config, overrides=args.set or [], registry=default_registry())
+    settings = load_settings(args.config, overrides=args.set or [], registry=registry_for)
     return run_from_settings(settings, config_path=args.config)
 
 
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, PluginError) as exc:
+    except (ConfigError, PluginError, ModelLoadError, ValueError) as exc:
+        # ValueError: a request or size the engine refuses (it names the request or setting at fault).
         print(f"patchbay: error: {exc}", file=sys.stderr)
         return 2
 

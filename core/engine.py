@@ -22,13 +22,16 @@ from patchbay.model_loader import resolve_model_dir
 from patchbay.model_runner import ModelRunner
 from patchbay.outputs import RequestMetrics, RequestOutput, find_stop_string
 from patchbay.plugin_selection import create, require_serves, select_attention_backend
-from patchbay.registry import Registry, default_registry
+from patchbay.registry import Registry, registry_for
 from patchbay.request import Request
 from patchbay.sampling_params import SamplingParams
 from patchbay.scheduler import Scheduler
 from patchbay.settings import ConfigError, ConfigProblem, Settings, plugin_options
 
 logger = logging.getLogger(__name__)
+
+RUNNER_SAMPLING_PARAMS = frozenset({"temperature", "logprobs"})
+"""Sampling parameters the runner hands to sampler plugins (in SamplingMetadata) today."""
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 """KV pool budget when neither cache.num_blocks nor cache.memory is set."""
@@ -68,7 +71,11 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.settings = settings
-        registry = registry or default_registry()
+        registry = registry or registry_for(settings.plugins)
+        for section in ("speculative", "kv_connector"):
+            if getattr(settings, section) is not None:
+                raise ConfigError([ConfigProblem("<run>", section, "the runner does not support this section yet; "
+                                                 "remove it (speculative decoding and KV connectors are being built)")])
         if settings.runtime.threads is not None:
             torch.set_num_threads(settings.runtime.threads)
         torch.manual_seed(settings.runtime.seed)
@@ -198,6 +205,10 @@ class Engine:
         if reasons:
             raise ValueError(f"request {request_id!r}: sampler {self.settings.sampler.name!r} cannot serve it: "
                              + "; ".join(reasons))
+        not_passed = params.params_used() - RUNNER_SAMPLING_PARAMS
+        if not_passed:
+            raise ValueError(f"request {request_id!r}: the runner does not pass {', '.join(sorted(not_passed))} "
+                             "to samplers yet")
         if params.n != 1:
             raise ValueError(f"request {request_id!r}: n={params.n} is not supported yet (use n=1)")
 

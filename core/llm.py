@@ -8,7 +8,7 @@ from typing import Any
 
 from patchbay.engine import Engine
 from patchbay.outputs import RequestOutput
-from patchbay.registry import Registry
+from patchbay.registry import Registry, registry_for
 from patchbay.sampling_params import SamplingParams
 from patchbay.settings import Settings, load_settings
 
@@ -32,7 +32,7 @@ class LLM:
                 raise TypeError("pass overrides either in the Settings object or as keywords, not both")
             self.settings = settings
         else:
-            self.settings = load_settings(settings, overrides=assignments, registry=registry)
+            self.settings = load_settings(settings, overrides=assignments, registry=registry or registry_for)
         self.engine = Engine(self.settings, registry=registry)
         self.tokenizer = self.engine.tokenizer
 

@@ -390,6 +390,7 @@ class Registry:
 
 
 _default: Registry | None = None
+_by_policy: dict[tuple[bool, tuple[str, ...], tuple[str, ...]], Registry] = {}
 
 
 def default_registry(*, strict: bool | None = None, allow: Iterable[str] | None = None,
@@ -397,20 +398,27 @@ def default_registry(*, strict: bool | None = None, allow: Iterable[str] | None 
     """The process-wide registry, loaded once from entry points with the environment's plugin policy.
 
     Arguments left ``None`` come from ``PATCHBAY_PLUGINS__STRICT``,
-    ``PATCHBAY_PLUGINS__ALLOW`` and ``PATCHBAY_PLUGINS__DENY``.  Passing any
-    argument loads a fresh registry with that policy (not cached).
+    ``PATCHBAY_PLUGINS__ALLOW`` and ``PATCHBAY_PLUGINS__DENY`` as they are
+    now.  Each distinct policy loads its registry once and keeps it.
     """
     global _default
     from patchbay.settings import load_settings
 
-    if strict is None and allow is None and deny is None:
-        if _default is None:
-            policy = load_settings().plugins
-            _default = Registry.from_entry_points(strict=policy.strict, allow=policy.allow, deny=policy.deny)
-        return _default
     policy = load_settings().plugins
-    return Registry.from_entry_points(
-        strict=policy.strict if strict is None else strict,
-        allow=policy.allow if allow is None else allow,
-        deny=policy.deny if deny is None else deny,
+    if _default is None:
+        _default = Registry.from_entry_points(strict=policy.strict, allow=policy.allow, deny=policy.deny)
+    key = (
+        policy.strict if strict is None else strict,
+        tuple(sorted(policy.allow if allow is None else allow)),
+        tuple(sorted(policy.deny if deny is None else deny)),
     )
+    if key == (_default.strict, tuple(sorted(_default.allow)), tuple(sorted(_default.deny))):
+        return _default
+    if key not in _by_policy:
+        _by_policy[key] = Registry.from_entry_points(strict=key[0], allow=key[1], deny=key[2])
+    return _by_policy[key]
+
+
+def registry_for(policy: Any) -> Registry:
+    """The registry for a run's ``plugins:`` settings (a :class:`patchbay.settings.PluginPolicy`)."""
+    return default_registry(strict=policy.strict, allow=policy.allow, deny=policy.deny)

@@ -10,6 +10,7 @@ or CLI flag), its key path and, for plugin sections, the plugin.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -104,6 +105,8 @@ class KVConnectorSettings(Section):
 
 
 def _split_names(value: Any) -> Any:
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        return json.loads(value)
     if isinstance(value, str):
         return [part.strip() for part in value.split(",") if part.strip()]
     return value
@@ -126,7 +129,7 @@ class InputSettings(Section):
     file: Path | None = None
     """A JSONL file of requests, one object per line, same shape as inline objects."""
     chat_template: bool = True
-    """Wrap plain string prompts in the tokenizer's chat template when it has one."""
+    """Send plain string prompts as a user message through the tokenizer's chat template (an error if it has none)."""
     sampling: dict[str, Any] = Field(default_factory=dict)
     """Default sampling parameters for every request (``max_tokens``, ``stop``, ...)."""
 
@@ -322,12 +325,15 @@ def load_settings(
     path: str | os.PathLike[str] | None = None,
     *,
     overrides: Iterable[str] = (),
-    registry: Registry | None = None,
+    registry: Registry | Callable[[PluginPolicy], Registry] | None = None,
 ) -> Settings:
     """Load settings from ``path`` (optional), the environment and ``--set`` overrides.
 
     When ``registry`` is given, every plugin the settings name is looked up
     and its options are validated against the plugin's ``Options`` model.
+    ``registry`` may also be a function of the settings' ``plugins:`` policy
+    (such as :func:`patchbay.registry.registry_for`), so the YAML's allow
+    and deny lists decide what loads.
     Raises :class:`ConfigError` listing every problem found.
     """
     label = str(path) if path is not None else "<defaults>"
@@ -344,6 +350,8 @@ def load_settings(
     except ValidationError as exc:
         raise ConfigError([_problem_from_error(error, sources) for error in exc.errors()]) from None
     if registry is not None:
+        if callable(registry):
+            registry = registry(settings.plugins)
         problems = validate_plugin_choices(settings, registry, sources)
         if problems:
             raise ConfigError(problems)

@@ -146,7 +146,15 @@ def test_config_validate_accepts_a_yaml_selecting_every_example_plugin(patchbay_
     path = write_yaml(EVERY_EXAMPLE_PLUGIN_YAML)
     result = patchbay_cli("config", "validate", str(path), env=example_only_env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"{path}: valid"
+    assert result.stdout.strip() == f"{path}: valid (0 requests)"
+
+
+def test_the_yaml_plugins_section_decides_what_loads(patchbay_cli, plugin_site, write_yaml):
+    clashing = write_yaml("sampler: {name: example_argmax}\n", name="clash.yaml")
+    assert patchbay_cli("config", "validate", str(clashing)).returncode != 0
+    resolved = write_yaml("sampler: {name: example_argmax}\nplugins: {deny: [patchbay-duplicate-plugin]}\n")
+    result = patchbay_cli("config", "validate", str(resolved))
+    assert result.returncode == 0, result.stderr
 
 
 def test_config_validate_rejects_an_unknown_key_naming_file_and_key_path(patchbay_cli, example_only_env, write_yaml):

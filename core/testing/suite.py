@@ -102,8 +102,11 @@ class PluginSuite:
             f"{plugin_class.__qualname__} needs a docstring: `patchbay plugins` and the docs show it"
         )
 
-    def test_registration_has_no_side_effects(self, registration: Registration) -> None:
+    def test_registration_has_no_side_effects(self, plugin_class: type[Plugin], request: pytest.FixtureRequest) -> None:
         """Running the plugin's hooks must not import the implementation module or touch a device."""
+        if not self.plugin_name:
+            pytest.skip("the plugin class was supplied directly; there is no registration to inspect")
+        registration: Registration = request.getfixturevalue("registration")
         if registration.origin.distribution == "<local>" or not isinstance(registration.target, str):
             pytest.skip("only lazy ('module:Class') registrations from installed distributions are checked")
         target_module = registration.target.partition(":")[0]
