@@ -120,6 +120,23 @@ class InputBatch:
             if req_id is not None:
                 self.req_id_to_index[req_id] = row
 
+    def reorder(self, order: list[int]) -> None:
+        """Rearrange rows so that row ``i`` holds what row ``order[i]`` held (``order`` is a permutation).
+
+        Applied as swaps: e.g. ``[2, 0, 1]`` swaps rows 0 and 2, then 1 and 2.
+        """
+        if sorted(order) != list(range(self.num_rows)):
+            raise ValueError(f"reorder_batch must return a permutation of range({self.num_rows}), got {order}")
+        where = list(range(self.num_rows))  # where[original row] = its current row
+        holder = list(range(self.num_rows))  # holder[current row] = the original row it holds
+        for target, original in enumerate(order):
+            source = where[original]
+            if source != target:
+                self.swap_rows(target, source)
+                displaced = holder[target]
+                holder[target], holder[source] = original, displaced
+                where[original], where[displaced] = target, source
+
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Append one token to each of ``rows`` (vectorised)."""
         self.token_ids[rows, self.num_tokens[rows]] = token_ids

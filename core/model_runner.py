@@ -159,18 +159,8 @@ class ModelRunner:
         num_scheduled = [scheduler_output.num_scheduled_tokens.get(batch.req_ids[row] or "", 0)
                          for row in range(batch.num_rows)]
         order = self.builders[0].reorder_batch(num_scheduled)
-        if order is None:
-            return
-        # Apply the permutation by swaps: position i takes the row currently holding order[i].
-        where = list(range(batch.num_rows))  # where[original] = current row
-        holder = list(range(batch.num_rows))  # holder[current row] = original
-        for target, original in enumerate(order):
-            source = where[original]
-            if source != target:
-                batch.swap_rows(target, source)
-                displaced = holder[target]
-                holder[target], holder[source] = original, displaced
-                where[original], where[displaced] = target, source
+        if order is not None:
+            batch.reorder(order)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         batch = self.batch
