@@ -72,25 +72,39 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None = None
-    """int64 ``[num_rows]``; ``vocab_size`` (or more) disables top-k for a row. ``None``: unused."""
+    """int64 ``[num_rows]``; 0 disables top-k for a row.  ``None``: no row uses it."""
     top_p: torch.Tensor | None = None
+    """float32 ``[num_rows]``; 1.0 disables top-p for a row.  ``None``: no row uses it."""
     min_p: torch.Tensor | None = None
+    """float32 ``[num_rows]``; 0.0 disables min-p for a row.  ``None``: no row uses it."""
     generators: dict[int, torch.Generator] = field(default_factory=dict)
-    """Seeded generators of rows whose request set ``seed``, by row index."""
+    """Seeded generators of rows whose request set ``seed``, by row index.
+
+    A row with a generator must draw all its randomness from it, so its
+    tokens do not depend on the rest of the batch.  The runner only passes
+    rows whose sample is kept, so every draw advances the request's stream.
+    """
     max_num_logprobs: int | None = None
     """Largest ``logprobs`` of any row, ``None`` when no row asked for logprobs."""
     output_token_ids: list[list[int]] = field(default_factory=list)
-    """Tokens each row's request generated so far (penalties, ``min_tokens``)."""
+    """Tokens each row's request generated so far (penalties, ``min_tokens``, bad words)."""
     prompt_token_ids: torch.Tensor | None = None
+    """int64 ``[num_rows, max_prompt_len]`` padded with ``vocab_size``; set when a row uses repetition_penalty."""
     frequency_penalties: torch.Tensor | None = None
+    """float32 ``[num_rows]`` (0 disables); ``None``: no row uses it."""
     presence_penalties: torch.Tensor | None = None
+    """float32 ``[num_rows]`` (0 disables); ``None``: no row uses it."""
     repetition_penalties: torch.Tensor | None = None
+    """float32 ``[num_rows]`` (1 disables); ``None``: no row uses it."""
     logit_bias: list[dict[int, float] | None] = field(default_factory=list)
+    """Per row, token id -> bias added to its logit (empty list: no row uses it)."""
     allowed_token_ids_mask: torch.Tensor | None = None
     """bool ``[num_rows, vocab]``; ``True`` marks tokens that are *not* allowed."""
     bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    """Row index -> token sequences that must not be completed (the last token of each is banned
+    when the row's output ends with the sequence's other tokens)."""
     min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
-    """Row index -> (min_tokens, stop token ids to block until reached)."""
+    """Row index -> (min_tokens, stop token ids to block while fewer outputs exist)."""
 
 
 @dataclass
