@@ -20,7 +20,7 @@ from patchbay.kv_cache_manager import KVCacheManager, num_blocks_for_memory
 from patchbay.kv_cache_spec import KVCacheGroup, group_layers
 from patchbay.model_loader import resolve_model_dir
 from patchbay.model_runner import ModelRunner
-from patchbay.outputs import RequestMetrics, RequestOutput, find_stop_string
+from patchbay.outputs import RequestMetrics, RequestOutput, find_stop_string, merge_completions
 from patchbay.plugin_selection import create, require_serves, select_attention_backend
 from patchbay.registry import Registry, registry_for
 from patchbay.request import Request
@@ -29,9 +29,6 @@ from patchbay.scheduler import Scheduler
 from patchbay.settings import ConfigError, ConfigProblem, Settings, plugin_options
 
 logger = logging.getLogger(__name__)
-
-RUNNER_SAMPLING_PARAMS = frozenset({"temperature", "logprobs"})
-"""Sampling parameters the runner hands to sampler plugins (in SamplingMetadata) today."""
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 """KV pool budget when neither cache.num_blocks nor cache.memory is set."""
@@ -132,10 +129,16 @@ class Engine:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
             device=self.device,
+            eos_token_ids=shape.eos_token_ids,
         )
         self.num_blocks = num_blocks
         self.stats = EngineStats()
         self._outputs: dict[str, RequestOutput] = {}
+        """Unfinished sequences by id (a request with n > 1 has n of them)."""
+        self._groups: dict[str, tuple[list[str], dict[str, RequestOutput]]] = {}
+        """Requests with n > 1: their sequence ids and the sequences finished so far."""
+        self._group_of: dict[str, str] = {}
+        self._aborted: list[str] = []
         self._ids = itertools.count()
         eos = shape.eos_token_ids
         self._eos_token_id = eos[0] if eos else None
@@ -174,9 +177,14 @@ class Engine:
         prompt: str | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request; returns its id.  Invalid requests raise ``ValueError`` naming the request."""
+        """Queue a request; returns its id.  Invalid requests raise ``ValueError`` naming the request.
+
+        A request with ``n > 1`` runs as ``n`` sequences (seeded ones with
+        seeds ``seed, seed + 1, ...``) and finishes as one output holding all
+        ``n`` completions.
+        """
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._outputs:
+        if request_id in self._outputs or request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_sampling(request_id, sampling_params)
         if not prompt_token_ids:
@@ -185,44 +193,69 @@ class Engine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request_id!r} has token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}")
-        if self._extra_eos and not sampling_params.ignore_eos:
-            sampling_params = sampling_params.model_copy(
-                update={"stop_token_ids": [*sampling_params.stop_token_ids, *self._extra_eos]}
-            )
-        request = Request(request_id, prompt_token_ids, sampling_params, eos_token_id=self._eos_token_id,
+        sampling_params = self._complete_params(sampling_params)
+        if sampling_params.n == 1:
+            self._add_sequence(request_id, prompt_token_ids, sampling_params, prompt)
+            return request_id
+        children = [f"{request_id}#{index}" for index in range(sampling_params.n)]
+        self._groups[request_id] = (children, {})
+        for index, child in enumerate(children):
+            seed = None if sampling_params.seed is None else sampling_params.seed + index
+            self._add_sequence(child, prompt_token_ids, sampling_params.model_copy(update={"seed": seed}), prompt)
+            self._group_of[child] = request_id
+        return request_id
+
+    def _complete_params(self, params: SamplingParams) -> SamplingParams:
+        """Fill what the engine knows and the request cannot: extra EOS ids, bad words as token ids."""
+        update: dict = {}
+        if self._extra_eos and not params.ignore_eos:
+            update["stop_token_ids"] = [*params.stop_token_ids, *self._extra_eos]
+        if params.bad_words:
+            sequences = list(params.bad_words_token_ids or [])
+            for word in params.bad_words:
+                # A word may be tokenized differently at the start of the text and after a space.
+                for variant in (word, " " + word.lstrip()):
+                    ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                    if ids and ids not in sequences:
+                        sequences.append(ids)
+            update["bad_words_token_ids"] = sequences
+        return params.model_copy(update=update) if update else params
+
+    def _add_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      prompt: str | None) -> None:
+        request = Request(request_id, prompt_token_ids, params, eos_token_id=self._eos_token_id,
                           block_size=self.settings.cache.block_size)
         self.scheduler.add_request(request)
         self._outputs[request_id] = RequestOutput(
-            request_id, prompt, list(prompt_token_ids), sampling_params, metrics=RequestMetrics(request.arrival_time)
+            request_id, prompt, list(prompt_token_ids), params, metrics=RequestMetrics(request.arrival_time)
         )
         self.stats.num_prompt_tokens += len(prompt_token_ids)
-        return request_id
 
     def _check_sampling(self, request_id: str, params: SamplingParams) -> None:
-        config = SamplerConfig(device=self.device.type, dtype=self.dtype, params_used=params.params_used(),
-                               random_sampling=not params.greedy)
+        # Prompt logprobs come from the runner, not the sampler.
+        config = SamplerConfig(device=self.device.type, dtype=self.dtype,
+                               params_used=params.params_used() - {"prompt_logprobs"}, random_sampling=not params.greedy)
         reasons = self.sampler.validate(config)
         if reasons:
             raise ValueError(f"request {request_id!r}: sampler {self.settings.sampler.name!r} cannot serve it: "
                              + "; ".join(reasons))
-        not_passed = params.params_used() - RUNNER_SAMPLING_PARAMS
-        if not_passed:
-            raise ValueError(f"request {request_id!r}: the runner does not pass {', '.join(sorted(not_passed))} "
-                             "to samplers yet")
-        if params.n != 1:
-            raise ValueError(f"request {request_id!r}: n={params.n} is not supported yet (use n=1)")
 
     def abort(self, request_ids: list[str]) -> None:
-        """Stop requests; their outputs finish with reason ``abort``."""
-        self.scheduler.abort_requests(request_ids)
-        for request_id in request_ids:
-            output = self._outputs.get(request_id)
+        """Stop requests; their outputs finish with reason ``abort`` (returned by the next :meth:`step`)."""
+        sequence_ids = [child for request_id in request_ids
+                        for child in (self._groups[request_id][0] if request_id in self._groups else [request_id])]
+        self.scheduler.abort_requests(sequence_ids)
+        now = time.monotonic()
+        for sequence_id in sequence_ids:
+            output = self._outputs.get(sequence_id)
             if output is not None and not output.finished:
                 output.finish_reason = "abort"
-                output.metrics.finish_time = time.monotonic()
+                output.metrics.finish_time = now
+                self._aborted.append(sequence_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether a :meth:`step` still has work or outputs (aborted requests are returned by the next step)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
 
     # -- stepping --------------------------------------------------------------------------
 
@@ -235,7 +268,12 @@ class Engine:
         self.stats.num_steps += 1
         now = time.monotonic()
         logprobs_by_id = dict(zip(runner_output.req_ids, runner_output.logprobs or [], strict=False))
-        finished = []
+        for request_id, prompt_logprobs in runner_output.prompt_logprobs.items():
+            output = self._outputs.get(request_id)
+            if output is not None and output.prompt_logprobs is None:  # a preempted request computes them again
+                output.prompt_logprobs = prompt_logprobs
+        finished_ids = self._aborted
+        self._aborted = []
         stopped: list[tuple[str, str]] = []
         for update in updates:
             output = self._outputs[update.request_id]
@@ -257,12 +295,26 @@ class Engine:
                 output.finish_reason = update.finish_reason
                 output.stop_reason = update.stop_reason
                 output.metrics.finish_time = now
-                if not output.text:
-                    output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
-                finished.append(self._outputs.pop(update.request_id))
+                finished_ids.append(update.request_id)
         for request_id, stop in stopped:
             self.scheduler.finish_requests([request_id], "stop", stop)
-        return finished
+        return [result for sequence_id in finished_ids if (result := self._finish(sequence_id)) is not None]
+
+    def _finish(self, sequence_id: str) -> RequestOutput | None:
+        """Retire a finished sequence; the request's output once all its sequences are done."""
+        output = self._outputs.pop(sequence_id)
+        if not output.text:
+            output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        request_id = self._group_of.pop(sequence_id, None)
+        if request_id is None:
+            output.completions = [output.completion()]
+            return output
+        children, done = self._groups[request_id]
+        done[sequence_id] = output
+        if len(done) < len(children):
+            return None
+        del self._groups[request_id]
+        return merge_completions(request_id, [done[child] for child in children])
 
     def _stop_string(self, output: RequestOutput, num_new_tokens: int) -> str | None:
         text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)

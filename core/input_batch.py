@@ -11,15 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from patchbay.block_table import BlockTable
+from patchbay.sampling_state import SamplingState
 from patchbay.scheduler_output import NewRequestData
 
 
 class InputBatch:
     """Token ids, counts, block tables and sampling parameters of the running requests."""
 
-    def __init__(self, *, max_num_reqs: int, max_model_len: int, block_sizes: list[int]) -> None:
+    def __init__(self, *, max_num_reqs: int, max_model_len: int, block_sizes: list[int],
+                 device: torch.device | None = None) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.req_ids: list[str | None] = [None] * max_num_reqs
@@ -33,6 +36,9 @@ class InputBatch:
             BlockTable(max_num_reqs, -(-max_model_len // block_size), block_size) for block_size in block_sizes
         ]
         self.sampling_params: list[Any] = [None] * max_num_reqs
+        self.sampling = SamplingState(max_num_reqs)
+        self.device = device or torch.device("cpu")
+        self._row_arrays = [self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, *self.sampling.arrays]
         self.num_rows = 0
         """Rows in use, holes included; equals ``num_reqs`` after :meth:`condense`."""
         self._holes: set[int] = set()
@@ -65,6 +71,7 @@ class InputBatch:
         for table, block_ids in zip(self.block_tables, request.block_ids, strict=True):
             table.set_row(row, block_ids)
         self.sampling_params[row] = request.sampling_params
+        self.sampling.add(row, request.req_id, request.sampling_params, self.device)
         return row
 
     def remove_request(self, req_id: str) -> int | None:
@@ -74,6 +81,7 @@ class InputBatch:
             return None
         self.req_ids[row] = None
         self.sampling_params[row] = None
+        self.sampling.remove(req_id)
         self._holes.add(row)
         return row
 
@@ -95,7 +103,7 @@ class InputBatch:
         assert req_id is not None
         count = self.num_tokens[src]
         self.token_ids[dst, :count] = self.token_ids[src, :count]
-        for array in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens):
+        for array in self._row_arrays:
             array[dst] = array[src]
         for table in self.block_tables:
             table.move_row(src, dst)
@@ -109,7 +117,7 @@ class InputBatch:
             return
         longest = max(self.num_tokens[a], self.num_tokens[b])
         self.token_ids[[a, b], :longest] = self.token_ids[[b, a], :longest]
-        for array in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens):
+        for array in self._row_arrays:
             array[[a, b]] = array[[b, a]]
         for table in self.block_tables:
             table.swap_rows(a, b)
@@ -136,6 +144,19 @@ class InputBatch:
                 displaced = holder[target]
                 holder[target], holder[source] = original, displaced
                 where[original], where[displaced] = target, source
+
+    def output_token_ids(self, rows: np.ndarray) -> list[list[int]]:
+        """Tokens each row's request generated so far."""
+        return [self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist() for row in rows]
+
+    def prompt_token_ids(self, rows: np.ndarray, pad: int) -> torch.Tensor:
+        """int64 ``[len(rows), longest prompt]`` of the rows' prompts, padded with ``pad``."""
+        width = int(self.num_prompt_tokens[rows].max()) if len(rows) else 0
+        prompts = np.full((len(rows), width), pad, dtype=np.int64)
+        for i, row in enumerate(rows):
+            count = self.num_prompt_tokens[row]
+            prompts[i, :count] = self.token_ids[row, :count]
+        return torch.from_numpy(prompts)
 
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Append one token to each of ``rows`` (vectorised)."""

@@ -49,9 +49,14 @@ class StepInputs:
     """Batch rows run this step, in row order."""
     num_scheduled: np.ndarray
     seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    complete: np.ndarray
+    """Per row: all of its known tokens are in the cache after this step, so it samples.
+    The others run a partial (chunked) prefill, whose sample would be discarded: it is never drawn."""
     input_ids: torch.Tensor
     positions: torch.Tensor
     logits_indices: torch.Tensor
+    """Flattened positions of the last token of each sampling row."""
     group_metadata: list[Any]
 
 
@@ -71,6 +76,7 @@ class ModelRunner:
         max_model_len: int,
         max_num_batched_tokens: int,
         device: torch.device,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.backend = backend
@@ -78,9 +84,12 @@ class ModelRunner:
         self.sampler = sampler
         self.groups = groups
         self.device = device
+        self.eos_token_ids = eos_token_ids
         self.batch = InputBatch(
-            max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_sizes=[g.spec.block_size for g in groups]
+            max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_sizes=[g.spec.block_size for g in groups],
+            device=device,
         )
+        self._prompt_logprobs: dict[str, list[Logprobs | None]] = {}
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self._bindings = self._bind_layers()
         # Scratch index vector, sliced each step instead of allocated.
@@ -120,12 +129,16 @@ class ModelRunner:
         clock = self._lap("prepare", clock)
         with forward_context(ForwardContext(self._bindings, step.group_metadata)):
             hidden_states = self.model.hidden_states(step.input_ids, step.positions)
-        logits = self.model.logits(hidden_states[step.logits_indices])
+        sample_rows = step.rows[step.complete]
+        logits = self.model.logits(hidden_states[step.logits_indices]) if len(sample_rows) else None
+        prompt_logprobs = self._collect_prompt_logprobs(step, hidden_states)
         clock = self._lap("forward", clock)
-        sampler_output = self.sampler.sample(logits, self._sampling_metadata(step.rows))
-        sampled = sampler_output.sampled_token_ids[:, 0].cpu().numpy()
+        sampler_output = None
+        if logits is not None:
+            sampler_output = self.sampler.sample(logits, self._sampling_metadata(sample_rows))
         clock = self._lap("sample", clock)
-        output = self._record_samples(step, sampled, sampler_output)
+        output = self._record_samples(step, sampler_output)
+        output.prompt_logprobs = prompt_logprobs
         self._lap("output", clock)
         self.num_steps += 1
         return output
@@ -139,8 +152,10 @@ class ModelRunner:
         batch = self.batch
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             batch.remove_request(req_id)
+            self._prompt_logprobs.pop(req_id, None)
         for request in scheduler_output.scheduled_new_reqs:
             batch.add_request(request)
+            self._prompt_logprobs.pop(request.req_id, None)
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -205,13 +220,16 @@ class ModelRunner:
                 block_size=table.block_size,
             )
             group_metadata.append(builder.build(common))
+        complete = seq_lens >= batch.num_tokens[rows]
         return StepInputs(
             rows=rows,
             num_scheduled=num_scheduled,
             seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            complete=complete,
             input_ids=to_device(torch.from_numpy(input_ids.astype(np.int64))),
             positions=to_device(torch.from_numpy(positions.astype(np.int64))),
-            logits_indices=to_device(torch.from_numpy((cu_num_scheduled - 1).astype(np.int64))),
+            logits_indices=to_device(torch.from_numpy((cu_num_scheduled - 1)[complete].astype(np.int64))),
             group_metadata=group_metadata,
         )
 
@@ -221,41 +239,88 @@ class ModelRunner:
         return tensor.to(self.device, non_blocking=True)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        params = [self.batch.sampling_params[row] for row in rows]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        return SamplingMetadata(
-            temperature=temperature,
-            all_greedy=all(p.greedy for p in params),
-            all_random=not any(p.greedy for p in params),
-            max_num_logprobs=max(wanted) if wanted else None,
-        )
-
-    def _record_samples(self, step: StepInputs, sampled: np.ndarray, sampler_output: SamplerOutput) -> ModelRunnerOutput:
         batch = self.batch
-        # A request whose known tokens are not all in the cache yet ran a partial prefill: drop its sample.
-        complete = step.seq_lens >= batch.num_tokens[step.rows]
-        batch.append_tokens(step.rows[complete], sampled[complete])
-        batch.num_computed_tokens[step.rows] = step.seq_lens
-        req_ids = [batch.req_ids[row] for row in step.rows]
-        sampled_lists = [[int(token)] if done else [] for token, done in zip(sampled, complete, strict=True)]
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            sampled_token_ids=sampled_lists,
-            logprobs=self._logprobs(step, complete, sampler_output),
+        return batch.sampling.metadata(
+            rows,
+            [batch.req_ids[row] for row in rows],
+            [batch.sampling_params[row] for row in rows],
+            output_token_ids=lambda: batch.output_token_ids(rows),
+            prompt_token_ids=lambda: batch.prompt_token_ids(rows, pad=self.model.shape.vocab_size),
+            vocab_size=self.model.shape.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            device=self.device,
         )
 
-    def _logprobs(self, step: StepInputs, complete: np.ndarray, sampler_output: SamplerOutput) -> list[Any] | None:
+    def _record_samples(self, step: StepInputs, sampler_output: SamplerOutput | None) -> ModelRunnerOutput:
+        batch = self.batch
+        req_ids = [batch.req_ids[row] for row in step.rows]
+        sampled_lists: list[list[int]] = [[] for _ in step.rows]
+        logprobs: list[Any] | None = None
+        if sampler_output is not None:
+            sampled = sampler_output.sampled_token_ids[:, 0].cpu().numpy()
+            batch.append_tokens(step.rows[step.complete], sampled)
+            positions = np.flatnonzero(step.complete)
+            for position, token in zip(positions, sampled.tolist(), strict=True):
+                sampled_lists[position] = [token]
+            logprobs = self._logprobs(step, positions, sampler_output)
+        batch.num_computed_tokens[step.rows] = step.seq_lens
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_lists, logprobs=logprobs)
+
+    def _logprobs(self, step: StepInputs, positions: np.ndarray, sampler_output: SamplerOutput) -> list[Any] | None:
+        """Per step row, the sampled token's logprobs when its request asked for them (else ``None``)."""
         if sampler_output.logprobs is None:
             return None
         token_ids = sampler_output.logprob_token_ids.cpu().tolist()
-        logprobs = sampler_output.logprobs.cpu().tolist()
+        values = sampler_output.logprobs.cpu().tolist()
         ranks = sampler_output.sampled_token_ranks.cpu().tolist()
-        found: list[Any] = []
-        for i, row in enumerate(step.rows):
-            wanted = self.batch.sampling_params[row].logprobs
-            if wanted is None or not complete[i]:
-                found.append(None)
-                continue
-            found.append(Logprobs(token_ids[i][: wanted + 1], logprobs[i][: wanted + 1], ranks[i]))
+        found: list[Any] = [None] * len(step.rows)
+        for sample_index, position in enumerate(positions):
+            wanted = self.batch.sampling_params[step.rows[position]].logprobs
+            if wanted is not None:
+                found[position] = Logprobs(token_ids[sample_index][: wanted + 1], values[sample_index][: wanted + 1],
+                                           ranks[sample_index])
         return found
+
+    def _collect_prompt_logprobs(self, step: StepInputs, hidden_states: torch.Tensor) -> dict[str, Any]:
+        """Logprobs of the prompt tokens this step's chunks cover; a request's list is returned once its prompt is done.
+
+        The hidden state at position ``p`` scores prompt token ``p + 1``, so a
+        chunk covering positions ``a..b-1`` contributes tokens ``a+1..min(b, P-1)``
+        of a ``P``-token prompt (the first prompt token has no logprob: ``None``).
+        """
+        batch = self.batch
+        finished: dict[str, Any] = {}
+        for i, row in enumerate(step.rows):
+            params = batch.sampling_params[row]
+            if params.prompt_logprobs is None:
+                continue
+            req_id = batch.req_ids[row]
+            start = int(step.seq_lens[i] - step.num_scheduled[i])
+            end = min(int(step.seq_lens[i]), int(batch.num_prompt_tokens[row]) - 1)
+            entries = self._prompt_logprobs.setdefault(req_id, [None] if start == 0 else [])
+            first = int(step.query_start_loc[i])
+            for chunk in range(start, end, PROMPT_LOGPROBS_CHUNK):
+                chunk_end = min(chunk + PROMPT_LOGPROBS_CHUNK, end)
+                rows = hidden_states[first + chunk - start : first + chunk_end - start]
+                targets = torch.from_numpy(batch.token_ids[row, chunk + 1 : chunk_end + 1].astype(np.int64))
+                entries.extend(_score(self.model.logits(rows), targets.to(self.device), params.prompt_logprobs))
+            if step.complete[i]:
+                finished[req_id] = self._prompt_logprobs.pop(req_id)
+        return finished
+
+
+PROMPT_LOGPROBS_CHUNK = 256
+"""Prompt positions scored at once (a chunk of float32 logits is 256 x vocab)."""
+
+
+def _score(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> list[Logprobs]:
+    """Logprobs of ``targets`` under ``logits`` (one row each), with rank and the top ``top_n`` alternatives."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(-1, targets[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    ids = targets[:, None]
+    values = chosen
+    if top_n:
+        top_values, top_ids = logprobs.topk(top_n, dim=-1)
+        ids, values = torch.cat([ids, top_ids], dim=-1), torch.cat([chosen, top_values], dim=-1)
+    return [Logprobs(i, v, r) for i, v, r in zip(ids.tolist(), values.tolist(), ranks, strict=True)]

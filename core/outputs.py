@@ -43,8 +43,39 @@ class RequestMetrics:
 
 
 @dataclass
+class Completion:
+    """One generated sequence of a request (a request with ``n > 1`` has several)."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    """``"stop"`` (EOS, stop token or stop string), ``"length"`` or ``"abort"``."""
+    stop_reason: int | str | None = None
+    logprobs: list[Any] | None = None
+    """Per generated token, its logprobs (when the request asked for ``logprobs``)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            "index": self.index,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+        }
+        if self.logprobs is not None:
+            result["logprobs"] = [_logprobs_dict(entry) for entry in self.logprobs]
+        return result
+
+
+@dataclass
 class RequestOutput:
-    """The result of one request."""
+    """The result of one request.
+
+    ``token_ids``, ``text``, ``finish_reason``, ``stop_reason`` and
+    ``logprobs`` are those of the first completion; ``completions`` holds all
+    ``n`` of them.
+    """
 
     request_id: str
     prompt: str | None
@@ -53,14 +84,20 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-    """``"stop"`` (EOS, stop token or stop string), ``"length"`` or ``"abort"``."""
     stop_reason: int | str | None = None
     logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None
+    """Per prompt token, its logprobs (``None`` for the first); set when the request asked for ``prompt_logprobs``."""
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    completions: list[Completion] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def completion(self, index: int = 0) -> Completion:
+        """This sequence as a :class:`Completion`."""
+        return Completion(index, self.token_ids, self.text, self.finish_reason, self.stop_reason, self.logprobs)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form, as ``patchbay run`` writes it."""
@@ -72,16 +109,39 @@ class RequestOutput:
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
             "num_prompt_tokens": len(self.prompt_token_ids),
-            "num_generated_tokens": len(self.token_ids),
+            "num_generated_tokens": sum(len(c.token_ids) for c in self.completions) or len(self.token_ids),
             "metrics": self.metrics.as_dict(),
         }
         if self.logprobs is not None:
-            result["logprobs"] = [
-                None if entry is None else {"token_ids": entry.token_ids, "logprobs": entry.logprobs,
-                                            "sampled_rank": entry.sampled_rank}
-                for entry in self.logprobs
-            ]
+            result["logprobs"] = [_logprobs_dict(entry) for entry in self.logprobs]
+        if self.prompt_logprobs is not None:
+            result["prompt_logprobs"] = [_logprobs_dict(entry) for entry in self.prompt_logprobs]
+        if len(self.completions) > 1:
+            result["completions"] = [completion.as_dict() for completion in self.completions]
         return result
+
+
+def _logprobs_dict(entry: Any) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    return {"token_ids": entry.token_ids, "logprobs": entry.logprobs, "rank": entry.sampled_rank}
+
+
+def merge_completions(request_id: str, sequences: list[RequestOutput]) -> RequestOutput:
+    """One :class:`RequestOutput` for a request whose ``n`` sequences ran as separate requests."""
+    first = sequences[0]
+    metrics = RequestMetrics(
+        arrival_time=first.metrics.arrival_time,
+        first_token_time=min((s.metrics.first_token_time for s in sequences if s.metrics.first_token_time), default=None),
+        finish_time=max((s.metrics.finish_time for s in sequences if s.metrics.finish_time), default=None),
+        token_times=sorted(t for s in sequences for t in s.metrics.token_times),
+        num_cached_tokens=first.metrics.num_cached_tokens,
+    )
+    return RequestOutput(
+        request_id, first.prompt, first.prompt_token_ids, first.sampling_params, first.token_ids, first.text,
+        first.finish_reason, first.stop_reason, first.logprobs, first.prompt_logprobs, metrics,
+        completions=[sequence.completion(index) for index, sequence in enumerate(sequences)],
+    )
 
 
 def find_stop_string(text: str, stops: list[str], new_chars: int) -> tuple[str, int] | None:

@@ -29,6 +29,9 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] | None = None
     min_tokens: int = Field(default=0, ge=0)
     bad_words: list[str] | None = None
+    """Words that must not be generated (tokenized by the engine into :attr:`bad_words_token_ids`)."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """Token sequences that must not be generated; filled from :attr:`bad_words` by the engine, or given directly."""
     allowed_token_ids: list[int] | None = None
     stop: list[str] = Field(default_factory=list)
     """Stop strings: generation ends when the text contains one; it is not included in the output."""
@@ -59,8 +62,9 @@ class SamplingParams(BaseModel):
     def params_used(self) -> frozenset[str]:
         """Names of the parameters this request sets away from their neutral value (for sampler checks)."""
         defaults = type(self)()
-        neutral = {"max_tokens", "stop", "stop_token_ids", "ignore_eos", "n"}
-        return frozenset(
-            name for name in type(self).model_fields
-            if name not in neutral and getattr(self, name) != getattr(defaults, name)
-        )
+        neutral = {"max_tokens", "stop", "stop_token_ids", "ignore_eos", "n", "bad_words_token_ids"}
+        used = {name for name in type(self).model_fields
+                if name not in neutral and getattr(self, name) != getattr(defaults, name)}
+        if self.bad_words_token_ids:
+            used.add("bad_words")
+        return frozenset(used)

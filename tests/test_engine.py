@@ -70,12 +70,32 @@ def test_abort_finishes_the_request_and_frees_its_blocks(llm):
 @pytest.mark.parametrize(("params", "message"), [
     (SamplingParams(temperature=0.7), "greedy only"),
     (SamplingParams(top_k=5), "not supported: top_k"),
-    (SamplingParams(n=2), "n=2"),
 ])
 def test_a_request_the_run_cannot_serve_is_refused_naming_it(llm, params, message):
     with pytest.raises(ValueError, match=message) as caught:
         llm.engine.add_request([1, 2, 3], params, request_id="the-request")
     assert "the-request" in str(caught.value)
+
+
+def test_n_completions_come_back_as_one_output(llm):
+    prompt = _prompts(1, seed=8)[0]
+    (single,) = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+    (several,) = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, n=3))
+    assert [c.token_ids for c in several.completions] == [single.token_ids] * 3  # greedy: all equal
+    assert [c.index for c in several.completions] == [0, 1, 2]
+    assert several.as_dict()["num_generated_tokens"] == 18 and len(several.as_dict()["completions"]) == 3
+
+
+def test_an_aborted_request_comes_back_with_reason_abort(llm):
+    engine = llm.engine
+    request_id = engine.add_request(_prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True, n=2))
+    engine.step()
+    engine.abort([request_id])
+    finished = []
+    while engine.has_unfinished_requests():
+        finished.extend(engine.step())
+    assert [o.request_id for o in finished] == [request_id]
+    assert [c.finish_reason for c in finished[0].completions] == ["abort", "abort"]
 
 
 def test_an_empty_or_out_of_vocabulary_prompt_is_refused(llm):
