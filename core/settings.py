@@ -86,7 +86,7 @@ class AttentionSettings(Section):
 
 
 class SamplerSettings(Section):
-    name: str = "greedy"
+    name: str = "standard"
     options: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -23,6 +23,7 @@ import pytest
 from patchbay.registry import Registry
 from patchbay.testing import DrafterSuite, KVConnectorSuite, MetadataBuilderSuite, SamplerSuite
 from patchbay.testing.suite import PluginSuite
+from test_registry import write_dist_info
 
 pytest_plugins = ["pytester"]
 
@@ -163,9 +164,7 @@ def third_party(pytester: pytest.Pytester, plugin_site: Path, example_only_env, 
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("PYTHONPATH", str(plugin_site))  # pytester prepends its own directory
     pytester.makepyfile(bad_samplers=BAD_SAMPLERS, bad_eager_impl=BAD_EAGER_IMPL, bad_hooks=BAD_HOOKS)
-    dist_info = pytester.mkdir("bad_samplers-0.0.1.dist-info")
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: bad-samplers\nVersion: 0.0.1\n")
-    (dist_info / "entry_points.txt").write_text("[patchbay]\nbad = bad_hooks\n")
+    write_dist_info(pytester.path, "bad-samplers", "0.0.1", {"bad": "bad_hooks"})
     return pytester
 
 
@@ -185,8 +184,15 @@ def test_a_few_lines_run_the_whole_kit_against_an_installed_plugin(third_party):
                               ("TestExampleMemory", KVConnectorSuite), ("TestExamplePassthrough", MetadataBuilderSuite)]:
         ran = {test: found.get((suite_name, test)) for test in kit_tests(suite)}
         assert None not in ran.values(), f"{suite_name}: kit tests that never ran: {ran}"
-        # Not vacuous: every check, registration hygiene included, passed rather than skipped.
-        assert all(result_set == {"PASSED"} for result_set in ran.values()), f"{suite_name}: {ran}"
+        # Not vacuous: every registration-level check passed rather than skipped; numeric checks skip only by
+        # capability (example_argmax is greedy-only, so its random-sampling checks skip), and some of them pass.
+        registration_level = kit_tests(PluginSuite)
+        assert all(ran[test] == {"PASSED"} for test in registration_level), f"{suite_name}: {ran}"
+        numeric = {test: outcome for test, outcome in ran.items() if test not in registration_level}
+        assert all(outcome <= {"PASSED", "SKIPPED"} for outcome in numeric.values()), f"{suite_name}: {ran}"
+        if numeric:
+            assert any(outcome == {"PASSED"} for outcome in numeric.values()), f"{suite_name}: {ran}"
+    assert found[("TestExampleArgmax", "test_greedy_rows_take_the_argmax")] == {"PASSED"}
     assert result.ret == 0, result.stdout.str()[-3000:]
 
 
@@ -235,10 +241,16 @@ def test_each_bad_plugin_fails_exactly_the_check_it_breaks(third_party):
     result = run_suites(third_party, BAD_PLUGIN_TESTS)
     found = outcomes(result)
 
+    registration_level = kit_tests(PluginSuite)
     for suite_name, failing_test in EXPECTED_FAILURE.items():
         for test in kit_tests(SamplerSuite):
-            expected = {"FAILED"} if test == failing_test else {"PASSED"}
-            assert found.get((suite_name, test)) == expected, (suite_name, test, found.get((suite_name, test)))
+            outcome = found.get((suite_name, test))
+            if test == failing_test:
+                assert outcome == {"FAILED"}, (suite_name, test, outcome)
+            elif test in registration_level:
+                assert outcome == {"PASSED"}, (suite_name, test, outcome)
+            else:  # numeric checks: these bad plugins are greedy-only, so random-sampling checks skip
+                assert outcome is not None and outcome <= {"PASSED", "SKIPPED"}, (suite_name, test, outcome)
     output = result.stdout.str()
     assert "registering sampler:bad_eager imported bad_eager_impl" in output
     assert "Options() must be constructible with no keys" in output
@@ -295,7 +307,9 @@ def test_known_gaps_turn_failures_into_expected_failures_and_stale_gaps_fail(thi
     assert "[XPASS(strict)] known gap: fixed in 0.3.0, entry left behind" in result.stdout.str()
     # The gap is about one test: the others ran and passed.
     assert found[("TestGapListedByTheTestFile", "test_options_reject_unknown_keys")] == {"PASSED"}
-    result.assert_outcomes(passed=3 * len(kit_tests(SamplerSuite)) - 3, xfailed=2, failed=1)
+    counts = result.parseoutcomes()
+    assert (counts.get("xfailed"), counts.get("failed")) == (2, 1), counts
+    assert counts["passed"] >= 3 * len(kit_tests(PluginSuite)) - 3, counts
 
 
 def test_a_plugin_class_gap_applies_when_the_registry_fixture_is_overridden(third_party):

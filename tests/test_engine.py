@@ -71,10 +71,22 @@ def test_abort_finishes_the_request_and_frees_its_blocks(llm):
     (SamplingParams(temperature=0.7), "greedy only"),
     (SamplingParams(top_k=5), "not supported: top_k"),
 ])
-def test_a_request_the_run_cannot_serve_is_refused_naming_it(llm, params, message):
+def test_a_request_the_sampler_cannot_serve_is_refused_naming_it(tiny_llama, params, message):
+    greedy_only = patchbay.LLM(model__path=str(tiny_llama), sampler__name="greedy")
     with pytest.raises(ValueError, match=message) as caught:
-        llm.engine.add_request([1, 2, 3], params, request_id="the-request")
+        greedy_only.engine.add_request([1, 2, 3], params, request_id="the-request")
     assert "the-request" in str(caught.value)
+
+
+def test_seeded_random_sampling_repeats_and_ignores_the_batch(llm):
+    prompt = _prompts(1, seed=2)[0]
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=99, ignore_eos=True)
+    (alone,) = llm.generate([prompt], seeded)
+    others = [SamplingParams(max_tokens=3 + i, temperature=0.8, ignore_eos=True) for i in range(5)]
+    batch = llm.generate([*_prompts(5, seed=6), prompt], [*others, seeded])
+    assert batch[-1].token_ids == alone.token_ids
+    unseeded = llm.generate([prompt] * 4, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True))
+    assert len({tuple(o.token_ids) for o in unseeded}) > 1
 
 
 def test_n_completions_come_back_as_one_output(llm):

@@ -52,6 +52,20 @@ class NotASampler:
 """
 
 
+def write_dist_info(root: Path, name: str, version: str, entry_points: dict[str, str]) -> Path:
+    """Install distribution ``name`` in ``root`` as pip would: a ``*.dist-info`` with ``patchbay`` entry points.
+
+    ``entry_points`` maps entry-point names to their values (hooks modules);
+    returns the ``*.dist-info`` directory.
+    """
+    dist_info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    lines = [f"{ep_name} = {value}" for ep_name, value in entry_points.items()]
+    (dist_info / "entry_points.txt").write_text("[patchbay]\n" + "\n".join(lines) + "\n")
+    return dist_info
+
+
 class FakeSite:
     """A directory on ``sys.path`` where a test writes plugin modules and installs fake distributions.
 
@@ -78,11 +92,8 @@ class FakeSite:
     def distribution(self, name: str, version: str, entry_points: dict[str, str]
                      ) -> list[importlib.metadata.EntryPoint]:
         """Install distribution ``name`` with these ``patchbay`` entry points; return them (with ``.dist`` set)."""
-        dist_info = self.root / f"{name.replace('-', '_')}-{version}.dist-info"
-        dist_info.mkdir()
-        (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-        lines = [f"{ep_name} = {value.replace('{pkg}', self.package)}" for ep_name, value in entry_points.items()]
-        (dist_info / "entry_points.txt").write_text("[patchbay]\n" + "\n".join(lines) + "\n")
+        values = {ep_name: value.replace("{pkg}", self.package) for ep_name, value in entry_points.items()}
+        dist_info = write_dist_info(self.root, name, version, values)
         return list(importlib.metadata.Distribution.at(dist_info).entry_points.select(group="patchbay"))
 
     def imported(self, module: str) -> bool:
@@ -311,40 +322,37 @@ def test_invalid_names_and_targets_are_rejected(site, registration, complaint):
         Registry.from_entry_points(strict=True, entry_points=entry_points)
 
 
-def test_a_misspelled_hook_is_not_silently_ignored(site, two_samplers):
-    # pluggy accepts an implementation of an unknown hook at registration; check_pending() after
-    # loading is what catches it, so the plugin's registrations cannot quietly go missing.
+@pytest.fixture
+def typo_hook(site: FakeSite) -> list[importlib.metadata.EntryPoint]:
+    """Distribution ``typo-plugin`` 0.2, whose hook is misspelled ``register_sampler``."""
     site.hooks("typo_hooks", """
         @hookimpl
         def register_sampler(register):  # the hook is register_samplers
             register("never_registered", "{pkg}.impl:FirstTokenSampler")
     """)
-    typo = site.distribution("typo-plugin", "0.2", {"typo": "{pkg}.typo_hooks"})
+    return site.distribution("typo-plugin", "0.2", {"typo": "{pkg}.typo_hooks"})
 
+
+def test_a_misspelled_hook_is_not_silently_ignored(two_samplers, typo_hook):
+    # pluggy accepts an implementation of an unknown hook at registration; check_pending() after
+    # loading is what catches it, so the plugin's registrations cannot quietly go missing.
     try:
-        registry = Registry.from_entry_points(entry_points=[*two_samplers, *typo])
+        registry = Registry.from_entry_points(entry_points=[*two_samplers, *typo_hook])
     except Exception as exc:  # what pluggy's check_pending raises today
         assert "unknown hook 'register_sampler'" in str(exc)
     else:
         assert any("register_sampler" in failure.error for failure in registry.failures)
 
 
-def test_a_misspelled_hook_is_contained_like_any_other_plugin_failure(site, two_samplers):
-    site.hooks("typo_hooks", """
-        @hookimpl
-        def register_sampler(register):
-            register("never_registered", "{pkg}.impl:FirstTokenSampler")
-    """)
-    typo = site.distribution("typo-plugin", "0.2", {"typo": "{pkg}.typo_hooks"})
-
-    registry = Registry.from_entry_points(entry_points=[*two_samplers, *typo])
+def test_a_misspelled_hook_is_contained_like_any_other_plugin_failure(two_samplers, typo_hook):
+    registry = Registry.from_entry_points(entry_points=[*two_samplers, *typo_hook])
 
     (failure,) = registry.failures
     assert failure.origin.distribution == "typo-plugin"
     assert "register_sampler" in failure.error
     assert registry.names("sampler") == ["first", "second"]
     with pytest.raises(PluginLoadError, match="typo-plugin"):
-        Registry.from_entry_points(strict=True, entry_points=[*two_samplers, *typo])
+        Registry.from_entry_points(strict=True, entry_points=[*two_samplers, *typo_hook])
 
 
 # -- conflicts -------------------------------------------------------------------------------------
@@ -507,9 +515,13 @@ def with_unwanted(site: FakeSite, two_samplers) -> list[importlib.metadata.Entry
     return [*two_samplers, *site.distribution("unwanted-plugin", "6.6.6", {"unwanted": "{pkg}.unwanted_hooks"})]
 
 
-@pytest.mark.parametrize("deny", ["unwanted", "unwanted-plugin"], ids=["entry-point name", "distribution"])
-def test_denied_plugins_are_never_imported(site, with_unwanted, deny):
-    registry = Registry.from_entry_points(deny=[deny], entry_points=with_unwanted)
+@pytest.mark.parametrize(
+    "selection",
+    [{"deny": ["unwanted"]}, {"deny": ["unwanted-plugin"]}, {"allow": ["good"]}, {"allow": ["good-plugin"]}],
+    ids=["deny entry-point name", "deny distribution", "allow entry-point name", "allow distribution"],
+)
+def test_plugins_denied_or_not_allowed_are_never_imported(site, with_unwanted, selection):
+    registry = Registry.from_entry_points(**selection, entry_points=with_unwanted)
     assert registry.failures == []
     assert not site.imported("{pkg}.unwanted_hooks")
     assert registry.names("sampler") == ["first", "second"]
@@ -518,14 +530,6 @@ def test_denied_plugins_are_never_imported(site, with_unwanted, deny):
 def test_deny_a_single_implementation_by_kind_and_name(two_samplers):
     registry = Registry.from_entry_points(deny=["sampler:first"], entry_points=two_samplers)
     assert registry.names("sampler") == ["second"]
-
-
-@pytest.mark.parametrize("allow", ["good", "good-plugin"], ids=["entry-point name", "distribution"])
-def test_allow_admits_only_the_named_plugins(site, with_unwanted, allow):
-    registry = Registry.from_entry_points(allow=[allow], entry_points=with_unwanted)
-    assert registry.failures == []
-    assert not site.imported("{pkg}.unwanted_hooks")
-    assert registry.names("sampler") == ["first", "second"]
 
 
 def test_allow_a_single_implementation_by_kind_and_name(two_samplers):

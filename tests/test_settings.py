@@ -44,7 +44,7 @@ def test_defaults_need_no_file():
     assert settings == Settings()
     assert settings.model.path == "default"
     assert settings.attention.backend == "auto"
-    assert settings.sampler.name == "greedy"
+    assert settings.sampler.name == "standard"
     assert settings.cache.block_size == 16
     assert settings.speculative is None and settings.kv_connector is None
 

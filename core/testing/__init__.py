@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from patchbay.registry import kind_of
 from patchbay.testing.attention import AttentionBackendSuite, MetadataBuilderSuite
-from patchbay.testing.kinds import DrafterBaseSuite, KVConnectorBaseSuite, SamplerBaseSuite
+from patchbay.testing.kinds import DrafterBaseSuite, KVConnectorBaseSuite
+from patchbay.testing.sampler import SamplerSuite
 from patchbay.testing.suite import PluginSuite
 
 # Kinds whose numeric suite comes with a later issue use their registration-level suite for now.
-SamplerSuite = SamplerBaseSuite
 DrafterSuite = DrafterBaseSuite
 KVConnectorSuite = KVConnectorBaseSuite
 

@@ -6,7 +6,13 @@ viewed as ``[num_blocks * block_size, num_kv_heads, head_size]``.
 
 from __future__ import annotations
 
+import importlib.util
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from patchbay.interfaces import AttentionBackend
 
 
 def write_kv(
@@ -29,6 +35,42 @@ def write_kv(
     for cache, new in ((key_cache, key), (value_cache, value)):
         flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
         flat.index_copy_(0, slots, new[:num_tokens].to(cache.dtype))
+
+
+def split_and_write_kv(
+    backend: type[AttentionBackend],
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``kv_cache`` with ``backend.split_kv_cache``, :func:`write_kv` the step's new keys and values into it.
+
+    Returns the ``(key_cache, value_cache)`` views, new keys and values
+    written: the first thing every built-in backend's ``forward`` does.
+    """
+    key_cache, value_cache = backend.split_kv_cache(kv_cache)
+    write_kv(key_cache, value_cache, key, value, slot_mapping)
+    return key_cache, value_cache
+
+
+def gather_slots(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value rows at cache ``slots`` (long), each ``[len(slots), num_kv_heads, head_size]``.
+
+    Converted to ``dtype`` when given (the cache's own dtype otherwise).
+    """
+
+    def rows(cache: torch.Tensor) -> torch.Tensor:
+        found = cache.view(-1, *cache.shape[-2:]).index_select(0, slots)
+        return found if dtype is None else found.to(dtype)
+
+    # One cache at a time: the keys' unconverted copy is freed before the values are gathered.
+    return rows(key_cache), rows(value_cache)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,3 +151,23 @@ def cuda_unavailable_reason() -> str | None:
     if not torch.cuda.is_available():
         return "needs CUDA (torch.cuda.is_available() is False)"
     return None
+
+
+def package_unavailable_reason(module: str, package: str | None = None) -> str | None:
+    """Why ``module`` cannot be imported (``package`` not installed), or ``None``; checked without importing it.
+
+    ``package`` is the distribution's name where it differs from the
+    module's (``flash-attn`` for ``flash_attn``).
+    """
+    if importlib.util.find_spec(module) is None:
+        return f"needs the {package or module} package (pip install 'patchbay[gpu]')"
+    return None
+
+
+def cuda_package_unavailable_reason(module: str, package: str | None = None) -> str | None:
+    """Why a CUDA kernel library cannot be used here: no CUDA, or ``module`` not installed; ``None`` if it can.
+
+    Cheap: initialises no CUDA context and imports nothing (see
+    :func:`package_unavailable_reason` for ``package``).
+    """
+    return cuda_unavailable_reason() or package_unavailable_reason(module, package)

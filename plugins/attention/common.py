@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
@@ -149,3 +150,19 @@ def as_varlen(metadata: PagedAttentionMetadata | CommonAttentionMetadata,
     if isinstance(metadata, VarlenAttentionMetadata) and metadata.sliding_window == sliding_window:
         return metadata
     return varlen_metadata(as_paged(metadata), sliding_window)
+
+
+VarlenT = TypeVar("VarlenT", bound=VarlenAttentionMetadata)
+
+
+def as_extended_varlen(metadata: PagedAttentionMetadata | CommonAttentionMetadata, cls: type[VarlenT],
+                       sliding_window: int | None, extend: Callable[[VarlenAttentionMetadata], VarlenT]) -> VarlenT:
+    """``metadata`` as ``cls`` (a :class:`VarlenAttentionMetadata` subclass) for ``sliding_window``.
+
+    The builder's own result when it is a ``cls`` built for that window;
+    metadata from another builder (or for another window) is extended here,
+    for this layer: ``extend(as_varlen(metadata, sliding_window))``.
+    """
+    if isinstance(metadata, cls) and metadata.sliding_window == sliding_window:
+        return metadata
+    return extend(as_varlen(metadata, sliding_window))

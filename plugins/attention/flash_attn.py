@@ -10,7 +10,6 @@ when a request's keys end at its last query.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import ClassVar
 
 import torch
@@ -22,7 +21,7 @@ from patchbay.interfaces import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
 )
-from patchbay.plugins.attention._paged import cuda_unavailable_reason, write_kv
+from patchbay.plugins.attention._paged import cuda_package_unavailable_reason, gather_slots, split_and_write_kv
 from patchbay.plugins.attention.common import PagedAttentionMetadata, VarlenAttentionMetadata, as_varlen
 
 PAGED_BLOCK_MULTIPLE = 256
@@ -45,10 +44,7 @@ class FlashAttentionBackend(AttentionBackend):
     @classmethod
     def unavailable_reason(cls) -> str | None:
         """Needs CUDA and the flash-attn package (checked without importing it)."""
-        reason = cuda_unavailable_reason()
-        if reason is None and importlib.util.find_spec("flash_attn") is None:
-            reason = "needs the flash-attn package (pip install 'patchbay[gpu]')"
-        return reason
+        return cuda_package_unavailable_reason("flash_attn", "flash-attn")
 
     def make_impl(self, layer: AttentionLayerSpec) -> FlashAttentionImpl:
         """Create the implementation of one layer."""
@@ -77,8 +73,7 @@ class FlashAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         """Write the new keys and values, then run one varlen kernel over the whole batch."""
         metadata = as_varlen(metadata, self.layer.sliding_window)
-        key_cache, value_cache = FlashAttentionBackend.split_kv_cache(kv_cache)
-        write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        key_cache, value_cache = split_and_write_kv(FlashAttentionBackend, kv_cache, key, value, metadata.slot_mapping)
         output = torch.zeros_like(query)
         num_tokens = metadata.num_actual_tokens
         if num_tokens == 0:
@@ -91,10 +86,7 @@ class FlashAttentionImpl(AttentionImpl):
             cu_seqlens_k = torch.nn.functional.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
             max_seqlen_k, block_table = common.max_seq_len, common.block_table[:num_reqs]
         else:
-            keys, values = (
-                cache.view(-1, *cache.shape[-2:]).index_select(0, metadata.kv_slots)
-                for cache in (key_cache, value_cache)
-            )
+            keys, values = gather_slots(key_cache, value_cache, metadata.kv_slots)
             cu_seqlens_k, max_seqlen_k, block_table = metadata.cu_seqlens_k, metadata.max_key_len, None
         output[:num_tokens] = self.flash_attn_varlen_func(
             query[:num_tokens],

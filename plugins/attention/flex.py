@@ -26,12 +26,12 @@ from patchbay.interfaces import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
 )
-from patchbay.plugins.attention._paged import ragged_slots, write_kv
+from patchbay.plugins.attention._paged import gather_slots, ragged_slots, split_and_write_kv
 from patchbay.plugins.attention.common import (
     PagedAttentionMetadata,
     VarlenAttentionMetadata,
     VarlenMetadataBuilder,
-    as_varlen,
+    as_extended_varlen,
     extend_metadata,
 )
 
@@ -170,17 +170,15 @@ class FlexAttentionImpl(AttentionImpl):
         metadata: FlexAttentionMetadata | PagedAttentionMetadata | CommonAttentionMetadata,
     ) -> torch.Tensor:
         """Write the new keys and values, gather every request's keys, and attend under the step's block mask."""
-        metadata = self._flex_metadata(metadata)
-        key_cache, value_cache = FlexAttentionBackend.split_kv_cache(kv_cache)
-        write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        metadata = as_extended_varlen(metadata, FlexAttentionMetadata, self.layer.sliding_window, flex_metadata)
+        key_cache, value_cache = split_and_write_kv(FlexAttentionBackend, kv_cache, key, value, metadata.slot_mapping)
         output = torch.zeros_like(query)
         num_tokens = metadata.num_actual_tokens
         if num_tokens == 0:
             return output
         keys, values = (
-            cache.view(-1, *cache.shape[-2:]).index_select(0, metadata.padded_kv_slots)
-            .to(query.dtype).transpose(0, 1)[None]
-            for cache in (key_cache, value_cache)
+            rows.transpose(0, 1)[None]
+            for rows in gather_slots(key_cache, value_cache, metadata.padded_kv_slots, query.dtype)
         )
         queries = query.new_zeros(metadata.padded_query_len, *query.shape[1:])
         queries[:num_tokens] = query[:num_tokens]
@@ -195,14 +193,6 @@ class FlexAttentionImpl(AttentionImpl):
             )
         output[:num_tokens] = attended[0, :, :num_tokens].transpose(0, 1)
         return output
-
-    def _flex_metadata(
-        self, metadata: FlexAttentionMetadata | PagedAttentionMetadata | CommonAttentionMetadata
-    ) -> FlexAttentionMetadata:
-        if isinstance(metadata, FlexAttentionMetadata) and metadata.sliding_window == self.layer.sliding_window:
-            return metadata
-        # Metadata from another builder (or for another window): build the block mask here, for this layer.
-        return flex_metadata(as_varlen(metadata, self.layer.sliding_window))
 
 
 def _soft_cap(cap: float) -> Callable[..., torch.Tensor]:

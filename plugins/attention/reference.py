@@ -13,7 +13,7 @@ from patchbay.interfaces import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
 )
-from patchbay.plugins.attention._paged import write_kv
+from patchbay.plugins.attention._paged import split_and_write_kv
 from patchbay.plugins.attention.common import PagedAttentionMetadata, as_paged
 
 
@@ -49,8 +49,7 @@ class ReferenceImpl(AttentionImpl):
     ) -> torch.Tensor:
         """Write the new keys and values, then attend each request's queries to its cached keys."""
         metadata = as_paged(metadata)
-        key_cache, value_cache = ReferenceBackend.split_kv_cache(kv_cache)
-        write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        key_cache, value_cache = split_and_write_kv(ReferenceBackend, kv_cache, key, value, metadata.slot_mapping)
         output = torch.zeros_like(query)
         for request in range(metadata.num_reqs):
             start, end = metadata.query_starts[request], metadata.query_starts[request + 1]

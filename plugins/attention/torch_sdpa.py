@@ -27,7 +27,7 @@ from patchbay.interfaces import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
 )
-from patchbay.plugins.attention._paged import Workspace, gather_blocks, window_start, write_kv
+from patchbay.plugins.attention._paged import Workspace, gather_blocks, split_and_write_kv, window_start
 from patchbay.plugins.attention.common import (
     CommonMetadataBuilder,
     PagedAttentionMetadata,
@@ -211,8 +211,7 @@ class TorchSDPAImpl(AttentionImpl):
         """Write the new keys and values, then attend every request as the step's plan says."""
         plan = self._plan(metadata)
         metadata = as_paged(metadata)
-        key_cache, value_cache = TorchSDPABackend.split_kv_cache(kv_cache)
-        write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        key_cache, value_cache = split_and_write_kv(TorchSDPABackend, kv_cache, key, value, metadata.slot_mapping)
         output = torch.empty_like(query)
         output[metadata.num_actual_tokens:].zero_()
         for batch in plan.short_batches:

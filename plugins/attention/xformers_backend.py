@@ -9,7 +9,6 @@ positions no later than its own.  The bias is built once per step by the
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -23,12 +22,17 @@ from patchbay.interfaces import (
     Capabilities,
     CommonAttentionMetadata,
 )
-from patchbay.plugins.attention._paged import cuda_unavailable_reason, write_kv
+from patchbay.plugins.attention._paged import (
+    cuda_package_unavailable_reason,
+    gather_slots,
+    package_unavailable_reason,
+    split_and_write_kv,
+)
 from patchbay.plugins.attention.common import (
     PagedAttentionMetadata,
     VarlenAttentionMetadata,
     VarlenMetadataBuilder,
-    as_varlen,
+    as_extended_varlen,
     extend_metadata,
 )
 
@@ -66,9 +70,7 @@ class XFormersMetadataBuilder(VarlenMetadataBuilder):
     @classmethod
     def unavailable_reason(cls) -> str | None:
         """Needs the xformers package (checked without importing it)."""
-        if importlib.util.find_spec("xformers") is None:
-            return "needs the xformers package (pip install 'patchbay[gpu]')"
-        return None
+        return package_unavailable_reason("xformers")
 
     def build(self, common: CommonAttentionMetadata) -> XFormersMetadata:
         """Return :class:`XFormersMetadata` for this step (``common`` is not modified)."""
@@ -90,10 +92,7 @@ class XFormersBackend(AttentionBackend):
     @classmethod
     def unavailable_reason(cls) -> str | None:
         """Needs CUDA and the xformers package (checked without importing it)."""
-        reason = cuda_unavailable_reason()
-        if reason is None and importlib.util.find_spec("xformers") is None:
-            reason = "needs the xformers package (pip install 'patchbay[gpu]')"
-        return reason
+        return cuda_package_unavailable_reason("xformers")
 
     def make_impl(self, layer: AttentionLayerSpec) -> XFormersImpl:
         """Create the implementation of one layer."""
@@ -120,19 +119,15 @@ class XFormersImpl(AttentionImpl):
         metadata: XFormersMetadata | PagedAttentionMetadata | CommonAttentionMetadata,
     ) -> torch.Tensor:
         """Write the new keys and values, gather every request's keys, and attend in one kernel call."""
-        metadata = self._metadata(metadata)
-        key_cache, value_cache = XFormersBackend.split_kv_cache(kv_cache)
-        write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        metadata = as_extended_varlen(metadata, XFormersMetadata, self.layer.sliding_window, xformers_metadata)
+        key_cache, value_cache = split_and_write_kv(XFormersBackend, kv_cache, key, value, metadata.slot_mapping)
         output = torch.zeros_like(query)
         num_tokens = metadata.num_actual_tokens
         if num_tokens == 0:
             return output
         num_kv_heads, head_size = key_cache.shape[-2:]
         group = self.layer.num_heads // num_kv_heads
-        keys, values = (
-            cache.view(-1, num_kv_heads, head_size).index_select(0, metadata.kv_slots).to(query.dtype)[None]
-            for cache in (key_cache, value_cache)
-        )
+        keys, values = (rows[None] for rows in gather_slots(key_cache, value_cache, metadata.kv_slots, query.dtype))
         queries = query[:num_tokens][None]
         if group > 1:
             # GQA in xformers' [batch, tokens, kv_heads, group, head_size] form: keys broadcast over the group.
@@ -144,10 +139,3 @@ class XFormersImpl(AttentionImpl):
         )
         output[:num_tokens] = attended.reshape(num_tokens, self.layer.num_heads, head_size)
         return output
-
-    def _metadata(
-        self, metadata: XFormersMetadata | PagedAttentionMetadata | CommonAttentionMetadata
-    ) -> XFormersMetadata:
-        if isinstance(metadata, XFormersMetadata) and metadata.sliding_window == self.layer.sliding_window:
-            return metadata
-        return xformers_metadata(as_varlen(metadata, self.layer.sliding_window))
