@@ -10,7 +10,15 @@ from patchbay.interfaces.attention import (
     CommonAttentionMetadata,
 )
 from patchbay.interfaces.base import Capabilities, NoOptions, Plugin, ServingConfig
-from patchbay.interfaces.drafter import DraftBatch, Drafter, DrafterCapabilities, DrafterConfig, DraftProposals
+from patchbay.interfaces.drafter import (
+    DraftBatch,
+    Drafter,
+    DrafterCapabilities,
+    DrafterConfig,
+    DrafterContext,
+    DraftProposals,
+    DraftStep,
+)
 from patchbay.interfaces.kv_connector import (
     KVConnector,
     KVConnectorCapabilities,
@@ -35,7 +43,7 @@ from patchbay.interfaces.sampler import (
 __all__ = [
     "SAMPLING_PARAMS", "AttentionBackend", "AttentionCapabilities", "AttentionConfig", "AttentionImpl",
     "AttentionLayerSpec", "AttentionMetadataBuilder", "Capabilities", "CommonAttentionMetadata", "DraftBatch",
-    "DraftProposals", "Drafter", "DrafterCapabilities", "DrafterConfig", "KVConnector", "KVConnectorCapabilities",
+    "DraftProposals", "DraftStep", "Drafter", "DrafterCapabilities", "DrafterConfig", "DrafterContext", "KVConnector", "KVConnectorCapabilities",
     "KVConnectorConfig", "KVConnectorMetadata", "KVConnectorScheduler", "KVConnectorWorker", "NoOptions", "Plugin",
     "RejectionSampler", "RequestView", "Sampler", "SamplerBase", "SamplerCapabilities", "SamplerConfig",
     "SamplerOutput", "SamplingMetadata", "ServingConfig", "SpecDecodeMetadata",

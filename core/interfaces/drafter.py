@@ -50,11 +50,37 @@ class DrafterCapabilities(Capabilities):
 
 
 @dataclass
+class DraftStep:
+    """The target's whole step, for drafters that run their own layers over it (EAGLE).
+
+    Rows follow the step's flattened tokens (request after request, as the
+    target ran them), including draft tokens that were verified and rejected:
+    request ``i``'s last ``num_rejected[i]`` rows are such rejects and must be
+    ignored.
+    """
+
+    token_ids: torch.Tensor
+    """int64 ``[num_tokens]``: the tokens the target ran."""
+    positions: torch.Tensor
+    """int64 ``[num_tokens]``."""
+    hidden_states: torch.Tensor
+    """``[num_tokens, hidden]``: the target's final hidden states (before the lm head)."""
+    query_start_loc: np.ndarray
+    """int32 ``[num_reqs + 1]``."""
+    num_rejected: np.ndarray
+    """int32 ``[num_reqs]``."""
+    attention_metadata: Any
+    """The step's :class:`~patchbay.interfaces.CommonAttentionMetadata` (first KV-cache group)."""
+    aux_hidden_states: list[torch.Tensor] | None = None
+    """``[num_tokens, hidden]`` of each layer in :attr:`DrafterCapabilities.needs_aux_hidden_states`."""
+
+
+@dataclass
 class DraftBatch:
-    """The requests to draft for after a step, in persistent-batch order.
+    """The requests to draft for after a step, in the order the target ran them.
 
     ``token_ids[i]`` holds all of request ``i``'s tokens so far (prompt,
-    then output, including the token sampled this step).  Fields a drafter
+    then output, including the tokens accepted this step).  Fields a drafter
     did not declare a need for are ``None``.
     """
 
@@ -62,13 +88,33 @@ class DraftBatch:
     token_ids: list[np.ndarray]
     num_speculative_tokens: int
     max_model_len: int
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    """The tokens each request gained this step (accepted drafts, then the recovered or bonus token)."""
     hidden_states: torch.Tensor | None = None
-    """``[num_reqs, hidden]``: the target's last hidden state behind each sampled token."""
-    aux_hidden_states: list[torch.Tensor] | None = None
-    positions: torch.Tensor | None = None
-    attention_metadata: Any = None
+    """``[num_reqs, hidden]``: the target's final hidden state that produced each request's last token."""
+    step: DraftStep | None = None
+    """The target's whole step, for drafters declaring ``needs_attention_metadata``."""
     skip: set[int] = field(default_factory=set)
     """Batch indices that must not draft (finished, near ``max_model_len``, unsupported sampling)."""
+
+
+@dataclass
+class DrafterContext:
+    """What a drafter may use of the run, given once to :meth:`Drafter.load`."""
+
+    model: Any
+    """The target transformers model (``get_input_embeddings()``, ``get_output_embeddings()``, its config)."""
+    attention_backend: Any
+    """The run's :class:`~patchbay.interfaces.AttentionBackend`: a drafter with its own attention layers makes
+    their implementations (and sizes their caches with ``kv_cache_shape``) through it."""
+    metadata_builder: Any
+    """The run's metadata builder for the first KV-cache group (build the drafter's per-step metadata with it)."""
+    block_size: int
+    num_blocks: int
+    """Blocks in the target's KV pool; a drafter cache of the same size can reuse the target's block tables."""
+    device: Any
+    dtype: Any
+    """The run's torch dtype."""
 
 
 @dataclass
@@ -91,8 +137,11 @@ class Drafter(Plugin):
         self.options = options if options is not None else self.Options()
         self.config = config if config is not None else DrafterConfig()
 
-    def load(self, target_model: Any) -> None:
-        """Load weights or share modules with the target (embeddings, lm head). Default: nothing."""
+    def load(self, context: DrafterContext) -> None:
+        """Load weights, share modules with the target (embeddings, lm head), allocate caches. Default: nothing.
+
+        Called once before the first step.
+        """
 
     @abstractmethod
     def propose(self, batch: DraftBatch) -> DraftProposals:
