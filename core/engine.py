@@ -11,11 +11,21 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from patchbay.hf_model import HFCausalLM
-from patchbay.interfaces import AttentionConfig, AttentionMetadataBuilder, Sampler, SamplerConfig
+from patchbay.hf_model import HFCausalLM, torch_dtype
+from patchbay.interfaces import (
+    AttentionConfig,
+    AttentionMetadataBuilder,
+    Drafter,
+    DrafterConfig,
+    DrafterContext,
+    RejectionSampler,
+    Sampler,
+    SamplerConfig,
+)
 from patchbay.kv_cache_manager import KVCacheManager, num_blocks_for_memory
 from patchbay.kv_cache_spec import KVCacheGroup, group_layers
 from patchbay.model_loader import resolve_model_dir
@@ -69,10 +79,9 @@ class Engine:
 
         self.settings = settings
         registry = registry or registry_for(settings.plugins)
-        for section in ("speculative", "kv_connector"):
-            if getattr(settings, section) is not None:
-                raise ConfigError([ConfigProblem("<run>", section, "the runner does not support this section yet; "
-                                                 "remove it (speculative decoding and KV connectors are being built)")])
+        if settings.kv_connector is not None:
+            raise ConfigError([ConfigProblem("<run>", "kv_connector", "the runner does not support KV connectors yet; "
+                                             "remove this section")])
         if settings.runtime.threads is not None:
             torch.set_num_threads(settings.runtime.threads)
         torch.manual_seed(settings.runtime.seed)
@@ -109,6 +118,8 @@ class Engine:
                                        "sampler.options")
 
         num_blocks = self._num_blocks()
+        drafter, rejection_sampler = self._speculative_plugins(registry, backend, builders[0], num_blocks)
+        num_speculative_tokens = settings.speculative.num_speculative_tokens if settings.speculative else 0
         self.kv_cache_manager = KVCacheManager(self.groups, num_blocks, settings.cache.prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -117,6 +128,7 @@ class Engine:
             max_model_len=self.max_model_len,
             block_size=block_size,
             chunked_prefill=settings.scheduler.chunked_prefill,
+            num_speculative_tokens=num_speculative_tokens,
         )
         self.runner = ModelRunner(
             self.model,
@@ -130,7 +142,11 @@ class Engine:
             max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
             device=self.device,
             eos_token_ids=shape.eos_token_ids,
+            drafter=drafter,
+            rejection_sampler=rejection_sampler,
+            num_speculative_tokens=num_speculative_tokens,
         )
+        self.spec_stats = self.runner.spec_stats
         self.num_blocks = num_blocks
         self.stats = EngineStats()
         self._outputs: dict[str, RequestOutput] = {}
@@ -159,6 +175,30 @@ class Engine:
             sliding_window=spec.sliding_window,
             logits_soft_cap=any_layer.logits_soft_cap,
         )
+
+    def _speculative_plugins(self, registry: Registry, backend: Any, builder: Any,
+                             num_blocks: int) -> tuple[Drafter | None, RejectionSampler | None]:
+        """The drafter and rejection sampler of ``speculative:``, loaded and checked; ``(None, None)`` without it."""
+        spec = self.settings.speculative
+        if spec is None:
+            return None, None
+        config = DrafterConfig(device=self.device.type, dtype=self.dtype,
+                               num_speculative_tokens=spec.num_speculative_tokens,
+                               max_model_len=self.max_model_len, vocab_size=self.model.shape.vocab_size)
+        drafter_class = registry.resolve("drafter", spec.method)
+        require_serves(drafter_class, f"drafter:{spec.method}", "speculative.method", [config])
+        drafter: Drafter = drafter_class(plugin_options(drafter_class, spec.options, where="speculative.options"),
+                                         config=config)
+        verifier_class = registry.resolve("sampler", spec.rejection_sampler)
+        require_serves(verifier_class, f"sampler:{spec.rejection_sampler}", "speculative.rejection_sampler",
+                       [SamplerConfig(device=self.device.type, dtype=self.dtype, role="verify")])
+        verifier: RejectionSampler = verifier_class(verifier_class.Options())
+        drafter.load(DrafterContext(
+            model=self.model.model, attention_backend=backend, metadata_builder=builder,
+            block_size=self.settings.cache.block_size, num_blocks=num_blocks, device=self.device,
+            dtype=torch_dtype(self.dtype),
+        ))
+        return drafter, verifier
 
     def _num_blocks(self) -> int:
         cache = self.settings.cache
@@ -268,6 +308,12 @@ class Engine:
         self.stats.num_steps += 1
         now = time.monotonic()
         logprobs_by_id = dict(zip(runner_output.req_ids, runner_output.logprobs or [], strict=False))
+        sampled_by_id = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
+        for request_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            output = self._outputs.get(request_id)
+            if output is not None and sampled_by_id.get(request_id):
+                output.metrics.num_draft_tokens += len(drafts)
+                output.metrics.num_accepted_tokens += len(sampled_by_id[request_id]) - 1
         for request_id, prompt_logprobs in runner_output.prompt_logprobs.items():
             output = self._outputs.get(request_id)
             if output is not None and output.prompt_logprobs is None:  # a preempted request computes them again

@@ -36,6 +36,11 @@ class LLM:
         self.engine = Engine(self.settings, registry=registry)
         self.tokenizer = self.engine.tokenizer
 
+    @property
+    def spec_stats(self):  # noqa: ANN201 - patchbay.spec_decode.SpecDecodeStats
+        """Speculative-decoding counters since this LLM was created (drafted, accepted, per position)."""
+        return self.engine.spec_stats
+
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """Prompt text (if any) and token ids; ``messages`` go through the chat template."""
         if isinstance(prompt, str):

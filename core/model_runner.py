@@ -22,6 +22,10 @@ from patchbay.hf_model import HFCausalLM, torch_dtype
 from patchbay.input_batch import InputBatch
 from patchbay.interfaces import (
     AttentionBackend,
+    DraftBatch,
+    Drafter,
+    DraftStep,
+    RejectionSampler,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
     Sampler,
@@ -30,6 +34,7 @@ from patchbay.interfaces import (
 )
 from patchbay.kv_cache_spec import KVCacheGroup
 from patchbay.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from patchbay.spec_decode import LogitsLayout, SpecDecodeStats, logits_layout, may_draft, verify
 
 
 @dataclass
@@ -55,9 +60,15 @@ class StepInputs:
     The others run a partial (chunked) prefill, whose sample would be discarded: it is never drawn."""
     input_ids: torch.Tensor
     positions: torch.Tensor
-    logits_indices: torch.Tensor
-    """Flattened positions of the last token of each sampling row."""
+    layout: LogitsLayout
+    """Where logits are computed: the last token of each sampling row, and every draft position."""
+    drafts: list[list[int]]
+    """Draft tokens verified this step, per sampling row."""
     group_metadata: list[Any]
+    common_metadata: CommonAttentionMetadata
+    """The first KV-cache group's backend-neutral metadata (what drafters with their own attention reuse)."""
+    num_rejected: np.ndarray | None = None
+    """Per row, drafts rejected this step (set once the samples are recorded)."""
 
 
 class ModelRunner:
@@ -77,6 +88,9 @@ class ModelRunner:
         max_num_batched_tokens: int,
         device: torch.device,
         eos_token_ids: tuple[int, ...] = (),
+        drafter: Drafter | None = None,
+        rejection_sampler: RejectionSampler | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -85,6 +99,10 @@ class ModelRunner:
         self.groups = groups
         self.device = device
         self.eos_token_ids = eos_token_ids
+        self.drafter = drafter
+        self.rejection_sampler = rejection_sampler
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_stats = SpecDecodeStats()
         self.batch = InputBatch(
             max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_sizes=[g.spec.block_size for g in groups],
             device=device,
@@ -130,16 +148,30 @@ class ModelRunner:
         with forward_context(ForwardContext(self._bindings, step.group_metadata)):
             hidden_states = self.model.hidden_states(step.input_ids, step.positions)
         sample_rows = step.rows[step.complete]
-        logits = self.model.logits(hidden_states[step.logits_indices]) if len(sample_rows) else None
+        logits = None
+        if len(sample_rows):
+            logits = self.model.logits(hidden_states[torch.from_numpy(step.layout.logits_indices).to(self.device)])
         prompt_logprobs = self._collect_prompt_logprobs(step, hidden_states)
         clock = self._lap("forward", clock)
+        new_tokens: list[list[int]] = []
         sampler_output = None
         if logits is not None:
-            sampler_output = self.sampler.sample(logits, self._sampling_metadata(sample_rows))
+            metadata = self._sampling_metadata(sample_rows)
+            if step.layout.has_drafts:
+                bonus_logits = logits[torch.from_numpy(step.layout.bonus_indices).to(self.device)]
+                sampler_output = self.sampler.sample(bonus_logits, metadata)
+                new_tokens = verify(self.rejection_sampler, step.layout, logits, step.drafts,
+                                    sampler_output.sampled_token_ids, metadata, self.model.shape.vocab_size)
+            else:
+                sampler_output = self.sampler.sample(logits, metadata)
+                new_tokens = [[token] for token in sampler_output.sampled_token_ids[:, 0].tolist()]
         clock = self._lap("sample", clock)
-        output = self._record_samples(step, sampler_output)
+        output = self._record_samples(step, new_tokens, sampler_output)
         output.prompt_logprobs = prompt_logprobs
-        self._lap("output", clock)
+        clock = self._lap("output", clock)
+        if self.drafter is not None and len(sample_rows):
+            output.draft_token_ids = self._propose_drafts(step, hidden_states, new_tokens)
+            self._lap("draft", clock)
         self.num_steps += 1
         return output
 
@@ -185,6 +217,11 @@ class ModelRunner:
         rows = rows[order]
         num_scheduled = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int32)[order]
         total = int(num_scheduled.sum())
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        drafts_by_row = [spec_tokens.get(batch.req_ids[row], []) for row in rows] if spec_tokens else []
+        for row, drafts in zip(rows, drafts_by_row, strict=False):
+            # Drafts sit after the known tokens for the gather below; they count as known only once accepted.
+            batch.token_ids[row, batch.num_tokens[row] : batch.num_tokens[row] + len(drafts)] = drafts
         cu_num_scheduled = np.cumsum(num_scheduled, dtype=np.int32)
 
         # Request (position in `rows`) of every token: [2, 5, 3] -> [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
@@ -203,6 +240,7 @@ class ModelRunner:
         query_start_loc_cpu = torch.from_numpy(query_start_loc)
         seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
         group_metadata = []
+        commons = []
         for table, builder in zip(batch.block_tables, self.builders, strict=True):
             max_blocks = int(-(-seq_lens.max() // table.block_size))
             common = CommonAttentionMetadata(
@@ -220,7 +258,10 @@ class ModelRunner:
                 block_size=table.block_size,
             )
             group_metadata.append(builder.build(common))
+            commons.append(common)
         complete = seq_lens >= batch.num_tokens[rows]
+        num_drafts = np.array([len(d) for d in drafts_by_row], dtype=np.int64) if drafts_by_row else \
+            np.zeros(len(rows), dtype=np.int64)
         return StepInputs(
             rows=rows,
             num_scheduled=num_scheduled,
@@ -229,8 +270,10 @@ class ModelRunner:
             complete=complete,
             input_ids=to_device(torch.from_numpy(input_ids.astype(np.int64))),
             positions=to_device(torch.from_numpy(positions.astype(np.int64))),
-            logits_indices=to_device(torch.from_numpy((cu_num_scheduled - 1)[complete].astype(np.int64))),
+            layout=logits_layout(cu_num_scheduled, num_drafts, complete),
+            drafts=[d for d, done in zip(drafts_by_row, complete, strict=True) if done] if drafts_by_row else [],
             group_metadata=group_metadata,
+            common_metadata=commons[0],
         )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -251,20 +294,70 @@ class ModelRunner:
             device=self.device,
         )
 
-    def _record_samples(self, step: StepInputs, sampler_output: SamplerOutput | None) -> ModelRunnerOutput:
+    def _record_samples(self, step: StepInputs, new_tokens: list[list[int]],
+                        sampler_output: SamplerOutput | None) -> ModelRunnerOutput:
         batch = self.batch
         req_ids = [batch.req_ids[row] for row in step.rows]
         sampled_lists: list[list[int]] = [[] for _ in step.rows]
-        logprobs: list[Any] | None = None
-        if sampler_output is not None:
-            sampled = sampler_output.sampled_token_ids[:, 0].cpu().numpy()
-            batch.append_tokens(step.rows[step.complete], sampled)
-            positions = np.flatnonzero(step.complete)
-            for position, token in zip(positions, sampled.tolist(), strict=True):
-                sampled_lists[position] = [token]
-            logprobs = self._logprobs(step, positions, sampler_output)
-        batch.num_computed_tokens[step.rows] = step.seq_lens
+        positions = np.flatnonzero(step.complete)
+        num_rejected = np.zeros(len(step.rows), dtype=np.int32)
+        if step.layout.has_drafts:
+            for position, tokens, drafted in zip(positions, new_tokens, step.layout.num_drafts.tolist(), strict=True):
+                row = step.rows[position]
+                start = batch.num_tokens[row]
+                batch.token_ids[row, start : start + len(tokens)] = tokens
+                batch.num_tokens[row] = start + len(tokens)
+                sampled_lists[position] = tokens
+                num_rejected[position] = drafted + 1 - len(tokens)
+                if drafted:
+                    self.spec_stats.record(drafted, len(tokens) - 1, self.num_speculative_tokens)
+        elif len(positions):
+            batch.append_tokens(step.rows[positions], np.array([tokens[0] for tokens in new_tokens]))
+            for position, tokens in zip(positions, new_tokens, strict=True):
+                sampled_lists[position] = tokens
+        batch.num_computed_tokens[step.rows] = step.seq_lens - num_rejected
+        step.num_rejected = num_rejected
+        logprobs = self._logprobs(step, positions, sampler_output) if sampler_output is not None else None
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_lists, logprobs=logprobs)
+
+    def _propose_drafts(self, step: StepInputs, hidden_states: torch.Tensor,
+                        new_tokens: list[list[int]]) -> list[list[int]]:
+        """Ask the drafter for the next step's drafts of every request that sampled (empty lists elsewhere)."""
+        batch = self.batch
+        drafter = self.drafter
+        assert drafter is not None
+        positions = np.flatnonzero(step.complete)
+        rows = step.rows[positions]
+        skip = {i for i, row in enumerate(rows)
+                if not may_draft(batch.sampling_params[row])
+                or batch.num_tokens[row] + 1 >= batch.max_model_len}
+        capabilities = drafter.capabilities
+        # The hidden state that produced each request's last token: its last position minus the rejected drafts.
+        ends = step.query_start_loc[1:][positions] - 1 - step.num_rejected[positions]
+        draft_batch = DraftBatch(
+            req_ids=[batch.req_ids[row] for row in rows],
+            token_ids=[batch.token_ids[row, : batch.num_tokens[row]] for row in rows],
+            num_speculative_tokens=self.num_speculative_tokens,
+            max_model_len=batch.max_model_len,
+            sampled_token_ids=new_tokens,
+            hidden_states=hidden_states[torch.from_numpy(ends).to(self.device)]
+            if capabilities.needs_hidden_states else None,
+            skip=skip,
+        )
+        if capabilities.needs_attention_metadata:
+            draft_batch.step = DraftStep(
+                token_ids=step.input_ids,
+                positions=step.positions,
+                hidden_states=hidden_states,
+                query_start_loc=step.query_start_loc,
+                num_rejected=step.num_rejected,
+                attention_metadata=step.common_metadata,
+            )
+        proposals = drafter.propose(draft_batch).draft_token_ids
+        drafts: list[list[int]] = [[] for _ in step.rows]
+        for position, proposal in zip(positions, proposals, strict=True):
+            drafts[position] = list(proposal)
+        return drafts
 
     def _logprobs(self, step: StepInputs, positions: np.ndarray, sampler_output: SamplerOutput) -> list[Any] | None:
         """Per step row, the sampled token's logprobs when its request asked for them (else ``None``)."""

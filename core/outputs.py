@@ -19,6 +19,10 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    num_draft_tokens: int = 0
+    """Speculative draft tokens verified for this request."""
+    num_accepted_tokens: int = 0
+    """Of those, the ones accepted."""
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -39,6 +43,8 @@ class RequestMetrics:
             "e2e_latency_s": self.e2e_latency,
             "mean_inter_token_latency_s": sum(itl) / len(itl) if itl else None,
             "num_cached_tokens": self.num_cached_tokens,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
         }
 
 
@@ -136,6 +142,8 @@ def merge_completions(request_id: str, sequences: list[RequestOutput]) -> Reques
         finish_time=max((s.metrics.finish_time for s in sequences if s.metrics.finish_time), default=None),
         token_times=sorted(t for s in sequences for t in s.metrics.token_times),
         num_cached_tokens=first.metrics.num_cached_tokens,
+        num_draft_tokens=sum(s.metrics.num_draft_tokens for s in sequences),
+        num_accepted_tokens=sum(s.metrics.num_accepted_tokens for s in sequences),
     )
     return RequestOutput(
         request_id, first.prompt, first.prompt_token_ids, first.sampling_params, first.token_ids, first.text,

@@ -112,6 +112,12 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
         f"attention {engine.backend_name}, {engine.dtype} on {engine.device}",
         f"runner time:         {breakdown}",
     ]
+    spec = engine.spec_stats
+    if spec.num_draft_tokens:
+        per_position = ", ".join(f"{rate:.2f}" for rate in spec.acceptance_rate_per_position)
+        lines.append(f"speculative:         {spec.num_draft_tokens} drafted, {spec.num_accepted_tokens} accepted "
+                     f"({100 * spec.acceptance_rate:.1f}%), per position [{per_position}], "
+                     f"mean accepted length {spec.mean_accepted_length:.2f}")
     return "\n".join(lines)
 
 
