@@ -20,6 +20,7 @@ import torch
 from patchbay.forward_context import ForwardContext, LayerBinding, forward_context
 from patchbay.hf_model import HFCausalLM, torch_dtype
 from patchbay.input_batch import InputBatch
+from patchbay.logprobs import Logprobs, PromptLogprobs
 from patchbay.interfaces import (
     AttentionBackend,
     DraftBatch,
@@ -35,15 +36,6 @@ from patchbay.interfaces import (
 from patchbay.kv_cache_spec import KVCacheGroup
 from patchbay.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from patchbay.spec_decode import LogitsLayout, SpecDecodeStats, logits_layout, may_draft, verify
-
-
-@dataclass
-class Logprobs:
-    """Logprobs of one sampled token: the sampled token first, then the top-``n`` alternatives."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    sampled_rank: int
 
 
 @dataclass
@@ -107,7 +99,7 @@ class ModelRunner:
             max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_sizes=[g.spec.block_size for g in groups],
             device=device,
         )
-        self._prompt_logprobs: dict[str, list[Logprobs | None]] = {}
+        self.prompt_logprobs = PromptLogprobs(model, self.batch)
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self._bindings = self._bind_layers()
         # Scratch index vector, sliced each step instead of allocated.
@@ -151,7 +143,8 @@ class ModelRunner:
         logits = None
         if len(sample_rows):
             logits = self.model.logits(hidden_states[torch.from_numpy(step.layout.logits_indices).to(self.device)])
-        prompt_logprobs = self._collect_prompt_logprobs(step, hidden_states)
+        prompt_logprobs = self.prompt_logprobs.collect(step.rows, step.seq_lens, step.num_scheduled,
+                                                       step.query_start_loc, step.complete, hidden_states)
         clock = self._lap("forward", clock)
         new_tokens: list[list[int]] = []
         sampler_output = None
@@ -184,10 +177,10 @@ class ModelRunner:
         batch = self.batch
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             batch.remove_request(req_id)
-            self._prompt_logprobs.pop(req_id, None)
+            self.prompt_logprobs.forget(req_id)
         for request in scheduler_output.scheduled_new_reqs:
             batch.add_request(request)
-            self._prompt_logprobs.pop(request.req_id, None)
+            self.prompt_logprobs.forget(request.req_id)
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -373,47 +366,3 @@ class ModelRunner:
                 found[position] = Logprobs(token_ids[sample_index][: wanted + 1], values[sample_index][: wanted + 1],
                                            ranks[sample_index])
         return found
-
-    def _collect_prompt_logprobs(self, step: StepInputs, hidden_states: torch.Tensor) -> dict[str, Any]:
-        """Logprobs of the prompt tokens this step's chunks cover; a request's list is returned once its prompt is done.
-
-        The hidden state at position ``p`` scores prompt token ``p + 1``, so a
-        chunk covering positions ``a..b-1`` contributes tokens ``a+1..min(b, P-1)``
-        of a ``P``-token prompt (the first prompt token has no logprob: ``None``).
-        """
-        batch = self.batch
-        finished: dict[str, Any] = {}
-        for i, row in enumerate(step.rows):
-            params = batch.sampling_params[row]
-            if params.prompt_logprobs is None:
-                continue
-            req_id = batch.req_ids[row]
-            start = int(step.seq_lens[i] - step.num_scheduled[i])
-            end = min(int(step.seq_lens[i]), int(batch.num_prompt_tokens[row]) - 1)
-            entries = self._prompt_logprobs.setdefault(req_id, [None] if start == 0 else [])
-            first = int(step.query_start_loc[i])
-            for chunk in range(start, end, PROMPT_LOGPROBS_CHUNK):
-                chunk_end = min(chunk + PROMPT_LOGPROBS_CHUNK, end)
-                rows = hidden_states[first + chunk - start : first + chunk_end - start]
-                targets = torch.from_numpy(batch.token_ids[row, chunk + 1 : chunk_end + 1].astype(np.int64))
-                entries.extend(_score(self.model.logits(rows), targets.to(self.device), params.prompt_logprobs))
-            if step.complete[i]:
-                finished[req_id] = self._prompt_logprobs.pop(req_id)
-        return finished
-
-
-PROMPT_LOGPROBS_CHUNK = 256
-"""Prompt positions scored at once (a chunk of float32 logits is 256 x vocab)."""
-
-
-def _score(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> list[Logprobs]:
-    """Logprobs of ``targets`` under ``logits`` (one row each), with rank and the top ``top_n`` alternatives."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(-1, targets[:, None])
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-    ids = targets[:, None]
-    values = chosen
-    if top_n:
-        top_values, top_ids = logprobs.topk(top_n, dim=-1)
-        ids, values = torch.cat([ids, top_ids], dim=-1), torch.cat([chosen, top_values], dim=-1)
-    return [Logprobs(i, v, r) for i, v, r in zip(ids.tolist(), values.tolist(), ranks, strict=True)]
