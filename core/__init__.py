@@ -6,7 +6,17 @@ embedders use :class:`patchbay.LLM`.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING, Any
+
+# OpenMP's default busy-waiting makes each of torch's threads spin between parallel regions; on a
+# machine with a busy neighbour that turns a 50 ms decode step into 500 ms.  Passive waiting costs
+# nothing measurable when the machine is quiet.  It only takes effect if torch is not imported yet,
+# and an explicit OMP_WAIT_POLICY always wins.
+OMP_POLICY_TOO_LATE = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
+"""torch was imported before patchbay with no wait policy set: the engine warns that steps may crawl."""
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from patchbay.hookspecs import hookimpl
 

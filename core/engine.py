@@ -79,6 +79,12 @@ class Engine:
 
         self.settings = settings
         registry = registry or registry_for(settings.plugins)
+        import patchbay
+
+        if patchbay.OMP_POLICY_TOO_LATE:
+            logger.warning("torch was imported before patchbay, so OpenMP threads busy-wait; with another busy "
+                           "process on the machine steps can be ~10x slower. Import patchbay first or set "
+                           "OMP_WAIT_POLICY=PASSIVE before starting Python.")
         if settings.kv_connector is not None:
             raise ConfigError([ConfigProblem("<run>", "kv_connector", "the runner does not support KV connectors yet; "
                                              "remove this section")])
