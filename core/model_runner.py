@@ -315,24 +315,32 @@ class ModelRunner:
 
     def _propose_drafts(self, step: StepInputs, hidden_states: torch.Tensor,
                         new_tokens: list[list[int]]) -> list[list[int]]:
-        """Ask the drafter for the next step's drafts of every request that sampled (empty lists elsewhere)."""
+        """Ask the drafter for the next step's drafts, for the step's requests in step order.
+
+        Every request of the step is in the batch (so it lines up with the
+        step a drafter with its own attention replays); those still
+        prefilling, near ``max_model_len`` or whose sampling cannot be
+        verified are in ``skip``.
+        """
         batch = self.batch
         drafter = self.drafter
-        assert drafter is not None
-        positions = np.flatnonzero(step.complete)
-        rows = step.rows[positions]
+        assert drafter is not None and step.num_rejected is not None
+        rows = step.rows
+        sampled: list[list[int]] = [[] for _ in rows]
+        for position, tokens in zip(np.flatnonzero(step.complete), new_tokens, strict=True):
+            sampled[position] = tokens
         skip = {i for i, row in enumerate(rows)
-                if not may_draft(batch.sampling_params[row])
+                if not step.complete[i] or not may_draft(batch.sampling_params[row])
                 or batch.num_tokens[row] + 1 >= batch.max_model_len}
         capabilities = drafter.capabilities
-        # The hidden state that produced each request's last token: its last position minus the rejected drafts.
-        ends = step.query_start_loc[1:][positions] - 1 - step.num_rejected[positions]
+        # The hidden state behind each request's last token: its chunk's last position minus the rejected drafts.
+        ends = step.query_start_loc[1:] - 1 - step.num_rejected
         draft_batch = DraftBatch(
             req_ids=[batch.req_ids[row] for row in rows],
             token_ids=[batch.token_ids[row, : batch.num_tokens[row]] for row in rows],
             num_speculative_tokens=self.num_speculative_tokens,
             max_model_len=batch.max_model_len,
-            sampled_token_ids=new_tokens,
+            sampled_token_ids=sampled,
             hidden_states=hidden_states[torch.from_numpy(ends).to(self.device)]
             if capabilities.needs_hidden_states else None,
             skip=skip,
@@ -347,10 +355,7 @@ class ModelRunner:
                 attention_metadata=step.common_metadata,
             )
         proposals = drafter.propose(draft_batch).draft_token_ids
-        drafts: list[list[int]] = [[] for _ in step.rows]
-        for position, proposal in zip(positions, proposals, strict=True):
-            drafts[position] = list(proposal)
-        return drafts
+        return [list(proposal) if i not in skip else [] for i, proposal in enumerate(proposals)]
 
     def _logprobs(self, step: StepInputs, positions: np.ndarray, sampler_output: SamplerOutput) -> list[Any] | None:
         """Per step row, the sampled token's logprobs when its request asked for them (else ``None``)."""

@@ -40,6 +40,7 @@ class TestExampleArgmax(SamplerSuite):
 
 class TestExampleRepeat(DrafterSuite):
     plugin_name = "example_repeat"
+    run_end_to_end = False  # the model run is covered by tests/test_drafters.py; keep this file fast
 
 
 class TestExampleMemory(KVConnectorSuite):

@@ -77,7 +77,11 @@ class DraftStep:
 
 @dataclass
 class DraftBatch:
-    """The requests to draft for after a step, in the order the target ran them.
+    """The requests of a step, in the order the target ran them, to draft for.
+
+    Every request of the step is here (so the batch lines up with
+    :class:`DraftStep`); those that must not draft, partial prefills
+    included, are listed in ``skip`` and must get an empty list.
 
     ``token_ids[i]`` holds all of request ``i``'s tokens so far (prompt,
     then output, including the tokens accepted this step).  Fields a drafter

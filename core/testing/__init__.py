@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from patchbay.registry import kind_of
 from patchbay.testing.attention import AttentionBackendSuite, MetadataBuilderSuite
-from patchbay.testing.kinds import DrafterBaseSuite, KVConnectorBaseSuite
+from patchbay.testing.drafter import DrafterSuite
+from patchbay.testing.kinds import KVConnectorBaseSuite
 from patchbay.testing.sampler import SamplerSuite
 from patchbay.testing.suite import PluginSuite
 
 # Kinds whose numeric suite comes with a later issue use their registration-level suite for now.
-DrafterSuite = DrafterBaseSuite
 KVConnectorSuite = KVConnectorBaseSuite
 
 SUITES: dict[str, type[PluginSuite]] = {

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from typing import Any, ClassVar
 
 import pytest
@@ -195,7 +196,9 @@ print(json.dumps({"imported": sorted(set(sys.modules) - before), "hook_module": 
 
 def _registration_report(plugin: str) -> dict[str, Any]:
     # A fresh interpreter, so modules imported by earlier tests do not hide what registering imports.
-    result = subprocess.run([sys.executable, "-c", _REPORT_SCRIPT, plugin], capture_output=True, text=True, timeout=120)
+    # Run outside the current directory: a source checkout there could shadow the installed distributions.
+    result = subprocess.run([sys.executable, "-c", _REPORT_SCRIPT, plugin], capture_output=True, text=True, timeout=120,
+                            cwd=tempfile.gettempdir())
     if result.returncode != 0:
         pytest.fail(f"could not inspect plugin {plugin!r}: {result.stderr.strip()[-2000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
