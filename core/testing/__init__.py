@@ -10,12 +10,9 @@ from __future__ import annotations
 from patchbay.registry import kind_of
 from patchbay.testing.attention import AttentionBackendSuite, MetadataBuilderSuite
 from patchbay.testing.drafter import DrafterSuite
-from patchbay.testing.kinds import KVConnectorBaseSuite
+from patchbay.testing.kv_connector import KVConnectorSuite
 from patchbay.testing.sampler import SamplerSuite
 from patchbay.testing.suite import PluginSuite
-
-# Kinds whose numeric suite comes with a later issue use their registration-level suite for now.
-KVConnectorSuite = KVConnectorBaseSuite
 
 SUITES: dict[str, type[PluginSuite]] = {
     "attention": AttentionBackendSuite,

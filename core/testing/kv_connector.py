@@ -1,0 +1,328 @@
+"""Numeric conformance suite for KV connectors: no model, random caches, exact comparisons.
+
+A connector author's test file::
+
+    from patchbay.testing import KVConnectorSuite
+
+    class TestMyConnector(KVConnectorSuite):
+        plugin_name = "my_connector"
+
+        @pytest.fixture
+        def connector_options(self, tmp_path):
+            return {"path": str(tmp_path)}          # the options both connector instances get
+
+        def corrupt_entry(self, connector, block_hash, how):
+            ...                                      # the backdoor: damage the stored entry of block_hash
+
+The suite drives both roles as the runner does.  A *producer* connector
+sees a request scheduled, its prompt computed (the random caches stand in
+for the forward pass), then finished; a *second instance* with the same
+options, over zeroed caches, is asked for the prefix, allocates blocks and
+loads them, and every block of every layer must equal the original bit for
+bit -- and every other block must still be zero.
+
+Faults need a backdoor into the store: :meth:`KVConnectorSuite.corrupt_entry`
+(``missing``, ``truncated``, ``corrupted``, ``other_model``, ``other_layout``),
+or a ``corrupt_entry(block_hash, how)`` method on the connector.  Without
+either the fault tests skip, saying so.  The damage happens after the
+scheduler side planned the load (as if another process changed the store in
+between), and the worker must then report the block as a load error and
+leave it untouched.
+
+Options for ``patchbay check`` come from the ``PATCHBAY_TEST_KV_CONNECTOR_OPTIONS``
+environment variable (JSON), and an options field named ``path`` is pointed
+at a temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pytest
+
+from patchbay.interfaces import KVConnector, KVConnectorConfig, KVConnectorMetadata
+from patchbay.request import hash_block_tokens
+from patchbay.testing.kinds import KVConnectorBaseSuite
+
+if TYPE_CHECKING:
+    import torch
+
+FAULTS = ("missing", "truncated", "corrupted", "other_model", "other_layout")
+"""What :meth:`KVConnectorSuite.corrupt_entry` is asked to do to a stored entry."""
+
+OPTIONS_ENV = "PATCHBAY_TEST_KV_CONNECTOR_OPTIONS"
+
+SEED = 20241130
+
+
+@dataclass
+class SuiteRequest:
+    """A request as a connector sees it (:class:`patchbay.interfaces.RequestView`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_size: int
+    num_computed_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        parent = None
+        for start in range(0, len(self.prompt_token_ids) - self.block_size + 1, self.block_size):
+            parent = hash_block_tokens(parent, self.prompt_token_ids[start:start + self.block_size])
+            self.block_hashes.append(parent)
+
+
+class Side:
+    """Both roles of one connector instance over its own paged caches (what one runner process holds)."""
+
+    def __init__(self, connector: KVConnector, caches: dict[str, torch.Tensor]) -> None:
+        self.connector = connector
+        self.scheduler = connector.scheduler_side()
+        self.worker = connector.worker_side()
+        self.caches = caches
+        self.worker.register_kv_caches(caches, split_kv_cache)
+
+    def step(self, scheduled: Sequence[str], before_load: Callable[[KVConnectorMetadata], None] | None = None) -> None:
+        """One engine step: build the message, load, (forward pass), save."""
+        metadata = self.scheduler.build_connector_meta(list(scheduled))
+        if before_load is not None:
+            before_load(metadata)
+        self.worker.start_load_kv(metadata)
+        for layer_name in self.caches:
+            self.worker.wait_for_layer_load(layer_name)
+        self.worker.wait_for_save()
+
+    def compute_and_finish(self, request: SuiteRequest, block_ids: list[int], timeout_s: float = 30.0) -> None:
+        """Schedule ``request`` whole, "compute" it, run a decode step, finish it and wait for its saves."""
+        num_external, _ = self.scheduler.get_num_new_matched_tokens(request, 0)
+        self.scheduler.update_state_after_alloc(request, block_ids, num_external)
+        self.step([request.request_id])
+        request.num_computed_tokens = len(request.prompt_token_ids)
+        self.step([request.request_id])  # a decode step
+        held = self.scheduler.request_finished(request, block_ids)
+        self.step([])
+        if held:
+            self.wait_sent(request.request_id, timeout_s)
+        flush = getattr(self.worker, "flush", None)
+        if callable(flush):
+            flush()
+
+    def wait_sent(self, request_id: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            sent, _ = self.worker.get_finished(set())
+            if request_id in sent:
+                return
+            self.step([])
+            time.sleep(0.01)
+        pytest.fail(f"request_finished held {request_id!r}'s blocks but get_finished never reported it "
+                    f"as sent within {timeout_s} s")
+
+
+def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The suite's cache layout: ``[2, num_blocks, block_size, kv_heads, head_size]``."""
+    return kv_cache[0], kv_cache[1]
+
+
+class KVConnectorSuite(KVConnectorBaseSuite):
+    """Round trips, partial prefixes, lookup purity, async completion and faults, on 2-layer random caches."""
+
+    num_layers: ClassVar[int] = 2
+    block_size: ClassVar[int] = 4
+    num_kv_heads: ClassVar[int] = 2
+    head_size: ClassVar[int] = 8
+    num_blocks: ClassVar[int] = 16
+
+    # -- fixtures and hooks an implementer may override --------------------------------------
+
+    @pytest.fixture
+    def connector_options(self, plugin_class: type[KVConnector], tmp_path) -> dict[str, Any]:
+        """Options (a YAML section as a dict) every connector instance of a test gets."""
+        options = json.loads(os.environ.get(OPTIONS_ENV) or "{}")
+        if "path" in plugin_class.Options.model_fields and "path" not in options:
+            options["path"] = str(tmp_path / "kv-store")
+        return options
+
+    @pytest.fixture
+    def model_id(self) -> str:
+        """A fresh model identity per test, so entries of earlier tests (or runs) are never found."""
+        return f"conformance-{uuid.uuid4().hex}"
+
+    @pytest.fixture
+    def make_side(self, available: type[KVConnector], connector_options: dict[str, Any], model_id: str):
+        """``make_side(role, caches)``: a new connector instance (same options) with both roles."""
+        import torch
+
+        def make(role: str = "both", *, random: bool = False) -> Side:
+            if role not in available.capabilities.roles:
+                pytest.skip(f"role {role!r} not supported")
+            options = available.Options.model_validate(connector_options)
+            config = KVConnectorConfig(device="cpu", dtype="float32", role=role, block_size=self.block_size,
+                                       model_id=model_id)
+            shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+            generator = torch.Generator().manual_seed(SEED)
+            caches = {f"model.layers.{layer}.self_attn": (torch.randn(shape, generator=generator) if random
+                                                          else torch.zeros(shape))
+                      for layer in range(self.num_layers)}
+            return Side(available(options, config=config), caches)
+
+        return make
+
+    def corrupt_entry(self, connector: KVConnector, block_hash: bytes, how: str) -> None:
+        """The backdoor: damage the stored entry of ``block_hash`` as ``how`` (one of :data:`FAULTS`) says.
+
+        ``missing``: delete it; ``truncated``: keep its first half; ``corrupted``:
+        flip a byte of its KV data; ``other_model`` / ``other_layout``: replace
+        it by an otherwise valid entry of another model identity / block layout.
+        Override in a subclass.  The default calls the connector's own
+        ``corrupt_entry(block_hash, how)`` if it has one (so ``patchbay check``
+        runs the fault tests), and otherwise skips them.
+        """
+        backdoor = getattr(connector, "corrupt_entry", None)
+        if not callable(backdoor):
+            pytest.skip("no backdoor: override corrupt_entry(connector, block_hash, how) in the suite, or give "
+                        "the connector a corrupt_entry(block_hash, how) method, to run the fault tests")
+        backdoor(block_hash, how)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def prompt(self, num_tokens: int, offset: int = 0) -> list[int]:
+        return [(7 * index + 3 + offset) % 1000 for index in range(num_tokens)]
+
+    def produce(self, make_side, prompt: list[int], block_ids: list[int]) -> Side:
+        """A producer process: computes and finishes one request, saving its prompt blocks."""
+        producer = make_side("both", random=True)
+        producer.compute_and_finish(SuiteRequest("produced", prompt, self.block_size), block_ids)
+        stats = getattr(producer.connector, "stats", None)
+        if isinstance(stats, dict) and stats.get("unreachable"):
+            pytest.skip(f"the store is unreachable with these options (stats: {stats})")
+        return producer
+
+    def assert_blocks_equal(self, source: Side, source_ids: list[int], target: Side, target_ids: list[int]) -> None:
+        import torch
+
+        for layer_name in source.caches:
+            for part, source_cache, target_cache in zip(("keys", "values"), split_kv_cache(source.caches[layer_name]),
+                                                        split_kv_cache(target.caches[layer_name])):
+                for source_id, target_id in zip(source_ids, target_ids):
+                    assert torch.equal(source_cache[source_id], target_cache[target_id]), (
+                        f"{layer_name} {part}: block {target_id} differs from the saved block {source_id}"
+                    )
+
+    def assert_untouched(self, side: Side, block_ids: Sequence[int], what: str) -> None:
+        for layer_name, kv_cache in side.caches.items():
+            for block_id in block_ids:
+                assert not kv_cache[:, block_id].any(), f"{layer_name}: block {block_id} was written ({what})"
+
+    # -- round trips ------------------------------------------------------------------------------
+
+    def test_save_then_load_is_bit_exact(self, make_side) -> None:
+        prompt = self.prompt(3 * self.block_size + 1)  # 3 full blocks before the last token
+        producer = self.produce(make_side, prompt, [5, 2, 9, 7])
+        consumer = make_side("both")
+        request = SuiteRequest("consumed", list(prompt), self.block_size)
+        num_tokens, _ = consumer.scheduler.get_num_new_matched_tokens(request, 0)
+        assert num_tokens == 3 * self.block_size, f"expected the 3 saved blocks ({3 * self.block_size} tokens)"
+        target_ids = [3, 8, 1, 11]
+        consumer.scheduler.update_state_after_alloc(request, target_ids, num_tokens)
+        consumer.step([request.request_id])
+        assert consumer.worker.get_block_ids_with_load_errors() == set()
+        self.assert_blocks_equal(producer, [5, 2, 9], consumer, target_ids[:3])
+        others = sorted(set(range(self.num_blocks)) - set(target_ids[:3]))
+        self.assert_untouched(consumer, others, "no load was planned for it")
+
+    def test_partial_prefix_match(self, make_side) -> None:
+        prompt = self.prompt(3 * self.block_size + 1)
+        producer = self.produce(make_side, prompt, [5, 2, 9, 7])
+        consumer = make_side("both")
+        # Shares the first two blocks, then diverges.
+        diverging = prompt[: 2 * self.block_size] + self.prompt(2 * self.block_size + 1, offset=500)
+        request = SuiteRequest("diverging", diverging, self.block_size)
+        assert consumer.scheduler.get_num_new_matched_tokens(request, 0)[0] == 2 * self.block_size
+        # The first block is already local (prefix cache): only the second is new.
+        request.num_computed_tokens = 0
+        assert consumer.scheduler.get_num_new_matched_tokens(request, self.block_size)[0] == self.block_size
+        target_ids = [4, 6, 10, 12, 13]
+        consumer.scheduler.update_state_after_alloc(request, target_ids, self.block_size)
+        consumer.step([request.request_id])
+        assert consumer.worker.get_block_ids_with_load_errors() == set()
+        self.assert_blocks_equal(producer, [2], consumer, [6])
+        self.assert_untouched(consumer, [block for block in range(self.num_blocks) if block != 6],
+                              "outside the new part of the match")
+
+    def test_lookup_has_no_side_effects_and_keeps_the_last_token(self, make_side) -> None:
+        prompt = self.prompt(3 * self.block_size + 1)
+        self.produce(make_side, prompt, [5, 2, 9, 7])
+        consumer = make_side("both")
+        # A prompt of exactly 3 blocks: its last token is never loaded, so at most 3 blocks minus 1 token.
+        exact = SuiteRequest("exact", prompt[: 3 * self.block_size], self.block_size)
+        answers = {consumer.scheduler.get_num_new_matched_tokens(exact, 0)[0] for _ in range(3)}
+        assert len(answers) == 1, f"repeated lookups disagree: {answers}"
+        (answer,) = answers
+        assert 2 * self.block_size <= answer <= 3 * self.block_size - 1, (
+            f"expected the whole blocks before the last prompt token, got {answer} tokens"
+        )
+        short = SuiteRequest("short", prompt[: self.block_size], self.block_size)
+        assert consumer.scheduler.get_num_new_matched_tokens(short, 0)[0] < self.block_size, (
+            "a one-block prompt must compute its last token"
+        )
+        # Asked but never allocated: nothing is loaded.
+        consumer.step(["exact", "short"])
+        assert consumer.worker.get_block_ids_with_load_errors() == set()
+        self.assert_untouched(consumer, range(self.num_blocks), "lookups alone must not load")
+
+    def test_finished_saves_are_reported(self, make_side) -> None:
+        side = make_side("both", random=True)
+        request = SuiteRequest("finishing", self.prompt(2 * self.block_size + 1), self.block_size)
+        side.scheduler.update_state_after_alloc(request, [1, 2, 3], 0)
+        side.step([request.request_id])
+        request.num_computed_tokens = len(request.prompt_token_ids)
+        held = side.scheduler.request_finished(request, [1, 2, 3])
+        assert isinstance(held, bool)
+        side.step([])
+        if held:
+            side.wait_sent(request.request_id, 30.0)
+        else:
+            assert request.request_id not in side.worker.get_finished({request.request_id})[0]
+
+    def test_producer_does_not_load(self, make_side) -> None:
+        prompt = self.prompt(3 * self.block_size + 1)
+        self.produce(make_side, prompt, [5, 2, 9, 7])
+        producer = make_side("producer")
+        request = SuiteRequest("producer-only", list(prompt), self.block_size)
+        assert producer.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("how", FAULTS)
+    def test_damaged_entry_is_a_load_error(self, make_side, how: str) -> None:
+        prompt = self.prompt(3 * self.block_size + 1)
+        producer = self.produce(make_side, prompt, [5, 2, 9, 7])
+        consumer = make_side("both")
+        request = SuiteRequest("damaged", list(prompt), self.block_size)
+        num_tokens, _ = consumer.scheduler.get_num_new_matched_tokens(request, 0)
+        assert num_tokens == 3 * self.block_size
+        target_ids = [3, 8, 1, 11]
+        consumer.scheduler.update_state_after_alloc(request, target_ids, num_tokens)
+        # The store changes after the scheduler planned the load (another process, eviction, a bad disk).
+        consumer.step([request.request_id],
+                      before_load=lambda _: self.corrupt_entry(consumer.connector, request.block_hashes[1], how))
+        errors = consumer.worker.get_block_ids_with_load_errors()
+        assert 8 in errors, f"the {how} entry of block 8 was not reported as a load error (got {errors})"
+        assert errors <= {3, 8, 1}, f"load errors for blocks that were not loaded: {errors}"
+        self.assert_untouched(consumer, [8], f"its entry was {how}")
+        self.assert_blocks_equal(producer, [5], consumer, [3])
+        for source_id, target_id in ((9, 1),):
+            if target_id not in errors:
+                self.assert_blocks_equal(producer, [source_id], consumer, [target_id])
+            else:
+                self.assert_untouched(consumer, [target_id], "reported as a load error")
+        stats = getattr(consumer.worker, "stats", None)
+        if isinstance(stats, dict):
+            assert stats.get("load_errors", 0) >= 1, f"stats do not count the load error: {stats}"
