@@ -7,6 +7,7 @@ advances the requests, and the engine turns the news into
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -22,6 +23,8 @@ from patchbay.interfaces import (
     Drafter,
     DrafterConfig,
     DrafterContext,
+    KVConnector,
+    KVConnectorConfig,
     RejectionSampler,
     Sampler,
     SamplerConfig,
@@ -85,9 +88,6 @@ class Engine:
             logger.warning("torch was imported before patchbay, so OpenMP threads busy-wait; with another busy "
                            "process on the machine steps can be ~10x slower. Import patchbay first or set "
                            "OMP_WAIT_POLICY=PASSIVE before starting Python.")
-        if settings.kv_connector is not None:
-            raise ConfigError([ConfigProblem("<run>", "kv_connector", "the runner does not support KV connectors yet; "
-                                             "remove this section")])
         if settings.runtime.threads is not None:
             torch.set_num_threads(settings.runtime.threads)
         torch.manual_seed(settings.runtime.seed)
@@ -126,6 +126,7 @@ class Engine:
         num_blocks = self._num_blocks()
         drafter, rejection_sampler = self._speculative_plugins(registry, backend, builders[0], num_blocks)
         num_speculative_tokens = settings.speculative.num_speculative_tokens if settings.speculative else 0
+        self.kv_connector = self._kv_connector(registry, backend)
         self.kv_cache_manager = KVCacheManager(self.groups, num_blocks, settings.cache.prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -135,6 +136,8 @@ class Engine:
             block_size=block_size,
             chunked_prefill=settings.scheduler.chunked_prefill,
             num_speculative_tokens=num_speculative_tokens,
+            kv_connector=self.kv_connector.scheduler_side() if self.kv_connector is not None else None,
+            kv_connector_role=settings.kv_connector.role if settings.kv_connector is not None else "both",
         )
         self.runner = ModelRunner(
             self.model,
@@ -151,6 +154,7 @@ class Engine:
             drafter=drafter,
             rejection_sampler=rejection_sampler,
             num_speculative_tokens=num_speculative_tokens,
+            kv_connector=self.kv_connector.worker_side() if self.kv_connector is not None else None,
         )
         self.spec_stats = self.runner.spec_stats
         self.num_blocks = num_blocks
@@ -205,6 +209,36 @@ class Engine:
             dtype=torch_dtype(self.dtype),
         ))
         return drafter, verifier
+
+    def _kv_connector(self, registry: Registry, backend: Any) -> KVConnector | None:
+        """The connector of ``kv_connector:``, checked against the run; ``None`` without that section."""
+        section = self.settings.kv_connector
+        if section is None:
+            return None
+        if len(self.groups) != 1:
+            raise ConfigError([ConfigProblem(
+                "<run>", "kv_connector",
+                f"KV connectors support models with one KV-cache group; this model has {len(self.groups)} "
+                f"(layers with different sliding windows or shapes); remove the kv_connector section",
+            )])
+        config = KVConnectorConfig(device=self.device.type, dtype=self.dtype, role=section.role,
+                                   block_size=self.settings.cache.block_size, model_id=self._model_id(backend))
+        connector_class = registry.resolve("kv_connector", section.name)
+        require_serves(connector_class, f"kv_connector:{section.name}", "kv_connector.name", [config])
+        options = plugin_options(connector_class, section.options, where="kv_connector.options")
+        return connector_class(options, config=config)  # type: ignore[call-arg,return-value]
+
+    def _model_id(self, backend: Any) -> str:
+        """What KV blocks depend on: model (directory name + config hash), dtype and block layout.
+
+        e.g. ``SmolLM2-135M-3f2a9c1d0e4b5a67-float32-2x1x16x3x64`` (the layout is
+        the backend's cache shape of one block: keys/values, block, tokens, KV heads, head size).
+        """
+        config_bytes = (self.model_dir / "config.json").read_bytes() if (self.model_dir / "config.json").exists() \
+            else str(self.model_dir).encode()
+        spec = self.groups[0].spec
+        layout = "x".join(str(d) for d in backend.kv_cache_shape(1, spec.block_size, spec.num_kv_heads, spec.head_size))
+        return f"{self.model_dir.name}-{hashlib.sha256(config_bytes).hexdigest()[:16]}-{self.dtype}-{layout}"
 
     def _num_blocks(self) -> int:
         cache = self.settings.cache

@@ -3,7 +3,8 @@
 transformers calls patchbay's registered attention function once per layer
 with only the layer module and its tensors; the function finds the layer's
 backend implementation, KV-cache tensor and the step's attention metadata
-here.
+here, and the KV connector's worker side, if any, to wait for each layer's
+load before its attention and to save its KV after.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from patchbay.interfaces import AttentionImpl
+    from patchbay.interfaces import AttentionImpl, KVConnectorWorker
 
 
 @dataclass
@@ -26,6 +27,8 @@ class LayerBinding:
     impl: AttentionImpl
     kv_cache: torch.Tensor
     group: int
+    layer_name: str = ""
+    """The layer's module name, the key of its KV cache for a KV connector."""
 
 
 @dataclass
@@ -34,6 +37,8 @@ class ForwardContext:
 
     layers: dict[int, LayerBinding]
     group_metadata: list[Any]
+    kv_connector: KVConnectorWorker | None = None
+    """Called around each layer's attention (``wait_for_layer_load``, ``save_kv_layer``); ``None``: no connector."""
 
 
 _current: ForwardContext | None = None

@@ -43,13 +43,19 @@ def _patchbay_attention(
     # transformers hands [1, heads, tokens, head_size]; backends take [tokens, heads, head_size].
     context = current_forward_context()
     binding = context.layers[module.layer_idx]
+    metadata = context.group_metadata[binding.group]
+    connector = context.kv_connector
+    if connector is not None:
+        connector.wait_for_layer_load(binding.layer_name)
     output = binding.impl.forward(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
         binding.kv_cache,
-        context.group_metadata[binding.group],
+        metadata,
     )
+    if connector is not None:
+        connector.save_kv_layer(binding.layer_name, binding.kv_cache, metadata)
     return output.unsqueeze(0), None
 
 

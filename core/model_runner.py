@@ -4,7 +4,10 @@ The behaviour follows vLLM's v1 model runner, device-neutral: input
 preparation is vectorised over the step's tokens (no per-token Python
 loop), attention metadata is built once per KV-cache group and shared by
 the group's layers, logits are computed only at the positions that are
-sampled, and samples of partial (chunked) prefills are discarded.
+sampled, and samples of partial (chunked) prefills are discarded.  A KV
+connector's worker side, when one is configured, loads blocks before the
+forward pass (``start_load_kv``), waits and saves per layer inside it, and
+reports finished transfers and failed loads after it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from patchbay.interfaces import (
     DraftBatch,
     Drafter,
     DraftStep,
+    KVConnectorWorker,
     RejectionSampler,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
@@ -83,6 +87,7 @@ class ModelRunner:
         drafter: Drafter | None = None,
         rejection_sampler: RejectionSampler | None = None,
         num_speculative_tokens: int = 0,
+        kv_connector: KVConnectorWorker | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -102,6 +107,9 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobs(model, self.batch)
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self._bindings = self._bind_layers()
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.kv_caches, split=backend.split_kv_cache)
         # Scratch index vector, sliced each step instead of allocated.
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len) + 1, dtype=np.int32)
         self.timings: dict[str, float] = defaultdict(float)
@@ -122,7 +130,8 @@ class ModelRunner:
     def _bind_layers(self) -> dict[int, LayerBinding]:
         group_of = {name: index for index, group in enumerate(self.groups) for name in group.layer_names}
         return {
-            layer_idx: LayerBinding(self.backend.make_impl(spec), self.kv_caches[spec.layer_name], group_of[spec.layer_name])
+            layer_idx: LayerBinding(self.backend.make_impl(spec), self.kv_caches[spec.layer_name],
+                                    group_of[spec.layer_name], spec.layer_name)
             for layer_idx, spec in self.model.layer_specs.items()
         }
 
@@ -133,12 +142,22 @@ class ModelRunner:
         clock = time.perf_counter()
         self._update_states(scheduler_output)
         clock = self._lap("update", clock)
+        connector = self.kv_connector
         if scheduler_output.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            if connector is not None:  # async transfers go on, and are reported, while nothing runs
+                connector.start_load_kv(scheduler_output.kv_connector_metadata)
+                connector.wait_for_save()
+                self._report_transfers(scheduler_output, output)
+            return output
         step = self._prepare_inputs(scheduler_output)
         clock = self._lap("prepare", clock)
-        with forward_context(ForwardContext(self._bindings, step.group_metadata)):
+        if connector is not None:
+            connector.start_load_kv(scheduler_output.kv_connector_metadata)
+        with forward_context(ForwardContext(self._bindings, step.group_metadata, connector)):
             hidden_states = self.model.hidden_states(step.input_ids, step.positions)
+        if connector is not None:
+            connector.wait_for_save()
         sample_rows = step.rows[step.complete]
         logits = None
         if len(sample_rows):
@@ -161,12 +180,21 @@ class ModelRunner:
         clock = self._lap("sample", clock)
         output = self._record_samples(step, new_tokens, sampler_output)
         output.prompt_logprobs = prompt_logprobs
+        if connector is not None:
+            self._report_transfers(scheduler_output, output)
         clock = self._lap("output", clock)
         if self.drafter is not None and len(sample_rows):
             output.draft_token_ids = self._propose_drafts(step, hidden_states, new_tokens)
             self._lap("draft", clock)
         self.num_steps += 1
         return output
+
+    def _report_transfers(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """Put the connector's finished transfers and failed loads into ``output``."""
+        assert self.kv_connector is not None
+        output.finished_sending, output.finished_recving = self.kv_connector.get_finished(
+            set(scheduler_output.finished_req_ids))
+        output.invalid_block_ids = set(self.kv_connector.get_block_ids_with_load_errors())
 
     def _lap(self, phase: str, since: float) -> float:
         now = time.perf_counter()
@@ -175,7 +203,8 @@ class ModelRunner:
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.batch
-        for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
+        dropped = scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids | scheduler_output.reset_req_ids
+        for req_id in dropped:
             batch.remove_request(req_id)
             self.prompt_logprobs.forget(req_id)
         for request in scheduler_output.scheduled_new_reqs:

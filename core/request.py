@@ -16,6 +16,8 @@ class RequestStatus(enum.Enum):
     """Where a request is in its life."""
 
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    """Waiting while a KV connector loads its prompt blocks asynchronously; resumes once they arrive."""
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

@@ -112,6 +112,10 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
         f"attention {engine.backend_name}, {engine.dtype} on {engine.device}",
         f"runner time:         {breakdown}",
     ]
+    if getattr(engine, "kv_connector", None) is not None:
+        kv = engine.scheduler.kv_connector_stats
+        lines.append(f"kv connector:        {kv.num_loaded_tokens} tokens loaded, {kv.num_recomputed_blocks} blocks "
+                     f"recomputed after load errors")
     spec = engine.spec_stats
     if spec.num_draft_tokens:
         per_position = ", ".join(f"{rate:.2f}" for rate in spec.acceptance_rate_per_position)

@@ -4,6 +4,14 @@ Each step spends a token budget: first on running requests (decodes, drafts
 to verify, continuing prefill chunks), preempting the latest arrivals when
 blocks run out, then on waiting requests in arrival order.  A request's
 ``num_computed_tokens`` is advanced when the runner's output comes back.
+
+With a KV connector, a waiting request's prompt may be partly loaded instead
+of computed: after the local prefix-cache lookup the connector says how many
+more tokens it can supply.  A synchronous load happens in the same step,
+before the forward pass, so those tokens count as computed at once; an
+asynchronous one parks the request (``WAITING_FOR_REMOTE_KVS``) until the
+runner reports it in ``finished_recving``.  Blocks that failed to load are
+recomputed, never trusted.
 """
 
 from __future__ import annotations
@@ -11,12 +19,16 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from patchbay.kv_cache_manager import KVCacheManager
 from patchbay.request import FINISHED_STATUS_BY_REASON, Request, RequestStatus
 from patchbay.scheduler_output import BlockIds, CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    from patchbay.interfaces import KVConnectorScheduler
 
 
 @dataclass
@@ -33,6 +45,18 @@ class RequestUpdate:
     """Prompt tokens served by the prefix cache (for metrics)."""
 
 
+@dataclass
+class KVConnectorStats:
+    """What a KV connector did for this scheduler, over its life."""
+
+    num_loaded_tokens: int = 0
+    """Prompt tokens the connector was asked to load instead of computing them."""
+    num_recomputed_blocks: int = 0
+    """Blocks whose load failed, recomputed instead."""
+    num_recomputed_requests: int = 0
+    """Times a request was rolled back because one of its blocks failed to load."""
+
+
 class Scheduler:
     """Decides, step by step, which requests run and how many tokens each computes."""
 
@@ -46,6 +70,8 @@ class Scheduler:
         block_size: int,
         chunked_prefill: bool = True,
         num_speculative_tokens: int = 0,
+        kv_connector: KVConnectorScheduler | None = None,
+        kv_connector_role: str = "both",
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -71,6 +97,10 @@ class Scheduler:
         self.block_size = block_size
         self.chunked_prefill = chunked_prefill
         self.num_speculative_tokens = num_speculative_tokens
+        self.kv_connector = kv_connector
+        self.kv_connector_role = kv_connector_role
+        """``producer`` never loads; ``consumer`` and ``both`` ask the connector for every waiting request."""
+        self.kv_connector_stats = KVConnectorStats()
 
         self.requests: dict[str, Request] = {}
         """Unfinished requests by id."""
@@ -80,6 +110,14 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self._arrival_order: dict[str, tuple[float, int]] = {}
         self._counter = itertools.count()
+        self._loading: dict[str, tuple[int, int]] = {}
+        """Requests whose blocks a connector loads asynchronously: (local prefix-cache tokens, tokens computed once loaded)."""
+        self._loaded: set[str] = set()
+        """Of those, the ones the runner reported in ``finished_recving``."""
+        self._held: dict[str, tuple[Request, set[str]]] = {}
+        """Finished requests whose blocks stay allocated until the connector is done: ``sending`` and/or ``recving``."""
+        self._reset_req_ids: set[str] = set()
+        """Running requests rolled back after a load error: sent to the runner as new at their next step."""
 
     # -- requests in and out -----------------------------------------------
 
@@ -131,7 +169,8 @@ class Scheduler:
             self._finish(request, status)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests still to run, or finished ones whose blocks a connector still uses (steps must go on)."""
+        return bool(self.requests) or bool(self._held)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -146,6 +185,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: set[str] = set()
+        reset: set[str] = set()
 
         index = 0
         while index < len(self.running) and token_budget > 0:
@@ -168,9 +208,16 @@ class Scheduler:
                 spec_tokens[request.request_id] = list(request.spec_token_ids)
             else:
                 request.spec_token_ids.clear()
-            cached.req_ids.append(request.request_id)
-            cached.new_block_ids.append(new_block_ids if any(new_block_ids) else None)
-            cached.num_computed_tokens.append(request.num_computed_tokens)
+            if any(new_block_ids):
+                self._tell_connector_after_alloc(request, 0)
+            if request.request_id in self._reset_req_ids:
+                self._reset_req_ids.discard(request.request_id)
+                reset.add(request.request_id)
+                new_reqs.append(self._new_request_data(request))
+            else:
+                cached.req_ids.append(request.request_id)
+                cached.new_block_ids.append(new_block_ids if any(new_block_ids) else None)
+                cached.num_computed_tokens.append(request.num_computed_tokens)
             num_scheduled[request.request_id] = num_new
             token_budget -= num_new
             index += 1
@@ -179,7 +226,7 @@ class Scheduler:
         if not preempted:
             token_budget = self._schedule_waiting(token_budget, num_scheduled, new_reqs)
 
-        if not num_scheduled and not self.running and self.waiting:
+        if not num_scheduled and not self.running and self.waiting and not self._loading:
             # The pool check at construction makes this unreachable; fail loudly rather than spin.
             head = self.waiting[0]
             raise RuntimeError(
@@ -194,7 +241,10 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted,
+            reset_req_ids=reset,
         )
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(list(num_scheduled))
         self._finished_req_ids = set()
         return output
 
@@ -203,11 +253,17 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Advance requests by the runner's results; returns one update per request with news."""
         rows = {request_id: row for row, request_id in enumerate(runner_output.req_ids)}
+        if self.kv_connector is not None:
+            self._update_transfers(runner_output)
+        rolled_back = self._handle_load_errors(runner_output.invalid_block_ids) if runner_output.invalid_block_ids \
+            else set()
         updates = []
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or aborted since it was scheduled
+            if request_id in rolled_back:
+                continue  # it ran on KV that failed to load: this step's work and sample are void
             row = rows.get(request_id)
             sampled = runner_output.sampled_token_ids[row] if row is not None else []
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id, [])
@@ -261,7 +317,25 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            computed_block_ids, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            request_id = request.request_id
+            num_external = 0
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if request_id not in self._loaded:
+                    skipped.append(self.waiting.popleft())  # its blocks are still on their way
+                    continue
+                # Loaded: it holds its blocks already, and the loaded tokens are computed.
+                computed_block_ids, num_local, num_computed = None, *self._loading[request_id]
+            else:
+                computed_block_ids, num_local = self.kv_cache_manager.get_computed_blocks(request)
+                num_external, load_async = self._external_tokens(request, num_local)
+                num_computed = num_local + num_external
+                if load_async:
+                    if not self._start_async_load(request, computed_block_ids, num_local, num_external):
+                        if self._evict_parked(request, skipped):
+                            continue
+                        break
+                    skipped.append(self.waiting.popleft())
+                    continue
             num_new = request.num_tokens - num_computed
             # Without chunked prefill a request runs whole or waits, unless it can never fit
             # whole (a resumed request whose outputs pushed it past the budget).
@@ -270,26 +344,42 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             num_new = min(num_new, token_budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, computed_block_ids, num_computed) is None:
+            if computed_block_ids is None:
+                request.num_computed_tokens = num_computed
+                allocated = self.kv_cache_manager.allocate_slots(request, num_new)
+            else:
+                # Tokens loaded by the connector this step take blocks like the chunk computed after them.
+                allocated = self.kv_cache_manager.allocate_slots(request, num_external + num_new, computed_block_ids,
+                                                                 num_local)
+            if allocated is None:
+                if self._evict_parked(request, skipped):
+                    continue
                 break
             self.waiting.popleft()
+            self._loading.pop(request_id, None)
+            self._loaded.discard(request_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed
+                request.num_cached_tokens = num_local
+            self._tell_connector_after_alloc(request, num_external)
+            self.kv_connector_stats.num_loaded_tokens += num_external
             bisect.insort(self.running, request, key=lambda r: self._arrival_order[r.request_id])
-            new_reqs.append(NewRequestData(
-                req_id=request.request_id,
-                prompt_token_ids=list(request.prompt_token_ids),
-                output_token_ids=list(request.output_token_ids),
-                sampling_params=request.sampling_params,
-                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                num_computed_tokens=num_computed,
-            ))
-            num_scheduled[request.request_id] = num_new
+            new_reqs.append(self._new_request_data(request))
+            num_scheduled[request_id] = num_new
             token_budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return token_budget
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -297,7 +387,139 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()
         request.num_preemptions += 1
+        self._reset_req_ids.discard(request.request_id)
         self.waiting.appendleft(request)
+
+    # -- KV connector --------------------------------------------------------
+
+    def _external_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
+        """Tokens past the local prefix-cache hit the connector can supply, and whether it loads them asynchronously."""
+        if self.kv_connector is None or self.kv_connector_role == "producer":
+            return 0, False
+        if request.sampling_params.prompt_logprobs is not None:
+            return 0, False  # prompt logprobs need every prompt position computed
+        num_external, load_async = self.kv_connector.get_num_new_matched_tokens(request, num_local)
+        # Never the whole request: its last token is computed for its logits.
+        num_external = max(0, min(num_external, request.num_tokens - 1 - num_local))
+        return num_external, bool(load_async) and num_external > 0
+
+    def _start_async_load(self, request: Request, computed_block_ids: BlockIds, num_local: int,
+                          num_external: int) -> bool:
+        """Allocate blocks for a request whose external tokens load asynchronously and park it; ``False``: no room."""
+        if self.kv_cache_manager.allocate_slots(request, num_external, computed_block_ids, num_local) is None:
+            return False
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        num_computed = num_local + num_external
+        self._loading[request.request_id] = (num_local, num_computed)
+        # Their contents are not there yet: no other request may hit them in the prefix cache until they are.
+        block_ids = self._connector_block_ids(request)
+        self._uncache(block_ids[num_local // self.block_size:])
+        self.kv_connector_stats.num_loaded_tokens += num_external
+        assert self.kv_connector is not None
+        self.kv_connector.update_state_after_alloc(request, block_ids, num_external)
+        return True
+
+    def _evict_parked(self, request: Request, skipped: list[Request]) -> bool:
+        """With nothing running, free the latest parked request whose load is done, so ``request`` can get blocks.
+
+        Parked requests hold blocks while nothing runs to free any; without
+        this, several parked requests can hold the whole pool and each wait
+        for one more block.  The evicted request's loaded blocks keep their
+        hashes, so it finds them in the prefix cache when it is admitted again.
+        Returns ``False`` when nothing was evicted.
+        """
+        if self.running:
+            return False  # running requests finish or are preempted, and free blocks
+        for candidate in reversed([*skipped, *self.waiting]):
+            request_id = candidate.request_id
+            if candidate is request or request_id not in self._loaded:
+                continue
+            self.kv_cache_manager.free(candidate)
+            self._loading.pop(request_id, None)
+            self._loaded.discard(request_id)
+            candidate.status = RequestStatus.WAITING
+            candidate.num_computed_tokens = 0
+            return True
+        return False
+
+    def _tell_connector_after_alloc(self, request: Request, num_external: int) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.update_state_after_alloc(request, self._connector_block_ids(request), num_external)
+
+    def _connector_block_ids(self, request: Request) -> list[int]:
+        """The request's block ids in KV-cache group 0, the group a connector moves."""
+        return self.kv_cache_manager.get_block_ids(request.request_id)[0]
+
+    def _uncache(self, block_ids: Sequence[int]) -> None:
+        """Drop blocks from group 0's prefix cache (their contents are not, or no longer, what their hash says)."""
+        pool = self.kv_cache_manager.pools[0]
+        for block_id in block_ids:
+            block = pool.blocks[block_id]
+            if block.block_hash is not None and pool.cached_blocks.get(block.block_hash) is block:
+                del pool.cached_blocks[block.block_hash]
+            block.block_hash = None
+
+    def _update_transfers(self, runner_output: ModelRunnerOutput) -> None:
+        """Note finished async loads; free finished requests' blocks once the connector is done with them."""
+        for request_id in runner_output.finished_recving:
+            if request_id in self._held:
+                self._release(request_id, "recving")
+            elif request_id in self._loading:
+                self._loaded.add(request_id)
+                request = self.requests[request_id]
+                num_local, num_computed = self._loading[request_id]
+                pool = self.kv_cache_manager.pools[0]
+                blocks = [pool.blocks[block_id] for block_id in self._connector_block_ids(request)]
+                # Loaded blocks may now be shared through the prefix cache.
+                pool.cache_full_blocks(blocks, request.block_hashes, num_local // self.block_size,
+                                       min(num_computed // self.block_size, len(request.block_hashes)))
+        for request_id in runner_output.finished_sending:
+            if request_id in self._held:
+                self._release(request_id, "sending")
+
+    def _release(self, request_id: str, transfer: str) -> None:
+        request, pending = self._held[request_id]
+        pending.discard(transfer)
+        if not pending:
+            del self._held[request_id]
+            self.kv_cache_manager.free(request)
+
+    def _handle_load_errors(self, invalid_block_ids: set[int]) -> set[str]:
+        """Roll requests holding blocks that failed to load back to the first such block; returns the running ones.
+
+        Blocks of 4 tokens, a request with 12 computed tokens and table
+        ``[7, 2, 9]``: block 2 failed, so it is back to 4 computed tokens
+        and recomputes ``[4, 12)``; whatever it computed this step read bad
+        KV and is discarded, and the runner rebuilds its row.
+        """
+        rolled_back: set[str] = set()
+        recomputed: set[int] = set()
+        block_size = self.block_size
+        parked = [r for r in self.waiting if r.request_id in self._loading]
+        for request in [*self.running, *parked]:
+            block_ids = self._connector_block_ids(request)
+            request_id = request.request_id
+            if request_id in self._loading:
+                num_local, num_computed = self._loading[request_id]
+            else:
+                num_computed = request.num_computed_tokens  # before this step's tokens are counted
+            bad = [index for index, block_id in enumerate(block_ids[: -(-num_computed // block_size)])
+                   if block_id in invalid_block_ids]
+            if not bad:
+                continue
+            rollback_to = bad[0] * block_size
+            recomputed.update(block_ids[index] for index in bad)
+            self._uncache(block_ids[bad[0]:])
+            self.kv_connector_stats.num_recomputed_requests += 1
+            if request_id in self._loading:
+                self._loading[request_id] = (min(num_local, rollback_to), rollback_to)
+                continue
+            request.num_computed_tokens = rollback_to
+            request.spec_token_ids.clear()
+            self._reset_req_ids.add(request_id)
+            rolled_back.add(request_id)
+        self.kv_connector_stats.num_recomputed_blocks += len(recomputed)
+        return rolled_back
 
     def _check_stop(self, request: Request) -> bool:
         """Set a finished status if the last token ends the request.
@@ -321,9 +543,27 @@ class Scheduler:
         return False
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        """Record a finished request (already out of the running and waiting queues)."""
+        """Record a finished request (already out of the running and waiting queues).
+
+        Its blocks are freed now, unless the connector still uses them: an
+        async save it asked to finish (``request_finished`` returned ``True``)
+        or an async load still writing into them.
+        """
+        request_id = request.request_id
         request.status = status
-        self.kv_cache_manager.free(request)
-        self._finished_req_ids.add(request.request_id)
+        pending: set[str] = set()
+        if self.kv_connector is not None:
+            if self.kv_connector.request_finished(request, self._connector_block_ids(request)):
+                pending.add("sending")
+            if request_id in self._loading and request_id not in self._loaded:
+                pending.add("recving")
+        self._loading.pop(request_id, None)
+        self._loaded.discard(request_id)
+        self._reset_req_ids.discard(request_id)
+        if pending:
+            self._held[request_id] = (request, pending)
+        else:
+            self.kv_cache_manager.free(request)
+        self._finished_req_ids.add(request_id)
         del self.requests[request.request_id]
         self._arrival_order.pop(request.request_id, None)

@@ -64,7 +64,11 @@ class SchedulerOutput:
     """Requests finished or aborted since the previous step: the runner drops their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
     """Requests preempted this step: the runner drops their state; they come back as new."""
+    reset_req_ids: set[str] = field(default_factory=set)
+    """Requests whose KV failed to load: the runner drops their state; they are in ``scheduled_new_reqs``
+    again, with ``num_computed_tokens`` rolled back to the first block that failed."""
     kv_connector_metadata: Any = None
+    """What the KV connector's scheduler side built for its worker side this step (``None``: no connector)."""
 
     @property
     def is_empty(self) -> bool:
