@@ -97,3 +97,16 @@ def patchbay_cli(plugin_site: Path) -> Callable[..., subprocess.CompletedProcess
 def example_only_env() -> dict[str, str]:
     """Environment for a registry of the built-ins and the example plugin only (broken and duplicate denied)."""
     return {"PATCHBAY_PLUGINS__DENY": DENY_BROKEN_AND_DUPLICATE}
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiny random-weight models (see tests/tiny_models.py)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer Llama with grouped-query attention (8 query heads, 2 KV heads), built once per session."""
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama-gqa4")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,12 +11,7 @@ import patchbay
 from patchbay import hookimpl
 from patchbay.registry import Registry, default_registry
 from patchbay.sampling_params import SamplingParams
-from tiny_models import build_tiny_model, transformers_greedy
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama-gqa4")
+from tiny_models import transformers_greedy
 
 
 @pytest.fixture(scope="module")

@@ -209,11 +209,6 @@ class DictConnectorPlugin:
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama-gqa4")
-
-
-@pytest.fixture(scope="module")
 def registry() -> Registry:
     registry = Registry.from_entry_points()
     registry.add_plugin(DictConnectorPlugin(), name="dict-connector-test")

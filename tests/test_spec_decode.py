@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -18,7 +17,7 @@ from patchbay.interfaces import DraftBatch, Drafter, DrafterCapabilities, DraftP
 from patchbay.registry import Registry
 from patchbay.sampling_params import SamplingParams
 from patchbay.spec_decode import arange_within, logits_layout
-from tiny_models import build_tiny_model, transformers_greedy
+from tiny_models import transformers_greedy
 
 NUM_TOKENS = 12
 
@@ -66,11 +65,6 @@ class ScriptedPlugin:
     @hookimpl
     def register_drafters(self, register):
         register("scripted", ScriptedDrafter)
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama-gqa4")
 
 
 @pytest.fixture(scope="module")
