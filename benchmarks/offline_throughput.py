@@ -13,6 +13,7 @@ machine; the ratio from one run is the figure to quote.
 
 from __future__ import annotations
 
+import patchbay  # first: it sets the OpenMP wait policy, which torch reads when it starts
 import argparse
 import json
 import random
@@ -24,7 +25,6 @@ import torch
 
 def make_workload(tokenizer, num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
                   seed: int) -> list[tuple[list[int], int]]:
-    import patchbay
 
     corpus_text = "\n".join(p.read_text() for p in sorted(Path(patchbay.__file__).parent.rglob("*.py")))
     corpus = tokenizer.encode(corpus_text)
@@ -38,7 +38,6 @@ def make_workload(tokenizer, num_requests: int, prompt_range: tuple[int, int], o
 
 
 def run_patchbay(args, workload) -> dict:
-    import patchbay
     from patchbay.sampling_params import SamplingParams
 
     llm = patchbay.LLM(attention__backend=args.backend, runtime__threads=args.threads,

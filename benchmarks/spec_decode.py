@@ -14,6 +14,7 @@ the acceptance statistics.
 
 from __future__ import annotations
 
+import patchbay  # first: it sets the OpenMP wait policy, which torch reads when it starts
 import argparse
 import json
 import time
@@ -27,7 +28,6 @@ TASKS = (
 
 
 def make_prompts(num_requests: int) -> list[dict]:
-    import patchbay
 
     sources = sorted(Path(patchbay.__file__).parent.glob("*.py"))
     prompts = []
@@ -40,7 +40,6 @@ def make_prompts(num_requests: int) -> list[dict]:
 
 
 def run(method: str, args: argparse.Namespace, prompts: list[dict]) -> dict:
-    import patchbay
     from patchbay.sampling_params import SamplingParams
 
     overrides: dict = {"runtime__threads": args.threads, "scheduler__max_num_seqs": args.max_num_seqs}
