@@ -54,10 +54,8 @@ from patchbay.interfaces import (
 from patchbay.plugins.spec_decode.heads import (
     EagleDraftModel,
     Rotary,
-    check_target,
-    load_drafter,
     load_state,
-    resolve_drafter_path,
+    load_trained,
     target_parts,
     warn_vocab_size,
 )
@@ -122,9 +120,7 @@ class EagleDrafter(Drafter):
         if options.path is not None:
             if options.intermediate_size is not None:
                 raise ValueError("eagle options: intermediate_size is for an untrained layer; a trained path fixes it")
-            directory = resolve_drafter_path(options.path, context.model, KIND)
-            config, state = load_drafter(directory, KIND)
-            check_target(config, context.model, directory)
+            directory, config, state = load_trained(options.path, context.model, KIND)
             model = EagleDraftModel(config["hidden_size"], config["num_heads"], config["num_kv_heads"],
                                     config["head_size"], config["intermediate_size"], config["rms_norm_eps"],
                                     config.get("draft_vocab_size"))

@@ -205,6 +205,14 @@ def load_drafter(directory: Path, kind: str) -> tuple[dict[str, Any], dict[str, 
     return config, load_file(str(weights_path))
 
 
+def load_trained(path: str, model: nn.Module, kind: str) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
+    """Find, read and check trained ``kind`` weights for ``model``: the directory, its config and its tensors."""
+    directory = resolve_drafter_path(path, model, kind)
+    config, state = load_drafter(directory, kind)
+    check_target(config, model, directory)
+    return directory, config, state
+
+
 def load_state(module: nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
     """``module.load_state_dict(state)`` with an error naming the file and the mismatched tensors."""
     expected = module.state_dict()

@@ -26,10 +26,8 @@ from pydantic import BaseModel, ConfigDict, PositiveInt
 from patchbay.interfaces import DraftBatch, Drafter, DrafterCapabilities, DrafterContext, DraftProposals
 from patchbay.plugins.spec_decode.heads import (
     MedusaHeads,
-    check_target,
-    load_drafter,
     load_state,
-    resolve_drafter_path,
+    load_trained,
     target_parts,
     warn_vocab_size,
 )
@@ -69,9 +67,7 @@ class MedusaDrafter(Drafter):
         if options.path is not None:
             if options.num_heads is not None:
                 raise ValueError("medusa options: num_heads is for untrained heads; a trained path fixes it")
-            directory = resolve_drafter_path(options.path, context.model, KIND)
-            config, state = load_drafter(directory, KIND)
-            check_target(config, context.model, directory)
+            directory, config, state = load_trained(options.path, context.model, KIND)
             heads = MedusaHeads(parts.hidden_size, config["num_heads"], config.get("num_layers", 1),
                                 config.get("draft_vocab_size"))
             load_state(heads, state, directory)
