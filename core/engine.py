@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import logging
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +160,7 @@ class Engine:
         self.spec_stats = self.runner.spec_stats
         self.num_blocks = num_blocks
         self.stats = EngineStats()
+        self._engine_timings: dict[str, float] = defaultdict(float)
         self._outputs: dict[str, RequestOutput] = {}
         """Unfinished sequences by id (a request with n > 1 has n of them)."""
         self._groups: dict[str, tuple[list[str], dict[str, RequestOutput]]] = {}
@@ -341,9 +343,13 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that finished in it."""
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         self.stats.num_preemptions += len(scheduler_output.preempted_req_ids)
+        scheduled = time.perf_counter()
+        self._engine_timings["schedule"] += scheduled - started
         runner_output = self.runner.execute_model(scheduler_output)
+        ran = time.perf_counter()
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.stats.num_steps += 1
         now = time.monotonic()
@@ -384,7 +390,29 @@ class Engine:
                 finished_ids.append(update.request_id)
         for request_id, stop in stopped:
             self.scheduler.finish_requests([request_id], "stop", stop)
-        return [result for sequence_id in finished_ids if (result := self._finish(sequence_id)) is not None]
+        finished = [result for sequence_id in finished_ids if (result := self._finish(sequence_id)) is not None]
+        self._engine_timings["finish"] += time.perf_counter() - ran
+        return finished
+
+    def step_timings(self) -> dict[str, float]:
+        """Seconds spent per phase of a step since the last reset, in step order.
+
+        ``schedule`` (the scheduler), the runner's ``update`` (persistent
+        batch), ``prepare`` (inputs and attention metadata), ``forward`` (the
+        model, logits included), ``sample``, ``output`` (recording samples),
+        ``draft`` (speculative proposals, when a drafter runs), then
+        ``finish`` (the scheduler's update from the output, stop checks and
+        request outputs).
+        """
+        timings = {"schedule": self._engine_timings["schedule"]}
+        timings.update(self.runner.timings)
+        timings["finish"] = self._engine_timings["finish"]
+        return timings
+
+    def reset_step_timings(self) -> None:
+        """Start :meth:`step_timings` from zero (after a warm-up, say)."""
+        self._engine_timings.clear()
+        self.runner.timings.clear()
 
     def _finish(self, sequence_id: str) -> RequestOutput | None:
         """Retire a finished sequence; the request's output once all its sequences are done."""

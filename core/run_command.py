@@ -97,7 +97,7 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
     reasons: dict[str, int] = {}
     for output in outputs:
         reasons[str(output.finish_reason)] = reasons.get(str(output.finish_reason), 0) + 1
-    timings = engine.runner.timings
+    timings = engine.step_timings()
     step_total = sum(timings.values()) or 1.0
     breakdown = ", ".join(f"{phase} {100 * seconds / step_total:.0f}%" for phase, seconds in timings.items())
     lines = [
@@ -110,7 +110,7 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
         f"inter-token latency: {_percentiles(itl)}",
         f"engine:              {engine.stats.num_steps} steps, {engine.stats.num_preemptions} preemptions, "
         f"attention {engine.backend_name}, {engine.dtype} on {engine.device}",
-        f"runner time:         {breakdown}",
+        f"step time:           {breakdown}",
     ]
     if getattr(engine, "kv_connector", None) is not None:
         kv = engine.scheduler.kv_connector_stats
