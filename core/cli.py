@@ -124,6 +124,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_from_settings(settings, config_path=args.config)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from patchbay.bench.command import bench_command
+
+    return bench_command(args)
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from patchbay.bench.command import add_arguments
+
+    add_arguments(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="patchbay", description="An LLM inference runner built of plugins.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config")
     run.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a setting")
     run.set_defaults(handler=cmd_run)
+
+    bench = sub.add_parser("bench", help="benchmark patchbay against transformers on fixed workloads, with the roofline")
+    add_bench_arguments(bench)
+    bench.set_defaults(handler=cmd_bench)
     return parser
 
 

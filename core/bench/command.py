@@ -1,0 +1,204 @@
+"""``patchbay bench``: run the workloads on patchbay and its transformers peers in one process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from patchbay.bench import workloads as wl
+from patchbay.bench.engines import (
+    EngineRun,
+    PatchbayEngine,
+    TransformersContinuousBatching,
+    TransformersGenerate,
+)
+from patchbay.bench.machine import measure_machine
+from patchbay.bench.report import print_table, write_plot
+from patchbay.bench.roofline import ModelCost, Roofline
+
+PEERS = ("generate", "continuous")
+
+
+@dataclass
+class BenchOptions:
+    workloads: list[str]
+    model: str = "default"
+    threads: int | None = None
+    num_requests: int = 64
+    concurrency: list[int] = field(default_factory=lambda: [64])
+    peers: list[str] = field(default_factory=lambda: list(PEERS))
+    max_num_batched_tokens: int = 2048
+    spec_method: str = "ngram"
+    num_speculative_tokens: int = 3
+    out: Path | None = None
+    seed: int = 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("workloads", nargs="*", choices=[*wl.WORKLOADS, "all"], default=["throughput"],
+                        help="what to run (default: throughput); 'all' runs the four")
+    parser.add_argument("--model", default="default", help="model directory, or 'default' for the bundled SmolLM2")
+    parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    parser.add_argument("--num-requests", type=int, default=64, help="requests of the throughput workload")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64],
+                        help="throughput at each of these concurrencies (patchbay max_num_seqs, transformers "
+                             "generate batch size, continuous batching requests per batch)")
+    parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
+                        help="transformers peers to run (default: both; none: patchbay only)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--spec-method", default="ngram", help="drafter of the spec workload")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="directory for results.jsonl and bench.png (default: print only)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def options_from(args: argparse.Namespace) -> BenchOptions:
+    names = list(wl.WORKLOADS) if "all" in args.workloads else list(dict.fromkeys(args.workloads))
+    return BenchOptions(names, args.model, args.threads, args.num_requests, args.concurrency, args.peers,
+                        args.max_num_batched_tokens, args.spec_method, args.num_speculative_tokens, args.out, args.seed)
+
+
+class Bench:
+    """Loads each engine once and runs the chosen workloads on every engine, collecting result rows."""
+
+    def __init__(self, options: BenchOptions, stream: TextIO) -> None:
+        self.options = options
+        self.stream = stream
+        if options.threads is not None:
+            torch.set_num_threads(options.threads)
+        self.say(f"measuring the machine ({torch.get_num_threads()} threads) ...")
+        machine = measure_machine()
+        overrides: dict[str, Any] = {"model__path": options.model,
+                                     "scheduler__max_num_seqs": max([*options.concurrency, 64]),
+                                     "scheduler__max_num_batched_tokens": options.max_num_batched_tokens}
+        if options.threads is not None:
+            overrides["runtime__threads"] = options.threads
+        self.overrides = overrides
+        self.patchbay = PatchbayEngine(**overrides)
+        engine = self.patchbay.llm.engine
+        self.model_dir = str(engine.model_dir)
+        self.roofline = Roofline(ModelCost.of(engine.model.model), machine)
+        self.tokenizer = self.patchbay.llm.tokenizer
+        self._peers: dict[str, Any] = {}
+        self.rows: list[dict[str, Any]] = []
+
+    def say(self, line: str) -> None:
+        print(line, file=self.stream, flush=True)
+
+    def peer(self, name: str) -> Any:
+        if name not in self._peers:
+            if name == "generate":
+                self._peers[name] = TransformersGenerate(self.model_dir)
+            elif name == "prompt_lookup":
+                self._peers[name] = TransformersGenerate(self.model_dir,
+                                                         prompt_lookup_tokens=self.options.num_speculative_tokens)
+            else:
+                self._peers[name] = TransformersContinuousBatching(self.model_dir, self.options.max_num_batched_tokens)
+        return self._peers[name]
+
+    def peer_names(self, extra: tuple[str, ...] = ()) -> list[str]:
+        names = [name for name in PEERS if name in self.options.peers]
+        if "continuous" in names and (reason := TransformersContinuousBatching.available()):
+            self.say(f"skipping transformers continuous batching: {reason}")
+            names.remove("continuous")
+        return names + [name for name in extra if "generate" in self.options.peers]
+
+    # -- workloads -------------------------------------------------------------------------
+
+    def run(self) -> list[dict[str, Any]]:
+        corpus = wl.source_corpus(self.tokenizer)
+        for name in self.options.workloads:
+            getattr(self, f"_run_{name}")(corpus)
+        return self.rows
+
+    def _run_throughput(self, corpus: list[int]) -> None:
+        for concurrency in self.options.concurrency:
+            workload = wl.throughput(corpus, num_requests=self.options.num_requests, concurrency=concurrency,
+                                     seed=self.options.seed)
+            self._compare(workload, [self.patchbay], self.peer_names())
+
+    def _run_prefix(self, corpus: list[int]) -> None:
+        self._compare(wl.shared_prefix(corpus, seed=self.options.seed), [self.patchbay], self.peer_names())
+
+    def _run_spec(self, corpus: list[int]) -> None:
+        method = self.options.spec_method
+        drafting = PatchbayEngine(f"patchbay + {method}", **self.overrides,
+                                  speculative={"method": method,
+                                               "num_speculative_tokens": self.options.num_speculative_tokens})
+        self._compare(wl.repetitive(self.tokenizer), [self.patchbay, drafting],
+                      self.peer_names(extra=("prompt_lookup",)))
+
+    def _run_latency(self, corpus: list[int]) -> None:
+        for length in (128, 1024):
+            # Distinct prompts for the two timings, so no engine reuses a cached prefix.
+            first = wl.latency(corpus, prompt_length=length, max_tokens=1, seed=self.options.seed)
+            full = wl.latency(corpus, prompt_length=length, max_tokens=65, seed=self.options.seed + 1)
+            for engine in [self.patchbay, *(self.peer(name) for name in self.peer_names())]:
+                self.say(f"latency, prompt {length}: {engine.name} ...")
+                ttft = engine.run(first)
+                run = engine.run(full)
+                decode_ms = (run.seconds - ttft.seconds) / 64 * 1e3
+                floor = self.roofline.decode_ms_floor(length + 32)
+                self._add(full, run, ttft_s=ttft.seconds, decode_ms_per_token=decode_ms,
+                          bandwidth_roofline_fraction=floor / decode_ms if decode_ms > 0 else None)
+        self._ratios("latency", key="decode_ms_per_token", lower_is_better=True)
+
+    def _compare(self, workload: wl.Workload, ours: list[PatchbayEngine], peer_names: list[str]) -> None:
+        reference: EngineRun | None = None
+        for engine in [*ours, *(self.peer(name) for name in peer_names)]:
+            self.say(f"{workload.name} ({workload.label}): {engine.name} ...")
+            run = engine.run(workload)
+            reference = reference or run
+            same = sum(a == b for a, b in zip(run.token_ids, reference.token_ids, strict=True))
+            floor = self.roofline.compute_seconds_floor(workload)
+            self._add(workload, run, same_tokens_as_patchbay=f"{same}/{len(workload.requests)}",
+                      compute_ceiling_fraction=floor / run.seconds)
+        self._ratios(workload.name, key="generated_tokens_per_s")
+
+    def _add(self, workload: wl.Workload, run: EngineRun, **figures: Any) -> None:
+        generated = sum(len(tokens) for tokens in run.token_ids)
+        if generated != workload.generated_tokens:
+            raise RuntimeError(f"{run.engine} produced {generated} tokens on {workload.name} "
+                               f"({workload.label}); the workload asks for {workload.generated_tokens}")
+        self.rows.append({
+            "workload": workload.name, "label": workload.label, "engine": run.engine,
+            "concurrency": workload.concurrency, "requests": len(workload.requests),
+            "prompt_tokens": workload.prompt_tokens, "generated_tokens": generated, "seconds": run.seconds,
+            "generated_tokens_per_s": generated / run.seconds,
+            "total_tokens_per_s": (workload.prompt_tokens + generated) / run.seconds,
+            "step_breakdown_s": run.step_breakdown, **run.details, **figures,
+        })
+
+    def _ratios(self, workload: str, key: str, lower_is_better: bool = False) -> None:
+        """Each row's speed relative to transformers generate and continuous batching on the same inputs."""
+        rows = [row for row in self.rows if row["workload"] == workload]
+        for peer_engine, column in (("transformers generate", "x_generate"),
+                                    ("transformers continuous batching", "x_continuous")):
+            for row in rows:
+                peer = next((p for p in rows if p["engine"] == peer_engine and p["label"] == row["label"]), None)
+                if peer is not None and row.get(key) and peer.get(key):
+                    row[column] = peer[key] / row[key] if lower_is_better else row[key] / peer[key]
+
+
+def bench_command(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
+    """Entry of ``patchbay bench``: run, print the table and the roofline, write JSON lines and the plot."""
+    options = options_from(args)
+    bench = Bench(options, stream)
+    rows = bench.run()
+    print_table(rows, bench.roofline, stream)
+    if options.out is not None:
+        options.out.mkdir(parents=True, exist_ok=True)
+        context = {"machine": bench.roofline.machine.as_dict(), "model": bench.roofline.cost.as_dict(),
+                   "model_dir": bench.model_dir}
+        with (options.out / "results.jsonl").open("a", encoding="utf-8") as handle:
+            for row in rows:
+                handle.write(json.dumps({**row, **context}) + "\n")
+        plot = write_plot(rows, options.out / "bench.png")
+        print(f"wrote {options.out / 'results.jsonl'}" + (f" and {plot}" if plot else ""), file=stream)
+    return 0

@@ -1,0 +1,95 @@
+"""The model's cost (FLOPs and bytes per token) and the ceilings the machine puts on it.
+
+Two ceilings frame every figure the bench prints:
+
+- **bandwidth** (batch-1 decode): each generated token reads every weight once
+  (the lm head included) plus the request's KV cache, so a decode step cannot
+  take less than those bytes divided by the measured read bandwidth;
+- **compute** (many requests): a workload needs the FLOPs of every token it
+  runs through the model, the lm head only where a token is sampled (patchbay
+  computes logits only there), and causal attention over each token's
+  context; at the measured GEMM rate that is the least time it can take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch import nn
+
+from patchbay.bench.machine import MachineLimits
+from patchbay.bench.workloads import Workload
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    linear_params: int
+    """Weights of the decoder's linear layers (attention projections, MLP), read once per step."""
+    lm_head_params: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bytes_per_param: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelCost:
+        """Count a transformers causal LM's parameters by role."""
+        head = model.get_output_embeddings()
+        linear = sum(module.weight.numel() for module in model.modules()
+                     if isinstance(module, nn.Linear) and module is not head)
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(linear, head.weight.numel(), config.num_hidden_layers, heads,
+                   getattr(config, "num_key_value_heads", None) or heads, head_dim, head.weight.element_size())
+
+    def attention_flops(self, context: int) -> float:
+        """FLOPs of one token's attention over ``context`` positions (scores and weighted sum), all layers."""
+        return 4.0 * self.num_layers * self.num_heads * self.head_dim * context
+
+    def request_flops(self, prompt_tokens: int, generated_tokens: int) -> float:
+        """FLOPs to prefill a prompt and generate ``generated_tokens`` (the last one is never fed back)."""
+        fed = prompt_tokens + max(generated_tokens - 1, 0)
+        # Causal attention: token i (0-based) attends to i + 1 positions.
+        attention = self.attention_flops(1) * fed * (fed + 1) / 2
+        return 2.0 * self.linear_params * fed + 2.0 * self.lm_head_params * generated_tokens + attention
+
+    def workload_flops(self, workload: Workload) -> float:
+        return sum(self.request_flops(len(r.prompt_token_ids), r.max_tokens) for r in workload.requests)
+
+    def decode_bytes(self, context: int) -> float:
+        """Bytes one batch-1 decode step must read: all weights and the request's K and V."""
+        kv = 2 * self.num_layers * self.num_kv_heads * self.head_dim * context
+        return float((self.linear_params + self.lm_head_params + kv) * self.bytes_per_param)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    cost: ModelCost
+    machine: MachineLimits
+
+    def decode_ms_floor(self, context: int) -> float:
+        """Least batch-1 decode time per token at ``context`` tokens, from the read bandwidth."""
+        return self.cost.decode_bytes(context) / (self.machine.read_bandwidth_gb_s * 1e9) * 1e3
+
+    def compute_seconds_floor(self, workload: Workload) -> float:
+        """Least time the workload's FLOPs take at the measured GEMM rate."""
+        return self.cost.workload_flops(workload) / (self.machine.gemm_gflop_s * 1e9)
+
+    def describe(self) -> list[str]:
+        cost, machine = self.cost, self.machine
+        per_token = 2.0 * cost.linear_params
+        return [
+            f"machine: {machine.description}; {machine.threads} threads",
+            f"measured: read bandwidth {machine.read_bandwidth_gb_s:.1f} GB/s, float32 GEMM "
+            f"{machine.gemm_gflop_s:.1f} GFLOP/s",
+            f"model: {cost.linear_params / 1e6:.1f}M linear + {cost.lm_head_params / 1e6:.1f}M lm-head parameters, "
+            f"{per_token / 1e6:.0f} MFLOP per token (+{2 * cost.lm_head_params / 1e6:.0f} where sampled)",
+            f"ceilings: batch-1 decode {self.decode_ms_floor(128):.1f} ms/token (bandwidth), "
+            f"{machine.gemm_gflop_s * 1e9 / per_token:.0f} tokens/s through the model (compute, short contexts)",
+        ]
