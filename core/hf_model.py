@@ -9,6 +9,7 @@ the paged KV cache.  transformers builds no attention mask for it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,60 @@ class HFCausalLM:
         if self._final_soft_cap:
             logits = torch.tanh(logits / self._final_soft_cap) * self._final_soft_cap
         return logits
+
+
+class AuxHiddenStates:
+    """Keeps the outputs of chosen decoder layers from each forward pass, through forward hooks.
+
+    For drafters reading intermediate layers (EAGLE-3): the hooks copy
+    nothing and run no extra pass; they keep a reference to each chosen
+    layer's output of the latest forward until the next forward replaces
+    it.  Registered only when a drafter asks, so a run without one pays
+    nothing.  Layer ``i``'s output is transformers'
+    ``output_hidden_states[i + 1]``, except for the last layer, whose entry
+    there has been through the final norm and whose output here has not.
+    """
+
+    def __init__(self, model: HFCausalLM | nn.Module, layers: Sequence[int]) -> None:
+        """Hook decoder layers ``layers`` (indices in ``[0, num_layers)``, repeats allowed) of ``model``.
+
+        ``model`` is an :class:`HFCausalLM` or a plain transformers causal LM (the drafter trainer's).
+        """
+        decoder = model._decoder if isinstance(model, HFCausalLM) else model.base_model
+        num_layers = model.shape.num_layers if isinstance(model, HFCausalLM) else \
+            getattr(model.config.get_text_config(), "num_hidden_layers", None)
+        decoder_layers = getattr(decoder, "layers", None)
+        if not isinstance(decoder_layers, nn.ModuleList) or len(decoder_layers) != num_layers:
+            raise ModelLoadError(f"{type(model).__name__}: its decoder has no `layers` list of {num_layers} "
+                                 "layers, so their hidden states cannot be captured")
+        self.layers = tuple(layers)
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._handles = [decoder_layers[index].register_forward_hook(self._keeper(index))
+                         for index in sorted(set(self.layers))]
+
+    def _keeper(self, index: int) -> Any:
+        def keep(module: nn.Module, args: Any, output: Any) -> None:
+            self._outputs[index] = output[0] if isinstance(output, tuple) else output
+
+        return keep
+
+    def latest(self) -> list[torch.Tensor]:
+        """The chosen layers' outputs of the latest forward of one flattened step, ``[num_tokens, hidden]`` each,
+        in :attr:`layers` order."""
+        return [output[0] for output in self.latest_batched()]
+
+    def latest_batched(self) -> list[torch.Tensor]:
+        """As :meth:`latest`, keeping the batch dimension: ``[batch, tokens, hidden]`` each."""
+        missing = [index for index in self.layers if index not in self._outputs]
+        if missing:
+            raise RuntimeError(f"no output captured yet for decoder layers {missing}: no forward pass has run")
+        return [self._outputs[index] for index in self.layers]
+
+    def remove(self) -> None:
+        """Unhook the layers and drop the kept outputs."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._outputs = [], {}
 
 
 def _attention_layers(model: nn.Module, architecture: str) -> dict[int, AttentionLayerSpec]:

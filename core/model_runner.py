@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from patchbay.forward_context import ForwardContext, LayerBinding, forward_context
-from patchbay.hf_model import HFCausalLM, torch_dtype
+from patchbay.hf_model import AuxHiddenStates, HFCausalLM, torch_dtype
 from patchbay.input_batch import InputBatch
 from patchbay.logprobs import Logprobs, PromptLogprobs
 from patchbay.interfaces import (
@@ -37,6 +37,7 @@ from patchbay.interfaces import (
     SamplerOutput,
     SamplingMetadata,
 )
+from patchbay.interfaces.drafter import resolve_aux_layers
 from patchbay.kv_cache_spec import KVCacheGroup
 from patchbay.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from patchbay.spec_decode import LogitsLayout, SpecDecodeStats, logits_layout, may_draft, verify
@@ -97,6 +98,8 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.drafter = drafter
+        self.aux_hidden_states = self._aux_capture(model, drafter)
+        """Captures the target layers the (loaded) drafter reads, during the forward pass; ``None``: none."""
         self.rejection_sampler = rejection_sampler
         self.num_speculative_tokens = num_speculative_tokens
         self.spec_stats = SpecDecodeStats()
@@ -342,6 +345,15 @@ class ModelRunner:
         logprobs = self._logprobs(step, positions, sampler_output) if sampler_output is not None else None
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_lists, logprobs=logprobs)
 
+    @staticmethod
+    def _aux_capture(model: HFCausalLM, drafter: Drafter | None) -> AuxHiddenStates | None:
+        """Hooks on the decoder layers the drafter reads (asked after its ``load``); ``None`` when it reads none."""
+        layers = drafter.aux_hidden_state_layers() if drafter is not None else ()
+        if not layers:
+            return None
+        return AuxHiddenStates(model, resolve_aux_layers(layers, model.shape.num_layers,
+                                                         drafter=type(drafter).__name__))
+
     def _propose_drafts(self, step: StepInputs, hidden_states: torch.Tensor,
                         new_tokens: list[list[int]]) -> list[list[int]]:
         """Ask the drafter for the next step's drafts, for the step's requests in step order.
@@ -374,7 +386,7 @@ class ModelRunner:
             if capabilities.needs_hidden_states else None,
             skip=skip,
         )
-        if capabilities.needs_attention_metadata:
+        if capabilities.needs_attention_metadata or self.aux_hidden_states is not None:
             draft_batch.step = DraftStep(
                 token_ids=step.input_ids,
                 positions=step.positions,
@@ -382,6 +394,7 @@ class ModelRunner:
                 query_start_loc=step.query_start_loc,
                 num_rejected=step.num_rejected,
                 attention_metadata=step.common_metadata,
+                aux_hidden_states=self.aux_hidden_states.latest() if self.aux_hidden_states is not None else None,
             )
         proposals = drafter.propose(draft_batch).draft_token_ids
         return [list(proposal) if i not in skip else [] for i, proposal in enumerate(proposals)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -30,7 +31,16 @@ class DrafterCapabilities(Capabilities):
     needs_hidden_states: bool = False
     """Needs the target's last hidden states at the sampled positions (Medusa)."""
     needs_aux_hidden_states: tuple[int, ...] = ()
-    """Target layer indices whose hidden states it needs (EAGLE-3)."""
+    """Target decoder layers whose outputs it needs (EAGLE-3), when that choice does not depend on the model.
+
+    Index ``i`` is the output of decoder layer ``i``: transformers'
+    ``output_hidden_states[i + 1]``, except that the last layer's output is
+    taken before the final norm.  Negative indices count from the last
+    layer, as in Python, so ``(-3, -2)`` fits a model of any depth.  This is
+    only the default of :meth:`Drafter.aux_hidden_state_layers`, which the
+    runner asks after :meth:`Drafter.load`: a drafter whose layers depend on
+    the target (low, middle and high layers) or on its trained weights
+    leaves it empty and overrides that method."""
     needs_attention_metadata: bool = False
     """Runs its own attention over the paged cache (EAGLE)."""
     produces_draft_probs: bool = False
@@ -72,7 +82,8 @@ class DraftStep:
     attention_metadata: Any
     """The step's :class:`~patchbay.interfaces.CommonAttentionMetadata` (first KV-cache group)."""
     aux_hidden_states: list[torch.Tensor] | None = None
-    """``[num_tokens, hidden]`` of each layer in :attr:`DrafterCapabilities.needs_aux_hidden_states`."""
+    """``[num_tokens, hidden]`` outputs of each layer :meth:`Drafter.aux_hidden_state_layers` names, in its order;
+    ``None`` when it names none."""
 
 
 @dataclass
@@ -147,6 +158,26 @@ class Drafter(Plugin):
         Called once before the first step.
         """
 
+    def aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """The target decoder layers whose outputs this loaded drafter needs, each step (default: the capability's).
+
+        The runner asks once, after :meth:`load`, and fills
+        :attr:`DraftStep.aux_hidden_states` with those layers' outputs, in
+        this order, captured during the target's own forward pass (no second
+        pass; nothing is captured when the answer is empty).  Indices follow
+        :attr:`DrafterCapabilities.needs_aux_hidden_states`: ``i`` is layer
+        ``i``'s output, negative ones count from the last layer.  An index
+        outside the model's layers stops the run with an error naming the
+        drafter.
+
+        Why a method and not only the class-level capability: which layers
+        to read depends on the target's depth (EAGLE-3 reads a low, a middle
+        and a high layer, e.g. ``(2, L // 2, L - 3)`` of ``L``) and, once
+        trained, on the layers the weights were trained on; both are known
+        only once :meth:`load` has seen the model and the weights.
+        """
+        return tuple(self.capabilities.needs_aux_hidden_states)
+
     @abstractmethod
     def propose(self, batch: DraftBatch) -> DraftProposals:
         """Propose up to ``batch.num_speculative_tokens`` tokens for each request.
@@ -155,3 +186,18 @@ class Drafter(Plugin):
         empty for indices in ``batch.skip``, and never make a request longer
         than ``batch.max_model_len``.  The same inputs give the same drafts.
         """
+
+
+def resolve_aux_layers(layers: Sequence[int], num_layers: int, *, drafter: str) -> tuple[int, ...]:
+    """``layers`` (from :meth:`Drafter.aux_hidden_state_layers`) as indices in ``[0, num_layers)``.
+
+    Negative indices count from the end; one outside the model raises
+    ``ValueError`` naming ``drafter``.
+    """
+    outside = [index for index in layers if not -num_layers <= index < num_layers]
+    if outside:
+        raise ValueError(
+            f"drafter {drafter!r} asks for the outputs of target layers {tuple(layers)}, but the model has "
+            f"{num_layers} decoder layers (valid indices: 0..{num_layers - 1}, or -{num_layers}..-1 from the end); "
+            f"{outside} are outside it")
+    return tuple(index % num_layers for index in layers)

@@ -14,10 +14,13 @@ most ``num_speculative_tokens`` valid token ids (``0 <= id < vocab_size``),
 never make a request longer than ``max_model_len``, be empty for skipped
 requests, be the same for the same inputs, and leave the inputs unchanged.
 
-A drafter that declares ``needs_hidden_states``, ``needs_aux_hidden_states``
-or ``needs_attention_metadata`` gets those fields filled with random tensors
-of :attr:`DrafterSuite.hidden_size` and a step whose paged attention metadata
-is consistent with the token arrays; a drafter that overrides
+A drafter that declares ``needs_hidden_states`` or ``needs_attention_metadata``,
+or whose loaded instance names layers in
+:meth:`~patchbay.interfaces.Drafter.aux_hidden_state_layers`, gets those
+fields filled with random tensors of :attr:`DrafterSuite.hidden_size` (one
+``aux_hidden_states`` tensor per named layer, which must lie inside the tiny
+target's layers) and a step whose paged attention metadata is consistent
+with the token arrays; a drafter that overrides
 :meth:`~patchbay.interfaces.Drafter.load` is loaded with a
 :class:`~patchbay.interfaces.DrafterContext` around a tiny random Llama
 target (see :func:`build_draft_context`).  A drafter that cannot run without
@@ -152,11 +155,23 @@ class BatchShape:
     """Blocks in the KV pool the step's block tables point into (the drafter context's ``num_blocks``)."""
     device: str = "cpu"
     dtype: str = "float32"
+    aux_layers: tuple[int, ...] | None = None
+    """The layers a loaded drafter's ``aux_hidden_state_layers()`` named; ``None``: the capability's."""
+
+    @property
+    def layers_of_aux_states(self) -> tuple[int, ...]:
+        """One random ``aux_hidden_states`` tensor is made per entry."""
+        return self.capabilities.needs_aux_hidden_states if self.aux_layers is None else self.aux_layers
+
+    @property
+    def num_target_layers(self) -> int:
+        """Layers of the tiny target in the drafter's context: at least 4, and every fixed index inside it."""
+        indices = self.capabilities.needs_aux_hidden_states
+        return max([4, *(index + 1 if index >= 0 else -index for index in indices)])
 
     @property
     def needs_step(self) -> bool:
-        caps = self.capabilities
-        return caps.needs_attention_metadata or bool(caps.needs_aux_hidden_states)
+        return self.capabilities.needs_attention_metadata or bool(self.layers_of_aux_states)
 
 
 def make_draft_batch(case: DraftCase, *, num_speculative_tokens: int, max_model_len: int,
@@ -247,7 +262,7 @@ def _make_step(token_ids: list[np.ndarray], num_computed: list[int], num_new: li
         query_start_loc=query_start_loc,
         num_rejected=np.asarray(num_rejected, dtype=np.int32),
         attention_metadata=common,
-        aux_hidden_states=[random_states(num_tokens) for _ in shape.capabilities.needs_aux_hidden_states] or None,
+        aux_hidden_states=[random_states(num_tokens) for _ in shape.layers_of_aux_states] or None,
     )
 
 
@@ -258,15 +273,14 @@ def build_draft_context(shape: BatchShape, *, vocab_size: int, max_model_len: in
                         attention_backend: str = "reference", seed: int = SEED) -> DrafterContext:
     """A :class:`DrafterContext` around a tiny random Llama target of ``shape.hidden_size``.
 
-    The target has enough layers for every index in
-    ``needs_aux_hidden_states`` (at least 2), 4 heads and 2 KV heads, and
+    The target has :attr:`BatchShape.num_target_layers` layers, 4 heads and 2 KV heads, and
     ties its embeddings like SmolLM2.  The attention backend is resolved from
     ``registry`` by name, with the metadata builder it declares.
     """
     import torch
     import transformers
 
-    layers = max(2, 1 + max(shape.capabilities.needs_aux_hidden_states, default=0))
+    layers = shape.num_target_layers
     config = transformers.LlamaConfig(
         vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=2 * shape.hidden_size,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -298,6 +312,20 @@ def needs_context(drafter_class: type[Drafter]) -> bool:
 
 
 # -- the checks ----------------------------------------------------------------------------------------------------
+
+
+def check_aux_layers(drafter: Drafter, num_layers: int) -> tuple[int, ...]:
+    """The loaded drafter's ``aux_hidden_state_layers()``: a tuple of ints the runner accepts for ``num_layers``."""
+    from patchbay.interfaces.drafter import resolve_aux_layers
+
+    layers = drafter.aux_hidden_state_layers()
+    name = type(drafter).__name__
+    assert isinstance(layers, tuple) and all(isinstance(index, int) for index in layers), (
+        f"{name}.aux_hidden_state_layers() must return a tuple of ints, got {layers!r}")
+    try:
+        return resolve_aux_layers(layers, num_layers, drafter=name)
+    except ValueError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def check_proposals(drafter: Drafter, batch: DraftBatch, vocab_size: int) -> list[list[int]]:
@@ -561,8 +589,8 @@ class DrafterSuite(DrafterBaseSuite):
         return available
 
     @pytest.fixture
-    def batch_shape(self, drafter_class: type[Drafter]) -> BatchShape:
-        """The fields and tensor sizes batches for this drafter carry."""
+    def target_shape(self, drafter_class: type[Drafter]) -> BatchShape:
+        """The tensor sizes of the batches and of the context's target (before any drafter is loaded)."""
         block_size = 16
         # Enough blocks for the largest case: 7 requests of up to max_model_len + drafts tokens.
         blocks_per_request = -(-(self.max_model_len + 8) // block_size) + 1
@@ -570,7 +598,12 @@ class DrafterSuite(DrafterBaseSuite):
                           block_size=block_size, num_blocks=8 * blocks_per_request, device=self.device)
 
     @pytest.fixture
-    def make_drafter(self, drafter_class: type[Drafter], batch_shape: BatchShape,
+    def batch_shape(self, target_shape: BatchShape, drafter: Drafter) -> BatchShape:
+        """The fields and tensor sizes batches for this drafter carry: with the layers the loaded drafter names."""
+        return dataclasses.replace(target_shape, aux_layers=tuple(drafter.aux_hidden_state_layers()))
+
+    @pytest.fixture
+    def make_drafter(self, drafter_class: type[Drafter], target_shape: BatchShape,
                      patchbay_registry: Registry) -> Callable[[int], Drafter]:
         """A factory of loaded drafters, by ``num_speculative_tokens``."""
         try:
@@ -585,7 +618,7 @@ class DrafterSuite(DrafterBaseSuite):
             drafter = drafter_class(options, config=config)
             if needs_context(drafter_class):
                 if not context:
-                    context.append(self.draft_context(batch_shape, patchbay_registry))
+                    context.append(self.draft_context(target_shape, patchbay_registry))
                 drafter.load(context[0])
             return drafter
 
@@ -644,6 +677,10 @@ class DrafterSuite(DrafterBaseSuite):
         drafter = make_drafter(num_speculative_tokens)
         for case in ("repetitive", "random"):
             check_proposals(drafter, self.batch(case, batch_shape, num_speculative_tokens), self.vocab_size)
+
+    def test_aux_hidden_state_layers_fit_the_target(self, drafter: Drafter, target_shape: BatchShape) -> None:
+        """The layers the loaded drafter reads are inside the target it was loaded for (as the runner checks)."""
+        check_aux_layers(drafter, target_shape.num_target_layers)
 
     # -- determinism and purity --------------------------------------------------------------------------
 
