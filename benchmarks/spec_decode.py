@@ -1,7 +1,7 @@
 """Speculative decoding on a workload with repetition: each drafter against no speculation, in one run.
 
-    .venv/bin/python benchmarks/spec_decode.py --methods none ngram medusa eagle \\
-        --medusa-path DIR --eagle-path DIR
+    .venv/bin/python benchmarks/spec_decode.py --methods none ngram medusa eagle eagle3 \\
+        --medusa-path DIR --eagle-path DIR --eagle3-path DIR
 
 Every request asks the bundled SmolLM2-135M-Instruct to reproduce or lightly
 edit a piece of patchbay's own source (so long stretches of the answer repeat
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--medusa-path")
     parser.add_argument("--eagle-path")
+    parser.add_argument("--eagle3-path")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, help="also append the results as JSON lines here")
     args = parser.parse_args()

@@ -172,13 +172,14 @@ def test_options_are_validated() -> None:
         NgramDrafter.Options.model_validate({"num_speculative_tokens": 3})  # a run setting, not an option
 
 
-def test_registration_names_the_three_drafters() -> None:
+def test_registration_names_the_four_drafters() -> None:
     names = {}
     spec_decode_hooks.register_drafters(register=lambda name, target, **kwargs: names.update({name: target}))
     assert names == {
         "ngram": "patchbay.plugins.spec_decode.ngram:NgramDrafter",
         "medusa": "patchbay.plugins.spec_decode.medusa:MedusaDrafter",
         "eagle": "patchbay.plugins.spec_decode.eagle:EagleDrafter",
+        "eagle3": "patchbay.plugins.spec_decode.eagle3:Eagle3Drafter",
     }
 
 

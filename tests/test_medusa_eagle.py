@@ -18,8 +18,10 @@ from patchbay.interfaces import CommonAttentionMetadata, DraftBatch, DrafterConf
 from patchbay.plugins.spec_decode import heads as heads_module
 from patchbay.plugins.spec_decode import train
 from patchbay.plugins.spec_decode.eagle import EagleDrafter, EagleOptions
+from patchbay.plugins.spec_decode.eagle3 import Eagle3Drafter, Eagle3Options
 from patchbay.plugins.spec_decode.heads import (
     DrafterFileError,
+    Eagle3DraftModel,
     EagleDraftModel,
     MedusaHeads,
     save_drafter,
@@ -83,6 +85,18 @@ def hidden_of(model, token_ids: list[int]) -> torch.Tensor:
         return model.base_model(input_ids=torch.tensor([token_ids])).last_hidden_state[0]
 
 
+def aux_of(model, token_ids: list[int], layers: tuple[int, ...]) -> list[torch.Tensor]:
+    """The outputs of decoder ``layers`` at every position, captured as the runner does for EAGLE-3."""
+    from patchbay.hf_model import AuxHiddenStates
+
+    capture = AuxHiddenStates(model, layers)
+    with torch.inference_mode():
+        model.base_model(input_ids=torch.tensor([token_ids]))
+    found = capture.latest()
+    capture.remove()
+    return found
+
+
 @pytest.fixture(scope="module")
 def patchbay_registry() -> Registry:
     """The installed plugins, with the built-in drafters added by hand when the install predates them."""
@@ -106,8 +120,13 @@ class TestEagleConformance(DrafterSuite):
     run_end_to_end = False
 
 
+class TestEagle3Conformance(DrafterSuite):
+    plugin_name = "eagle3"
+    run_end_to_end = False
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
 @pytest.mark.parametrize("weights", ["untrained", "trained"])
 def test_greedy_output_is_unchanged_on_the_bundled_model(patchbay_registry, method, weights):
     """Lossless end to end; ``trained`` uses what ``patchbay-train-drafter`` saved on this machine (else skips)."""
@@ -203,12 +222,15 @@ class PagedRequest:
 
 
 def make_step(requests: list[PagedRequest], runs: list[tuple[int, list[int]]],
-              num_rejected: list[int]) -> DraftStep:
+              num_rejected: list[int], aux_layers: tuple[int, ...] = ()) -> DraftStep:
     """The DraftStep of a target step where request ``i`` ran ``runs[i] = (first_position, tokens)``."""
     token_rows, positions, hidden, slots, lens = [], [], [], [], []
+    aux: list[list[torch.Tensor]] = [[] for _ in aux_layers]
     for request, (first, tokens) in zip(requests, runs, strict=True):
         # The target's hidden states for what actually ran (drafts included, rejected or not).
         full = hidden_of(request.model, request.token_ids[:first] + tokens)
+        for layer_rows, layer_states in zip(aux, aux_of(request.model, request.token_ids[:first] + tokens, aux_layers)):
+            layer_rows.append(layer_states[first:])
         rows = np.arange(first, first + len(tokens))
         token_rows.extend(tokens)
         positions.extend(rows.tolist())
@@ -229,23 +251,33 @@ def make_step(requests: list[PagedRequest], runs: list[tuple[int, list[int]]],
     )
     return DraftStep(token_ids=torch.tensor(token_rows), positions=torch.tensor(positions),
                      hidden_states=torch.cat(hidden), query_start_loc=query_start,
-                     num_rejected=np.asarray(num_rejected, dtype=np.int32), attention_metadata=common)
+                     num_rejected=np.asarray(num_rejected, dtype=np.int32), attention_metadata=common,
+                     aux_hidden_states=[torch.cat(rows) for rows in aux] or None)
 
 
 def dense_drafts(model, draft_model: EagleDraftModel, token_ids: list[int], num_drafts: int) -> list[int]:
     """What :func:`train.eagle_rollout` drafts after the last token of ``token_ids``."""
     hidden = hidden_of(model, token_ids)[:-1]
     corpus = train.Corpus([torch.tensor(token_ids)], [hidden], [torch.zeros(len(hidden), dtype=torch.long)], [1])
-    batch = train.eagle_batch(corpus, [0], num_drafts)
+    reads_aux = isinstance(draft_model, Eagle3DraftModel)
+    if reads_aux:
+        corpus = train.add_aux_hidden_states(model, corpus, draft_model.aux_layers)
+    batch = train.eagle_batch(corpus, [0], num_drafts, aux=reads_aux)
     with torch.no_grad():
         outputs, _ = train.eagle_rollout(draft_model, target_parts(model), batch, num_drafts, teacher_tokens=False)
     return [int(model.lm_head(output[0, len(token_ids) - 2]).argmax()) for output in outputs]
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_paged_eagle_drafts_equal_the_dense_rollout_across_steps(tiny_model, tokenizer, backend):
-    drafter = EagleDrafter(EagleOptions(seed=3), config=drafter_config(tiny_model, num_speculative_tokens=4))
+@pytest.mark.parametrize(("kind", "backend"), [("eagle", backend) for backend in CPU_BACKENDS] + [
+    ("eagle3", "reference"), ("eagle3", "torch_sdpa")])
+def test_paged_eagle_drafts_equal_the_dense_rollout_across_steps(tiny_model, tokenizer, kind, backend):
+    """EAGLE-3 (layers 0, 3 and 1) drafts from the aux states on the first pass, then from its own outputs."""
+    config = drafter_config(tiny_model, num_speculative_tokens=4)
+    drafter = EagleDrafter(EagleOptions(seed=3), config=config) if kind == "eagle" else \
+        Eagle3Drafter(Eagle3Options(seed=3, aux_layers=[0, -1, 1]), config=config)
     drafter.load(context_for(tiny_model, backend))
+    aux_layers = drafter.aux_hidden_state_layers()
+    assert aux_layers == (() if kind == "eagle" else (0, 3, 1))
     with torch.no_grad():  # make attention decide the drafts, so a wrong key anywhere changes them
         layer = drafter.draft_model.layer
         for projection in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj):
@@ -265,7 +297,7 @@ def test_paged_eagle_drafts_equal_the_dense_rollout_across_steps(tiny_model, tok
 
     # Step 1: prefills of a and b (each sampled its first token), the first chunk of c.  Both drafts
     # run past the blocks the step covered (a: positions 10-12 of blocks for 0-11; b: 8-10 of 0-7).
-    step = make_step([a, b, c], [(0, prompt_a), (0, prompt_b), (0, prompt_b[:3])], [0, 0, 0])
+    step = make_step([a, b, c], [(0, prompt_a), (0, prompt_b), (0, prompt_b[:3])], [0, 0, 0], aux_layers)
     batch = DraftBatch(["a", "b", "c"], [np.array(r.token_ids) for r in (a, b, c)], 4, 256, step=step, skip={2})
     drafts = drafter.propose(batch).draft_token_ids
     assert drafter.num_scratch_blocks >= 2
@@ -281,7 +313,7 @@ def test_paged_eagle_drafts_equal_the_dense_rollout_across_steps(tiny_model, tok
     m = len(b.token_ids) - 1
     wrong = [(t + 7) % tiny_model.config.vocab_size for t in drafts[1]]
     run_b = (m, [b.token_ids[m], *wrong])
-    step = make_step([a, b], [run_a, run_b], [1, 4])
+    step = make_step([a, b], [run_a, run_b], [1, 4], aux_layers)
     a.token_ids = full_a[: n + 4]  # gained t1, t2 and the recovered t3
     b.token_ids = continuation["b"][: m + 2]  # gained only the recovered token
     batch = DraftBatch(["a", "b"], [np.array(a.token_ids), np.array(b.token_ids)], 4, 256, step=step)
@@ -387,6 +419,27 @@ def test_a_few_training_steps_lower_both_losses(tiny_model, corpus):
     assert report.after.num_points > 0
 
 
+def test_a_few_training_steps_lower_the_eagle3_loss(tiny_model, corpus):
+    parts = target_parts(tiny_model)
+    with_aux = train.add_aux_hidden_states(tiny_model, corpus, [0, 2, 3], batch_size=3)
+    train_set, held_out = with_aux.split(0.25)
+    torch.manual_seed(0)
+    draft_model = Eagle3DraftModel.for_target(parts, aux_layers=[0, 2, 3])
+    batch = train.eagle_batch(train_set, list(range(len(train_set))), 2, aux=True)
+    assert batch.target_inputs.shape[-1] == 3 * parts.hidden_size
+
+    def eagle3_loss() -> float:
+        with torch.no_grad():
+            return float(train.eagle_loss(draft_model, parts, batch, 2, feature_noise=0.0, token_weight=0.5,
+                                          token_rows=10**6, generator=torch.Generator().manual_seed(0)))
+
+    before = eagle3_loss()
+    report = train.train_eagle(draft_model, parts, train_set, held_out, seconds=float("inf"), max_steps=30,
+                               num_steps=2, lr=1e-2, batch_size=2, token_rows=32)
+    assert eagle3_loss() < 0.9 * before
+    assert report.after.num_points > 0
+
+
 def pattern_corpus(model, num_sequences: int, length: int = 40) -> train.Corpus:
     """Sequences cycling through 5 tokens from a random phase, with the pattern as the target's next tokens."""
     lm_head = model.lm_head.weight
@@ -427,7 +480,9 @@ def test_the_training_command_writes_weights_the_drafters_load(tiny_model, tmp_p
     from patchbay.plugins.spec_decode.train_cli import main
 
     model_dir = tiny_model.name_or_path
-    for kind in ("medusa", "eagle"):
+    drafters = {"medusa": (MedusaDrafter, MedusaOptions), "eagle": (EagleDrafter, EagleOptions),
+                "eagle3": (Eagle3Drafter, Eagle3Options)}
+    for kind, (drafter_class, options) in drafters.items():
         out = tmp_path / kind
         status = main([kind, "--model", model_dir, "--out", str(out), "--sequences", "6", "--max-new-tokens", "12",
                        "--max-steps", "2", "--corpus", str(tmp_path / "corpus.pt"), "--batch-size", "2",
@@ -437,5 +492,7 @@ def test_the_training_command_writes_weights_the_drafters_load(tiny_model, tmp_p
         assert "mean accepted length" in printed and str(out) in printed
         config = json.loads((out / "config.json").read_text())
         assert config["training"]["acceptance"]["num_points"] > 0 and config["draft_vocab_size"] == 512
-        drafter_class, options = (MedusaDrafter, MedusaOptions) if kind == "medusa" else (EagleDrafter, EagleOptions)
-        drafter_class(options(path=str(out)), config=drafter_config(tiny_model)).load(context_for(tiny_model))
+        drafter = drafter_class(options(path=str(out)), config=drafter_config(tiny_model))
+        drafter.load(context_for(tiny_model))
+        if kind == "eagle3":  # the layers it was trained on: the default low, middle and high of the 4
+            assert config["aux_layers"] == [2, 2, 1] and drafter.aux_hidden_state_layers() == (2, 2, 1)

@@ -35,7 +35,7 @@ def expected() -> list[list[int]]:
     return [o.token_ids for o in llm.generate(_prompts(), SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))]
 
 
-@pytest.mark.parametrize("method", ["ngram", "medusa", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "medusa", "eagle", "eagle3"])
 @pytest.mark.parametrize("budget", [2048, 64], ids=["whole-prefill", "chunked-prefill"])
 def test_greedy_output_is_unchanged_by_the_drafter(expected, method, budget):
     llm = patchbay.LLM(runtime__threads=2, scheduler__max_num_batched_tokens=budget,

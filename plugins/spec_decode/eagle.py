@@ -31,6 +31,10 @@ without it the layer is randomly initialised (seeded): valid and lossless,
 rarely accepted.  Known gap (only costs acceptance, never correctness):
 with prefix caching, a shared block's last position holds the draft KV of
 the request that filled it, whose next token may differ.
+
+The ``eagle3`` drafter subclasses this one and changes only where the
+cache-filling pass's features come from (``_target_inputs`` and the draft
+model's ``target_features``), and the model it builds.
 """
 
 from __future__ import annotations
@@ -50,10 +54,12 @@ from patchbay.interfaces import (
     DrafterCapabilities,
     DrafterContext,
     DraftProposals,
+    DraftStep,
 )
 from patchbay.plugins.spec_decode.heads import (
     EagleDraftModel,
     Rotary,
+    TargetParts,
     load_state,
     load_trained,
     target_parts,
@@ -109,6 +115,10 @@ class EagleDrafter(Drafter):
         needs_attention_metadata=True,
     )
 
+    weights_kind: ClassVar[str] = KIND
+    """The drafter's name in weight files (``config.json``'s ``kind``) and in the default weights directory."""
+    untrained_options: ClassVar[tuple[str, ...]] = ("intermediate_size",)
+    """Options that shape an untrained layer: an error with ``path``, whose ``config.json`` fixes the shapes."""
     draft_model: EagleDraftModel | None = None
 
     # -- setup -----------------------------------------------------------------------------
@@ -118,18 +128,18 @@ class EagleDrafter(Drafter):
         options: EagleOptions = self.options  # type: ignore[assignment]
         parts = target_parts(context.model)
         if options.path is not None:
-            if options.intermediate_size is not None:
-                raise ValueError("eagle options: intermediate_size is for an untrained layer; a trained path fixes it")
-            directory, config, state = load_trained(options.path, context.model, KIND)
-            model = EagleDraftModel(config["hidden_size"], config["num_heads"], config["num_kv_heads"],
-                                    config["head_size"], config["intermediate_size"], config["rms_norm_eps"],
-                                    config.get("draft_vocab_size"))
+            untrained_only = [name for name in self.untrained_options if getattr(options, name) is not None]
+            if untrained_only:
+                raise ValueError(f"{self.weights_kind} options: {', '.join(untrained_only)} is for an untrained "
+                                 "layer only; a trained path fixes it")
+            directory, config, state = load_trained(options.path, context.model, self.weights_kind)
+            model = self._trained_model(config)
             load_state(model, state, directory)
             self.source: str = str(directory)
         else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(options.seed)
-                model = EagleDraftModel.for_target(parts, options.intermediate_size)
+                model = self._untrained_model(parts, context.model)
             self.source = f"untrained (random layer, seed {options.seed})"
         warn_vocab_size(self.config.vocab_size, parts.vocab_size)
         self.draft_model = model.to(device=context.device, dtype=context.dtype).eval()
@@ -145,6 +155,21 @@ class EagleDrafter(Drafter):
         self.num_real_blocks = context.num_blocks
         self.num_scratch_blocks = 0
         self.kv_cache = self._allocate_cache(INITIAL_SCRATCH_BLOCKS)
+
+    def _trained_model(self, config: dict[str, Any]) -> EagleDraftModel:
+        """The (still random) draft model of the shapes a trained ``config.json`` records."""
+        return EagleDraftModel(config["hidden_size"], config["num_heads"], config["num_kv_heads"],
+                               config["head_size"], config["intermediate_size"], config["rms_norm_eps"],
+                               config.get("draft_vocab_size"))
+
+    def _untrained_model(self, parts: TargetParts, target: Any) -> EagleDraftModel:
+        """A randomly initialised draft model for ``target`` (the caller seeds the generator)."""
+        return EagleDraftModel.for_target(parts, self.options.intermediate_size)  # type: ignore[attr-defined]
+
+    def _target_inputs(self, step: DraftStep, rows: torch.Tensor) -> torch.Tensor:
+        """What the target gave for step rows ``rows``, before :meth:`EagleDraftModel.target_features`: its final
+        hidden states."""
+        return step.hidden_states[rows]
 
     def _allocate_cache(self, num_scratch_blocks: int) -> torch.Tensor:
         """A cache of the target pool's blocks plus ``num_scratch_blocks``, keeping the current cache's real blocks."""
@@ -165,14 +190,15 @@ class EagleDrafter(Drafter):
     def propose(self, batch: DraftBatch) -> DraftProposals:
         """Fill the draft cache from the target's step, then draft up to K tokens per request."""
         if self.draft_model is None:
-            raise RuntimeError("eagle drafter used before load()")
+            raise RuntimeError(f"{self.weights_kind} drafter used before load()")
         num_reqs = len(batch.req_ids)
         drafts: list[list[int]] = [[] for _ in range(num_reqs)]
         if num_reqs == 0:
             return DraftProposals(drafts)
         step = batch.step
         if step is None:
-            raise ValueError("eagle needs DraftBatch.step (it declares needs_attention_metadata); got None")
+            raise ValueError(f"{self.weights_kind} needs DraftBatch.step (it declares needs_attention_metadata); "
+                             "got None")
         with torch.inference_mode():
             filled = self._fill_cache(batch)
             if filled is not None:
@@ -192,7 +218,7 @@ class EagleDrafter(Drafter):
         num_reqs = len(batch.req_ids)
         query_start_loc = np.asarray(step.query_start_loc, dtype=np.int64)
         if len(query_start_loc) != num_reqs + 1:
-            raise ValueError(f"eagle: DraftStep.query_start_loc has {len(query_start_loc) - 1} requests, "
+            raise ValueError(f"{self.weights_kind}: DraftStep.query_start_loc has {len(query_start_loc) - 1} requests, "
                              f"the DraftBatch {num_reqs}; they must be the same requests in the same order")
         num_rows = np.diff(query_start_loc)
         step_seq_lens = common.seq_lens_cpu[:num_reqs].numpy().astype(np.int64)
@@ -226,7 +252,10 @@ class EagleDrafter(Drafter):
             common.block_table[torch.from_numpy(included).to(common.block_table.device)],
             common.slot_mapping[rows_on_device.to(common.slot_mapping.device)],
         )
-        features = step.hidden_states[rows_on_device]
+        model = self.draft_model
+        assert model is not None
+        dtype = next(model.parameters()).dtype
+        features = model.target_features(self._target_inputs(step, rows_on_device).to(dtype))
         output = self._run_layer(torch.from_numpy(next_tokens).to(device), features,
                                  torch.from_numpy(positions).to(device), metadata)
         last_rows = torch.from_numpy(cu_run[included] - 1).to(device)

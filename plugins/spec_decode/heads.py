@@ -1,8 +1,9 @@
-"""What the ``medusa`` and ``eagle`` drafters share: their small modules, the target's parts they reuse, weight files.
+"""What the Medusa and EAGLE drafters share: their small modules, the target's parts they reuse, weight files.
 
 A trained drafter is a directory of two files::
 
-    config.json        {"kind": "medusa" | "eagle", "format_version": 1, sizes..., "draft_vocab_size": N | null,
+    config.json        {"kind": "medusa" | "eagle" | "eagle3", "format_version": 1, sizes...,
+                        "draft_vocab_size": N | null, "aux_layers": [...] (eagle3 only),
                         "target": {...}, "training": {...}}
     model.safetensors  the drafter's own weights, and its draft vocabulary ``token_map`` when it has one;
                        never the target's embeddings or lm head, which are shared
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -467,6 +469,58 @@ class EagleDraftModel(nn.Module):
 
     def fuse(self, token_embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat((token_embeddings, features), dim=-1))
+
+    def target_features(self, target_inputs: torch.Tensor) -> torch.Tensor:
+        """The feature the cache-filling pass fuses at each row, from what the target gave for it: its final
+        hidden state, as is (EAGLE-1)."""
+        return target_inputs
+
+
+class Eagle3DraftModel(EagleDraftModel):
+    """EAGLE-3's draft model: EAGLE-1's, but the target's feature comes from a low, a middle and a high layer.
+
+    At the cache-filling pass, the outputs of the target's ``aux_layers`` at
+    position ``p``, concatenated (``[..., len(aux_layers) * hidden]``), are
+    each RMS-normed (``aux_norms``: unlike the final hidden state, the
+    residual stream inside a model is not normed, and a few of its
+    dimensions run to hundreds) and projected by ``aux_fc`` to one
+    hidden-size feature, which takes the place of EAGLE-1's final hidden state; the drafting steps after it feed
+    back the layer's own output, as EAGLE-3 does.  Everything else (the
+    fusion with the token embedding, the decoder layer, the lm head) is
+    EAGLE-1's, so only this input projection is new.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int, intermediate_size: int,
+                 eps: float, aux_layers: Sequence[int], draft_vocab_size: int | None = None) -> None:
+        super().__init__(hidden_size, num_heads, num_kv_heads, head_size, intermediate_size, eps, draft_vocab_size)
+        if not aux_layers:
+            raise ValueError("an EAGLE-3 draft model reads at least one target layer (aux_layers is empty)")
+        self.aux_layers = tuple(int(index) for index in aux_layers)
+        self.aux_norms = nn.ModuleList(RMSNorm(hidden_size, eps) for _ in self.aux_layers)
+        self.aux_fc = nn.Linear(len(self.aux_layers) * hidden_size, hidden_size, bias=False)
+
+    @classmethod
+    def for_target(cls, parts: TargetParts, intermediate_size: int | None = None,  # type: ignore[override]
+                   draft_vocab_size: int | None = None, *, aux_layers: Sequence[int]) -> Eagle3DraftModel:
+        return cls(parts.hidden_size, parts.num_heads, parts.num_kv_heads, parts.head_size,
+                   intermediate_size or parts.intermediate_size, parts.rms_norm_eps, aux_layers, draft_vocab_size)
+
+    def sizes(self) -> dict[str, Any]:
+        return {**super().sizes(), "aux_layers": list(self.aux_layers)}
+
+    def target_features(self, target_inputs: torch.Tensor) -> torch.Tensor:
+        """``aux_fc`` over the concatenated, each normed, layer outputs ``[..., len(aux_layers) * hidden]``."""
+        chunks = target_inputs.chunk(len(self.aux_layers), dim=-1)
+        return self.aux_fc(torch.cat([norm(chunk) for norm, chunk in zip(self.aux_norms, chunks, strict=True)], -1))
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """A low, a middle and a high layer of ``num_layers``, as vLLM's EAGLE-3 default ``(2, L // 2, L - 3)``.
+
+    Clamped into the model so that shallow (test) models get valid indices too.
+    """
+    last = num_layers - 1
+    return min(2, last), min(num_layers // 2, last), max(num_layers - 3, 0)
 
 
 def repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:

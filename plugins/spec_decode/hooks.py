@@ -11,3 +11,5 @@ def register_drafters(register):
              description="Medusa heads over the target's last hidden state")
     register("eagle", "patchbay.plugins.spec_decode.eagle:EagleDrafter",
              description="EAGLE draft model: one decoder layer over token embeddings and target hidden states")
+    register("eagle3", "patchbay.plugins.spec_decode.eagle3:Eagle3Drafter",
+             description="EAGLE-3 draft model: the eagle layer over an fc of a low, a middle and a high target layer")

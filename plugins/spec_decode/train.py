@@ -5,7 +5,8 @@
 2. :func:`generate_corpus` lets the target answer them (greedy by default),
    recording every position's final hidden state and the target's greedy
    next token: a :class:`Corpus`;
-3. :func:`train_medusa` / :func:`train_eagle` fit the drafter for a fixed
+3. :func:`train_medusa` / :func:`train_eagle` fit the drafter (EAGLE-3 too,
+   after :func:`add_aux_hidden_states` adds the layers it reads) for a fixed
    wall-clock budget, and :func:`medusa_acceptance` /
    :func:`eagle_acceptance` measure, on held-out sequences, how many
    drafts greedy verification would accept.
@@ -37,6 +38,7 @@ from torch.nn import functional as F
 
 from patchbay.plugins.spec_decode.heads import (
     DraftVocab,
+    Eagle3DraftModel,
     EagleDraftModel,
     MedusaHeads,
     Rotary,
@@ -144,13 +146,17 @@ class Corpus:
     """int64 ``[L-1]``: the target's greedy next token after each position."""
     prompt_lens: list[int]
     info: dict[str, Any] = field(default_factory=dict)
+    aux: list[torch.Tensor] | None = None
+    """float32 ``[L-1, len(info["aux_layers"]) * hidden]`` per sequence: the outputs of the layers EAGLE-3 reads,
+    concatenated (see :func:`add_aux_hidden_states`); ``None`` when not computed."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def subset(self, indices: Sequence[int]) -> Corpus:
         return Corpus([self.token_ids[i] for i in indices], [self.hidden[i] for i in indices],
-                      [self.next_token_ids[i] for i in indices], [self.prompt_lens[i] for i in indices], self.info)
+                      [self.next_token_ids[i] for i in indices], [self.prompt_lens[i] for i in indices], self.info,
+                      None if self.aux is None else [self.aux[i] for i in indices])
 
     def split(self, eval_fraction: float) -> tuple[Corpus, Corpus]:
         """(train, held-out): the last ``eval_fraction`` of the sequences are held out (at least one)."""
@@ -261,6 +267,41 @@ def _trim(prompt: list[int], width: int, generated: torch.Tensor, hidden: torch.
     pad = width - len(prompt)
     length = len(token_ids) - 1
     return token_ids, hidden[pad : pad + length].clone(), greedy[pad : pad + length].clone()
+
+
+@torch.inference_mode()
+def add_aux_hidden_states(model: nn.Module, corpus: Corpus, layers: Sequence[int], *, batch_size: int = 8,
+                          log: Log | None = None) -> Corpus:
+    """``corpus`` with :attr:`Corpus.aux`: the outputs of decoder ``layers`` of ``model`` at every position.
+
+    One teacher-forced pass over each sequence's tokens (right-padded
+    batches; causal attention keeps padding out of the real rows), with the
+    runner's own hooks (:class:`~patchbay.hf_model.AuxHiddenStates`), so
+    training reads what inference will.
+    """
+    from patchbay.hf_model import AuxHiddenStates
+
+    decoder = model.base_model
+    capture = AuxHiddenStates(model, layers)
+    aux: list[torch.Tensor] = []
+    started = time.perf_counter()
+    for start in range(0, len(corpus), batch_size):
+        sequences = corpus.token_ids[start : start + batch_size]
+        width = max(len(tokens) for tokens in sequences)
+        input_ids = torch.zeros((len(sequences), width), dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, tokens in enumerate(sequences):
+            input_ids[row, : len(tokens)] = tokens
+            mask[row, : len(tokens)] = 1
+        decoder(input_ids=input_ids, attention_mask=mask)
+        chosen = torch.cat(capture.latest_batched(), dim=-1).float()
+        aux.extend(chosen[row, : len(tokens) - 1].clone() for row, tokens in enumerate(sequences))
+        if log is not None:
+            log(f"aux hidden states of layers {tuple(layers)}: {min(start + batch_size, len(corpus))}/{len(corpus)} "
+                f"sequences ({time.perf_counter() - started:.0f} s)")
+    capture.remove()
+    return Corpus(corpus.token_ids, corpus.hidden, corpus.next_token_ids, corpus.prompt_lens,
+                  {**corpus.info, "aux_layers": list(layers)}, aux)
 
 
 def draft_token_map(corpus: Corpus, size: int, vocab_size: int) -> torch.Tensor | None:
@@ -482,7 +523,10 @@ class EagleBatch:
     token_ids: torch.Tensor
     """int64 ``[B, T + num_steps + 1]``."""
     hidden: torch.Tensor
-    """``[B, T + num_steps, hidden]``."""
+    """``[B, T + num_steps, hidden]``: the target's final hidden states (the features the output regresses to)."""
+    target_inputs: torch.Tensor
+    """``[B, T, width]``: what the cache-filling pass reads per row, ``hidden`` (EAGLE-1) or the aux layers'
+    outputs (EAGLE-3), before :meth:`~patchbay.plugins.spec_decode.heads.EagleDraftModel.target_features`."""
     next_token_ids: torch.Tensor
     """int64 ``[B, T + num_steps]``, -100 where padded."""
     lengths: torch.Tensor
@@ -492,7 +536,15 @@ class EagleBatch:
     """``T``: rows (positions 0..T-1) each step runs."""
 
 
-def eagle_batch(corpus: Corpus, indices: Sequence[int], num_steps: int) -> EagleBatch:
+def reads_aux(model: EagleDraftModel) -> bool:
+    """Whether ``model`` reads the target's aux layers (EAGLE-3) rather than its final hidden state."""
+    return isinstance(model, Eagle3DraftModel)
+
+
+def eagle_batch(corpus: Corpus, indices: Sequence[int], num_steps: int, *, aux: bool = False) -> EagleBatch:
+    """Sequences ``indices`` of ``corpus``, padded; ``aux``: the first pass reads :attr:`Corpus.aux` (EAGLE-3)."""
+    if aux and corpus.aux is None:
+        raise ValueError("an EAGLE-3 batch needs the corpus's aux hidden states (add_aux_hidden_states)")
     lengths = torch.tensor([len(corpus.token_ids[i]) for i in indices])
     num_rows = int(lengths.max()) - 1
     size = len(indices)
@@ -506,7 +558,13 @@ def eagle_batch(corpus: Corpus, indices: Sequence[int], num_steps: int) -> Eagle
         hidden[row, : length - 1] = corpus.hidden[index]
         greedy[row, : length - 1] = corpus.next_token_ids[index]
     prompt_lens = torch.tensor([corpus.prompt_lens[i] for i in indices])
-    return EagleBatch(token_ids, hidden, greedy, lengths, prompt_lens, num_rows)
+    target_inputs = hidden[:, :num_rows]
+    if aux:
+        assert corpus.aux is not None
+        target_inputs = torch.zeros((size, num_rows, corpus.aux[indices[0]].shape[-1]))
+        for row, index in enumerate(indices):
+            target_inputs[row, : int(lengths[row]) - 1] = corpus.aux[index]
+    return EagleBatch(token_ids, hidden, target_inputs, greedy, lengths, prompt_lens, num_rows)
 
 
 def unrolled_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, own_keys: list[torch.Tensor],
@@ -542,7 +600,8 @@ def eagle_rollout(model: EagleDraftModel, parts: TargetParts, batch: EagleBatch,
     """Run ``num_steps`` drafting steps from every position at once; returns per step (features, input tokens).
 
     Step 1 is the cache-filling pass: row ``p`` fuses token ``p + 1`` with
-    the target's ``hidden[p]``.  Step ``s`` of row ``p`` runs position
+    the target's feature at ``p`` (``hidden[p]``, or for EAGLE-3 the
+    projection of its aux layers' outputs).  Step ``s`` of row ``p`` runs position
     ``p + s - 1`` on step ``s-1``'s output and a token: the true one
     (``teacher_tokens``, for training) or the previous step's draft (as at
     inference).  Step ``s``'s output at row ``p`` predicts ``hidden[p + s]``.
@@ -552,7 +611,7 @@ def eagle_rollout(model: EagleDraftModel, parts: TargetParts, batch: EagleBatch,
     layer = model.layer
     num_rows = batch.num_rows
     positions = torch.arange(num_rows).expand(len(batch.lengths), num_rows)
-    features = batch.hidden[:, :num_rows]
+    features = model.target_features(batch.target_inputs)
     if feature_noise:
         features = features + (torch.rand(features.shape, generator=generator) - 0.5) * 2 * feature_noise
     tokens = batch.token_ids[:, 1 : num_rows + 1]
@@ -622,7 +681,7 @@ def eagle_acceptance(model: EagleDraftModel, parts: TargetParts, corpus: Corpus,
     correct = []
     for start in range(0, len(corpus), batch_size):
         indices = list(range(start, min(start + batch_size, len(corpus))))
-        batch = eagle_batch(corpus, indices, num_drafts)
+        batch = eagle_batch(corpus, indices, num_drafts, aux=reads_aux(model))
         outputs, inputs = eagle_rollout(model, parts, batch, num_drafts, teacher_tokens=False)
         # Step s's draft is step s+1's input token; the last step's is scored here.
         drafts = torch.stack([*inputs[1:], model.vocab(parts.lm_head).argmax(outputs[-1])], dim=-1)  # [B, T, K]
@@ -644,7 +703,12 @@ def train_eagle(model: EagleDraftModel, parts: TargetParts, train: Corpus, held_
 
     ``num_steps`` drafting steps are unrolled in training (``1``: plain
     teacher forcing, as in EAGLE-1; more: each later step learns from its
-    own earlier predictions, as at inference).
+    own earlier predictions, as at inference: EAGLE-3's "training-time
+    test").  An :class:`Eagle3DraftModel` trains the same way on the
+    corpus's :attr:`Corpus.aux` (its first pass reads those layers), with
+    the same losses: unlike the paper, its output still regresses to the
+    target's final hidden state, a dense signal that matters when only a
+    sample of rows pays for the vocabulary-wide token loss on a CPU.
     """
     parts.embeddings.requires_grad_(False)
     parts.lm_head.requires_grad_(False)
@@ -652,7 +716,7 @@ def train_eagle(model: EagleDraftModel, parts: TargetParts, train: Corpus, held_
     generator = torch.Generator().manual_seed(seed + 1)
 
     def step_loss(rows: torch.Tensor) -> torch.Tensor:
-        batch = eagle_batch(train, rows.tolist(), num_steps)
+        batch = eagle_batch(train, rows.tolist(), num_steps, aux=reads_aux(model))
         return eagle_loss(model, parts, batch, num_steps, feature_noise=feature_noise, token_weight=token_weight,
                           token_rows=token_rows, generator=generator)
 
