@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from patchbay.cpu_linear import use_row_split_linears
 from patchbay.hf_model import HFCausalLM, torch_dtype
 from patchbay.interfaces import (
     AttentionConfig,
@@ -98,6 +99,7 @@ class Engine:
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = HFCausalLM.load(model_dir, dtype=self.dtype, device=self.device)
+        self._choose_linear_kernel(settings.runtime.linear_kernel)
         shape = self.model.shape
         self.max_model_len = min(
             settings.model.max_model_len or 1 << 62, shape.max_position_embeddings or 1 << 62
@@ -393,6 +395,18 @@ class Engine:
         finished = [result for sequence_id in finished_ids if (result := self._finish(sequence_id)) is not None]
         self._engine_timings["finish"] += time.perf_counter() - ran
         return finished
+
+    def _choose_linear_kernel(self, kernel: str) -> None:
+        """Apply ``runtime.linear_kernel``: row-split linears on CPU float32 (``auto``), or torch's own."""
+        self.row_split_linears = 0
+        if kernel == "torch":
+            return
+        if kernel == "row_split" and (self.device.type != "cpu" or self.dtype != "float32"):
+            raise ConfigError([ConfigProblem(
+                "<run>", "runtime.linear_kernel",
+                f"row_split runs on CPU float32 weights; this run has {self.device.type} {self.dtype} (use auto or torch)")])
+        if self.device.type == "cpu" and self.dtype == "float32":
+            self.row_split_linears = use_row_split_linears(self.model.model, torch.get_num_threads())
 
     def step_timings(self) -> dict[str, float]:
         """Seconds spent per phase of a step since the last reset, in step order.

@@ -50,6 +50,10 @@ class RuntimeSettings(Section):
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:1``, ..."""
     threads: PositiveInt | None = None
     """CPU threads for torch; default: all cores."""
+    linear_kernel: Literal["auto", "row_split", "torch"] = "auto"
+    """Linear layers on CPU float32: ``row_split`` cuts each weight into one slice per thread for
+    steps of few rows (decode), which torch's kernel runs on one core; ``torch`` keeps torch's own;
+    ``auto`` is ``row_split`` on CPU float32, else ``torch``."""
     seed: int = 0
 
 
