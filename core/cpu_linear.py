@@ -19,12 +19,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-DEFAULT_MAX_ROWS = 512
-"""Above this many rows, torch's own GEMM is as fast (it parallelises well over rows)."""
+DEFAULT_MAX_ROWS = 192
+"""Above this many rows torch's own GEMM is as fast or faster (it parallelises well over rows)."""
+
+
+def row_split_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slices: int,
+                     max_rows: int = DEFAULT_MAX_ROWS) -> torch.Tensor:
+    """``F.linear(inputs, weight, bias)``, as ``slices`` batched row blocks of a contiguous ``weight``.
+
+    Falls to ``F.linear`` above ``max_rows`` rows or when ``out_features`` does not divide into ``slices``.
+    """
+    out_features, in_features = weight.shape
+    rows = inputs.numel() // in_features
+    if rows > max_rows or rows == 0 or slices < 2 or out_features % slices:
+        return F.linear(inputs, weight, bias)
+    blocks = weight.view(slices, out_features // slices, in_features)
+    flat = inputs.reshape(rows, in_features)
+    # [slices, out/slices, in] @ [slices, in, rows] -> [slices, out/slices, rows] -> [rows, out]
+    sliced = torch.bmm(blocks, flat.t().unsqueeze(0).expand(slices, -1, -1))
+    output = sliced.permute(2, 0, 1).reshape(*inputs.shape[:-1], out_features)
+    return output if bias is None else output + bias
 
 
 class RowSplitLinear:
-    """The forward of one ``nn.Linear`` whose weight is viewed as ``slices`` batched row blocks."""
+    """The forward of one ``nn.Linear`` run by :func:`row_split_linear`."""
 
     def __init__(self, linear: nn.Linear, slices: int, max_rows: int) -> None:
         self.linear = linear
@@ -32,31 +50,22 @@ class RowSplitLinear:
         self.max_rows = max_rows
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        linear = self.linear
-        rows = inputs.numel() // linear.in_features
-        if rows > self.max_rows or rows == 0:
-            return F.linear(inputs, linear.weight, linear.bias)
-        weight = linear.weight.view(self.slices, linear.out_features // self.slices, linear.in_features)
-        flat = inputs.reshape(rows, linear.in_features)
-        # [slices, out/slices, in] @ [slices, in, rows] -> [slices, out/slices, rows] -> [rows, out]
-        sliced = torch.bmm(weight, flat.t().unsqueeze(0).expand(self.slices, -1, -1))
-        output = sliced.permute(2, 0, 1).reshape(*inputs.shape[:-1], linear.out_features)
-        if linear.bias is not None:
-            output = output + linear.bias
-        return output
+        return row_split_linear(inputs, self.linear.weight, self.linear.bias, self.slices, self.max_rows)
 
 
 def use_row_split_linears(model: nn.Module, threads: int, max_rows: int = DEFAULT_MAX_ROWS) -> int:
     """Give every eligible ``nn.Linear`` of ``model`` a :class:`RowSplitLinear` forward; return how many.
 
     Eligible: a float32 CPU weight whose output features divide evenly into
-    ``threads`` slices.  Nothing changes with fewer than two threads.
+    ``threads`` slices, in a linear that has no forward of its own yet (fused
+    projections choose their product themselves).  Nothing changes with fewer
+    than two threads.
     """
     if threads < 2:
         return 0
     count = 0
     for module in model.modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or "forward" in vars(module):
             continue
         weight = module.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or not weight.is_contiguous():

@@ -7,6 +7,7 @@ advances the requests, and the engine turns the news into
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -17,7 +18,8 @@ from typing import Any
 
 import torch
 
-from patchbay.cpu_linear import use_row_split_linears
+from patchbay.cpu_linear import row_split_linear, use_row_split_linears
+from patchbay.fused_projections import fuse_shared_input_projections
 from patchbay.hf_model import HFCausalLM, torch_dtype
 from patchbay.interfaces import (
     AttentionConfig,
@@ -99,7 +101,7 @@ class Engine:
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = HFCausalLM.load(model_dir, dtype=self.dtype, device=self.device)
-        self._choose_linear_kernel(settings.runtime.linear_kernel)
+        self._choose_linear_kernel(settings.runtime)
         shape = self.model.shape
         self.max_model_len = min(
             settings.model.max_model_len or 1 << 62, shape.max_position_embeddings or 1 << 62
@@ -396,17 +398,21 @@ class Engine:
         self._engine_timings["finish"] += time.perf_counter() - ran
         return finished
 
-    def _choose_linear_kernel(self, kernel: str) -> None:
-        """Apply ``runtime.linear_kernel``: row-split linears on CPU float32 (``auto``), or torch's own."""
-        self.row_split_linears = 0
-        if kernel == "torch":
-            return
-        if kernel == "row_split" and (self.device.type != "cpu" or self.dtype != "float32"):
+    def _choose_linear_kernel(self, runtime: Any) -> None:
+        """Apply ``runtime.fuse_projections`` and ``runtime.linear_kernel`` to the loaded model's linears."""
+        kernel = runtime.linear_kernel
+        cpu_float32 = self.device.type == "cpu" and self.dtype == "float32"
+        if kernel == "row_split" and not cpu_float32:
             raise ConfigError([ConfigProblem(
                 "<run>", "runtime.linear_kernel",
                 f"row_split runs on CPU float32 weights; this run has {self.device.type} {self.dtype} (use auto or torch)")])
-        if self.device.type == "cpu" and self.dtype == "float32":
-            self.row_split_linears = use_row_split_linears(self.model.model, torch.get_num_threads())
+        slices = torch.get_num_threads() if kernel != "torch" and cpu_float32 else 1
+        model = self.model.model
+        self.fused_projection_groups = 0
+        if runtime.fuse_projections:
+            product = functools.partial(row_split_linear, slices=slices)
+            self.fused_projection_groups = fuse_shared_input_projections(model, product)
+        self.row_split_linears = use_row_split_linears(model, slices)
 
     def step_timings(self) -> dict[str, float]:
         """Seconds spent per phase of a step since the last reset, in step order.

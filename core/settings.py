@@ -54,6 +54,8 @@ class RuntimeSettings(Section):
     """Linear layers on CPU float32: ``row_split`` cuts each weight into one slice per thread for
     steps of few rows (decode), which torch's kernel runs on one core; ``torch`` keeps torch's own;
     ``auto`` is ``row_split`` on CPU float32, else ``torch``."""
+    fuse_projections: bool = True
+    """Compute the q/k/v projections (and gate/up) of each layer as one matrix product."""
     seed: int = 0
 
 
