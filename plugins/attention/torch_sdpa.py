@@ -9,16 +9,21 @@ Each step is planned once per KV-cache group (by :class:`TorchSDPAMetadataBuilde
 - longer queries (prefill chunks) get one SDPA call each: ``is_causal`` over
   the new keys when nothing is cached, else an explicit mask over the
   gathered blocks.
+
+On CPU float32, single-token queries (decodes) skip the gather and go
+through patchbay's C++ kernel over the paged cache instead (option
+``decode_kernel``; see ``_cpu_kernel.py``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from patchbay.interfaces import (
     AttentionBackend,
@@ -27,6 +32,7 @@ from patchbay.interfaces import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
 )
+from patchbay.plugins.attention._cpu_kernel import kernel_unavailable, load_kernel
 from patchbay.plugins.attention._paged import Workspace, gather_blocks, split_and_write_kv, window_start
 from patchbay.plugins.attention.common import (
     CommonMetadataBuilder,
@@ -34,6 +40,8 @@ from patchbay.plugins.attention.common import (
     as_paged,
     extend_metadata,
 )
+
+logger = logging.getLogger(__name__)
 
 SHORT_QUERY_LEN = 16
 """Requests with at most this many new tokens are batched with others of the same query length."""
@@ -51,6 +59,10 @@ class ShortQueryBatch:
     num_blocks: int
     mask: torch.Tensor
     """bool ``[batch, 1, query_len, num_blocks * block_size]``: which gathered keys each query sees."""
+    block_table: torch.Tensor | None = None
+    """Single-token batches: int32 ``[batch, max_blocks]``, the requests' rows of the block table (for the kernel)."""
+    seq_lens: torch.Tensor | None = None
+    """Single-token batches: int32 ``[batch]``, keys per request including the new one (for the kernel)."""
 
 
 @dataclass
@@ -118,7 +130,11 @@ def _short_batch(metadata: PagedAttentionMetadata, requests: list[int], query_le
     mask = key_positions <= query_positions[:, :, None]
     if sliding_window is not None:
         mask &= key_positions > query_positions[:, :, None] - sliding_window
-    return ShortQueryBatch(query_len, rows, block_ids, last_block - first_block, mask[:, None])
+    batch = ShortQueryBatch(query_len, rows, block_ids, last_block - first_block, mask[:, None])
+    if query_len == 1:
+        batch.block_table = metadata.block_table.index_select(0, request_index).to(torch.int32)
+        batch.seq_lens = torch.tensor([metadata.seq_lens[r] for r in requests], dtype=torch.int32, device=device)
+    return batch
 
 
 def _long_query(metadata: PagedAttentionMetadata, request: int, sliding_window: int | None) -> LongQuery:
@@ -171,9 +187,48 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
         return extend_metadata(paged, SDPAMetadata, plan=plan_step(paged, self.sliding_window))
 
 
+class TorchSDPAOptions(BaseModel):
+    """Options of the ``torch_sdpa`` backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    decode_kernel: Literal["auto", "paged_cpp", "sdpa"] = "auto"
+    """Single-token queries on CPU float32: ``paged_cpp`` attends straight over the paged cache with
+    patchbay's C++ kernel (built on first use, then cached by torch; needs a C++ compiler and ninja),
+    reading each cached key and value once; ``sdpa`` gathers the blocks and calls SDPA; ``auto`` is
+    ``paged_cpp`` where the kernel can be built (a build failure is logged), else ``sdpa``."""
+
+
+class DecodeKernel:
+    """The C++ decode kernel, built the first time a CPU float32 decode needs it (shared by all layers)."""
+
+    def __init__(self, choice: str) -> None:
+        self.choice = choice
+        self._kernel: Any = None
+        self._resolved = choice == "sdpa"
+
+    def get(self) -> Any:
+        """The kernel module, or ``None`` when decodes go through SDPA."""
+        if not self._resolved:
+            self._resolved = True
+            reason = kernel_unavailable()
+            if reason is None:
+                try:
+                    self._kernel = load_kernel()
+                except Exception as exc:  # a compiler error: auto keeps SDPA, an explicit choice fails
+                    reason = f"building it failed: {exc}"
+            if reason is not None:
+                if self.choice == "paged_cpp":
+                    raise RuntimeError(f"torch_sdpa: decode_kernel paged_cpp is unavailable: {reason}")
+                logger.warning("torch_sdpa: decodes use SDPA over gathered blocks; the C++ kernel is unavailable: %s",
+                               reason)
+        return self._kernel
+
+
 class TorchSDPABackend(AttentionBackend):
     """torch scaled_dot_product_attention over gathered paged KV: batched decodes, per-request prefills."""
 
+    Options: ClassVar[type[BaseModel]] = TorchSDPAOptions
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         devices=("cpu", "cuda", "mps"),
         supports_sliding_window=True,
@@ -184,20 +239,23 @@ class TorchSDPABackend(AttentionBackend):
     def __init__(self, options: BaseModel | None = None) -> None:
         super().__init__(options)
         self.workspace = Workspace()
+        self.decode_kernel = DecodeKernel(self.options.decode_kernel)
 
     def make_impl(self, layer: AttentionLayerSpec) -> TorchSDPAImpl:
-        """Create the implementation of one layer (all layers share the backend's gather buffers)."""
-        return TorchSDPAImpl(layer, self.workspace)
+        """Create the implementation of one layer (all layers share the gather buffers and the decode kernel)."""
+        return TorchSDPAImpl(layer, self.workspace, self.decode_kernel)
 
 
 class TorchSDPAImpl(AttentionImpl):
     """One layer of :class:`TorchSDPABackend`."""
 
-    def __init__(self, layer: AttentionLayerSpec, workspace: Workspace | None = None) -> None:
+    def __init__(self, layer: AttentionLayerSpec, workspace: Workspace | None = None,
+                 decode_kernel: DecodeKernel | None = None) -> None:
         if layer.logits_soft_cap is not None:
             raise ValueError(f"torch_sdpa cannot soft-cap attention logits (layer {layer.layer_name})")
         self.layer = layer
         self.workspace = workspace if workspace is not None else Workspace()
+        self.decode_kernel = decode_kernel if decode_kernel is not None else DecodeKernel("sdpa")
         self.enable_gqa = layer.num_heads != layer.num_kv_heads
 
     def forward(
@@ -212,10 +270,18 @@ class TorchSDPAImpl(AttentionImpl):
         plan = self._plan(metadata)
         metadata = as_paged(metadata)
         key_cache, value_cache = split_and_write_kv(TorchSDPABackend, kv_cache, key, value, metadata.slot_mapping)
+        kernel = None
+        if query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.float32:
+            kernel = self.decode_kernel.get()
+            query = query.contiguous() if kernel is not None else query
         output = torch.empty_like(query)
         output[metadata.num_actual_tokens:].zero_()
         for batch in plan.short_batches:
-            self._short(query, key_cache, value_cache, batch, output)
+            if kernel is not None and batch.block_table is not None:
+                kernel.paged_decode_attention(query, key_cache, value_cache, batch.block_table, batch.seq_lens,
+                                              batch.rows, self.layer.scale, self.layer.sliding_window or 0, output)
+            else:
+                self._short(query, key_cache, value_cache, batch, output)
         for long_query in plan.long_queries:
             self._long(query, key, value, key_cache, value_cache, long_query, output)
         return output
