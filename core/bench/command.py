@@ -31,7 +31,11 @@ class BenchOptions:
     model: str = "default"
     threads: int | None = None
     num_requests: int = 64
+    prompt_range: tuple[int, int] = (16, 512)
+    output_range: tuple[int, int] = (16, 256)
     concurrency: list[int] = field(default_factory=lambda: [64])
+    latency_prompts: list[int] = field(default_factory=lambda: [128, 1024])
+    prefix_length: int = 1000
     peers: list[str] = field(default_factory=lambda: list(PEERS))
     max_num_batched_tokens: int = 2048
     spec_method: str = "ngram"
@@ -46,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="model directory, or 'default' for the bundled SmolLM2")
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     parser.add_argument("--num-requests", type=int, default=64, help="requests of the throughput workload")
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=(16, 512), metavar=("MIN", "MAX"),
+                        help="prompt lengths of the throughput workload")
+    parser.add_argument("--output-range", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"),
+                        help="output lengths of the throughput workload")
+    parser.add_argument("--latency-prompts", type=int, nargs="+", default=[128, 1024],
+                        help="prompt lengths of the latency workload")
+    parser.add_argument("--prefix-length", type=int, default=1000, help="shared prefix of the prefix workload")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64],
                         help="throughput at each of these concurrencies (patchbay max_num_seqs, transformers "
                              "generate batch size, continuous batching requests per batch)")
@@ -60,8 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from(args: argparse.Namespace) -> BenchOptions:
     names = list(wl.WORKLOADS) if "all" in args.workloads else list(dict.fromkeys(args.workloads))
-    return BenchOptions(names, args.model, args.threads, args.num_requests, args.concurrency, args.peers,
-                        args.max_num_batched_tokens, args.spec_method, args.num_speculative_tokens, args.out, args.seed)
+    return BenchOptions(names, args.model, args.threads, args.num_requests, tuple(args.prompt_range),
+                        tuple(args.output_range), args.concurrency, args.latency_prompts, args.prefix_length,
+                        args.peers, args.max_num_batched_tokens, args.spec_method, args.num_speculative_tokens,
+                        args.out, args.seed)
 
 
 class Bench:
@@ -119,12 +132,14 @@ class Bench:
 
     def _run_throughput(self, corpus: list[int]) -> None:
         for concurrency in self.options.concurrency:
-            workload = wl.throughput(corpus, num_requests=self.options.num_requests, concurrency=concurrency,
-                                     seed=self.options.seed)
+            workload = wl.throughput(corpus, num_requests=self.options.num_requests,
+                                     prompt_range=self.options.prompt_range, output_range=self.options.output_range,
+                                     concurrency=concurrency, seed=self.options.seed)
             self._compare(workload, [self.patchbay], self.peer_names())
 
     def _run_prefix(self, corpus: list[int]) -> None:
-        self._compare(wl.shared_prefix(corpus, seed=self.options.seed), [self.patchbay], self.peer_names())
+        workload = wl.shared_prefix(corpus, prefix_length=self.options.prefix_length, seed=self.options.seed)
+        self._compare(workload, [self.patchbay], self.peer_names())
 
     def _run_spec(self, corpus: list[int]) -> None:
         method = self.options.spec_method
@@ -135,10 +150,11 @@ class Bench:
                       self.peer_names(extra=("prompt_lookup",)))
 
     def _run_latency(self, corpus: list[int]) -> None:
-        for length in (128, 1024):
+        for length in self.options.latency_prompts:
             # Distinct prompts for the two timings, so no engine reuses a cached prefix.
             first = wl.latency(corpus, prompt_length=length, max_tokens=1, seed=self.options.seed)
             full = wl.latency(corpus, prompt_length=length, max_tokens=65, seed=self.options.seed + 1)
+            self._check_fits(full)
             for engine in [self.patchbay, *(self.peer(name) for name in self.peer_names())]:
                 self.say(f"latency, prompt {length}: {engine.name} ...")
                 ttft = engine.run(first)
@@ -149,7 +165,15 @@ class Bench:
                           bandwidth_roofline_fraction=floor / decode_ms if decode_ms > 0 else None)
         self._ratios("latency", key="decode_ms_per_token", lower_is_better=True)
 
+    def _check_fits(self, workload: wl.Workload) -> None:
+        limit = self.patchbay.llm.engine.max_model_len
+        longest = max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests)
+        if longest > limit:
+            raise ValueError(f"bench {workload.name} ({workload.label}): a request needs {longest} tokens but the "
+                             f"model's max_model_len is {limit}; shorten the prompts or outputs")
+
     def _compare(self, workload: wl.Workload, ours: list[PatchbayEngine], peer_names: list[str]) -> None:
+        self._check_fits(workload)
         reference: EngineRun | None = None
         for engine in [*ours, *(self.peer(name) for name in peer_names)]:
             self.say(f"{workload.name} ({workload.label}): {engine.name} ...")

@@ -1,0 +1,60 @@
+"""``patchbay bench`` end to end on a tiny model: every workload, both peers, the report files (no timing checks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from patchbay.bench import workloads as wl
+from patchbay.bench.roofline import ModelCost
+from patchbay.cli import main
+
+
+class _Tokenizer:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % 100 for c in text]
+
+
+def test_workloads_are_seeded_and_sized_as_asked():
+    corpus = wl.source_corpus(_Tokenizer())
+    first = wl.throughput(corpus, num_requests=10, prompt_range=(16, 32), output_range=(4, 8), seed=3)
+    assert first == wl.throughput(corpus, num_requests=10, prompt_range=(16, 32), output_range=(4, 8), seed=3)
+    assert all(16 <= len(r.prompt_token_ids) <= 32 and 4 <= r.max_tokens <= 8 for r in first.requests)
+    shared = wl.shared_prefix(corpus, num_requests=4, prefix_length=50)
+    assert len({tuple(r.prompt_token_ids[:50]) for r in shared.requests}) == 1
+    assert len({tuple(r.prompt_token_ids) for r in shared.requests}) == 4
+
+
+def test_request_flops_count_the_lm_head_only_where_tokens_are_sampled():
+    cost = ModelCost(linear_params=100, lm_head_params=10, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1,
+                     bytes_per_param=4)
+    # 3 prompt tokens + 2 generated: 4 tokens go through the model, 2 through the lm head,
+    # causal attention over 1 + 2 + 3 + 4 positions at 4 FLOPs each.
+    assert cost.request_flops(3, 2) == 2 * 100 * 4 + 2 * 10 * 2 + 4 * (1 + 2 + 3 + 4)
+
+
+@pytest.mark.slow
+def test_bench_runs_every_workload_against_both_peers(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = main(["bench", "all", "--model", str(tiny_llama), "--num-requests", "4", "--concurrency", "2", "4",
+                 "--prompt-range", "8", "64", "--output-range", "4", "24", "--latency-prompts", "32",
+                 "--prefix-length", "200", "--threads", "2", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "ceilings: batch-1 decode" in printed
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    engines = {row["engine"] for row in rows}
+    assert {"patchbay", "transformers generate", "transformers continuous batching", "patchbay + ngram"} <= engines
+    assert {row["workload"] for row in rows} == set(wl.WORKLOADS)
+    for row in rows:
+        assert row["machine"]["read_bandwidth_gb_s"] > 0 and row["model"]["linear_params"] > 0
+        if row["workload"] != "latency":
+            # Greedy, float32: every engine produced patchbay's tokens on every request.
+            done, total = row["same_tokens_as_patchbay"].split("/")
+            assert done == total, row
+            assert row.get("x_generate") and row.get("x_continuous")
+    throughput = [row for row in rows if row["workload"] == "throughput" and row["engine"] == "patchbay"]
+    assert sorted(row["concurrency"] for row in throughput) == [2, 4]
+    assert all(row["step_breakdown_s"]["forward"] > 0 for row in throughput)
+    assert (out / "bench.png").stat().st_size > 0
