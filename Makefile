@@ -30,7 +30,7 @@ check: $(STAMP)
 	$(VENV)/bin/patchbay check attention:torch_sdpa
 
 bench: $(STAMP)
-	$(PY) benchmarks/offline_throughput.py
+	$(VENV)/bin/patchbay bench all --concurrency 16 64 --out bench-results
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -20,23 +20,12 @@ import json
 import time
 from pathlib import Path
 
-TASKS = (
-    "Copy the following Python code exactly, without any comment:\n\n{code}",
-    "Rewrite the following Python code, renaming nothing, and keep every line:\n\n{code}",
-    "Repeat this code block verbatim:\n\n{code}",
-)
+from patchbay.bench.workloads import copy_prompts
 
 
 def make_prompts(num_requests: int) -> list[dict]:
-
-    sources = sorted(Path(patchbay.__file__).parent.glob("*.py"))
-    prompts = []
-    for index in range(num_requests):
-        lines = sources[index % len(sources)].read_text().splitlines()
-        start = (index * 7) % max(1, len(lines) - 24)
-        code = "\n".join(lines[start : start + 24])
-        prompts.append({"messages": [{"role": "user", "content": TASKS[index % len(TASKS)].format(code=code)}]})
-    return prompts
+    """The bench's copy/edit conversations (``patchbay bench spec`` runs the same ones)."""
+    return [{"messages": messages} for messages in copy_prompts(num_requests)]
 
 
 def run(method: str, args: argparse.Namespace, prompts: list[dict]) -> dict:

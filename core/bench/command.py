@@ -180,7 +180,8 @@ class Bench:
             run = engine.run(workload)
             reference = reference or run
             same = sum(a == b for a, b in zip(run.token_ids, reference.token_ids, strict=True))
-            floor = self.roofline.compute_seconds_floor(workload)
+            # The least work is the workload's, less the prompt tokens patchbay's prefix cache found reusable.
+            floor = self.roofline.compute_seconds_floor(workload, reference.details.get("cached_prompt_tokens", 0))
             self._add(workload, run, same_tokens_as_patchbay=f"{same}/{len(workload.requests)}",
                       compute_ceiling_fraction=floor / run.seconds)
         self._ratios(workload.name, key="generated_tokens_per_s")

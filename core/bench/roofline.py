@@ -56,8 +56,16 @@ class ModelCost:
         attention = self.attention_flops(1) * fed * (fed + 1) / 2
         return 2.0 * self.linear_params * fed + 2.0 * self.lm_head_params * generated_tokens + attention
 
-    def workload_flops(self, workload: Workload) -> float:
-        return sum(self.request_flops(len(r.prompt_token_ids), r.max_tokens) for r in workload.requests)
+    def workload_flops(self, workload: Workload, reused_prompt_tokens: int = 0) -> float:
+        """All requests' FLOPs, less what a prefix cache spares for ``reused_prompt_tokens``.
+
+        Reused tokens are each request's first ones (spread evenly over the
+        requests): neither their linear layers nor their own attention run.
+        """
+        total = sum(self.request_flops(len(r.prompt_token_ids), r.max_tokens) for r in workload.requests)
+        per_request = reused_prompt_tokens / len(workload.requests)
+        spared_attention = self.attention_flops(1) * per_request * (per_request + 1) / 2 * len(workload.requests)
+        return total - 2.0 * self.linear_params * reused_prompt_tokens - spared_attention
 
     def decode_bytes(self, context: int) -> float:
         """Bytes one batch-1 decode step must read: all weights and the request's K and V."""
@@ -77,9 +85,9 @@ class Roofline:
         """Least batch-1 decode time per token at ``context`` tokens, from the read bandwidth."""
         return self.cost.decode_bytes(context) / (self.machine.read_bandwidth_gb_s * 1e9) * 1e3
 
-    def compute_seconds_floor(self, workload: Workload) -> float:
-        """Least time the workload's FLOPs take at the measured GEMM rate."""
-        return self.cost.workload_flops(workload) / (self.machine.gemm_gflop_s * 1e9)
+    def compute_seconds_floor(self, workload: Workload, reused_prompt_tokens: int = 0) -> float:
+        """Least time the workload's FLOPs take at the measured GEMM rate (see :meth:`ModelCost.workload_flops`)."""
+        return self.cost.workload_flops(workload, reused_prompt_tokens) / (self.machine.gemm_gflop_s * 1e9)
 
     def describe(self) -> list[str]:
         cost, machine = self.cost, self.machine
