@@ -101,7 +101,7 @@ class Engine:
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = HFCausalLM.load(model_dir, dtype=self.dtype, device=self.device)
-        self._choose_linear_kernel(settings.runtime)
+        self._speed_up_linears(settings.runtime)
         shape = self.model.shape
         self.max_model_len = min(
             settings.model.max_model_len or 1 << 62, shape.max_position_embeddings or 1 << 62
@@ -398,7 +398,7 @@ class Engine:
         self._engine_timings["finish"] += time.perf_counter() - ran
         return finished
 
-    def _choose_linear_kernel(self, runtime: Any) -> None:
+    def _speed_up_linears(self, runtime: Any) -> None:
         """Apply ``runtime.fuse_projections`` and ``runtime.linear_kernel`` to the loaded model's linears."""
         kernel = runtime.linear_kernel
         cpu_float32 = self.device.type == "cpu" and self.dtype == "float32"
