@@ -61,5 +61,7 @@ def test_prompt_logprobs_match_transformers_under_chunked_prefill(llm, reference
         token = prompt[position]
         assert entry.token_ids[0] == token
         assert entry.logprobs[0] == pytest.approx(row[token].item(), abs=1e-4)
-        assert entry.sampled_rank == int((row > row[token]).sum()) + 1
+        # The rank among ~49k logits: exact up to logits within float rounding (1e-4) of the token's.
+        value = row[token].item()
+        assert int((row > value + 1e-4).sum()) + 1 <= entry.sampled_rank <= int((row > value - 1e-4).sum()) + 1
         assert entry.token_ids[1:] == row.topk(3).indices.tolist()
