@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import patchbay  # first: it sets the OpenMP wait policy, which torch reads when it starts
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from patchbay.bench.report import append_json_lines
 
 
 def make_prompts(tokenizer, prefix_tokens: int, num_requests: int) -> list[list[int]]:
@@ -88,9 +89,7 @@ def main() -> None:
         print(f"{result['connector']:<16} {result['ttft_p50_s'] * 1e3:>7.1f}ms {result['ttft_mean_s'] * 1e3:>8.1f}ms "
               f"{ratio:>7.2f}x {result['tokens_loaded']:>14}  {same}")
     if args.json:
-        with args.json.open("a") as handle:
-            for result in results:
-                handle.write(json.dumps({k: v for k, v in result.items() if k != "token_ids"}) + "\n")
+        append_json_lines(args.json, results, drop=("token_ids",))
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import patchbay  # first: it sets the OpenMP wait policy, which torch reads when it starts
 import argparse
-import json
 import time
 from pathlib import Path
 
+from patchbay.bench.report import append_json_lines
 from patchbay.bench.workloads import copy_prompts
 
 
@@ -82,9 +82,7 @@ def main() -> None:
             rates = ", ".join(f"{r:.2f}" for r in spec["acceptance_rate_per_position"])
             print(f"{'':<8} acceptance per position: {rates}")
     if args.json:
-        with args.json.open("a") as handle:
-            for result in results:
-                handle.write(json.dumps({k: v for k, v in result.items() if k != "token_ids"}) + "\n")
+        append_json_lines(args.json, results, drop=("token_ids",))
 
 
 if __name__ == "__main__":

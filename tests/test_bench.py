@@ -59,3 +59,12 @@ def test_bench_runs_every_workload_against_both_peers(tiny_llama, tmp_path, caps
     assert sorted(row["concurrency"] for row in throughput) == [2, 4]
     assert all(row["step_breakdown_s"]["forward"] > 0 for row in throughput)
     assert (out / "bench.png").stat().st_size > 0
+
+
+def test_json_lines_drop_the_named_keys_and_add_the_context(tmp_path):
+    from patchbay.bench.report import append_json_lines
+
+    path = tmp_path / "rows.jsonl"
+    append_json_lines(path, [{"a": 1, "token_ids": [1]}], drop=("token_ids",), machine="m")
+    append_json_lines(path, [{"a": 2}])
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"a": 1, "machine": "m"}, {"a": 2}]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from patchbay.bench.engines import (
     TransformersGenerate,
 )
 from patchbay.bench.machine import measure_machine
-from patchbay.bench.report import print_table, write_plot
+from patchbay.bench.report import append_json_lines, print_table, write_plot
 from patchbay.bench.roofline import ModelCost, Roofline
 
 PEERS = ("generate", "continuous")
@@ -219,11 +218,8 @@ def bench_command(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
     print_table(rows, bench.roofline, stream)
     if options.out is not None:
         options.out.mkdir(parents=True, exist_ok=True)
-        context = {"machine": bench.roofline.machine.as_dict(), "model": bench.roofline.cost.as_dict(),
-                   "model_dir": bench.model_dir}
-        with (options.out / "results.jsonl").open("a", encoding="utf-8") as handle:
-            for row in rows:
-                handle.write(json.dumps({**row, **context}) + "\n")
+        append_json_lines(options.out / "results.jsonl", rows, machine=bench.roofline.machine.as_dict(),
+                          model=bench.roofline.cost.as_dict(), model_dir=bench.model_dir)
         plot = write_plot(rows, options.out / "bench.png")
         print(f"wrote {options.out / 'results.jsonl'}" + (f" and {plot}" if plot else ""), file=stream)
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -45,6 +46,13 @@ def print_table(rows: list[dict[str, Any]], roofline: Roofline, stream: TextIO) 
             shares = ", ".join(f"{phase} {100 * seconds / total:.1f}%" for phase, seconds in breakdown.items()
                                if seconds)
             print(f"step time, {row['engine']} on {row['workload']} ({row['label']}): {shares}", file=stream)
+
+
+def append_json_lines(path: Path, rows: list[dict[str, Any]], *, drop: tuple[str, ...] = (), **extra: Any) -> None:
+    """Append each row (less the ``drop`` keys, plus ``extra``) to ``path`` as one JSON line."""
+    with path.open("a", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps({**{k: v for k, v in row.items() if k not in drop}, **extra}) + "\n")
 
 
 def write_plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
