@@ -1,7 +1,12 @@
 """patchbay: an LLM inference runner in which every moving part is a plugin.
 
 Plugin authors need :data:`hookimpl` and :mod:`patchbay.interfaces`;
-embedders use :class:`patchbay.LLM`.
+embedders use :class:`patchbay.LLM` and :class:`patchbay.SamplingParams`.
+
+The package is laid out in rooms that follow a request's path (docs/architecture.md):
+``entrypoints`` (LLM, CLI, run) -> ``engine`` -> ``scheduling`` (device-free) ->
+``worker`` (tensors) -> the plugins, whose contract is ``interfaces`` and ``contract``;
+``testing`` is the conformance kit and ``bench`` the benchmark harness.
 """
 
 from __future__ import annotations
@@ -18,19 +23,20 @@ OMP_POLICY_TOO_LATE = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.env
 """torch was imported before patchbay with no wait policy set: the engine warns that steps may crawl."""
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from patchbay.hookspecs import hookimpl
+from patchbay.contract.hookspecs import hookimpl
+from patchbay.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "hookimpl", "__version__"]
+__all__ = ["LLM", "SamplingParams", "hookimpl", "__version__"]
 
 if TYPE_CHECKING:
-    from patchbay.llm import LLM
+    from patchbay.entrypoints.llm import LLM
 
 
 def __getattr__(name: str) -> Any:
     # The offline API pulls in torch and transformers; import it only when asked for.
     if name == "LLM":
-        from patchbay.llm import LLM
+        from patchbay.entrypoints.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'patchbay' has no attribute {name!r}")

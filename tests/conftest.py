@@ -55,9 +55,9 @@ def clean_env(site: Path | None = None, **overrides: str) -> dict[str, str]:
 
 
 def patchbay_command() -> list[str]:
-    """The installed ``patchbay`` console script next to this interpreter (or ``python -m patchbay.cli``)."""
+    """The installed ``patchbay`` console script next to this interpreter (or ``python -m patchbay.entrypoints.cli``)."""
     script = Path(sys.executable).with_name("patchbay")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "patchbay.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "patchbay.entrypoints.cli"]
 
 
 def run_patchbay(*args: str, site: Path | None, env: Mapping[str, str] | None = None, cwd: Path | None = None,

@@ -52,5 +52,5 @@ def test_unsupported_architecture_is_named(tmp_path):
     from transformers import T5Config
 
     T5Config(vocab_size=100, d_model=16, num_layers=1, num_heads=2, d_kv=8, d_ff=32).save_pretrained(tmp_path)
-    with pytest.raises(patchbay.model_loader.ModelLoadError, match="T5"):
+    with pytest.raises(patchbay.worker.model_loader.ModelLoadError, match="T5"):
         patchbay.LLM(model__path=str(tmp_path))

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
+from patchbay.contract.registry import Registry
 from patchbay.interfaces import AttentionConfig, AttentionLayerSpec
 from patchbay.plugins.attention.common import CommonMetadataBuilder
 from patchbay.plugins.attention.reference import ReferenceBackend, ReferenceImpl
 from patchbay.plugins.attention.torch_sdpa import TorchSDPABackend, TorchSDPAImpl, TorchSDPAMetadataBuilder
-from patchbay.registry import Registry
 from patchbay.testing import AttentionBackendSuite, MetadataBuilderSuite
 from patchbay.testing.attention import AttentionCase, build_common_metadata, check_attention, make_block_table
 

@@ -8,7 +8,7 @@ import pytest
 
 from patchbay.bench import workloads as wl
 from patchbay.bench.roofline import ModelCost
-from patchbay.cli import main
+from patchbay.entrypoints.cli import main
 
 
 class _Tokenizer:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from patchbay.registry import Registry
+from patchbay.contract.registry import Registry
 from patchbay.testing import DrafterSuite, KVConnectorSuite, MetadataBuilderSuite, SamplerSuite
 from patchbay.testing.suite import PluginSuite
 from test_registry import write_dist_info
@@ -318,7 +318,7 @@ def test_a_plugin_class_gap_applies_when_the_registry_fixture_is_overridden(thir
         import pytest
 
         from patchbay import hookimpl
-        from patchbay.registry import Registry
+        from patchbay.contract.registry import Registry
         from patchbay.testing import SamplerSuite
 
         from bad_samplers import DeclaredGapSampler

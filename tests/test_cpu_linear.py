@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import patchbay
-from patchbay.cpu_linear import RowSplitLinear, use_row_split_linears
-from patchbay.fused_projections import fuse_shared_input_projections
+from patchbay.contract.settings import ConfigError
 from patchbay.sampling_params import SamplingParams
-from patchbay.settings import ConfigError
+from patchbay.worker.cpu_linear import RowSplitLinear, use_row_split_linears
+from patchbay.worker.fused_projections import fuse_shared_input_projections
 from tiny_models import transformers_greedy
 
 

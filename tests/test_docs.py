@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from patchbay.cli import build_parser
-from patchbay.outputs import RequestMetrics, RequestOutput
-from patchbay.run_command import read_requests
+from patchbay.contract.settings import Section, Settings, load_settings
+from patchbay.engine.outputs import RequestMetrics, RequestOutput
+from patchbay.entrypoints.cli import build_parser
+from patchbay.entrypoints.run_command import read_requests
 from patchbay.sampling_params import SamplingParams
-from patchbay.settings import Section, Settings, load_settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCS = REPO_ROOT / "docs"
@@ -264,7 +264,7 @@ def test_the_worked_example_installs_lists_and_passes_the_kit(tmp_path: Path):
     assert install.returncode == 0, install.stdout + install.stderr
     env["PYTHONPATH"] = str(site)
 
-    listing = subprocess.run([sys.executable, "-m", "patchbay.cli", "plugins", "--kind", "sampler"],
+    listing = subprocess.run([sys.executable, "-m", "patchbay.entrypoints.cli", "plugins", "--kind", "sampler"],
                              capture_output=True, text=True, env=env, timeout=300)
     assert listing.returncode == 0, listing.stderr
     assert re.search(r"temperature\s+patchbay-temperature 0\.1\.0\s+\[available\]", listing.stdout), listing.stdout
@@ -275,6 +275,6 @@ def test_the_worked_example_installs_lists_and_passes_the_kit(tmp_path: Path):
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
     assert "passed" in tests.stdout and "failed" not in tests.stdout
 
-    check = subprocess.run([sys.executable, "-m", "patchbay.cli", "check", "sampler:temperature"],
+    check = subprocess.run([sys.executable, "-m", "patchbay.entrypoints.cli", "check", "sampler:temperature"],
                            capture_output=True, text=True, env=env, timeout=300)
     assert check.returncode == 0, check.stdout[-4000:] + check.stderr[-2000:]

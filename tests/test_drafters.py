@@ -11,9 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 import patchbay.plugins.spec_decode.hooks as spec_decode_hooks
+from patchbay.contract.registry import Registry, default_registry
 from patchbay.interfaces import DraftBatch, Drafter, DrafterCapabilities, DrafterContext, DraftProposals
 from patchbay.plugins.spec_decode.ngram import NgramDrafter, find_continuations
-from patchbay.registry import Registry, default_registry
 from patchbay.testing import DrafterSuite
 from patchbay.testing import drafter as kit
 from patchbay.testing.drafter import BatchShape, DraftCase, make_cases, make_draft_batch

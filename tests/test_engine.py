@@ -9,7 +9,7 @@ import torch
 
 import patchbay
 from patchbay import hookimpl
-from patchbay.registry import Registry, default_registry
+from patchbay.contract.registry import Registry, default_registry
 from patchbay.sampling_params import SamplingParams
 from tiny_models import transformers_greedy
 

@@ -7,9 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
-from patchbay.input_batch import InputBatch
 from patchbay.sampling_params import SamplingParams
-from patchbay.scheduler_output import NewRequestData
+from patchbay.scheduling.scheduler_output import NewRequestData
+from patchbay.worker.input_batch import InputBatch
 
 
 def _request(req_id: str, num_tokens: int, blocks: list[int]) -> NewRequestData:

@@ -7,11 +7,11 @@ import hashlib
 import numpy as np
 import pytest
 
-from patchbay.block_pool import BlockPool
-from patchbay.kv_cache_manager import KVCacheManager, num_blocks_for_memory
-from patchbay.kv_cache_spec import KVCacheGroup, KVCacheSpec
-from patchbay.request import Request, hash_block_tokens
 from patchbay.sampling_params import SamplingParams
+from patchbay.scheduling.block_pool import BlockPool
+from patchbay.scheduling.kv_cache_manager import KVCacheManager, num_blocks_for_memory
+from patchbay.scheduling.kv_cache_spec import KVCacheGroup, KVCacheSpec
+from patchbay.scheduling.request import Request, hash_block_tokens
 
 BLOCK_SIZE = 4
 

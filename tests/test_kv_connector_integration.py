@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict
 
 import patchbay
 from patchbay import hookimpl
+from patchbay.contract.registry import Registry
+from patchbay.contract.settings import ConfigError
 from patchbay.interfaces import (
     KVConnector,
     KVConnectorCapabilities,
@@ -29,10 +31,8 @@ from patchbay.interfaces import (
     KVConnectorWorker,
     RequestView,
 )
-from patchbay.registry import Registry
-from patchbay.request import RequestStatus
 from patchbay.sampling_params import SamplingParams
-from patchbay.settings import ConfigError
+from patchbay.scheduling.request import RequestStatus
 from tiny_models import build_tiny_model
 
 BLOCK_SIZE = 16
@@ -355,7 +355,7 @@ def test_without_a_connector_nothing_calls_one(tiny_llama, registry):
 
 
 def test_the_run_summary_reports_the_connector(tiny_llama, registry):
-    from patchbay.run_command import summarise
+    from patchbay.entrypoints.run_command import summarise
 
     llm = _llm(tiny_llama, registry, {"name": "dict_test", "options": {"namespace": "summary"}})
     prompts = _prompts(2, seed=8)

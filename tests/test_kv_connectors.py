@@ -16,6 +16,7 @@ import uuid
 import pytest
 import torch
 
+from patchbay.contract.registry import default_registry
 from patchbay.interfaces import KVConnectorConfig, KVConnectorMetadata
 from patchbay.plugins.kv_connectors._base import StoreUnreachable
 from patchbay.plugins.kv_connectors._blocks import (
@@ -29,7 +30,6 @@ from patchbay.plugins.kv_connectors._blocks import (
 from patchbay.plugins.kv_connectors.host_offload import HostOffloadConnector
 from patchbay.plugins.kv_connectors.redis_connector import RedisConnector, redacted_url
 from patchbay.plugins.kv_connectors.shared_storage import SharedStorageConnector
-from patchbay.registry import default_registry
 from patchbay.testing import KVConnectorSuite
 from patchbay.testing.kv_connector import Side, SuiteRequest, split_kv_cache
 

@@ -64,7 +64,8 @@ def _entry_points(wheel: Path) -> configparser.ConfigParser:
 
 
 def test_the_wheel_holds_the_core_the_plugins_and_the_kit(wheel_files):
-    for expected in ("patchbay/cli.py", "patchbay/registry.py", "patchbay/interfaces/attention.py",
+    for expected in ("patchbay/entrypoints/cli.py", "patchbay/contract/registry.py", "patchbay/scheduling/scheduler.py",
+                     "patchbay/worker/model_runner.py", "patchbay/engine/core.py", "patchbay/interfaces/attention.py",
                      "patchbay/plugins/attention/hooks.py", "patchbay/plugins/samplers/hooks.py",
                      "patchbay/plugins/spec_decode/hooks.py",
                      "patchbay/testing/suite.py", "patchbay/testing/pytest_plugin.py"):
@@ -85,7 +86,7 @@ def test_every_source_module_is_in_the_wheel(wheel_files):
 
 def test_the_wheel_declares_the_entry_points(wheel, wheel_files):
     entry_points = _entry_points(wheel)
-    assert entry_points["console_scripts"]["patchbay"] == "patchbay.cli:main"
+    assert entry_points["console_scripts"]["patchbay"] == "patchbay.entrypoints.cli:main"
     assert entry_points["pytest11"]["patchbay"] == "patchbay.testing.pytest_plugin"
     plugins = dict(entry_points["patchbay"])
     assert plugins["attention"] == "patchbay.plugins.attention.hooks"
@@ -101,16 +102,16 @@ def test_an_install_of_the_wheel_imports_the_same_names(wheel, tmp_path):
     _pip("install", "--no-deps", "--target", str(target), str(wheel))
     script = """
 import importlib.metadata, json, sys
-import patchbay, patchbay.registry, patchbay.testing, patchbay.cli
+import patchbay, patchbay.contract.registry, patchbay.testing, patchbay.entrypoints.cli
 import patchbay.plugins.samplers.hooks
-from patchbay.registry import Registry
+from patchbay.contract.registry import Registry
 
 (dist,) = importlib.metadata.distributions(path=[sys.argv[1]])
 registry = Registry.from_entry_points(entry_points=dist.entry_points.select(group="patchbay"))
 greedy = registry.resolve("sampler", "greedy")
 print(json.dumps({
     "files": {name: sys.modules[name].__file__ for name in
-              ["patchbay", "patchbay.registry", "patchbay.plugins.samplers.hooks", greedy.__module__]},
+              ["patchbay", "patchbay.contract.registry", "patchbay.plugins.samplers.hooks", greedy.__module__]},
     "greedy": f"{greedy.__module__}:{greedy.__qualname__}",
     "version": dist.version,
     "failures": [str(failure) for failure in registry.failures],

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from patchbay import hookimpl
-from patchbay.interfaces import Sampler, SamplerCapabilities, SamplerOutput
-from patchbay.registry import (
+from patchbay.contract.registry import (
     KINDS,
     PluginConflictError,
     PluginError,
@@ -31,6 +30,7 @@ from patchbay.registry import (
     kind_of,
     parse_reference,
 )
+from patchbay.interfaces import Sampler, SamplerCapabilities, SamplerOutput
 
 SAMPLER_MODULE = """
 from patchbay.interfaces import Sampler, SamplerOutput
@@ -142,7 +142,7 @@ def test_loading_the_registry_imports_no_implementation_and_no_torch():
     # A fresh interpreter: nothing imported by other tests can hide what loading imports.
     script = (
         "import json, sys\n"
-        "from patchbay.registry import Registry\n"
+        "from patchbay.contract.registry import Registry\n"
         "registry = Registry.from_entry_points()\n"
         "targets = [r.target_path.partition(':')[0] for r in registry.registrations()]\n"
         "print(json.dumps({'names': len(targets), 'torch': 'torch' in sys.modules,\n"
@@ -159,7 +159,7 @@ def test_loading_the_registry_imports_no_implementation_and_no_torch():
 def test_an_installed_third_party_distribution_registers_every_kind_lazily(plugin_site):
     script = (
         "import json, sys\n"
-        "from patchbay.registry import Registry\n"
+        "from patchbay.contract.registry import Registry\n"
         "registry = Registry.from_entry_points(deny=['patchbay-broken-plugin', 'patchbay-duplicate-plugin'])\n"
         "rows = [(r.reference, r.origin.distribution, r.origin.version) for r in registry.registrations()\n"
         "        if r.origin.plugin == 'example']\n"

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from patchbay.kv_cache_manager import KVCacheManager
-from patchbay.kv_cache_spec import KVCacheGroup, KVCacheSpec
-from patchbay.request import Request
 from patchbay.sampling_params import SamplingParams
-from patchbay.scheduler import RequestUpdate, Scheduler
-from patchbay.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from patchbay.scheduling.kv_cache_manager import KVCacheManager
+from patchbay.scheduling.kv_cache_spec import KVCacheGroup, KVCacheSpec
+from patchbay.scheduling.request import Request
+from patchbay.scheduling.scheduler import RequestUpdate, Scheduler
+from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 BLOCK_SIZE = 4
 NextToken = Callable[[list[int]], int]

@@ -10,9 +10,9 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from patchbay import hookimpl
+from patchbay.contract.registry import Registry, default_registry
+from patchbay.contract.settings import ConfigError, Settings, dump_settings, load_settings, plugin_options
 from patchbay.interfaces import AttentionBackend, Sampler, SamplerOutput
-from patchbay.registry import Registry, default_registry
-from patchbay.settings import ConfigError, Settings, dump_settings, load_settings, plugin_options
 
 
 @pytest.fixture(autouse=True)

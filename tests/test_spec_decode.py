@@ -13,10 +13,10 @@ import torch
 
 import patchbay
 from patchbay import hookimpl
+from patchbay.contract.registry import Registry
 from patchbay.interfaces import DraftBatch, Drafter, DrafterCapabilities, DraftProposals
-from patchbay.registry import Registry
 from patchbay.sampling_params import SamplingParams
-from patchbay.spec_decode import arange_within, logits_layout
+from patchbay.worker.spec_decode import arange_within, logits_layout
 from tiny_models import transformers_greedy
 
 NUM_TOKENS = 12

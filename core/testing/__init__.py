@@ -7,7 +7,7 @@ against any installed plugin with no code from its author.
 
 from __future__ import annotations
 
-from patchbay.registry import kind_of
+from patchbay.contract.registry import kind_of
 from patchbay.testing.attention import AttentionBackendSuite, MetadataBuilderSuite
 from patchbay.testing.drafter import DrafterSuite
 from patchbay.testing.kv_connector import KVConnectorSuite

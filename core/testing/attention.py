@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 
+from patchbay.contract.registry import Registry
 from patchbay.interfaces import (
     AttentionBackend,
     AttentionCapabilities,
@@ -41,7 +42,6 @@ from patchbay.interfaces import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from patchbay.registry import Registry
 from patchbay.testing.kinds import AttentionBackendBaseSuite, MetadataBuilderBaseSuite
 
 if TYPE_CHECKING:

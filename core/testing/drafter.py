@@ -63,7 +63,7 @@ from patchbay.testing.kinds import DrafterBaseSuite
 if TYPE_CHECKING:
     import numpy as np
 
-    from patchbay.registry import Registry
+    from patchbay.contract.registry import Registry
 
 # numpy and torch are imported inside functions: this module is imported whenever pytest loads the patchbay plugin.
 
@@ -503,7 +503,7 @@ def end_to_end_unavailable_reason(registry: Registry | None = None) -> str | Non
         return f"the bundled model package {BUNDLED_MODEL_PACKAGE!r} is not installed"
     if registry is None:
         return None
-    from patchbay.settings import Settings, SpeculativeSettings
+    from patchbay.contract.settings import Settings, SpeculativeSettings
 
     needed = [("sampler", Settings().sampler.name), ("sampler", SpeculativeSettings(method="any").rejection_sampler)]
     missing = [f"{kind}:{name}" for kind, name in needed if name not in registry.names(kind)]

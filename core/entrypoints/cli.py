@@ -10,9 +10,16 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from patchbay.model_loader import ModelLoadError
-from patchbay.registry import PluginError, Registration, Registry, default_registry, parse_reference, registry_for
-from patchbay.settings import ConfigError, dump_settings, load_settings
+from patchbay.contract.registry import (
+    PluginError,
+    Registration,
+    Registry,
+    default_registry,
+    parse_reference,
+    registry_for,
+)
+from patchbay.contract.settings import ConfigError, dump_settings, load_settings
+from patchbay.engine import ModelLoadError
 
 
 def _registry(args: argparse.Namespace) -> Registry:
@@ -86,7 +93,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
-    from patchbay.run_command import read_requests
+    from patchbay.entrypoints.run_command import read_requests
 
     settings = _load(args)
     requests = read_requests(settings, args.file) if settings.inputs.prompts or settings.inputs.file else []
@@ -118,7 +125,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from patchbay.run_command import run_from_settings
+    from patchbay.entrypoints.run_command import run_from_settings
 
     settings = load_settings(args.config, overrides=args.set or [], registry=registry_for)
     return run_from_settings(settings, config_path=args.config)

@@ -18,11 +18,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
 
 if TYPE_CHECKING:
-    from patchbay.registry import Registry
+    from patchbay.contract.registry import Registry
 
 ENV_PREFIX = "PATCHBAY_"
 ENV_NESTED_DELIMITER = "__"
@@ -338,7 +347,7 @@ def load_settings(
     When ``registry`` is given, every plugin the settings name is looked up
     and its options are validated against the plugin's ``Options`` model.
     ``registry`` may also be a function of the settings' ``plugins:`` policy
-    (such as :func:`patchbay.registry.registry_for`), so the YAML's allow
+    (such as :func:`patchbay.contract.registry.registry_for`), so the YAML's allow
     and deny lists decide what loads.
     Raises :class:`ConfigError` listing every problem found.
     """
@@ -379,7 +388,7 @@ def _problem_from_error(error: Mapping[str, Any], sources: _Sources, prefix: tup
 
 def validate_plugin_choices(settings: Settings, registry: Registry, sources: _Sources | None = None) -> list[ConfigProblem]:
     """Check that every plugin named in ``settings`` exists and that its options are valid."""
-    from patchbay.registry import PluginError
+    from patchbay.contract.registry import PluginError
 
     sources = sources or _Sources("<settings>")
     problems: list[ConfigProblem] = []

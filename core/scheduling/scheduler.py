@@ -23,9 +23,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from patchbay.kv_cache_manager import KVCacheManager
-from patchbay.request import FINISHED_STATUS_BY_REASON, Request, RequestStatus
-from patchbay.scheduler_output import BlockIds, CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from patchbay.scheduling.kv_cache_manager import KVCacheManager
+from patchbay.scheduling.request import FINISHED_STATUS_BY_REASON, Request, RequestStatus
+from patchbay.scheduling.scheduler_output import (
+    BlockIds,
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 if TYPE_CHECKING:
     from patchbay.interfaces import KVConnectorScheduler

@@ -6,11 +6,10 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from patchbay.engine import Engine
-from patchbay.outputs import RequestOutput
-from patchbay.registry import Registry, registry_for
+from patchbay.contract.registry import Registry, registry_for
+from patchbay.contract.settings import Settings, load_settings
+from patchbay.engine import Engine, RequestOutput
 from patchbay.sampling_params import SamplingParams
-from patchbay.settings import Settings, load_settings
 
 Prompt = str | list[int] | dict[str, Any]
 """A text prompt, prompt token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` / ``{"messages": [...]}``."""
@@ -37,7 +36,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     @property
-    def spec_stats(self):  # noqa: ANN201 - patchbay.spec_decode.SpecDecodeStats
+    def spec_stats(self):  # noqa: ANN201 - patchbay.worker.spec_decode.SpecDecodeStats
         """Speculative-decoding counters since this LLM was created (drafted, accepted, per position)."""
         return self.engine.spec_stats
 

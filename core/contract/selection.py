@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from patchbay.contract.registry import Registry
+from patchbay.contract.settings import ConfigError, ConfigProblem, plugin_options
 from patchbay.interfaces import AttentionBackend, AttentionConfig, Plugin, ServingConfig
-from patchbay.registry import Registry
-from patchbay.settings import ConfigError, ConfigProblem, plugin_options
 
 
 def _reasons(implementation: type[Plugin], configs: Sequence[ServingConfig]) -> list[str]:

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from patchbay.hf_model import HFCausalLM
-    from patchbay.input_batch import InputBatch
+    from patchbay.worker.hf_model import HFCausalLM
+    from patchbay.worker.input_batch import InputBatch
 
 PROMPT_LOGPROBS_CHUNK = 256
 """Prompt positions scored at once (a chunk of float32 logits is 256 x vocab)."""

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from patchbay.cpu_linear import row_split_linear, use_row_split_linears
-from patchbay.fused_projections import fuse_shared_input_projections
-from patchbay.hf_model import HFCausalLM, torch_dtype
+from patchbay.contract.registry import Registry, registry_for
+from patchbay.contract.selection import create, require_serves, select_attention_backend
+from patchbay.contract.settings import ConfigError, ConfigProblem, Settings, plugin_options
+from patchbay.engine.outputs import RequestMetrics, RequestOutput, find_stop_string, merge_completions
 from patchbay.interfaces import (
     AttentionConfig,
     AttentionMetadataBuilder,
@@ -33,17 +34,16 @@ from patchbay.interfaces import (
     Sampler,
     SamplerConfig,
 )
-from patchbay.kv_cache_manager import KVCacheManager, num_blocks_for_memory
-from patchbay.kv_cache_spec import KVCacheGroup, group_layers
-from patchbay.model_loader import resolve_model_dir
-from patchbay.model_runner import ModelRunner
-from patchbay.outputs import RequestMetrics, RequestOutput, find_stop_string, merge_completions
-from patchbay.plugin_selection import create, require_serves, select_attention_backend
-from patchbay.registry import Registry, registry_for
-from patchbay.request import Request
 from patchbay.sampling_params import SamplingParams
-from patchbay.scheduler import Scheduler
-from patchbay.settings import ConfigError, ConfigProblem, Settings, plugin_options
+from patchbay.scheduling.kv_cache_manager import KVCacheManager, num_blocks_for_memory
+from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
+from patchbay.scheduling.request import Request
+from patchbay.scheduling.scheduler import Scheduler
+from patchbay.worker.cpu_linear import row_split_linear, use_row_split_linears
+from patchbay.worker.fused_projections import fuse_shared_input_projections
+from patchbay.worker.hf_model import HFCausalLM, torch_dtype
+from patchbay.worker.model_loader import resolve_model_dir
+from patchbay.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

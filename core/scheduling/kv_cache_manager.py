@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from patchbay.block_pool import BlockPool, KVCacheBlock
-from patchbay.kv_cache_spec import KVCacheGroup
-from patchbay.request import Request
-from patchbay.scheduler_output import BlockIds
+from patchbay.scheduling.block_pool import BlockPool, KVCacheBlock
+from patchbay.scheduling.kv_cache_spec import KVCacheGroup
+from patchbay.scheduling.request import Request
+from patchbay.scheduling.scheduler_output import BlockIds
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchbay.forward_context import current_forward_context
 from patchbay.interfaces import AttentionLayerSpec
-from patchbay.kv_cache_spec import KVCacheSpec
-from patchbay.model_loader import ModelLoadError
+from patchbay.scheduling.kv_cache_spec import KVCacheSpec
+from patchbay.worker.forward_context import current_forward_context
+from patchbay.worker.model_loader import ModelLoadError
 
 ATTN_IMPLEMENTATION = "patchbay"
 
