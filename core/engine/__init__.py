@@ -10,12 +10,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from patchbay.engine.core import Engine
+    from patchbay.engine.core import Engine, measure_machine_defaults
     from patchbay.engine.outputs import Completion, RequestMetrics, RequestOutput
     from patchbay.worker.model_loader import ModelLoadError
 
-__all__ = ["Completion", "Engine", "ModelLoadError", "RequestMetrics", "RequestOutput"]
-_MODULE_OF = {"Engine": "patchbay.engine.core", "ModelLoadError": "patchbay.worker.model_loader"}
+__all__ = ["Completion", "Engine", "ModelLoadError", "RequestMetrics", "RequestOutput", "measure_machine_defaults"]
+_MODULE_OF = {"Engine": "patchbay.engine.core", "ModelLoadError": "patchbay.worker.model_loader",
+              "measure_machine_defaults": "patchbay.engine.core"}
 """Where each public name lives when it is not in :mod:`patchbay.engine.outputs`."""
 
 

@@ -7,13 +7,13 @@ advances the requests, and the engine turns the news into
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
 import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,11 +39,10 @@ from patchbay.scheduling.kv_cache_manager import KVCacheManager, num_blocks_for_
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
 from patchbay.scheduling.request import Request
 from patchbay.scheduling.scheduler import Scheduler
-from patchbay.worker.cpu_linear import row_split_linear, use_row_split_linears
-from patchbay.worker.fused_projections import fuse_shared_input_projections
 from patchbay.worker.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.model_runner import ModelRunner
+from patchbay.worker.tuning import LayerShapes, Tuning, apply_linear_paths, tune
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +60,35 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> str:
-    """``auto`` is float32 on CPUs (bf16 matmuls are many times slower without native bf16) and bfloat16 on GPUs."""
+def resolve_dtype(name: str, device: torch.device, tuning: Tuning | None) -> str:
+    """``auto`` is what the CPU's tuning measured fastest among its native dtypes, and bfloat16 on GPUs."""
     if name != "auto":
         return name
-    return "bfloat16" if device.type == "cuda" else "float32"
+    if device.type == "cpu":
+        return tuning.dtype if tuning is not None else "float32"
+    return "bfloat16"
+
+
+def machine_tuning(settings: Settings, model_dir: Path, device: torch.device) -> Tuning | None:
+    """The CPU's measured defaults (cached per machine and model shape) when a setting is left to them."""
+    runtime = settings.runtime
+    if device.type != "cpu" or not (settings.model.dtype == "auto" or runtime.linear_kernel == "auto"
+                                     or runtime.fuse_projections):
+        return None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return tune(LayerShapes.of(getattr(config, "text_config", config)))
+
+
+def measure_machine_defaults(settings: Settings) -> Tuning:
+    """``patchbay tune``: measure this CPU's defaults for the settings' model now, replacing the cached ones."""
+    from transformers import AutoConfig
+
+    if settings.runtime.threads is not None:
+        torch.set_num_threads(settings.runtime.threads)
+    config = AutoConfig.from_pretrained(resolve_model_dir(settings.model.path))
+    return tune(LayerShapes.of(getattr(config, "text_config", config)), fresh=True)
 
 
 @dataclass
@@ -96,9 +119,10 @@ class Engine:
             torch.set_num_threads(settings.runtime.threads)
         torch.manual_seed(settings.runtime.seed)
         self.device = resolve_device(settings.runtime.device)
-        self.dtype = resolve_dtype(settings.model.dtype, self.device)
         model_dir = resolve_model_dir(settings.model.path)
         self.model_dir = model_dir
+        self.tuning = machine_tuning(settings, model_dir, self.device)
+        self.dtype = resolve_dtype(settings.model.dtype, self.device, self.tuning)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = HFCausalLM.load(model_dir, dtype=self.dtype, device=self.device)
         self._speed_up_linears(settings.runtime)
@@ -400,19 +424,13 @@ class Engine:
 
     def _speed_up_linears(self, runtime: Any) -> None:
         """Apply ``runtime.fuse_projections`` and ``runtime.linear_kernel`` to the loaded model's linears."""
-        kernel = runtime.linear_kernel
-        cpu_float32 = self.device.type == "cpu" and self.dtype == "float32"
-        if kernel == "row_split" and not cpu_float32:
+        if runtime.linear_kernel == "row_split" and not (self.device.type == "cpu" and self.dtype == "float32"):
             raise ConfigError([ConfigProblem(
                 "<run>", "runtime.linear_kernel",
                 f"row_split runs on CPU float32 weights; this run has {self.device.type} {self.dtype} (use auto or torch)")])
-        slices = torch.get_num_threads() if kernel != "torch" and cpu_float32 else 1
-        model = self.model.model
-        self.fused_projection_groups = 0
-        if runtime.fuse_projections:
-            product = functools.partial(row_split_linear, slices=slices)
-            self.fused_projection_groups = fuse_shared_input_projections(model, product)
-        self.row_split_linears = use_row_split_linears(model, slices)
+        self.fused_projection_groups, self.row_split_linears = apply_linear_paths(
+            self.model.model, linear_kernel=runtime.linear_kernel, fuse_projections=runtime.fuse_projections,
+            dtype=self.dtype, device=self.device, tuning=self.tuning)
 
     def step_timings(self) -> dict[str, float]:
         """Seconds spent per phase of a step since the last reset, in step order.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -131,6 +132,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_from_settings(settings, config_path=args.config)
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from patchbay.engine import measure_machine_defaults
+
+    settings = load_settings(args.config, overrides=args.set or [])
+    tuning = measure_machine_defaults(settings)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(tuning), indent=2))
+        return 0
+    print(f"cpu: {tuning.cpu}; native dtypes: {', '.join(tuning.native_dtypes)}; {tuning.threads} threads, "
+          f"torch {tuning.torch_version}")
+    print("one decoder layer's linears, ms per call:")
+    buckets = list(next(iter(tuning.measurements.values())))
+    print(f"  {'path':<10}" + "".join(f"{rows + ' rows':>12}" for rows in buckets))
+    for path, seconds in tuning.measurements.items():
+        print(f"  {path:<10}" + "".join(f"{seconds[rows] * 1e3:>12.3f}" for rows in buckets))
+    print(f"chosen: {tuning.describe()}")
+    print("(cached for this CPU, torch and model shape; runs with model.dtype, runtime.linear_kernel auto use it)")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from patchbay.bench.command import bench_command
 
@@ -174,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config")
     run.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a setting")
     run.set_defaults(handler=cmd_run)
+
+    tune = sub.add_parser("tune", help="measure this CPU's fastest dtype and linear paths for a model, and cache them")
+    tune.add_argument("config", nargs="?", help="a YAML file naming the model (default: the bundled model)")
+    tune.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a setting")
+    tune.add_argument("--json", action="store_true", help="machine-readable output")
+    tune.set_defaults(handler=cmd_tune)
 
     bench = sub.add_parser("bench", help="benchmark patchbay against transformers on fixed workloads, with the roofline")
     add_bench_arguments(bench)

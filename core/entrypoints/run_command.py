@@ -112,6 +112,8 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
         f"attention {engine.backend_name}, {engine.dtype} on {engine.device}",
         f"step time:           {breakdown}",
     ]
+    if getattr(engine, "tuning", None) is not None:
+        lines.append(f"machine defaults:    {engine.tuning.describe()}")
     if getattr(engine, "kv_connector", None) is not None:
         kv = engine.scheduler.kv_connector_stats
         lines.append(f"kv connector:        {kv.num_loaded_tokens} tokens loaded, {kv.num_recomputed_blocks} blocks "

@@ -24,8 +24,9 @@ SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Attribute names of linears that transformers' decoder layers apply to one input."""
 
 FUSE_MAX_ROWS = 16
-"""Above this many rows each projection runs alone: measured on the development machine, one product
-over the concatenated weight (plus copying its parts out) stops paying beyond about 16 rows."""
+"""Above this many rows each projection runs alone, unless the machine's tuning (:mod:`patchbay.worker.tuning`)
+measured another limit: on the first development machine one product over the concatenated weight (plus
+copying its parts out) stopped paying beyond about 16 rows."""
 
 Product = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -86,8 +87,11 @@ class _Member:
         return self.group.output(self.index, inputs)
 
 
-def fuse_shared_input_projections(model: nn.Module, product: Product = F.linear) -> int:
-    """Group every module's q/k/v and gate/up linears (same input size, dtype, device); return the group count."""
+def fuse_shared_input_projections(model: nn.Module, product: Product = F.linear, max_rows: int = FUSE_MAX_ROWS) -> int:
+    """Group every module's q/k/v and gate/up linears (same input size, dtype, device); return the group count.
+
+    Steps of more than ``max_rows`` rows run each projection alone.
+    """
     count = 0
     for module in model.modules():
         for names in SHARED_INPUT_GROUPS:
@@ -98,6 +102,6 @@ def fuse_shared_input_projections(model: nn.Module, product: Product = F.linear)
             if any(linear.in_features != linears[0].in_features or linear.weight.dtype != first.dtype
                    or linear.weight.device != first.device for linear in linears):
                 continue
-            SharedInputProjections(linears, product)  # the linears keep it alive through their forwards
+            SharedInputProjections(linears, product, max_rows)  # the linears keep it alive through their forwards
             count += 1
     return count

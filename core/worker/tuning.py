@@ -1,0 +1,280 @@
+"""Defaults measured on the machine at hand: the dtype and the linear-layer paths a CPU runs fastest.
+
+CPUs differ too much for fixed defaults: on one, bfloat16 matrix products are
+several times float32 (AVX512-BF16, AMX); on another bfloat16 is emulated and
+slow; on one torch runs few-row products on a single core (so cutting weights
+into per-thread slices pays), on another its own kernel is faster. So on the
+first start on a machine (and by ``patchbay tune``), a second or two of
+micro-benchmarks at the model's real shapes — one decoder layer's linears at
+a few row counts — decide:
+
+- the dtype, among those this CPU computes natively (float32 always;
+  bfloat16 with ``avx512_bf16`` or ``amx_bf16``; float16 with ``avx512_fp16``
+  or ``amx_fp16``): the fastest over the row counts, which must beat float32
+  by :data:`MIN_GAIN` to be chosen;
+- up to how many rows float32 linears run row-split (:mod:`patchbay.worker.cpu_linear`);
+- up to how many rows q/k/v and gate/up run as one product (:mod:`patchbay.worker.fused_projections`).
+
+The result is cached per CPU model, CPU flags, torch version, thread count
+and model shape in patchbay's cache directory. The choice (:func:`choose`) is
+a pure function of the CPU's flags and the measured times, so it can be
+checked for any CPU. Attention paths and thread counts are not tuned here.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patchbay.worker.cpu_linear import DEFAULT_MAX_ROWS, row_split_linear, use_row_split_linears
+from patchbay.worker.fused_projections import FUSE_MAX_ROWS, fuse_shared_input_projections
+
+logger = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 8, 64, 256)
+"""Rows per product measured: a decode of one request, of a few, of a batch, and a prefill chunk."""
+MIN_GAIN = 1.1
+"""A lower-precision dtype is chosen only when it is this much faster than float32 (geometric mean over buckets)."""
+PATH_GAIN = 1.05
+"""A linear path replaces torch's own product up to the largest bucket where it is this much faster."""
+TUNING_FORMAT = 1
+"""Bumped whenever what is measured or chosen changes, so cached results from older rules are measured again."""
+
+NATIVE_DTYPE_FLAGS = {
+    "bfloat16": ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),
+    "float16": ("avx512_fp16", "amx_fp16", "fphp"),
+}
+"""CPU flags (x86 and Arm, as /proc/cpuinfo spells them) that mean a dtype's products run natively."""
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """What identifies a CPU for tuning: its model name and instruction-set flags."""
+
+    model_name: str
+    flags: frozenset[str]
+
+    @classmethod
+    def read(cls, cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuInfo:
+        """This machine's CPU, from ``/proc/cpuinfo`` where there is one (x86 and Arm spell the fields apart)."""
+        fields: dict[str, str] = {}
+        try:
+            for line in cpuinfo.read_text().splitlines():
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+        except OSError:
+            pass
+        name = fields.get("model name") or fields.get("cpu model") or platform.processor() or platform.machine()
+        return cls(name, frozenset((fields.get("flags") or fields.get("Features") or "").split()))
+
+    def native_dtypes(self) -> tuple[str, ...]:
+        """Dtypes whose products this CPU computes natively, float32 first."""
+        return ("float32", *(dtype for dtype, needed in NATIVE_DTYPE_FLAGS.items() if self.flags & set(needed)))
+
+
+@dataclass(frozen=True)
+class LayerShapes:
+    """The linears of one decoder layer: hidden size, q/k/v output sizes, MLP intermediate size."""
+
+    hidden: int
+    qkv: tuple[int, int, int]
+    intermediate: int
+
+    @classmethod
+    def of(cls, config: object) -> LayerShapes:
+        """From a transformers config (``hidden_size``, heads, ``head_dim``, ``intermediate_size``)."""
+        hidden = int(config.hidden_size)
+        heads = int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+        return cls(hidden, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), intermediate)
+
+    def products(self) -> list[tuple[int, int]]:
+        """``(in_features, out_features)`` of each linear, projections of one input listed one by one."""
+        q, k, v = self.qkv
+        return [(self.hidden, q), (self.hidden, k), (self.hidden, v), (q, self.hidden),
+                (self.hidden, self.intermediate), (self.hidden, self.intermediate), (self.intermediate, self.hidden)]
+
+
+@dataclass
+class Measurements:
+    """Seconds for one decoder layer's linears, per path and rows."""
+
+    by_dtype: dict[str, dict[int, float]] = field(default_factory=dict)
+    """torch's own products, per dtype."""
+    row_split: dict[int, float] = field(default_factory=dict)
+    """float32, every linear row-split over the threads."""
+    fused: dict[int, float] = field(default_factory=dict)
+    """float32, q/k/v and gate/up each as one product."""
+
+
+@dataclass
+class Tuning:
+    """What the measurements chose, and why (the figures behind the choice)."""
+
+    dtype: str
+    row_split_max_rows: int
+    """float32 linears run row-split up to this many rows; 0: never."""
+    fuse_max_rows: int
+    """q/k/v and gate/up run as one product up to this many rows; 0: never."""
+    speedup: dict[str, float]
+    """Each native dtype's geometric-mean speed over float32."""
+    cpu: str
+    native_dtypes: list[str]
+    threads: int
+    torch_version: str
+    measurements: dict[str, dict[str, float]]
+    """Seconds per layer, by path (``float32``, ``bfloat16``, ``row_split``, ``fused``) and rows."""
+    cached: bool = False
+
+    def describe(self) -> str:
+        """One line for the run summary and the bench."""
+        speedups = ", ".join(f"{dtype} {gain:.2f}x" for dtype, gain in self.speedup.items() if dtype != "float32")
+        return (f"dtype {self.dtype} ({speedups or 'float32 only'} vs float32), "
+                f"row-split up to {self.row_split_max_rows} rows, fused projections up to {self.fuse_max_rows} rows; "
+                f"{self.cpu}, {self.threads} threads, torch {self.torch_version}"
+                f"{' (cached)' if self.cached else ''}")
+
+
+def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
+    """The dtype and linear paths for ``cpu`` given ``measured`` times (no measuring: a pure decision)."""
+    baseline = measured.by_dtype["float32"]
+    speedup = {dtype: _geometric_mean([baseline[rows] / times[rows] for rows in baseline])
+               for dtype, times in measured.by_dtype.items() if dtype in cpu.native_dtypes()}
+    best = max(speedup, key=lambda dtype: speedup[dtype])
+    dtype = best if speedup[best] >= MIN_GAIN else "float32"
+    return Tuning(
+        dtype=dtype,
+        row_split_max_rows=_wins_up_to(measured.row_split, baseline) if threads > 1 else 0,
+        fuse_max_rows=_wins_up_to(measured.fused, baseline),
+        speedup={name: round(gain, 3) for name, gain in speedup.items()},
+        cpu=cpu.model_name,
+        native_dtypes=list(cpu.native_dtypes()),
+        threads=threads,
+        torch_version=torch.__version__,
+        measurements={path: {str(rows): seconds for rows, seconds in times.items()}
+                      for path, times in [*measured.by_dtype.items(), ("row_split", measured.row_split),
+                                          ("fused", measured.fused)]},
+    )
+
+
+def _geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(value) for value in values) / len(values))
+
+
+def _wins_up_to(path: dict[int, float], baseline: dict[int, float]) -> int:
+    """The largest bucket up to which ``path`` beats ``baseline`` by :data:`PATH_GAIN` at every bucket; 0: none."""
+    limit = 0
+    for rows in sorted(baseline):
+        if rows not in path or baseline[rows] < path[rows] * PATH_GAIN:
+            break
+        limit = rows
+    return limit
+
+
+def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_seconds: float = 1.5) -> Measurements:
+    """Time one decoder layer's linears with each path at each of :data:`ROW_BUCKETS` rows (random weights)."""
+    per_case = budget_seconds / (len(ROW_BUCKETS) * (len(dtypes) + 2))
+    measured = Measurements()
+    for dtype in dtypes:
+        weights = _weights(shapes, getattr(torch, dtype))
+        measured.by_dtype[dtype] = {rows: _time(lambda x: [F.linear(x[w.shape[1]], w) for w in weights],
+                                                rows, weights, per_case) for rows in ROW_BUCKETS}
+    weights = _weights(shapes, torch.float32)
+    measured.row_split = {rows: _time(lambda x: [row_split_linear(x[w.shape[1]], w, None, threads, max_rows=1 << 30)
+                                                 for w in weights], rows, weights, per_case) for rows in ROW_BUCKETS}
+    fused = [torch.cat(weights[0:3]), weights[3], torch.cat(weights[4:6]), weights[6]]
+    measured.fused = {rows: _time(lambda x: [F.linear(x[w.shape[1]], w) for w in fused], rows, fused, per_case)
+                      for rows in ROW_BUCKETS}
+    return measured
+
+
+def _weights(shapes: LayerShapes, dtype: torch.dtype) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(out_features, in_features, generator=generator).to(dtype) * in_features ** -0.5
+            for in_features, out_features in shapes.products()]
+
+
+def _time(run, rows: int, weights: list[torch.Tensor], budget: float) -> float:  # noqa: ANN001 - a closure
+    """Median seconds of ``run(inputs)``, inputs of ``rows`` rows for each input width, within ``budget``."""
+    dtype = weights[0].dtype
+    inputs = {width: torch.randn(rows, width).to(dtype) for width in {w.shape[1] for w in weights}}
+    with torch.inference_mode():
+        run(inputs)  # warm-up: first-call allocations and packing
+        samples: list[float] = []
+        deadline = time.perf_counter() + budget
+        while len(samples) < 3 or (time.perf_counter() < deadline and len(samples) < 50):
+            started = time.perf_counter()
+            run(inputs)
+            samples.append(time.perf_counter() - started)
+    return sorted(samples)[len(samples) // 2]
+
+
+def apply_linear_paths(model: nn.Module, *, linear_kernel: str, fuse_projections: bool, dtype: str,
+                       device: torch.device, tuning: Tuning | None) -> tuple[int, int]:
+    """Give ``model``'s linears the paths chosen (explicitly, or by ``tuning``); return (fused groups, row-split linears).
+
+    ``linear_kernel``: ``row_split`` (always, up to the default row limit), ``torch`` (never) or ``auto``
+    (as tuned; off without a tuning).  Fused projections take their row limit from the tuning too.
+    """
+    cpu_float32 = device.type == "cpu" and dtype == "float32"
+    if linear_kernel == "row_split":
+        max_rows = DEFAULT_MAX_ROWS
+    elif linear_kernel == "auto" and cpu_float32 and tuning is not None:
+        max_rows = tuning.row_split_max_rows
+    else:
+        max_rows = 0
+    slices = torch.get_num_threads() if cpu_float32 and max_rows else 1
+    fused = 0
+    if fuse_projections:
+        fuse_rows = tuning.fuse_max_rows if tuning is not None else FUSE_MAX_ROWS
+        product = functools.partial(row_split_linear, slices=slices, max_rows=max_rows) if slices > 1 else F.linear
+        fused = fuse_shared_input_projections(model, product, max_rows=fuse_rows) if fuse_rows else 0
+    return fused, use_row_split_linears(model, slices, max_rows) if slices > 1 else 0
+
+
+def cache_key(cpu: CpuInfo, shapes: LayerShapes, threads: int) -> str:
+    """What a cached result depends on: CPU model and flags, torch version, threads, layer shapes, the rules."""
+    text = json.dumps([TUNING_FORMAT, cpu.model_name, sorted(cpu.flags), torch.__version__, threads, asdict(shapes)])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def tuning_path(key: str) -> Path:
+    """Where the result for ``key`` is cached."""
+    from patchbay.worker.model_loader import cache_dir
+
+    return cache_dir() / "tuning" / f"{key}.json"
+
+
+def tune(shapes: LayerShapes, *, threads: int | None = None, cpu: CpuInfo | None = None, fresh: bool = False,
+         budget_seconds: float = 1.5) -> Tuning:
+    """The tuning for this machine and these shapes: cached, or measured now (and cached) when absent or ``fresh``."""
+    cpu = cpu or CpuInfo.read()
+    threads = threads or torch.get_num_threads()
+    path = tuning_path(cache_key(cpu, shapes, threads))
+    if not fresh:
+        try:
+            return Tuning(**{**json.loads(path.read_text()), "cached": True})
+        except (OSError, ValueError, TypeError):
+            pass  # absent or unreadable: measure again
+    started = time.perf_counter()
+    result = choose(cpu, measure(shapes, cpu.native_dtypes(), threads, budget_seconds), threads)
+    logger.info("tuned for this machine in %.1f s: %s", time.perf_counter() - started, result.describe())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(json.dumps({k: v for k, v in asdict(result).items() if k != "cached"}, indent=1))
+    staging.replace(path)
+    return result

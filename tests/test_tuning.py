@@ -1,0 +1,138 @@
+"""Machine-measured defaults: the choice for AVX2-only and AMX CPUs, from faked flags and timings.
+
+The measurements themselves are benchmarks (``patchbay tune``); here the
+decision is checked for CPUs this machine is not.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from patchbay.worker import tuning
+from patchbay.worker.tuning import CpuInfo, LayerShapes, Measurements, apply_linear_paths, choose
+
+AVX2_EPYC = CpuInfo("AMD EPYC 7B13", frozenset({"avx2", "fma", "avx512f"}))
+AMX_XEON = CpuInfo("Intel(R) Xeon(R) Platinum 8481C", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16",
+                                                                  "amx_tile", "avx512_fp16"}))
+SHAPES = LayerShapes(hidden=64, qkv=(64, 16, 16), intermediate=128)
+
+
+def _times(**per_bucket: list[float]) -> dict[str, dict[int, float]]:
+    return {name: dict(zip(tuning.ROW_BUCKETS, values, strict=True)) for name, values in per_bucket.items()}
+
+
+def _measured(float32, bfloat16=None, float16=None, row_split=None, fused=None) -> Measurements:
+    by_dtype = _times(float32=float32, **({"bfloat16": bfloat16} if bfloat16 else {}),
+                      **({"float16": float16} if float16 else {}))
+    return Measurements(by_dtype=by_dtype, row_split=_times(x=row_split or float32)["x"],
+                        fused=_times(x=fused or float32)["x"])
+
+
+def test_native_dtypes_follow_the_flags():
+    assert AVX2_EPYC.native_dtypes() == ("float32",)
+    assert AMX_XEON.native_dtypes() == ("float32", "bfloat16", "float16")
+    arm = CpuInfo("Neoverse-V1", frozenset({"asimd", "bf16", "sve"}))
+    assert arm.native_dtypes() == ("float32", "bfloat16")
+
+
+def test_an_avx2_cpu_keeps_float32_even_where_emulated_bf16_measured_faster():
+    # bf16 without native instructions is emulated; a lucky measurement must not pick it.
+    chosen = choose(AVX2_EPYC, _measured(float32=[1, 2, 8, 30], bfloat16=[0.5, 1, 4, 15]), threads=2)
+    assert chosen.dtype == "float32"
+    assert chosen.native_dtypes == ["float32"] and set(chosen.speedup) == {"float32"}
+
+
+def test_an_amx_cpu_picks_bfloat16_when_it_is_measured_faster():
+    chosen = choose(AMX_XEON, _measured(float32=[1, 2, 8, 30], bfloat16=[1.2, 1, 2.5, 8], float16=[1, 2, 8, 30]),
+                    threads=2)
+    assert chosen.dtype == "bfloat16"
+    assert chosen.speedup["bfloat16"] > tuning.MIN_GAIN > chosen.speedup["float16"]
+
+
+def test_a_native_dtype_must_beat_float32_clearly_to_be_chosen():
+    chosen = choose(AMX_XEON, _measured(float32=[1, 2, 8, 30], bfloat16=[0.97, 1.95, 7.8, 29]), threads=2)
+    assert chosen.dtype == "float32"
+
+
+def test_linear_paths_win_up_to_the_last_bucket_of_an_unbroken_run_of_wins():
+    measured = _measured(float32=[1, 2, 8, 30], row_split=[0.5, 1, 9, 10], fused=[0.9, 1.5, 7, 20])
+    chosen = choose(AVX2_EPYC, measured, threads=2)
+    assert chosen.row_split_max_rows == 8  # wins at 1 and 8 rows, loses at 64: the win at 256 does not count
+    assert chosen.fuse_max_rows == 256
+    assert choose(AVX2_EPYC, measured, threads=1).row_split_max_rows == 0  # one thread: nothing to split over
+    losing = choose(AVX2_EPYC, _measured(float32=[1, 2, 8, 30], row_split=[1.02, 1, 1, 1]), threads=2)
+    assert losing.row_split_max_rows == 0
+
+
+def test_cpuinfo_is_read_for_x86_and_arm(tmp_path):
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_bf16\n\n"
+                   "processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_bf16\n")
+    assert CpuInfo.read(x86) == CpuInfo("AMD EPYC", frozenset({"fpu", "avx2", "avx512_bf16"}))
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\nCPU implementer\t: 0x41\n")
+    assert CpuInfo.read(arm).flags == frozenset({"fp", "asimd", "bf16"})
+
+
+def test_tune_measures_once_caches_per_cpu_and_measures_again_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake_measure(shapes, dtypes, threads, budget_seconds=1.5):
+        calls.append(dtypes)
+        return _measured(float32=[1, 2, 8, 30], bfloat16=[1, 1, 2, 8])
+
+    monkeypatch.setattr(tuning, "measure", fake_measure)
+    first = tuning.tune(SHAPES, threads=2, cpu=AMX_XEON)
+    again = tuning.tune(SHAPES, threads=2, cpu=AMX_XEON)
+    assert (first.dtype, first.cached, again.dtype, again.cached) == ("bfloat16", False, "bfloat16", True)
+    assert len(calls) == 1
+    assert tuning.tune(SHAPES, threads=2, cpu=AVX2_EPYC).dtype == "float32"  # another CPU: its own entry
+    tuning.tune(SHAPES, threads=2, cpu=AMX_XEON, fresh=True)
+    assert len(calls) == 3
+    (cached_file,) = [p for p in (tmp_path / "tuning").iterdir() if json.loads(p.read_text())["cpu"] == AMX_XEON.model_name]
+    cached_file.write_text("{not json")  # a damaged entry is measured again, not an error
+    assert tuning.tune(SHAPES, threads=2, cpu=AMX_XEON).cached is False
+
+
+class _Layer(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(64, 64, bias=False, dtype=dtype) for _ in range(3))
+        self.o_proj = nn.Linear(64, 64, bias=False, dtype=dtype)
+
+
+@pytest.mark.parametrize("kernel, row_split_rows, expect_split", [("auto", 8, True), ("auto", 0, False),
+                                                                  ("torch", 8, False), ("row_split", 0, True)])
+def test_linear_paths_follow_the_setting_or_the_tuning(kernel, row_split_rows, expect_split):
+    chosen = choose(AVX2_EPYC, _measured(float32=[1, 2, 8, 30]), threads=2)
+    chosen.row_split_max_rows, chosen.fuse_max_rows = row_split_rows, 8
+    layer = _Layer(torch.float32)
+    inputs = torch.randn(3, 64)
+    expected = [linear(inputs) for linear in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
+    torch.set_num_threads(2)
+    fused, split = apply_linear_paths(layer, linear_kernel=kernel, fuse_projections=True, dtype="float32",
+                                      device=torch.device("cpu"), tuning=chosen)
+    assert fused == 1 and (split > 0) == expect_split
+    got = [linear(inputs) for linear in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
+    for want, have in zip(expected, got, strict=True):
+        torch.testing.assert_close(have, want)
+
+
+def test_an_engine_left_on_auto_runs_the_tuned_dtype(tiny_llama, tmp_path, monkeypatch):
+    import patchbay
+
+    monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PATCHBAY_MODEL__DTYPE", raising=False)
+    monkeypatch.setattr(tuning.CpuInfo, "read", classmethod(lambda cls, cpuinfo=None: AMX_XEON))
+    monkeypatch.setattr(tuning, "measure",
+                        lambda shapes, dtypes, threads, budget_seconds=1.5: _measured(float32=[1, 2, 8, 30],
+                                                                                      bfloat16=[1, 1, 2, 8]))
+    llm = patchbay.LLM(model__path=str(tiny_llama))
+    assert llm.engine.dtype == "bfloat16" and llm.engine.tuning.dtype == "bfloat16"
+    pinned = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32")
+    assert pinned.engine.dtype == "float32"
