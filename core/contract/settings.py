@@ -49,7 +49,10 @@ class ModelSettings(Section):
     path: str = DEFAULT_MODEL
     """A local Hugging Face model directory, or ``default`` for the bundled SmolLM2-135M-Instruct."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """``auto``: float32 on CPUs (no fast bf16 here), bfloat16 on GPUs."""
+    """``auto``: on CPUs the fastest dtype the CPU computes natively (measured, see ``patchbay tune``);
+    bfloat16 on GPUs."""
+    quantization: Literal["none", "int8"] = "none"
+    """``int8``: weight-only int8 (per-row scales) for steps of few rows on the CPU, activations in ``dtype``."""
     max_model_len: PositiveInt | None = None
     """Longest prompt + output in tokens; default: the model's own limit."""
 

@@ -42,6 +42,7 @@ from patchbay.scheduling.scheduler import Scheduler
 from patchbay.worker.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.model_runner import ModelRunner
+from patchbay.worker.quantization import quantize_linears_int8
 from patchbay.worker.tuning import LayerShapes, Tuning, apply_linear_paths, tune
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class Engine:
         self.dtype = resolve_dtype(settings.model.dtype, self.device, self.tuning)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = HFCausalLM.load(model_dir, dtype=self.dtype, device=self.device)
-        self._speed_up_linears(settings.runtime)
+        self._speed_up_linears(settings.runtime, settings.model.quantization)
         shape = self.model.shape
         self.max_model_len = min(
             settings.model.max_model_len or 1 << 62, shape.max_position_embeddings or 1 << 62
@@ -422,8 +423,14 @@ class Engine:
         self._engine_timings["finish"] += time.perf_counter() - ran
         return finished
 
-    def _speed_up_linears(self, runtime: Any) -> None:
-        """Apply ``runtime.fuse_projections`` and ``runtime.linear_kernel`` to the loaded model's linears."""
+    def _speed_up_linears(self, runtime: Any, quantization: str) -> None:
+        """Apply ``model.quantization``, ``runtime.fuse_projections`` and ``runtime.linear_kernel`` to the linears."""
+        self.int8_linears = 0
+        if quantization == "int8":
+            if self.device.type != "cpu":
+                raise ConfigError([ConfigProblem("<run>", "model.quantization",
+                                                 f"int8 runs on the CPU; this run is on {self.device}")])
+            self.int8_linears = quantize_linears_int8(self.model.model)
         if runtime.linear_kernel == "row_split" and not (self.device.type == "cpu" and self.dtype == "float32"):
             raise ConfigError([ConfigProblem(
                 "<run>", "runtime.linear_kernel",
