@@ -51,8 +51,9 @@ class ModelSettings(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """``auto``: on CPUs the fastest dtype the CPU computes natively (measured, see ``patchbay tune``);
     bfloat16 on GPUs."""
-    quantization: Literal["none", "int8"] = "none"
-    """``int8``: weight-only int8 (per-row scales) for steps of few rows on the CPU, activations in ``dtype``."""
+    quantization: Literal["none", "int8", "int4"] = "none"
+    """``int8`` (per-row scales) or ``int4`` (per 32-feature group, Q4_1's layout): weight-only integer
+    weights for steps of few rows on the CPU, activations in ``dtype``."""
     max_model_len: PositiveInt | None = None
     """Longest prompt + output in tokens; default: the model's own limit."""
 

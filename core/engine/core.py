@@ -42,7 +42,7 @@ from patchbay.scheduling.scheduler import Scheduler
 from patchbay.worker.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.model_runner import ModelRunner
-from patchbay.worker.quantization import quantize_linears_int8
+from patchbay.worker.quantization import quantize_linears
 from patchbay.worker.tuning import LayerShapes, Tuning, apply_linear_paths, tune
 
 logger = logging.getLogger(__name__)
@@ -425,12 +425,12 @@ class Engine:
 
     def _speed_up_linears(self, runtime: Any, quantization: str) -> None:
         """Apply ``model.quantization``, ``runtime.fuse_projections`` and ``runtime.linear_kernel`` to the linears."""
-        self.int8_linears = 0
-        if quantization == "int8":
+        self.quantized_linears = 0
+        if quantization != "none":
             if self.device.type != "cpu":
                 raise ConfigError([ConfigProblem("<run>", "model.quantization",
-                                                 f"int8 runs on the CPU; this run is on {self.device}")])
-            self.int8_linears = quantize_linears_int8(self.model.model)
+                                                 f"{quantization} runs on the CPU; this run is on {self.device}")])
+            self.quantized_linears = quantize_linears(self.model.model, quantization)
         if runtime.linear_kernel == "row_split" and not (self.device.type == "cpu" and self.dtype == "float32"):
             raise ConfigError([ConfigProblem(
                 "<run>", "runtime.linear_kernel",

@@ -1,4 +1,4 @@
-"""Weight-only int8 quantization for decode: int8 weights with one scale per output row, activations in float.
+"""Weight-only int8 and int4 quantization for decode: integer weights with scales, activations in float.
 
 A decode step reads every weight once for a handful of rows, so it is bound
 by memory bandwidth: int8 weights halve the bytes of bfloat16 and quarter
@@ -7,8 +7,14 @@ multiplies activations of the model's dtype by int8 weights and per-row
 scales; it is fast for few rows (with bfloat16 activations, measured ~10x
 bfloat16 ``F.linear`` at one row on an AVX512-BF16 CPU) and slow for many, so
 steps of more than :data:`INT8_MAX_ROWS` rows (prefill chunks, large batches)
-keep the float weight. The quantization is symmetric per output row:
-``scale = max|w_row| / 127``, ``q = round(w / scale)``.
+keep the float weight. int8 is symmetric per output row:
+``scale = max|w_row| / 127``, ``q = round(w / scale)``. int4 (torch's
+``aten._weight_int4pack_mm_for_cpu``) is asymmetric per group of
+:data:`INT4_GROUP_SIZE` input features, the layout of llama.cpp's Q4_1:
+``w ~= (q - 8) * scale + zero`` with ``q`` in 0..15, ``scale = (max - min) / 15``
+and ``zero = min + 8 * scale``; on weights de-quantised from a Q4_1 file, whose
+blocks are the same 32-feature groups, it lands back on the file's own grid
+wherever a block spans all 16 levels.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from torch import nn
 
 INT8_MAX_ROWS = 16
 """Above this many rows the float weight runs (torch's int8 kernel falls behind its GEMM; measured at 8-64 rows)."""
+INT4_GROUP_SIZE = 32
+"""Input features sharing one int4 scale and zero point (Q4_1's block size)."""
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,33 +37,82 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scales.to(weight.dtype)
 
 
-class Int8Linear:
-    """The forward of one ``nn.Linear`` with int8 weights for steps of few rows."""
+def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(levels 0..15 as int32 [out, in], scales_and_zeros [in / group, out, 2])`` with
+    ``weight ~= (levels - 8) * scale + zero`` per group of ``group_size`` input features."""
+    out_features, in_features = weight.shape
+    groups = weight.detach().float().view(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
+    levels = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
+    zeros = low + 8.0 * scales
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+    return levels.view(out_features, in_features).to(torch.int32), scales_and_zeros
 
-    def __init__(self, linear: nn.Linear, max_rows: int = INT8_MAX_ROWS) -> None:
+
+class _IntegerLinear:
+    """The forward of one ``nn.Linear`` with integer weights for steps of few rows, the float weight above."""
+
+    def __init__(self, linear: nn.Linear, max_rows: int) -> None:
         self.linear = linear
         self.max_rows = max_rows
-        self.qweight, self.scales = quantize_int8(linear.weight)
+        self.activation_dtype = linear.weight.dtype
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat @ weight.T`` with the integer weights, ``flat`` of ``[rows, in_features]``."""
+        raise NotImplementedError
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        in_features = self.qweight.shape[1]
+        in_features, out_features = self.linear.in_features, self.linear.out_features
         rows = inputs.numel() // in_features
-        if rows > self.max_rows or rows == 0 or inputs.dtype != self.scales.dtype:
+        if rows > self.max_rows or rows == 0 or inputs.dtype != self.activation_dtype:
             return F.linear(inputs, self.linear.weight, self.linear.bias)
-        flat = inputs.reshape(rows, in_features).contiguous()
-        output = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
-        output = output.view(*inputs.shape[:-1], self.qweight.shape[0])
+        output = self.product(inputs.reshape(rows, in_features).contiguous()).view(*inputs.shape[:-1], out_features)
         return output if self.linear.bias is None else output + self.linear.bias
 
 
-def quantize_linears_int8(model: nn.Module, max_rows: int = INT8_MAX_ROWS) -> int:
-    """Give every CPU ``nn.Linear`` of ``model`` (the LM head included) an :class:`Int8Linear` forward; return how many.
+class Int4Linear(_IntegerLinear):
+    """int4 weights in groups of :data:`INT4_GROUP_SIZE` (see :func:`quantize_int4`)."""
 
-    Linears that already have a forward of their own are left alone.
+    def __init__(self, linear: nn.Linear, max_rows: int = INT8_MAX_ROWS, group_size: int = INT4_GROUP_SIZE) -> None:
+        super().__init__(linear, max_rows)
+        self.group_size = group_size
+        levels, scales_and_zeros = quantize_int4(linear.weight, group_size)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+        self.scales_and_zeros = scales_and_zeros.to(self.activation_dtype)
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
+
+
+class Int8Linear(_IntegerLinear):
+    """int8 weights with one scale per output row (see :func:`quantize_int8`)."""
+
+    def __init__(self, linear: nn.Linear, max_rows: int = INT8_MAX_ROWS) -> None:
+        super().__init__(linear, max_rows)
+        self.qweight, self.scales = quantize_int8(linear.weight)
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+
+
+QUANTIZED_LINEARS: dict[str, type[_IntegerLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def quantize_linears(model: nn.Module, scheme: str, max_rows: int = INT8_MAX_ROWS) -> int:
+    """Give every CPU ``nn.Linear`` of ``model`` (the LM head included) the integer forward of ``scheme``.
+
+    Returns how many.  Linears that already have a forward of their own, and
+    (for int4) those whose input size does not split into groups or whose output
+    size is not a multiple of 16 (torch's packing), are left alone.
     """
+    linear_class = QUANTIZED_LINEARS[scheme]
     count = 0
     for module in model.modules():
-        if isinstance(module, nn.Linear) and "forward" not in vars(module) and module.weight.device.type == "cpu":
-            module.forward = Int8Linear(module, max_rows)  # type: ignore[method-assign]
-            count += 1
+        if not isinstance(module, nn.Linear) or "forward" in vars(module) or module.weight.device.type != "cpu":
+            continue
+        if scheme == "int4" and (module.in_features % INT4_GROUP_SIZE or module.out_features % 16):
+            continue
+        module.forward = linear_class(module, max_rows)  # type: ignore[method-assign]
+        count += 1
     return count
