@@ -34,7 +34,7 @@ def reference(llm):
 
 @pytest.fixture(scope="module")
 def prompt(llm) -> list[int]:
-    text = (Path(patchbay.__file__).parent / "scheduler.py").read_text()
+    text = (Path(patchbay.__file__).parent / "scheduling" / "scheduler.py").read_text()
     return llm.tokenizer.encode(text)[:300]
 
 

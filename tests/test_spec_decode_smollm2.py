@@ -15,7 +15,7 @@ NUM_TOKENS = 24
 
 
 def _prompts() -> list:
-    source = (Path(patchbay.__file__).parent / "block_table.py").read_text().splitlines()
+    source = (Path(patchbay.__file__).parent / "worker" / "block_table.py").read_text().splitlines()
     code = "\n".join(source[:30])
     return [
         {"messages": [{"role": "user", "content": f"Copy this code exactly:\n\n{code}"}]},

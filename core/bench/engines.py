@@ -129,7 +129,12 @@ class TransformersContinuousBatching:
 
         generation = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
                                       max_new_tokens=max(r.max_tokens for r in workload.requests))
-        batching = ContinuousBatchingConfig(max_batch_tokens=self.max_batch_tokens,
+        # A KV pool for the workload's concurrency at its longest request: left unset, transformers sizes it
+        # from the machine's free memory (gigabytes for a tiny model, more than a shared machine can spare).
+        longest = max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests)
+        page_size = 256
+        batching = ContinuousBatchingConfig(max_batch_tokens=self.max_batch_tokens, page_size=page_size,
+                                            num_blocks=workload.concurrency * -(-longest // page_size) + 1,
                                             max_requests_per_batch=workload.concurrency)
         self._serve(workload.requests[:1], generation, batching, warm_up=True)
         start = time.perf_counter()

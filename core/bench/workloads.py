@@ -88,16 +88,28 @@ def shared_prefix(corpus: list[int], *, num_requests: int = 32, prefix_length: i
     return Workload("prefix", requests, num_requests, f"{num_requests} x {prefix_length}-token prefix")
 
 
+EXCERPT_CHARS = 1000
+"""Longest source excerpt of a copy prompt, in characters."""
+
+
 def copy_prompts(num_requests: int) -> list[list[dict[str, str]]]:
-    """Chat messages asking to copy or lightly edit 24-line excerpts of patchbay's sources (answers repeat them)."""
+    """Chat messages asking to copy or lightly edit excerpts of patchbay's sources (answers repeat them).
+
+    Each excerpt is up to 24 lines and :data:`EXCERPT_CHARS` characters, so prompts stay a few hundred tokens.
+    """
     import patchbay
 
-    sources = sorted(Path(patchbay.__file__).parent.glob("*.py"))
+    sources = sorted(Path(patchbay.__file__).parent.rglob("*.py"))
     conversations = []
     for index in range(num_requests):
         lines = sources[index % len(sources)].read_text().splitlines()
         start = (index * 7) % max(1, len(lines) - 24)
-        code = "\n".join(lines[start : start + 24])
+        excerpt: list[str] = []
+        for line in lines[start : start + 24]:
+            if excerpt and sum(map(len, excerpt)) + len(line) > EXCERPT_CHARS:
+                break
+            excerpt.append(line)
+        code = "\n".join(excerpt)
         conversations.append([{"role": "user", "content": COPY_TASKS[index % len(COPY_TASKS)].format(code=code)}])
     return conversations
 
