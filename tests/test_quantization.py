@@ -36,7 +36,8 @@ def test_int4_groups_reproduce_a_q4_1_grid_exactly():
 
 def _dequantised(module) -> torch.Tensor:
     if isinstance(module, Int8Linear):
-        return module.qweight.double() * module.scales.double()[:, None]
+        quantized, scales = quantize_int8(module.linear.weight)
+        return quantized.double() * scales.double()[:, None]
     levels, scales_and_zeros = quantize_int4(module.linear.weight)
     scales, zeros = scales_and_zeros[..., 0].t().double(), scales_and_zeros[..., 1].t().double()
     out_features, in_features = levels.shape
@@ -59,6 +60,20 @@ def test_an_integer_linear_computes_the_product_with_the_dequantised_weight(line
     reference = F.linear(inputs.double(), _dequantised(module), linear.bias.double())
     tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.double(), reference, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("linear_class", [Int8Linear, Int4Linear])
+def test_a_large_weight_runs_as_slices_over_the_threads_with_the_same_result(linear_class, monkeypatch):
+    from patchbay.worker import quantization
+
+    linear = nn.Linear(64, 128, bias=False, dtype=torch.bfloat16)
+    inputs = torch.randn(3, 64).to(torch.bfloat16)
+    whole = linear_class(linear, max_rows=16)
+    monkeypatch.setattr(quantization, "SPLIT_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    sliced = linear_class(linear, max_rows=16)
+    assert len(whole.slices) == 1 and len(sliced.slices) == 2
+    torch.testing.assert_close(sliced(inputs), whole(inputs), rtol=0, atol=0)
 
 
 def test_every_plain_linear_is_quantised_and_others_are_left_alone():

@@ -19,6 +19,10 @@ wherever a block spans all 16 levels.
 
 from __future__ import annotations
 
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +31,15 @@ INT8_MAX_ROWS = 16
 """Above this many rows the float weight runs (torch's int8 kernel falls behind its GEMM; measured at 8-64 rows)."""
 INT4_GROUP_SIZE = 32
 """Input features sharing one int4 scale and zero point (Q4_1's block size)."""
+SPLIT_MIN_WEIGHTS = 1 << 23
+"""Integer products of at least this many weights (an LM head) run as one slice of output rows per thread: torch's
+few-row integer kernels use one core, and for a small product handing slices to threads costs more than it saves."""
+
+
+@functools.cache
+def _slice_pool(threads: int) -> ThreadPoolExecutor:
+    # torch ops release the GIL, so Python threads run the slices' products in parallel.
+    return ThreadPoolExecutor(threads, thread_name_prefix="patchbay-int-slices")
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,16 +64,37 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tu
 
 
 class _IntegerLinear:
-    """The forward of one ``nn.Linear`` with integer weights for steps of few rows, the float weight above."""
+    """The forward of one ``nn.Linear`` with integer weights for steps of few rows, the float weight above.
+
+    Subclasses quantize one slice of output rows (:meth:`quantize`) and multiply by it (:meth:`multiply`); a
+    large weight is cut into one slice per thread, run in parallel and concatenated.
+    """
 
     def __init__(self, linear: nn.Linear, max_rows: int) -> None:
         self.linear = linear
         self.max_rows = max_rows
         self.activation_dtype = linear.weight.dtype
+        out_features = linear.out_features
+        threads = torch.get_num_threads()
+        parts = threads if linear.weight.numel() >= SPLIT_MIN_WEIGHTS and out_features % (16 * threads) == 0 else 1
+        size = out_features // parts
+        self.slices = [self.quantize(linear.weight[start : start + size]) for start in range(0, out_features, size)]
+
+    def quantize(self, weight: torch.Tensor) -> Any:
+        """The integer form of ``weight`` (some output rows of the linear's weight)."""
+        raise NotImplementedError
+
+    def multiply(self, flat: torch.Tensor, quantized: Any) -> torch.Tensor:
+        """``flat @ weight.T`` for one quantized slice, ``flat`` of ``[rows, in_features]``."""
+        raise NotImplementedError
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
-        """``flat @ weight.T`` with the integer weights, ``flat`` of ``[rows, in_features]``."""
-        raise NotImplementedError
+        """``flat @ weight.T`` with the integer weights, every slice."""
+        if len(self.slices) == 1:
+            return self.multiply(flat, self.slices[0])
+        pool = _slice_pool(len(self.slices))
+        parts = [pool.submit(self.multiply, flat, quantized) for quantized in self.slices]
+        return torch.cat([part.result() for part in parts], dim=-1)
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         in_features, out_features = self.linear.in_features, self.linear.out_features
@@ -74,26 +108,24 @@ class _IntegerLinear:
 class Int4Linear(_IntegerLinear):
     """int4 weights in groups of :data:`INT4_GROUP_SIZE` (see :func:`quantize_int4`)."""
 
-    def __init__(self, linear: nn.Linear, max_rows: int = INT8_MAX_ROWS, group_size: int = INT4_GROUP_SIZE) -> None:
-        super().__init__(linear, max_rows)
-        self.group_size = group_size
-        levels, scales_and_zeros = quantize_int4(linear.weight, group_size)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
-        self.scales_and_zeros = scales_and_zeros.to(self.activation_dtype)
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        levels, scales_and_zeros = quantize_int4(weight, INT4_GROUP_SIZE)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+        return packed, scales_and_zeros.to(weight.dtype)
 
-    def product(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
+    def multiply(self, flat: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        packed, scales_and_zeros = quantized
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, INT4_GROUP_SIZE, scales_and_zeros)
 
 
 class Int8Linear(_IntegerLinear):
     """int8 weights with one scale per output row (see :func:`quantize_int8`)."""
 
-    def __init__(self, linear: nn.Linear, max_rows: int = INT8_MAX_ROWS) -> None:
-        super().__init__(linear, max_rows)
-        self.qweight, self.scales = quantize_int8(linear.weight)
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_int8(weight)
 
-    def product(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+    def multiply(self, flat: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(flat, *quantized)
 
 
 QUANTIZED_LINEARS: dict[str, type[_IntegerLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
