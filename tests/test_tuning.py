@@ -136,3 +136,25 @@ def test_an_engine_left_on_auto_runs_the_tuned_dtype(tiny_llama, tmp_path, monke
     assert llm.engine.dtype == "bfloat16" and llm.engine.tuning.dtype == "bfloat16"
     pinned = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32")
     assert pinned.engine.dtype == "float32"
+
+
+def test_patchbay_tune_measures_afresh_and_prints_the_choice(tiny_llama, tmp_path, monkeypatch, capsys):
+    from patchbay.entrypoints.cli import main
+
+    monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning.CpuInfo, "read", classmethod(lambda cls, cpuinfo=None: AMX_XEON))
+    calls = []
+    monkeypatch.setattr(tuning, "measure", lambda shapes, dtypes, threads, budget_seconds=1.5: calls.append(shapes)
+                        or _measured(float32=[1, 2, 8, 30], bfloat16=[1, 1, 2, 8], row_split=[0.5, 3, 9, 31]))
+    assert main(["tune", "--set", f"model.path={tiny_llama}"]) == 0
+    printed = capsys.readouterr().out
+    assert f"cpu: {AMX_XEON.model_name}; native dtypes: float32, bfloat16, float16" in printed
+    assert "chosen: dtype bfloat16" in printed and "row-split up to 1 rows" in printed
+    assert main(["tune", "--json", "--set", f"model.path={tiny_llama}"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
+    assert len(calls) == 2  # each call measures again, whatever is cached
+    config = json.loads((tiny_llama / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    kv_width = config["num_key_value_heads"] * head_dim  # 8 query heads, 2 KV heads: GQA shapes
+    assert calls[0] == LayerShapes(config["hidden_size"], (config["hidden_size"], kv_width, kv_width),
+                                   config["intermediate_size"])
