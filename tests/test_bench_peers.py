@@ -172,6 +172,7 @@ def test_a_request_the_peer_refuses_fails_that_run_alone(fake_peer_python, tmp_p
         peer.close()
 
 
+@pytest.mark.slow
 def test_bench_runs_the_fake_vllm_beside_patchbay_and_skips_an_absent_llamacpp(fake_peer_python, tiny_llama,
                                                                                tmp_path, monkeypatch, capsys):
     from patchbay.entrypoints.cli import main
