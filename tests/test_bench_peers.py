@@ -1,0 +1,201 @@
+"""The bench's out-of-process peers: the driver protocol against a fake vLLM, the skip-with-reason paths, and
+the standard checkpoint handed to other engines.  vLLM itself is never installed or run here."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from patchbay.bench.peers import PeerSpec, PeerUnavailable, SubprocessPeer, standard_checkpoint, vllm_environment
+from patchbay.bench.workloads import BenchRequest, Workload
+
+# A stand-in for the vllm package: the parts of its API the driver uses.  Request ``i`` of a prompt yields
+# tokens (sum(prompt) + step) % 1000; it refuses sampling other than greedy-without-EOS, and records
+# the most requests it ever held unfinished.
+FAKE_VLLM = '''
+import json, os
+__version__ = "0.0.fake"
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+class _Output:
+    def __init__(self, request_id, tokens, finished):
+        self.request_id, self.finished = request_id, finished
+        self.outputs = [type("Completion", (), {"token_ids": tokens})()]
+
+class _Engine:
+    def __init__(self):
+        self.requests, self.most = {}, 0
+
+    def add_request(self, request_id, prompt, params):
+        if not prompt["prompt_token_ids"]:
+            raise ValueError("empty prompt")
+        assert params.kwargs == {"max_tokens": params.kwargs["max_tokens"], "ignore_eos": True, "temperature": 0.0}
+        self.requests[request_id] = (sum(prompt["prompt_token_ids"]), params.kwargs["max_tokens"], [])
+        self.most = max(self.most, len(self.requests))
+        with open(os.environ["FAKE_VLLM_RECORD"], "w") as record:
+            json.dump({"most_unfinished": self.most}, record)
+
+    def step(self):
+        outputs = []
+        for request_id, (base, wanted, tokens) in list(self.requests.items()):
+            tokens.append((base + len(tokens)) % 1000)
+            outputs.append(_Output(request_id, list(tokens), len(tokens) == wanted))
+            if len(tokens) == wanted:
+                del self.requests[request_id]
+        return outputs
+
+    def abort_request(self, request_ids):
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+class LLM:
+    def __init__(self, model, dtype, **kwargs):
+        if not os.path.isdir(model):
+            raise ValueError(f"no model directory {model}")
+        print("fake vLLM log line on standard output")
+        self.llm_engine = _Engine()
+'''
+
+
+def _expected(prompt: list[int], count: int) -> list[int]:
+    return [(sum(prompt) + step) % 1000 for step in range(count)]
+
+
+@pytest.fixture()
+def fake_peer_python(tmp_path: Path) -> Path:
+    """An 'interpreter' that runs this Python with the fake vllm package importable, as a peer's venv would."""
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    python = tmp_path / "peer-venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    return python
+
+
+def _spec(python: Path, model: Path, backend: str = "vllm") -> PeerSpec:
+    return PeerSpec(backend, python, str(model), "float32", max_model_len=512, max_num_seqs=8)
+
+
+def test_driver_runs_the_workload_on_token_ids_at_its_concurrency(fake_peer_python, tmp_path, monkeypatch):
+    record = tmp_path / "record.json"
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(record))
+    peer = SubprocessPeer(_spec(fake_peer_python, tmp_path))
+    try:
+        assert peer.name == "vLLM-CPU 0.0.fake (float32)" and peer.load_seconds >= 0
+        requests = [BenchRequest([3, 1, 4, 1, 5][: 1 + i % 5], 2 + i % 4) for i in range(7)]
+        run = peer.run(Workload("throughput", requests, concurrency=3, label="concurrency 3"))
+        assert run.token_ids == [_expected(r.prompt_token_ids, r.max_tokens) for r in requests]
+        assert json.loads(record.read_text())["most_unfinished"] == 3
+        assert run.seconds > 0 and run.details["dtype"] == "float32" and run.details["mean_ttft_s"] > 0
+        # The process stays up: a second workload runs without a reload.
+        again = peer.run(Workload("latency", requests[:1], concurrency=1))
+        assert again.token_ids == [_expected(requests[0].prompt_token_ids, requests[0].max_tokens)]
+        assert "fake vLLM log line" in peer.log_tail()  # the peer's prints went to the log, not the protocol
+    finally:
+        peer.close()
+
+
+def test_a_peer_that_fails_to_load_is_unavailable_with_its_error(fake_peer_python, tmp_path):
+    with pytest.raises(PeerUnavailable, match="ValueError: no model directory"):
+        SubprocessPeer(_spec(fake_peer_python, tmp_path / "missing"))
+
+
+def test_a_missing_interpreter_or_package_is_a_reason_not_an_error(tmp_path):
+    with pytest.raises(PeerUnavailable, match=r"no interpreter at .*nowhere.*make bench-peers"):
+        SubprocessPeer(_spec(tmp_path / "nowhere" / "python", tmp_path))
+    # This interpreter has neither peer package (the project's venv never gets them).
+    with pytest.raises(PeerUnavailable, match="No module named 'llama_cpp'"):
+        SubprocessPeer(_spec(Path(sys.executable), tmp_path, backend="llamacpp"))
+
+
+def test_vllm_environment_binds_the_threads_and_keeps_the_callers_choices(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    venv_lib = tmp_path / "venv" / "lib" / "python3" / "site-packages" / "vllm" / "libs"
+    venv_lib.mkdir(parents=True)
+    (venv_lib / "libiomp5.so").touch()
+    environment = dict(vllm_environment(tmp_path / "venv" / "bin" / "python", threads=2))
+    assert environment["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and environment["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert str(venv_lib / "libiomp5.so") in environment["LD_PRELOAD"].split(":")
+
+
+def test_standard_checkpoint_saves_the_tied_embedding_and_names_the_architecture(tiny_llama, tmp_path):
+    """The converter's layout (embedding only as the tied lm_head, no architectures) gets a standard copy."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    (weights_file,) = tiny_llama.glob("*.safetensors")
+    with safe_open(weights_file, framework="pt") as handle:
+        weights = {name: handle.get_tensor(name) for name in handle.keys() if name != "model.embed_tokens.weight"}
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    save_file(weights, converted / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tiny_llama / "config.json").read_text())
+    config.pop("architectures")
+    config["tie_word_embeddings"] = True
+    (converted / "config.json").write_text(json.dumps(config))
+
+    standard = standard_checkpoint(converted, tmp_path / "scratch")
+    assert standard != converted
+    assert json.loads((standard / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    saved = {}
+    for path in standard.glob("*.safetensors"):
+        with safe_open(path, framework="pt") as handle:
+            saved.update({name: handle.get_tensor(name) for name in handle.keys()})
+    assert torch.equal(saved["model.embed_tokens.weight"], weights["lm_head.weight"])
+    assert standard_checkpoint(standard, tmp_path / "scratch") == standard  # already standard: used as it is
+
+
+def test_a_request_the_peer_refuses_fails_that_run_alone(fake_peer_python, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(tmp_path / "record.json"))
+    peer = SubprocessPeer(_spec(fake_peer_python, tmp_path))
+    try:
+        refused = [BenchRequest([1, 2], 3), BenchRequest([], 3)]
+        with pytest.raises(RuntimeError, match=r"failed on prefix \(x\): ValueError: empty prompt"):
+            peer.run(Workload("prefix", refused, concurrency=2, label="x"))
+        # The refused run's other request was aborted: the next run gets only its own tokens.
+        run = peer.run(Workload("latency", [BenchRequest([1, 2], 2)], concurrency=1))
+        assert run.token_ids == [_expected([1, 2], 2)]
+        assert json.loads((tmp_path / "record.json").read_text())["most_unfinished"] == 1
+    finally:
+        peer.close()
+
+
+@pytest.mark.slow
+def test_bench_runs_the_fake_vllm_beside_patchbay_and_skips_an_absent_llamacpp(fake_peer_python, tiny_llama,
+                                                                               tmp_path, monkeypatch, capsys):
+    from patchbay.entrypoints.cli import main
+
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(tmp_path / "record.json"))
+    out = tmp_path / "bench"
+    code = main(["bench", "latency", "--model", str(tiny_llama), "--latency-prompts", "16", "--threads", "2",
+                 "--dtype", "float32", "bfloat16", "--peers", "vllm", "llamacpp", "--vllm-python",
+                 str(fake_peer_python), "--llamacpp-python", str(tmp_path / "absent" / "python"), "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert f"skipped llamacpp: no interpreter at {tmp_path / 'absent' / 'python'}" in printed
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    rows = {row["engine"]: row for row in lines if "skipped" not in row}
+    assert set(rows) == {"patchbay (float32)", "patchbay (bfloat16)", "vLLM-CPU 0.0.fake (float32)",
+                         "vLLM-CPU 0.0.fake (bfloat16)"}
+    assert [row["skipped"] for row in lines if "skipped" in row] == [
+        f"no interpreter at {tmp_path / 'absent' / 'python'} (make bench-peers installs it, or point "
+        "--llamacpp-python at an interpreter that has it)"]
+    for dtype in ("float32", "bfloat16"):
+        ours, peer = rows[f"patchbay ({dtype})"], rows[f"vLLM-CPU 0.0.fake ({dtype})"]
+        assert ours["dtype"] == peer["dtype"] == dtype and peer["compared_with"] == f"patchbay ({dtype})"
+        assert ours["x_vllm"] == pytest.approx(peer["decode_ms_per_token"] / ours["decode_ms_per_token"])
+        # The fake's tokens are not the model's: the comparison must say so rather than match by position.
+        assert ours["same_first_token_as_patchbay"] == "1/1" and peer["same_tokens_as_patchbay"] == "0/1"
+    assert "x vllm" in printed
