@@ -49,6 +49,10 @@ def test_bench_runs_every_workload_against_both_peers(tiny_llama, tmp_path, caps
     assert {row["workload"] for row in rows} == set(wl.WORKLOADS)
     for row in rows:
         assert row["machine"]["read_bandwidth_gb_s"] > 0 and row["model"]["linear_params"] > 0
+        if row["workload"] == "quality":
+            # A random model is near uniform over its vocabulary: its perplexity is in the thousands, not ~1.
+            assert row["engine"] == "patchbay" and 100 < row["perplexity"] < 10 * 49152  # the tiny models share SmolLM2's vocabulary
+            continue
         if row["workload"] != "latency":
             # Greedy, float32: patchbay with a drafter is exact; transformers' padded batches may flip a
             # near-tie of the random tiny model now and then, but misaligned tokens would match nowhere.

