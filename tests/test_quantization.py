@@ -104,3 +104,33 @@ def test_an_engine_with_integer_weights_runs_them_in_decode_steps(tiny_llama, sc
     # products themselves are checked above, their effect on the real model's text by `patchbay bench`.
     assert calls and max(calls) <= 16
     assert [len(output.token_ids) for output in outputs] == [8, 8]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_fused_projections_run_one_integer_product_over_their_concatenated_weight(scheme):
+    from patchbay.worker.fused_projections import fuse_shared_input_projections
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(64, width, bias=False, dtype=torch.bfloat16)
+                                                     for width in (64, 32, 32))
+
+    layer = Attention()
+    inputs = torch.randn(1, 2, 64).to(torch.bfloat16)
+    separate = Attention()
+    separate.load_state_dict(layer.state_dict())
+    assert fuse_shared_input_projections(layer, max_rows=1) == 1
+    assert quantize_linears(layer, scheme) == 3
+    quantize_linears(separate, scheme)
+    group = vars(layer.q_proj)["forward"].group
+    assert group.max_rows == 16  # quantization widens the fused steps to the integer path's limit
+    calls = []
+    integer = group.product.integer
+    original = integer.product
+    integer.product = lambda flat: calls.append(flat.shape) or original(flat)
+    fused_outputs = [layer.q_proj(inputs), layer.k_proj(inputs), layer.v_proj(inputs)]
+    assert calls == [torch.Size([2, 64])]  # one product for the three projections
+    # Each projection's rows were quantized on their own (per row, or per row's groups): the same numbers.
+    for got, linear in zip(fused_outputs, (separate.q_proj, separate.k_proj, separate.v_proj), strict=True):
+        torch.testing.assert_close(got, linear(inputs), rtol=1e-2, atol=1e-2)

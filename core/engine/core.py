@@ -42,7 +42,8 @@ from patchbay.scheduling.scheduler import Scheduler
 from patchbay.worker.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.model_runner import ModelRunner
-from patchbay.worker.quantization import quantize_linears
+from patchbay.worker.fused_projections import fuse_shared_input_projections
+from patchbay.worker.quantization import INT8_MAX_ROWS, quantize_linears
 from patchbay.worker.tuning import LayerShapes, Tuning, apply_linear_paths, tune
 
 logger = logging.getLogger(__name__)
@@ -430,6 +431,9 @@ class Engine:
             if self.device.type != "cpu":
                 raise ConfigError([ConfigProblem("<run>", "model.quantization",
                                                  f"{quantization} runs on the CPU; this run is on {self.device}")])
+            # Fused q/k/v and gate/up mean fewer, larger integer products: fuse for every step that runs them.
+            if runtime.fuse_projections:
+                fuse_shared_input_projections(self.model.model, max_rows=INT8_MAX_ROWS)
             self.quantized_linears = quantize_linears(self.model.model, quantization)
         if runtime.linear_kernel == "row_split" and not (self.device.type == "cpu" and self.dtype == "float32"):
             raise ConfigError([ConfigProblem(

@@ -49,7 +49,7 @@ class SharedInputProjections:
             linear.weight = nn.Parameter(self.weight[start:end], requires_grad=False)
             if self.bias is not None:
                 linear.bias = nn.Parameter(self.bias[start:end], requires_grad=False)
-            linear.forward = _Member(self, index)  # type: ignore[method-assign]
+            linear.forward = Member(self, index)  # type: ignore[method-assign]
             start = end
         self._source: torch.Tensor | None = None
         self._version = -1
@@ -76,8 +76,9 @@ def _version(tensor: torch.Tensor) -> int:
     return -1 if tensor.is_inference() else tensor._version
 
 
-class _Member:
-    """One linear's forward inside a :class:`SharedInputProjections` group."""
+class Member:
+    """One linear's forward inside a :class:`SharedInputProjections` group (``group`` is public: quantization
+    swaps the group's product for one over integer weights)."""
 
     def __init__(self, group: SharedInputProjections, index: int) -> None:
         self.group = group

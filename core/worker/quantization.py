@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from patchbay.worker.fused_projections import Member, SharedInputProjections
+
 INT8_MAX_ROWS = 16
 """Above this many rows the float weight runs (torch's int8 kernel falls behind its GEMM; measured at 8-64 rows)."""
 INT4_GROUP_SIZE = 32
@@ -131,19 +133,53 @@ class Int8Linear(_IntegerLinear):
 QUANTIZED_LINEARS: dict[str, type[_IntegerLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
 
 
+class _FusedIntegerProduct:
+    """A fused projection group's product: integer weights for the group's concatenated weight, float otherwise."""
+
+    def __init__(self, group: SharedInputProjections, scheme: str, max_rows: int) -> None:
+        weight = group.weight
+        holder = nn.Linear(weight.shape[1], weight.shape[0], bias=group.bias is not None, device="meta")
+        holder.weight = nn.Parameter(weight, requires_grad=False)
+        if group.bias is not None:
+            holder.bias = nn.Parameter(group.bias, requires_grad=False)
+        self.weight = weight
+        self.integer = QUANTIZED_LINEARS[scheme](holder, max_rows)
+        self.fallback = group.product
+
+    def __call__(self, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.integer(inputs) if weight is self.weight else self.fallback(inputs, weight, bias)
+
+
+def _packable(weight: torch.Tensor, scheme: str) -> bool:
+    """int4 needs whole input groups and output rows in multiples of 16 (torch's packing); int8 takes any."""
+    out_features, in_features = weight.shape
+    return weight.device.type == "cpu" and (scheme != "int4" or (in_features % INT4_GROUP_SIZE == 0
+                                                                 and out_features % 16 == 0))
+
+
 def quantize_linears(model: nn.Module, scheme: str, max_rows: int = INT8_MAX_ROWS) -> int:
     """Give every CPU ``nn.Linear`` of ``model`` (the LM head included) the integer forward of ``scheme``.
 
-    Returns how many.  Linears that already have a forward of their own, and
-    (for int4) those whose input size does not split into groups or whose output
-    size is not a multiple of 16 (torch's packing), are left alone.
+    Returns how many.  Fused q/k/v and gate/up groups (:mod:`patchbay.worker.fused_projections`) get one integer
+    product over their concatenated weight, computed whole for steps of up to ``max_rows`` rows.  Other linears
+    with a forward of their own, and (for int4) weights whose input size does not split into groups or whose
+    output size is not a multiple of 16 (torch's packing), are left alone.
     """
     linear_class = QUANTIZED_LINEARS[scheme]
     count = 0
+    groups: set[int] = set()
     for module in model.modules():
+        member = vars(module).get("forward")
+        if isinstance(member, Member) and id(member.group) not in groups and _packable(member.group.weight, scheme):
+            # q/k/v or gate/up fused into one product: one integer product over the concatenated weight.
+            groups.add(id(member.group))
+            member.group.product = _FusedIntegerProduct(member.group, scheme, max_rows)
+            member.group.max_rows = max(member.group.max_rows, max_rows)
+            count += len(member.group.linears)
+            continue
         if not isinstance(module, nn.Linear) or "forward" in vars(module) or module.weight.device.type != "cpu":
             continue
-        if scheme == "int4" and (module.in_features % INT4_GROUP_SIZE or module.out_features % 16):
+        if not _packable(module.weight, scheme):
             continue
         module.forward = linear_class(module, max_rows)  # type: ignore[method-assign]
         count += 1
