@@ -522,13 +522,15 @@ def check_end_to_end(method: str, options: Mapping[str, Any] | None = None, *, r
 
     Runs the bundled SmolLM2 through :class:`patchbay.LLM` twice (``ignore_eos``,
     ``max_tokens`` tokens per prompt); ``settings`` adds keyword overrides
-    (``{"scheduler__chunked_prefill": True}``) to both runs.
+    (``{"scheduler__chunked_prefill": True}``) to both runs.  Both run in float32 unless ``settings`` says
+    otherwise: verification scores ``k + 1`` rows where plain decoding scores one, and in bfloat16 products of
+    different row counts round differently, which can flip a near-tie of greedy decoding with any drafter.
     """
     import patchbay
     from patchbay.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    extra = dict(settings or {})
+    extra = {"model__dtype": "float32", **(settings or {})}
     speculative = {"method": method, "num_speculative_tokens": num_speculative_tokens, "options": dict(options or {})}
 
     baseline = patchbay.LLM(registry=registry, runtime__threads=threads, **extra)
