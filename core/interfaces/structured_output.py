@@ -130,6 +130,9 @@ class StructuredOutputCapabilities(Capabilities):
     """The :class:`StructuredOutputParams` fields the backend compiles; requests using another are rejected."""
     supports_rollback: bool = True
     """Matchers can undo accepted tokens (needed for speculative decoding)."""
+    canonical_forced_tokens: bool = False
+    """Where the grammar forces the next bytes, the bitmask allows only their canonical tokenization, not
+    every token that spells a prefix of them (llguidance does this); the mask is otherwise exact."""
 
     def reasons(self, config: ServingConfig) -> list[str]:
         found = super().reasons(config)

@@ -29,27 +29,42 @@ class LLGuidanceOptions(BaseModel):
 
 
 class LLGuidanceMatcher(GrammarMatcher):
-    """One request's state in an llguidance ``LLMatcher``."""
+    """One request's state in an llguidance ``LLMatcher``.
+
+    Stop tokens are handled here, not by llguidance: its ``validate_tokens``
+    refuses them, and a consumed stop token is not in its rollback history
+    (rolling it back undoes the token before it too).  A stop token is
+    accepted where the matcher is accepting, and only marks this wrapper terminated.
+    """
 
     def __init__(self, matcher: Any, stop_token_ids: frozenset[int]) -> None:
         self._matcher = matcher
         self._stop_token_ids = stop_token_ids
-        self._accepted: list[int] = []
-        """Tokens accepted so far: llguidance does not say whether its stop came from a stop token."""
+        self._terminated = False
 
     def accept_tokens(self, token_ids: Sequence[int]) -> int:
-        tokens = [int(token) for token in token_ids]
-        # validate_tokens leaves the state alone, so a rejected token never puts the matcher in its error state.
-        count = self._matcher.validate_tokens(tokens)
-        if count and not self._matcher.consume_tokens(tokens[:count]):
-            raise RuntimeError(f"llguidance rejected tokens it had validated: {self._matcher.get_error()}")
-        self._accepted.extend(tokens[:count])
-        return count
+        matcher = self._matcher
+        for count, token in enumerate(int(token) for token in token_ids):
+            if self._terminated:
+                return count
+            if token in self._stop_token_ids:
+                if not matcher.is_accepting():
+                    return count
+                self._terminated = True
+                continue
+            # validate_tokens leaves the state alone, so a refused token never puts the matcher in its error state.
+            if matcher.validate_tokens([token]) != 1:
+                return count
+            if not matcher.consume_token(token):
+                raise RuntimeError(f"llguidance refused a token it had validated: {matcher.get_error()}")
+        return len(token_ids)
 
     def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._terminated:
+            self._terminated = False
+            num_tokens -= 1
         if num_tokens:
             self._matcher.rollback(num_tokens)
-            del self._accepted[-num_tokens:]
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         from llguidance.numpy import fill_next_token_bitmask
@@ -60,7 +75,7 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._matcher.is_accepting()
 
     def is_terminated(self) -> bool:
-        return bool(self._accepted) and self._accepted[-1] in self._stop_token_ids
+        return self._terminated
 
 
 class LLGuidanceBackend(StructuredOutputBackend):
@@ -72,7 +87,7 @@ class LLGuidanceBackend(StructuredOutputBackend):
     """
 
     Options: ClassVar[type[BaseModel]] = LLGuidanceOptions
-    capabilities: ClassVar[StructuredOutputCapabilities] = StructuredOutputCapabilities()
+    capabilities: ClassVar[StructuredOutputCapabilities] = StructuredOutputCapabilities(canonical_forced_tokens=True)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
