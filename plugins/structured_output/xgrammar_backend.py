@@ -46,7 +46,7 @@ class XGrammarMatcher(GrammarMatcher):
 
     def accept_tokens(self, token_ids: Sequence[int]) -> int:
         for count, token_id in enumerate(token_ids):
-            if not self._matcher.accept_token(int(token_id)):
+            if self._matcher.is_terminated() or not self._matcher.accept_token(int(token_id)):
                 return count
         return len(token_ids)
 
