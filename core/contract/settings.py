@@ -207,8 +207,10 @@ class Settings(BaseSettings):
         if self.kv_connector is not None:
             choices.append(PluginChoice("kv_connector", self.kv_connector.name, self.kv_connector.options,
                                         ("kv_connector", "name"), ("kv_connector", "options")))
-        choices.append(PluginChoice("structured_output", self.structured_output.backend, self.structured_output.options,
-                                    ("structured_output", "backend"), ("structured_output", "options")))
+        if "structured_output" in self.model_fields_set:  # the default backend is checked when the engine starts
+            choices.append(PluginChoice("structured_output", self.structured_output.backend,
+                                        self.structured_output.options, ("structured_output", "backend"),
+                                        ("structured_output", "options")))
         return choices
 
 
