@@ -292,3 +292,26 @@ def test_a_resumed_request_gets_a_rebuilt_matcher(xgrammar_compilations):
     assert encode("pha")[0] in _allowed_rows(again)[0]
     constrained.add("wrong", grammar, encode("gamma"), params.field_path)
     assert "rebuilding its matcher" in constrained.take_failed()["wrong"]
+
+
+def test_a_request_the_runner_reports_failed_finishes_as_error_and_the_rest_go_on():
+    scheduler = _scheduler(GrammarCompilations(lambda: GatedBackend(tokenizer=None, vocab_size=32,
+                                                                    stop_token_ids=[0]), "gated"))
+    for request_id in ("broken", "fine"):
+        scheduler.add_request(Request(request_id, [1, 2], SamplingParams(max_tokens=3), block_size=4))
+    output = scheduler.schedule()
+    runner_output = ModelRunnerOutput(["broken", "fine"], [[5], [5]], failed={"broken": "backend says no"})
+    updates = {u.request_id: u for u in scheduler.update_from_output(output, runner_output)}
+    assert (updates["broken"].finish_reason, updates["broken"].stop_reason) == ("error", "backend says no")
+    assert updates["broken"].new_token_ids == [] and updates["fine"].new_token_ids == [5]
+    assert list(scheduler.requests) == ["fine"]
+    assert "broken" in scheduler.schedule().finished_req_ids
+
+
+def test_the_example_job_validates():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "structured_output.yaml"
+    settings = load_settings(example, registry=default_registry())
+    kinds = [params.structured_output.kind for _, _, params in read_requests(settings, str(example))]
+    assert kinds == ["json_schema", "regex", "choice", "grammar"]
