@@ -6,7 +6,9 @@ unconstrained requests, a request cut off by ``max_tokens`` and one whose
 constraint cannot compile.  It runs on three engines: chunked prefill
 (xgrammar), ngram speculative decoding with forced preemption (xgrammar), and
 llguidance.  Outputs are judged by ``json`` + ``jsonschema``, ``re`` and
-membership, never by the backend that produced them.
+membership, never by the backend that produced them.  The engines run in
+float32, where greedy outputs do not depend on the batch around them, so
+exact comparisons between runs hold.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def _check_batch(outputs, params) -> None:
 @pytest.fixture(scope="module")
 def chunked():
     """xgrammar with a small step budget: the batch's prompts are prefilled in chunks."""
-    llm = patchbay.LLM(runtime__threads=2, scheduler__max_num_batched_tokens=64)
+    llm = patchbay.LLM(runtime__threads=2, model__dtype="float32", scheduler__max_num_batched_tokens=64)
     prompts, params = _batch()
     return llm, llm.generate(prompts, params), params
 
@@ -142,7 +144,7 @@ def test_a_seeded_constrained_request_is_reproducible_alone(chunked):
 def test_speculative_decoding_with_preemption_keeps_outputs_exact(chunked):
     """ngram drafts are masked position by position; greedy outputs equal the non-speculative run's."""
     _, reference, _ = chunked
-    llm = patchbay.LLM(runtime__threads=2, model__max_model_len=160, cache__num_blocks=20,
+    llm = patchbay.LLM(runtime__threads=2, model__dtype="float32", model__max_model_len=160, cache__num_blocks=20,
                        speculative__method="ngram", speculative__num_speculative_tokens=3)
     prompts, params = _batch()
     outputs = llm.generate(prompts, params)
@@ -154,7 +156,7 @@ def test_speculative_decoding_with_preemption_keeps_outputs_exact(chunked):
 
 
 def test_llguidance_outputs_validate_too():
-    llm = patchbay.LLM(runtime__threads=2, structured_output__backend="llguidance")
+    llm = patchbay.LLM(runtime__threads=2, model__dtype="float32", structured_output__backend="llguidance")
     picked = [CONSTRAINTS[0], CONSTRAINTS[3], CONSTRAINTS[7]]
     outputs = llm.generate([_message(text) for text, _ in picked],
                            [SamplingParams(max_tokens=MAX_TOKENS, structured_output=c) for _, c in picked])
