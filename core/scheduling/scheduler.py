@@ -21,7 +21,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from patchbay.scheduling.kv_cache_manager import KVCacheManager
 from patchbay.scheduling.request import FINISHED_STATUS_BY_REASON, Request, RequestStatus
@@ -34,6 +34,8 @@ from patchbay.scheduling.scheduler_output import (
 )
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from patchbay.interfaces import KVConnectorScheduler
     from patchbay.scheduling.structured_output import GrammarCompilations
 
@@ -419,7 +421,7 @@ class Scheduler:
 
     # -- structured output ---------------------------------------------------
 
-    def _grammar_futures(self) -> list:
+    def _grammar_futures(self) -> list[Future[Any]]:
         return [r.grammar_future for r in self.waiting
                 if r.status == RequestStatus.WAITING_FOR_GRAMMAR and r.grammar_future is not None]
 
