@@ -6,6 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from patchbay.interfaces.structured_output import StructuredOutputParams
+
 
 class SamplingParams(BaseModel):
     """How one request is sampled and when it stops.
@@ -41,6 +43,9 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(default=None, ge=0)
     prompt_logprobs: int | None = Field(default=None, ge=0)
     n: int = Field(default=1, ge=1)
+    structured_output: StructuredOutputParams | None = None
+    """Constrain the output to a JSON schema, any JSON object, a regex, one of several strings or a grammar
+    (exactly one); the run's ``structured_output`` backend compiles it."""
 
     @model_validator(mode="before")
     @classmethod
@@ -53,6 +58,9 @@ class SamplingParams(BaseModel):
     def _consistent(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.structured_output is not None and self.ignore_eos:
+            raise ValueError("structured_output ends where the grammar does, with EOS; it cannot be combined with "
+                             "ignore_eos")
         return self
 
     @property
@@ -62,7 +70,8 @@ class SamplingParams(BaseModel):
     def params_used(self) -> frozenset[str]:
         """Names of the parameters this request sets away from their neutral value (for sampler checks)."""
         defaults = type(self)()
-        neutral = {"max_tokens", "stop", "stop_token_ids", "ignore_eos", "n", "bad_words_token_ids"}
+        # structured_output is applied by the runner before the sampler, so no sampler needs to support it.
+        neutral = {"max_tokens", "stop", "stop_token_ids", "ignore_eos", "n", "bad_words_token_ids", "structured_output"}
         used = {name for name in type(self).model_fields
                 if name not in neutral and getattr(self, name) != getattr(defaults, name)}
         if self.bad_words_token_ids:

@@ -259,5 +259,5 @@ def test_check_an_unknown_plugin_names_the_available_ones(patchbay_cli, example_
 def test_check_a_malformed_reference_names_the_kinds(patchbay_cli, example_only_env):
     result = patchbay_cli("check", "example_argmax", env=example_only_env)
     assert result.returncode != 0
-    assert "expected KIND:NAME (kinds: attention, attention_metadata_builder, drafter, sampler, kv_connector)" \
-        in result.stderr
+    assert ("expected KIND:NAME (kinds: attention, attention_metadata_builder, drafter, sampler, kv_connector, "
+            "structured_output)") in result.stderr

@@ -137,3 +137,22 @@ def register_kv_connectors(register: RegisterCallback) -> None:
     Called once per plugin when the registry loads.  The return value is
     ignored.
     """
+
+
+@hookspec
+def register_structured_output_backends(register: RegisterCallback) -> None:
+    """Register structured-output (grammar) backends.
+
+    Each target must be a subclass of
+    :class:`patchbay.interfaces.StructuredOutputBackend`.  A backend compiles
+    a request's constraint (JSON schema, any JSON object, regex, choice,
+    grammar) into a grammar, off the step's critical path, and makes a
+    :class:`patchbay.interfaces.GrammarMatcher` per request; the runner asks
+    each matcher to fill its row of a shared token bitmask, masks the logits
+    of constrained rows before the sampler and advances the matcher by the
+    tokens accepted.  The run's backend is chosen by
+    ``structured_output: {backend: NAME}`` in settings.
+
+    Called once per plugin when the registry loads.  The return value is
+    ignored.
+    """

@@ -1,4 +1,4 @@
-"""The plugin registry: one generic mechanism serving all five kinds.
+"""The plugin registry: one generic mechanism serving all six kinds.
 
 Plugins are modules exposed under the ``patchbay`` entry-point group (the
 built-in ones included).  Loading imports each module on its own and calls
@@ -28,6 +28,7 @@ from patchbay.interfaces import (
     KVConnector,
     Plugin,
     SamplerBase,
+    StructuredOutputBackend,
 )
 
 ENTRY_POINT_GROUP = "patchbay"
@@ -54,6 +55,8 @@ KINDS: dict[str, Kind] = {
         Kind("drafter", "register_drafters", Drafter, "speculative-decoding drafters"),
         Kind("sampler", "register_samplers", SamplerBase, "samplers"),
         Kind("kv_connector", "register_kv_connectors", KVConnector, "KV-cache connectors"),
+        Kind("structured_output", "register_structured_output_backends", StructuredOutputBackend,
+             "structured-output backends"),
     )
 }
 

@@ -123,6 +123,12 @@ class KVConnectorSettings(Section):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
+class StructuredOutputSettings(Section):
+    backend: str = "xgrammar"
+    """The grammar backend that compiles requests' ``structured_output`` constraints (``xgrammar``, ``llguidance``, ...)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
 def _split_names(value: Any) -> Any:
     if isinstance(value, str) and value.lstrip().startswith("["):
         return json.loads(value)
@@ -174,6 +180,7 @@ class Settings(BaseSettings):
     sampler: SamplerSettings = Field(default_factory=SamplerSettings)
     speculative: SpeculativeSettings | None = None
     kv_connector: KVConnectorSettings | None = None
+    structured_output: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)
     plugins: PluginPolicy = Field(default_factory=PluginPolicy)
     inputs: InputSettings = Field(default_factory=InputSettings)
     outputs: OutputSettings = Field(default_factory=OutputSettings)
@@ -200,6 +207,10 @@ class Settings(BaseSettings):
         if self.kv_connector is not None:
             choices.append(PluginChoice("kv_connector", self.kv_connector.name, self.kv_connector.options,
                                         ("kv_connector", "name"), ("kv_connector", "options")))
+        if "structured_output" in self.model_fields_set:  # the default backend is checked when the engine starts
+            choices.append(PluginChoice("structured_output", self.structured_output.backend,
+                                        self.structured_output.options, ("structured_output", "backend"),
+                                        ("structured_output", "options")))
         return choices
 
 

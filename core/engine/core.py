@@ -22,6 +22,7 @@ from patchbay.contract.registry import Registry, registry_for
 from patchbay.contract.selection import create, require_serves, select_attention_backend
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings, plugin_options
 from patchbay.engine.outputs import RequestMetrics, RequestOutput, find_stop_string, merge_completions
+from patchbay.engine.structured_output import check_constraint, grammar_compilations
 from patchbay.interfaces import (
     AttentionConfig,
     AttentionMetadataBuilder,
@@ -159,6 +160,9 @@ class Engine:
         num_speculative_tokens = settings.speculative.num_speculative_tokens if settings.speculative else 0
         self.kv_connector = self._kv_connector(registry, backend)
         self.kv_cache_manager = KVCacheManager(self.groups, num_blocks, settings.cache.prefix_caching)
+        self.grammars = grammar_compilations(settings, registry, device=self.device.type, dtype=self.dtype,
+                                             tokenizer=self.tokenizer, vocab_size=shape.vocab_size,
+                                             stop_token_ids=shape.eos_token_ids)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=settings.scheduler.max_num_seqs,
@@ -169,6 +173,7 @@ class Engine:
             num_speculative_tokens=num_speculative_tokens,
             kv_connector=self.kv_connector.scheduler_side() if self.kv_connector is not None else None,
             kv_connector_role=settings.kv_connector.role if settings.kv_connector is not None else "both",
+            grammars=self.grammars,
         )
         self.runner = ModelRunner(
             self.model,
@@ -186,6 +191,7 @@ class Engine:
             rejection_sampler=rejection_sampler,
             num_speculative_tokens=num_speculative_tokens,
             kv_connector=self.kv_connector.worker_side() if self.kv_connector is not None else None,
+            grammars=self.grammars,
         )
         self.spec_stats = self.runner.spec_stats
         self.num_blocks = num_blocks
@@ -299,6 +305,7 @@ class Engine:
         if request_id in self._outputs or request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_sampling(request_id, sampling_params)
+        check_constraint(request_id, sampling_params, self.grammars)
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         vocab = self.model.shape.vocab_size
@@ -449,7 +456,8 @@ class Engine:
         ``schedule`` (the scheduler), the runner's ``update`` (persistent
         batch), ``prepare`` (inputs and attention metadata), ``forward`` (the
         model, logits included), ``sample``, ``output`` (recording samples),
-        ``draft`` (speculative proposals, when a drafter runs), then
+        ``draft`` (speculative proposals, when a drafter runs), ``structure`` (filling and
+        applying grammar bitmasks and advancing matchers, when constrained requests run), then
         ``finish`` (the scheduler's update from the output, stop checks and
         request outputs).
         """

@@ -1,4 +1,4 @@
-"""The typed interfaces of the five plugin kinds (the contract plugin authors code against)."""
+"""The typed interfaces of the six plugin kinds (the contract plugin authors code against)."""
 
 from patchbay.interfaces.attention import (
     AttentionBackend,
@@ -39,6 +39,14 @@ from patchbay.interfaces.sampler import (
     SamplingMetadata,
     SpecDecodeMetadata,
 )
+from patchbay.interfaces.structured_output import (
+    GrammarCompileError,
+    GrammarMatcher,
+    StructuredOutputBackend,
+    StructuredOutputCapabilities,
+    StructuredOutputConfig,
+    StructuredOutputParams,
+)
 
 __all__ = [
     "SAMPLING_PARAMS", "AttentionBackend", "AttentionCapabilities", "AttentionConfig", "AttentionImpl",
@@ -47,4 +55,6 @@ __all__ = [
     "KVConnectorConfig", "KVConnectorMetadata", "KVConnectorScheduler", "KVConnectorWorker", "NoOptions", "Plugin",
     "RejectionSampler", "RequestView", "Sampler", "SamplerBase", "SamplerCapabilities", "SamplerConfig",
     "SamplerOutput", "SamplingMetadata", "ServingConfig", "SpecDecodeMetadata",
+    "GrammarCompileError", "GrammarMatcher", "StructuredOutputBackend", "StructuredOutputCapabilities",
+    "StructuredOutputConfig", "StructuredOutputParams",
 ]

@@ -6,6 +6,8 @@ import enum
 import hashlib
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 
@@ -18,11 +20,15 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()
     """Waiting while a KV connector loads its prompt blocks asynchronously; resumes once they arrive."""
+    WAITING_FOR_GRAMMAR = enum.auto()
+    """Waiting while its structured-output constraint compiles; schedulable once the grammar is ready."""
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+    """The request failed alone (e.g. its constraint cannot compile); ``stop_reason`` holds the message."""
 
     @property
     def is_finished(self) -> bool:
@@ -33,6 +39,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 FINISHED_STATUS_BY_REASON = {reason: status for status, reason in _FINISH_REASONS.items()}
 """``"stop"`` / ``"length"`` / ``"abort"`` to the matching finished status."""
@@ -96,6 +103,10 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = -1
         """Prompt tokens found in the prefix cache when first scheduled (-1: not scheduled yet)."""
+        self.grammar: Any = None
+        """The compiled structured-output grammar, once ready (``None`` for unconstrained requests)."""
+        self.grammar_future: Future[Any] | None = None
+        """The compilation a ``WAITING_FOR_GRAMMAR`` request waits for."""
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
 
@@ -121,7 +132,7 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """``"stop"``, ``"length"`` or ``"abort"`` once finished, else ``None``."""
+        """``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` once finished, else ``None``."""
         return _FINISH_REASONS.get(self.status)
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:

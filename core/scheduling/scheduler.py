@@ -21,7 +21,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from patchbay.scheduling.kv_cache_manager import KVCacheManager
 from patchbay.scheduling.request import FINISHED_STATUS_BY_REASON, Request, RequestStatus
@@ -34,7 +34,10 @@ from patchbay.scheduling.scheduler_output import (
 )
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from patchbay.interfaces import KVConnectorScheduler
+    from patchbay.scheduling.structured_output import GrammarCompilations
 
 
 @dataclass
@@ -44,7 +47,7 @@ class RequestUpdate:
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    """``"stop"``, ``"length"`` or ``None`` while the request runs on."""
+    """``"stop"``, ``"length"``, ``"error"`` or ``None`` while the request runs on."""
     stop_reason: int | str | None = None
     """The stop token id that finished the request (``None`` for EOS and length)."""
     num_cached_tokens: int = 0
@@ -78,6 +81,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         kv_connector: KVConnectorScheduler | None = None,
         kv_connector_role: str = "both",
+        grammars: GrammarCompilations | None = None,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -107,6 +111,10 @@ class Scheduler:
         self.kv_connector_role = kv_connector_role
         """``producer`` never loads; ``consumer`` and ``both`` ask the connector for every waiting request."""
         self.kv_connector_stats = KVConnectorStats()
+        self.grammars = grammars
+        """Compiles structured-output constraints; ``None``: constrained requests are refused."""
+        self._failed_updates: list[RequestUpdate] = []
+        """Requests failed while scheduling (a constraint that cannot compile), reported by the next update."""
 
         self.requests: dict[str, Request] = {}
         """Unfinished requests by id."""
@@ -150,6 +158,12 @@ class Scheduler:
                 f"request {request_id!r} hashes blocks of {request.block_size} tokens, the cache uses {self.block_size}"
             )
         request.status = RequestStatus.WAITING
+        constraint = request.sampling_params.structured_output
+        if constraint is not None:
+            if self.grammars is None:
+                raise ValueError(f"request {request_id!r} sets structured_output but this run has no grammar backend")
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            request.grammar_future = self.grammars.submit(constraint)
         self.requests[request_id] = request
         self._arrival_order[request_id] = (request.arrival_time, next(self._counter))
         self.waiting.append(request)
@@ -192,6 +206,7 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: set[str] = set()
         reset: set[str] = set()
+        self._wait_for_grammars_if_idle()
 
         index = 0
         while index < len(self.running) and token_budget > 0:
@@ -232,7 +247,8 @@ class Scheduler:
         if not preempted:
             token_budget = self._schedule_waiting(token_budget, num_scheduled, new_reqs)
 
-        if not num_scheduled and not self.running and self.waiting and not self._loading:
+        if not num_scheduled and not self.running and self.waiting and not self._loading \
+                and not self._grammar_futures():
             # The pool check at construction makes this unreachable; fail loudly rather than spin.
             head = self.waiting[0]
             raise RuntimeError(
@@ -259,11 +275,13 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Advance requests by the runner's results; returns one update per request with news."""
         rows = {request_id: row for row, request_id in enumerate(runner_output.req_ids)}
+        updates, self._failed_updates = self._failed_updates, []
+        if runner_output.failed:
+            updates.extend(self._fail_running(runner_output.failed))
         if self.kv_connector is not None:
             self._update_transfers(runner_output)
         rolled_back = self._handle_load_errors(runner_output.invalid_block_ids) if runner_output.invalid_block_ids \
             else set()
-        updates = []
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -325,6 +343,10 @@ class Scheduler:
             request = self.waiting[0]
             request_id = request.request_id
             num_external = 0
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(request):
+                if not request.is_finished:
+                    skipped.append(self.waiting.popleft())  # still compiling
+                continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 if request_id not in self._loaded:
                     skipped.append(self.waiting.popleft())  # its blocks are still on their way
@@ -385,6 +407,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
+            grammar=request.grammar,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -395,6 +418,57 @@ class Scheduler:
         request.num_preemptions += 1
         self._reset_req_ids.discard(request.request_id)
         self.waiting.appendleft(request)
+
+    # -- structured output ---------------------------------------------------
+
+    def _grammar_futures(self) -> list[Future[Any]]:
+        return [r.grammar_future for r in self.waiting
+                if r.status == RequestStatus.WAITING_FOR_GRAMMAR and r.grammar_future is not None]
+
+    def _wait_for_grammars_if_idle(self) -> None:
+        """With nothing running and only compiling requests waiting, wait a little for a grammar instead of spinning."""
+        if self.running or self._loading or not self.waiting or self.grammars is None:
+            return
+        futures = self._grammar_futures()
+        if len(futures) == len(self.waiting):
+            self.grammars.wait_any(futures, timeout=1.0)
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether the head request's grammar is compiled (it becomes ``WAITING``); a failed one finishes it as ``error``."""
+        future = request.grammar_future
+        assert future is not None and self.grammars is not None
+        if not future.done():
+            return False
+        request.grammar_future = None
+        error = future.exception()
+        if error is None:
+            request.grammar = future.result()
+            request.status = RequestStatus.WAITING
+            return True
+        constraint = request.sampling_params.structured_output
+        self.waiting.popleft()
+        self._fail(request, self.grammars.error_message(constraint, error))
+        return False
+
+    def _fail_running(self, failed: dict[str, str]) -> list[RequestUpdate]:
+        """Finish running requests the runner reported as failed (e.g. their grammar backend raised)."""
+        updates = []
+        for request_id, message in failed.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.running.remove(request)
+            updates.append(self._fail(request, message, report=False))
+        return updates
+
+    def _fail(self, request: Request, message: str, *, report: bool = True) -> RequestUpdate:
+        """Finish a request, already out of the queues, as ``error`` with ``message`` as its stop reason."""
+        request.stop_reason = message
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        update = RequestUpdate(request.request_id, [], "error", message)
+        if report:
+            self._failed_updates.append(update)
+        return update
 
     # -- KV connector --------------------------------------------------------
 

@@ -32,6 +32,8 @@ class NewRequestData:
     sampling_params: Any
     block_ids: BlockIds
     num_computed_tokens: int
+    grammar: Any = None
+    """The compiled structured-output grammar of a constrained request (``None``: unconstrained)."""
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -91,3 +93,5 @@ class ModelRunnerOutput:
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     """Blocks a KV connector failed to load; the scheduler recomputes them."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Requests that failed alone this step (a grammar backend error, say), with the message; they finish as ``error``."""

@@ -12,6 +12,7 @@ from patchbay.testing.attention import AttentionBackendSuite, MetadataBuilderSui
 from patchbay.testing.drafter import DrafterSuite
 from patchbay.testing.kv_connector import KVConnectorSuite
 from patchbay.testing.sampler import SamplerSuite
+from patchbay.testing.structured_output import StructuredOutputSuite
 from patchbay.testing.suite import PluginSuite
 
 SUITES: dict[str, type[PluginSuite]] = {
@@ -20,6 +21,7 @@ SUITES: dict[str, type[PluginSuite]] = {
     "sampler": SamplerSuite,
     "drafter": DrafterSuite,
     "kv_connector": KVConnectorSuite,
+    "structured_output": StructuredOutputSuite,
 }
 
 
@@ -31,5 +33,5 @@ def suite_for(kind: str, name: str) -> type[PluginSuite]:
 
 __all__ = [
     "SUITES", "AttentionBackendSuite", "DrafterSuite", "KVConnectorSuite", "MetadataBuilderSuite", "PluginSuite",
-    "SamplerSuite", "suite_for",
+    "SamplerSuite", "StructuredOutputSuite", "suite_for",
 ]

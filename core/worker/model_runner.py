@@ -36,11 +36,13 @@ from patchbay.interfaces import (
 from patchbay.interfaces.drafter import resolve_aux_layers
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup
 from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.worker.forward_context import ForwardContext, LayerBinding, forward_context
 from patchbay.worker.hf_model import AuxHiddenStates, HFCausalLM, torch_dtype
 from patchbay.worker.input_batch import InputBatch
 from patchbay.worker.logprobs import Logprobs, PromptLogprobs
 from patchbay.worker.spec_decode import LogitsLayout, SpecDecodeStats, logits_layout, may_draft, verify
+from patchbay.worker.structured_output import ConstrainedDecoding
 
 
 @dataclass
@@ -89,6 +91,7 @@ class ModelRunner:
         rejection_sampler: RejectionSampler | None = None,
         num_speculative_tokens: int = 0,
         kv_connector: KVConnectorWorker | None = None,
+        grammars: GrammarCompilations | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -116,8 +119,10 @@ class ModelRunner:
         # Scratch index vector, sliced each step instead of allocated.
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len) + 1, dtype=np.int32)
         self.timings: dict[str, float] = defaultdict(float)
-        """Seconds spent per phase since creation: update, prepare, forward, sample, output."""
+        """Seconds spent per phase since creation: update, prepare, forward, structure, sample, output."""
         self.num_steps = 0
+        self.constrained = ConstrainedDecoding(grammars) if grammars is not None else None
+        """Grammar matchers of the constrained requests (``None``: the run has no grammar backend)."""
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -168,6 +173,12 @@ class ModelRunner:
         prompt_logprobs = self.prompt_logprobs.collect(step.rows, step.seq_lens, step.num_scheduled,
                                                        step.query_start_loc, step.complete, hidden_states)
         clock = self._lap("forward", clock)
+        constrained = self.constrained if self.constrained is not None and self.constrained.matchers else None
+        sample_req_ids = [self.batch.req_ids[row] for row in sample_rows]
+        if constrained is not None and logits is not None:
+            layout = step.layout
+            constrained.mask(logits, sample_req_ids, step.drafts, layout.bonus_indices - layout.num_drafts)
+            clock = self._lap("structure", clock)
         new_tokens: list[list[int]] = []
         sampler_output = None
         if logits is not None:
@@ -181,7 +192,12 @@ class ModelRunner:
                 sampler_output = self.sampler.sample(logits, metadata)
                 new_tokens = [[token] for token in sampler_output.sampled_token_ids[:, 0].tolist()]
         clock = self._lap("sample", clock)
+        if constrained is not None:
+            constrained.advance(sample_req_ids, new_tokens)
+            clock = self._lap("structure", clock)
         output = self._record_samples(step, new_tokens, sampler_output)
+        if self.constrained is not None:
+            output.failed = self.constrained.take_failed()
         output.prompt_logprobs = prompt_logprobs
         if connector is not None:
             self._report_transfers(scheduler_output, output)
@@ -210,9 +226,14 @@ class ModelRunner:
         for req_id in dropped:
             batch.remove_request(req_id)
             self.prompt_logprobs.forget(req_id)
+            if self.constrained is not None:
+                self.constrained.remove(req_id)
         for request in scheduler_output.scheduled_new_reqs:
             batch.add_request(request)
             self.prompt_logprobs.forget(request.req_id)
+            if request.grammar is not None and self.constrained is not None:
+                self.constrained.add(request.req_id, request.grammar, request.output_token_ids,
+                                     request.sampling_params.structured_output.field_path)
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
