@@ -27,9 +27,10 @@ from patchbay.contract.hookspecs import hookimpl
 from patchbay.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "hookimpl", "__version__"]
+__all__ = ["AsyncLLM", "LLM", "SamplingParams", "hookimpl", "__version__"]
 
 if TYPE_CHECKING:
+    from patchbay.engine.async_llm import AsyncLLM
     from patchbay.entrypoints.llm import LLM
 
 
@@ -39,4 +40,8 @@ def __getattr__(name: str) -> Any:
         from patchbay.entrypoints.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from patchbay.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(f"module 'patchbay' has no attribute {name!r}")

@@ -165,6 +165,27 @@ class OutputSettings(Section):
     progress: bool = True
 
 
+class ServerSettings(Section):
+    """``patchbay serve``: where it listens, who may call it, how much it queues."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on (``0.0.0.0`` for every interface)."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port (0: any free port, printed at start)."""
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Accepted ``Authorization: Bearer`` keys; empty: no key needed.  A comma-separated string is accepted."""
+    served_model_name: str | None = None
+    """The model name clients send; default: the model directory's name."""
+    max_waiting: int = Field(default=256, ge=0)
+    """Sequences admitted beyond ``scheduler.max_num_seqs``; a request over the limit gets 503, never an unbounded queue."""
+    shutdown_grace_period: float = Field(default=30.0, ge=0.0)
+    """Seconds after SIGTERM during which requests in flight may finish; the rest are aborted."""
+    log_requests: bool = False
+    """Log one line per HTTP request (uvicorn's access log)."""
+
+    _split = field_validator("api_keys", mode="before")(_split_names)
+
+
 class Settings(BaseSettings):
     """Every setting of a run.  See docs/configuration.md for the YAML form."""
 
@@ -184,6 +205,7 @@ class Settings(BaseSettings):
     plugins: PluginPolicy = Field(default_factory=PluginPolicy)
     inputs: InputSettings = Field(default_factory=InputSettings)
     outputs: OutputSettings = Field(default_factory=OutputSettings)
+    server: ServerSettings = Field(default_factory=ServerSettings)
 
     def plugin_choices(self) -> list[PluginChoice]:
         """Every plugin this run names, with its options and the key path of its YAML section."""

@@ -10,13 +10,23 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from patchbay.engine.async_llm import AsyncLLM, ChoiceDelta, EngineDeadError, EngineSnapshot, RequestDelta
     from patchbay.engine.core import Engine, measure_machine_defaults
+    from patchbay.engine.detokenizer import IncrementalDetokenizer, StreamingText
     from patchbay.engine.outputs import Completion, RequestMetrics, RequestOutput
+    from patchbay.engine.prompts import Prompt, encode_prompt
     from patchbay.worker.model_loader import ModelLoadError
 
-__all__ = ["Completion", "Engine", "ModelLoadError", "RequestMetrics", "RequestOutput", "measure_machine_defaults"]
+__all__ = ["AsyncLLM", "ChoiceDelta", "Completion", "Engine", "EngineDeadError", "EngineSnapshot",
+           "IncrementalDetokenizer", "ModelLoadError", "Prompt", "RequestDelta", "RequestMetrics", "RequestOutput",
+           "StreamingText", "encode_prompt", "measure_machine_defaults"]
+_ASYNC = "patchbay.engine.async_llm"
 _MODULE_OF = {"Engine": "patchbay.engine.core", "ModelLoadError": "patchbay.worker.model_loader",
-              "measure_machine_defaults": "patchbay.engine.core"}
+              "measure_machine_defaults": "patchbay.engine.core",
+              "AsyncLLM": _ASYNC, "ChoiceDelta": _ASYNC, "EngineDeadError": _ASYNC, "EngineSnapshot": _ASYNC,
+              "RequestDelta": _ASYNC, "IncrementalDetokenizer": "patchbay.engine.detokenizer",
+              "StreamingText": "patchbay.engine.detokenizer", "Prompt": "patchbay.engine.prompts",
+              "encode_prompt": "patchbay.engine.prompts"}
 """Where each public name lives when it is not in :mod:`patchbay.engine.outputs`."""
 
 

@@ -372,6 +372,20 @@ class Engine:
                 output.metrics.finish_time = now
                 self._aborted.append(sequence_id)
 
+    def live_outputs(self, request_id: str) -> list[RequestOutput]:
+        """The growing outputs of an unfinished request, one per sequence in index order (for streaming).
+
+        A sequence of an ``n > 1`` request that already finished is included
+        as finished.  Empty once the request has finished (its output came
+        back from :meth:`step`) or for an unknown id.  The objects are the
+        engine's own: read them between steps, never change them.
+        """
+        if request_id in self._groups:
+            children, done = self._groups[request_id]
+            return [done[child] if child in done else self._outputs[child] for child in children]
+        output = self._outputs.get(request_id)
+        return [] if output is None else [output]
+
     def has_unfinished_requests(self) -> bool:
         """Whether a :meth:`step` still has work or outputs (aborted requests are returned by the next step)."""
         return self.scheduler.has_unfinished_requests() or bool(self._aborted)

@@ -1,4 +1,4 @@
-"""The ``patchbay`` command line: plugins, config, check and run."""
+"""The ``patchbay`` command line: plugins, config, check, run, serve and bench."""
 
 from __future__ import annotations
 
@@ -152,6 +152,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from patchbay.entrypoints.serve.command import serve_from_settings
+
+    settings = load_settings(args.config, overrides=args.set or [], registry=registry_for)
+    return serve_from_settings(settings)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from patchbay.bench.command import bench_command
 
@@ -201,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a setting")
     tune.add_argument("--json", action="store_true", help="machine-readable output")
     tune.set_defaults(handler=cmd_tune)
+
+    serve = sub.add_parser("serve", help="serve the model of a YAML file over an OpenAI-compatible HTTP API")
+    serve.add_argument("config")
+    serve.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a setting")
+    serve.set_defaults(handler=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmark patchbay against transformers on fixed workloads, with the roofline")
     add_bench_arguments(bench)

@@ -8,11 +8,9 @@ from typing import Any
 
 from patchbay.contract.registry import Registry, registry_for
 from patchbay.contract.settings import Settings, load_settings
-from patchbay.engine import Engine, RequestOutput
+from patchbay.engine import Engine, Prompt, RequestOutput, encode_prompt
 from patchbay.sampling_params import SamplingParams
 
-Prompt = str | list[int] | dict[str, Any]
-"""A text prompt, prompt token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` / ``{"messages": [...]}``."""
 
 
 class LLM:
@@ -42,18 +40,7 @@ class LLM:
 
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """Prompt text (if any) and token ids; ``messages`` go through the chat template."""
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list):
-            return None, [int(token) for token in prompt]
-        if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(token) for token in prompt["prompt_token_ids"]]
-        if "messages" in prompt:
-            text = self.tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
-            return text, self.tokenizer.encode(text, add_special_tokens=False)
-        if "prompt" in prompt:
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise ValueError(f"a prompt object needs 'prompt', 'prompt_token_ids' or 'messages'; got keys {sorted(prompt)}")
+        return encode_prompt(self.tokenizer, prompt)
 
     def generate(
         self,

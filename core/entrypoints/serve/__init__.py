@@ -1,0 +1,1 @@
+"""``patchbay serve``: an OpenAI-compatible HTTP server on the engine (FastAPI + uvicorn)."""

@@ -1,0 +1,460 @@
+"""The FastAPI application: OpenAI routes over an :class:`AsyncLLM`, health, tokenizer and metrics routes.
+
+Admission is bounded: a request whose sequences would take the server past
+``scheduler.max_num_seqs + server.max_waiting`` gets 503 at once, so the
+queue never grows without limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from patchbay.contract.settings import Settings
+from patchbay.engine import AsyncLLM, EngineDeadError, RequestDelta, RequestOutput
+from patchbay.entrypoints.serve.metrics import ServerMetrics
+from patchbay.entrypoints.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    sampling_params,
+)
+from patchbay.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the engine front end, the settings, admission and metrics."""
+
+    llm: AsyncLLM
+    settings: Settings
+    model_name: str
+    metrics: ServerMetrics
+    admitted: int = 0
+    """Sequences of the requests in flight, counted on admission (before the engine sees them)."""
+    accepting: bool = True
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def admission_limit(self) -> int:
+        return self.settings.scheduler.max_num_seqs + self.settings.server.max_waiting
+
+
+@dataclass
+class _Prepared:
+    """One prompt of a request, ready for the engine."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+
+
+def model_name_of(settings: Settings, llm: AsyncLLM) -> str:
+    return settings.server.served_model_name or llm.engine.model_dir.name
+
+
+def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
+    """The application serving ``llm``; the caller owns ``llm`` (and shuts it down)."""
+    model_name = model_name_of(settings, llm)
+    state = ServerState(llm, settings, model_name, ServerMetrics(llm, model_name))
+    app = FastAPI(title="patchbay", version=_version())
+    app.state.patchbay = state
+    api_keys = set(settings.server.api_keys)
+
+    def check_api_key(request: Request) -> None:
+        if not api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or key.strip() not in api_keys:
+            raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key")
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        if exc.status in (429, 503):
+            state.metrics.rejected.labels(model_name, str(exc.status)).inc()
+        headers = {"Retry-After": "1"} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def body_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        error = exc.errors()[0]
+        loc = [str(part) for part in error["loc"] if part != "body"]
+        param = ".".join(loc) or None
+        message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"]
+        return JSONResponse(APIError(400, f"{param}: {message}" if param else message, param=param).body(),
+                            status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return JSONResponse(APIError(500, f"{type(exc).__name__}: {exc}").body(), status_code=500)
+
+    authorized = [Depends(check_api_key)]
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not llm.alive:
+            return JSONResponse({"status": "dead", "error": str(llm.error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if not llm.alive or not state.accepting:
+            return JSONResponse({"status": "not ready"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.created,
+                                            "owned_by": "patchbay", "max_model_len": llm.max_model_len}]}
+
+    @app.post("/tokenize", dependencies=authorized)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        _check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            _, token_ids = llm.encode({"messages": [m.as_template_message(i) for i, m in enumerate(body.messages)]})
+        else:
+            token_ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": token_ids, "count": len(token_ids), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize", dependencies=authorized)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        _check_model(state, body.model)
+        vocab = len(llm.tokenizer)
+        bad = [token for token in body.tokens if not 0 <= token < vocab]
+        if bad:
+            raise APIError(400, f"tokens: ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}", param="tokens")
+        return {"prompt": llm.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_model(state, body.model)
+        body.check_supported()
+        prepared = [_prepare(state, *llm.encode(prompt), body.sampling_fields(), body.max_tokens, "prompt")
+                    for prompt in body.prompts()]
+        return await _respond(state, request, body.stream, body.stream_options, prepared, CompletionFormat(state))
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_model(state, body.model)
+        body.check_supported()
+        messages = [message.as_template_message(index) for index, message in enumerate(body.messages)]
+        try:
+            text, token_ids = llm.encode({"messages": messages})
+        except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
+            raise APIError(400, f"messages: the chat template failed: {exc}", param="messages") from None
+        prepared = [_prepare(state, text, token_ids, body.sampling_fields(), body.output_limit(), "messages")]
+        return await _respond(state, request, body.stream, body.stream_options, prepared, ChatFormat(state))
+
+    return app
+
+
+def _version() -> str:
+    import patchbay
+
+    return patchbay.__version__
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def _prepare(state: ServerState, text: str | None, token_ids: list[int], fields: dict[str, Any],
+             max_tokens: int | None, prompt_field: str) -> _Prepared:
+    """Check the prompt's length against the model and build the sampling parameters (400 naming the field)."""
+    limit = state.llm.max_model_len
+    if not token_ids:
+        raise APIError(400, f"{prompt_field}: the prompt is empty", param=prompt_field)
+    if len(token_ids) >= limit:
+        raise APIError(400, f"{prompt_field}: the prompt has {len(token_ids)} tokens; this model's context is "
+                            f"{limit} tokens, prompt and output together", param=prompt_field,
+                       code="context_length_exceeded")
+    if max_tokens is not None and len(token_ids) + max_tokens > limit:
+        raise APIError(400, f"max_tokens: {len(token_ids)} prompt tokens + {max_tokens} output tokens exceed this "
+                            f"model's context of {limit} tokens", param="max_tokens", code="context_length_exceeded")
+    params = sampling_params(fields, max_tokens=max_tokens, default_max_tokens=limit - len(token_ids))
+    return _Prepared(text, token_ids, params)
+
+
+# -- running a request -------------------------------------------------------------------------------------
+
+
+async def _respond(state: ServerState, request: Request, stream: bool, stream_options: Any,
+                   prepared: list[_Prepared], format: ResponseFormat) -> Response:
+    """Admit, start and answer a request of one or more prompts (``n`` sequences each)."""
+    if not state.accepting:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+    sequences = sum(p.params.n for p in prepared)
+    if state.admitted + sequences > state.admission_limit:
+        raise APIError(503, f"the server is at its limit of {state.admission_limit} sequences in flight "
+                            f"(scheduler.max_num_seqs + server.max_waiting); retry later", code="queue_full")
+    state.admitted += sequences
+    streams: list[Any] = []
+    try:
+        request_id = uuid.uuid4().hex
+        for index, item in enumerate(prepared):
+            try:
+                streams.append(await state.llm.add_request(item.token_ids, item.params, prompt=item.text,
+                                                           request_id=f"{format.id_prefix}-{request_id}-{index}"))
+            except ValueError as exc:
+                raise APIError(400, str(exc)) from None
+            except EngineDeadError as exc:
+                raise APIError(500, str(exc)) from None
+    except BaseException:
+        for opened in streams:
+            opened.close()
+        state.admitted -= sequences
+        raise
+    response_id = f"{format.id_prefix}-{request_id}"
+    include_usage = bool(stream_options and stream_options.include_usage)
+
+    def release() -> None:
+        for opened in streams:
+            opened.close()
+        state.admitted -= sequences
+
+    if stream:
+        return StreamingResponse(_sse(format, response_id, prepared, streams, include_usage, release),
+                                 media_type="text/event-stream")
+    try:
+        outputs = await _collect(streams)
+    finally:
+        release()
+    return JSONResponse(format.response(response_id, prepared, outputs))
+
+
+async def _collect(streams: list[Any]) -> list[RequestOutput]:
+    """Every stream run to its end; its final outputs in order."""
+
+    async def last(stream: Any) -> RequestOutput:
+        output = None
+        async for delta in stream:
+            output = delta.output
+        assert output is not None
+        return output
+
+    try:
+        outputs = await asyncio.gather(*(last(stream) for stream in streams))
+    except EngineDeadError as exc:
+        raise APIError(500, str(exc)) from None
+    failed = [o for o in outputs if any(c.finish_reason == "error" for c in o.completions)]
+    if failed:
+        raise APIError(500, _error_message(failed[0]), code="engine_error")
+    return outputs
+
+
+def _error_message(output: RequestOutput) -> str:
+    detail = getattr(output, "error", None) or next(
+        (c.stop_reason for c in output.completions if c.finish_reason == "error"), None)
+    return f"request {output.request_id} failed: {detail or 'a plugin failed'}"
+
+
+async def _merge(streams: list[Any]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """The deltas of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: Any) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, exc))
+            return
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _sse(format: ResponseFormat, response_id: str, prepared: list[_Prepared], streams: list[Any],
+               include_usage: bool, release: Callable[[], None]) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per delta and choice, the usage chunk if asked, then ``[DONE]``."""
+    outputs: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        yield from_chunks(format.first_chunks(response_id, prepared))
+        async for prompt_index, delta in _merge(streams):
+            if delta.output is not None:
+                outputs[prompt_index] = delta.output
+            errors = [c for c in delta.choices if c.finish_reason == "error"]
+            if errors and delta.output is not None:
+                yield _event(APIError(500, _error_message(delta.output), code="engine_error").body())
+                break
+            chunks = [format.chunk(response_id, prepared, prompt_index, choice) for choice in delta.choices]
+            yield from_chunks(chunks)
+        else:
+            if include_usage:
+                yield _event(format.envelope(response_id, [], usage=_usage(prepared, outputs)))
+    except EngineDeadError as exc:
+        yield _event(APIError(500, str(exc)).body())
+    finally:
+        release()
+    yield "data: [DONE]\n\n"
+
+
+def from_chunks(chunks: list[dict[str, Any]]) -> str:
+    return "".join(_event(chunk) for chunk in chunks)
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _usage(prepared: list[_Prepared], outputs: list[RequestOutput | None]) -> dict[str, Any]:
+    prompt_tokens = sum(len(p.token_ids) for p in prepared)
+    completion_tokens = sum(len(c.token_ids) for o in outputs if o is not None for c in o.completions)
+    cached = sum(o.metrics.num_cached_tokens for o in outputs if o is not None)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# -- response shapes -------------------------------------------------------------------------------------
+
+
+class ResponseFormat:
+    """How one endpoint shapes responses and stream chunks."""
+
+    id_prefix = ""
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.tokenizer = state.llm.tokenizer
+
+    def envelope(self, response_id: str, choices: list[dict[str, Any]], *, chunk: bool = True,
+                 usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": response_id, "object": self.chunk_object_name if chunk else self.object_name,
+                                "created": int(time.time()), "model": self.state.model_name, "choices": choices}
+        if usage is not None or not chunk:
+            body["usage"] = usage
+        return body
+
+    @staticmethod
+    def choice_index(prepared: list[_Prepared], prompt_index: int, index: int) -> int:
+        """Choices of prompt ``i`` come after the ``n`` choices of each earlier prompt."""
+        return sum(p.params.n for p in prepared[:prompt_index]) + index
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def first_chunks(self, response_id: str, prepared: list[_Prepared]) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def response(self, response_id: str, prepared: list[_Prepared], outputs: list[RequestOutput]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionFormat(ResponseFormat):
+    id_prefix = "cmpl"
+    object_name = chunk_object_name = "text_completion"
+
+    def logprobs(self, entries: list[Any] | None, text_offset: int) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for entry in entries:
+            token = self.token_text(entry.token_ids[0])
+            offsets.append(text_offset)
+            text_offset += len(token)
+            tokens.append(token)
+            token_logprobs.append(entry.logprobs[0])
+            top.append({self.token_text(t): lp for t, lp in zip(entry.token_ids[1:], entry.logprobs[1:], strict=True)})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def chunk(self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any) -> dict[str, Any]:
+        return self.envelope(response_id, [{
+            "index": self.choice_index(prepared, prompt_index, choice.index), "text": choice.text,
+            "logprobs": self.logprobs(choice.logprobs, 0), "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }])
+
+    def response(self, response_id: str, prepared: list[_Prepared], outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = [{"index": self.choice_index(prepared, p, c.index), "text": c.text,
+                    "logprobs": self.logprobs(c.logprobs, 0), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
+                   for p, output in enumerate(outputs) for c in output.completions]
+        return self.envelope(response_id, choices, chunk=False, usage=_usage(prepared, list(outputs)))
+
+
+class ChatFormat(ResponseFormat):
+    id_prefix = "chatcmpl"
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def logprobs(self, entries: list[Any] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            token = self.token_text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {"content": [{**item(entry.token_ids[0], entry.logprobs[0]),
+                             "top_logprobs": [item(t, lp) for t, lp in zip(entry.token_ids[1:], entry.logprobs[1:],
+                                                                           strict=True)]}
+                            for entry in entries]}
+
+    def first_chunks(self, response_id: str, prepared: list[_Prepared]) -> list[dict[str, Any]]:
+        return [self.envelope(response_id, [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}])
+                for index in range(sum(p.params.n for p in prepared))]
+
+    def chunk(self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any) -> dict[str, Any]:
+        delta = {"content": choice.text} if choice.text or choice.finish_reason is None else {}
+        return self.envelope(response_id, [{
+            "index": self.choice_index(prepared, prompt_index, choice.index), "delta": delta,
+            "logprobs": self.logprobs(choice.logprobs), "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }])
+
+    def response(self, response_id: str, prepared: list[_Prepared], outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = [{"index": self.choice_index(prepared, p, c.index),
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
+                   for p, output in enumerate(outputs) for c in output.completions]
+        return self.envelope(response_id, choices, chunk=False, usage=_usage(prepared, list(outputs)))
+

@@ -1,0 +1,79 @@
+"""``patchbay serve CONFIG``: load the engine, serve it over HTTP until SIGTERM or Ctrl-C, shut down gracefully.
+
+On SIGTERM uvicorn stops accepting connections and waits up to
+``server.shutdown_grace_period`` seconds for responses in flight; then the
+engine aborts what is left, lets a KV connector finish its transfers, and
+the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+from collections.abc import AsyncIterator
+from typing import TextIO
+
+from patchbay.contract.settings import Settings
+from patchbay.engine import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: any free port); errors name the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"server: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Server
+    """The uvicorn server of ``build_app(llm, settings)``; the engine shuts down with it."""
+    import uvicorn
+
+    from patchbay.entrypoints.serve.app import build_app
+
+    app = build_app(llm, settings)
+    grace = settings.server.shutdown_grace_period
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app) -> AsyncIterator[None]:  # noqa: ANN001
+        yield
+        app.state.patchbay.accepting = False
+        await llm.shutdown(grace_period=0.0)  # uvicorn already waited the grace period for responses in flight
+
+    app.router.lifespan_context = lifespan
+    config = uvicorn.Config(app, log_level="info" if settings.server.log_requests else "warning",
+                            access_log=settings.server.log_requests, timeout_graceful_shutdown=grace,
+                            lifespan="on")
+    return uvicorn.Server(config)
+
+
+def serve_from_settings(settings: Settings, *, stream: TextIO = sys.stdout) -> int:
+    """Run the server ``settings`` describe until SIGTERM/SIGINT; the exit status of ``patchbay serve``."""
+    sock = bind(settings.server.host, settings.server.port)
+    llm = AsyncLLM(settings)
+    server = make_server(llm, settings)
+    host, port = sock.getsockname()[:2]
+    from patchbay.entrypoints.serve.app import model_name_of
+
+    print(f"patchbay serve: {model_name_of(settings, llm)} on http://{host}:{port}/v1 "
+          f"(metrics at /metrics)", file=stream, flush=True)
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        sock.close()
+        if llm.alive:  # a start-up failure before the lifespan ran
+            asyncio.run(llm.shutdown())
+    print("patchbay serve: stopped", file=stream, flush=True)
+    return 0

@@ -1,0 +1,208 @@
+"""The OpenAI request bodies patchbay serves, their translation to :class:`SamplingParams`, and its errors.
+
+Fields OpenAI defines are declared; any other field must be a patchbay
+sampling parameter (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``bad_words``,
+``allowed_token_ids``, ``prompt_logprobs`` ...), as vLLM accepts them, and an
+unknown one is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from patchbay.sampling_params import SamplingParams
+
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+"""What OpenAI's API samples with when a request names no temperature."""
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error", 503: "overloaded_error"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code or self.status}}
+
+
+def validation_error(exc: ValidationError, prefix: str = "") -> APIError:
+    """A 400 naming the first field pydantic rejected (``temperature: Input should be ...``)."""
+    error = exc.errors()[0]
+    param = ".".join(str(part) for part in error["loc"]) or None
+    if param is not None and prefix:
+        param = f"{prefix}.{param}"
+    message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"]
+    if "input" in error and not isinstance(error["input"], (dict, list)) and error["type"] != "extra_forbidden":
+        message += f" (got {error['input']!r})"
+    return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields common to completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    """Accepted and ignored (OpenAI uses it for abuse monitoring)."""
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The sampling parameters this request sets, by :class:`SamplingParams` name."""
+        fields: dict[str, Any] = {"n": self.n, "temperature": OPENAI_DEFAULT_TEMPERATURE}
+        for name in ("stop", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
+        if self.logit_bias is not None:
+            try:
+                fields["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
+            except ValueError:
+                raise APIError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
+        fields.update(self.model_extra or {})
+        return fields
+
+
+def sampling_params(fields: dict[str, Any], *, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+    """Validate ``fields`` as :class:`SamplingParams`; a bad or unknown field is a 400 naming it."""
+    if "max_tokens" in fields:
+        raise APIError(400, "max_tokens: give it as the OpenAI field, not twice", param="max_tokens")
+    fields = {**fields, "max_tokens": max_tokens if max_tokens is not None else max(default_max_tokens, 1)}
+    try:
+        return SamplingParams.model_validate(fields)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: one text or token list each."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise APIError(400, "prompt: must not be empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def check_supported(self) -> None:
+        for name, unsupported in (("echo", self.echo), ("suffix", self.suffix is not None),
+                                  ("best_of", self.best_of not in (None, self.n))):
+            if unsupported:
+                raise APIError(400, f"{name}: not supported by patchbay", param=name)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        fields = super().sampling_fields()
+        if self.logprobs is not None:
+            fields["logprobs"] = self.logprobs
+        return fields
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_template_message(self, index: int) -> dict[str, Any]:
+        """The message as the chat template takes it (text parts joined)."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise APIError(400, f"messages.{index}.content: only text parts are supported, got "
+                                        f"{part.get('type')!r}", param=f"messages.{index}.content")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        if self.tools:
+            raise APIError(400, "tools: tool calling is not supported by patchbay", param="tools")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_fields(self) -> dict[str, Any]:
+        fields = super().sampling_fields()
+        if self.logprobs:
+            fields["logprobs"] = self.top_logprobs or 0
+        return fields
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a ``prompt`` or chat ``messages``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
