@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -59,6 +60,19 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
     return uvicorn.Server(config)
 
 
+async def _serve_until_signal(server, sock: socket.socket) -> None:  # noqa: ANN001 - uvicorn.Server
+    """Serve; SIGTERM or SIGINT starts the graceful shutdown (a second one forces it), and the exit is clean.
+
+    uvicorn's own handlers re-raise the signal once it has shut down, which
+    would kill the process before the engine and the KV connector are released.
+    """
+    server.capture_signals = contextlib.nullcontext
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, server.handle_exit, signum, None)
+    await server.serve(sockets=[sock])
+
+
 def serve_from_settings(settings: Settings, *, stream: TextIO = sys.stdout) -> int:
     """Run the server ``settings`` describe until SIGTERM/SIGINT; the exit status of ``patchbay serve``."""
     sock = bind(settings.server.host, settings.server.port)
@@ -70,7 +84,7 @@ def serve_from_settings(settings: Settings, *, stream: TextIO = sys.stdout) -> i
     print(f"patchbay serve: {model_name_of(settings, llm)} on http://{host}:{port}/v1 "
           f"(metrics at /metrics)", file=stream, flush=True)
     try:
-        asyncio.run(server.serve(sockets=[sock]))
+        asyncio.run(_serve_until_signal(server, sock))
     finally:
         sock.close()
         if llm.alive:  # a start-up failure before the lifespan ran
