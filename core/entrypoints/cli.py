@@ -1,4 +1,4 @@
-"""The ``patchbay`` command line: plugins, config, check, run, serve and bench."""
+"""The ``patchbay`` command line: plugins, config, check, run, tune, serve and bench."""
 
 from __future__ import annotations
 
