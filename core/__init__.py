@@ -1,10 +1,11 @@
 """patchbay: an LLM inference runner in which every moving part is a plugin.
 
 Plugin authors need :data:`hookimpl` and :mod:`patchbay.interfaces`;
-embedders use :class:`patchbay.LLM` and :class:`patchbay.SamplingParams`.
+embedders use :class:`patchbay.LLM` (offline) or :class:`patchbay.AsyncLLM`
+(asyncio, streaming) and :class:`patchbay.SamplingParams`.
 
 The package is laid out in rooms that follow a request's path (docs/architecture.md):
-``entrypoints`` (LLM, CLI, run) -> ``engine`` -> ``scheduling`` (device-free) ->
+``entrypoints`` (LLM, CLI, run, serve) -> ``engine`` -> ``scheduling`` (device-free) ->
 ``worker`` (tensors) -> the plugins, whose contract is ``interfaces`` and ``contract``;
 ``testing`` is the conformance kit and ``bench`` the benchmark harness.
 """

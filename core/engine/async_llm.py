@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 import uuid
@@ -25,8 +26,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from patchbay.contract.registry import Registry
-from patchbay.contract.settings import Settings
+from patchbay.contract.registry import Registry, registry_for
+from patchbay.contract.settings import Settings, load_settings
 from patchbay.engine.core import Engine
 from patchbay.engine.detokenizer import StreamingText
 from patchbay.engine.outputs import RequestOutput
@@ -102,13 +103,16 @@ class _Stream:
 class AsyncLLM:
     """Serve many concurrent requests from asyncio on one engine stepping in a background thread.
 
-    ``settings`` as for :class:`patchbay.LLM` (a :class:`Settings`); the
-    model loads in the constructor.  Call :meth:`shutdown` when done.
+    ``settings`` is a :class:`Settings`, a path to a YAML file, or ``None``
+    for the defaults; the model loads in the constructor.  Call
+    :meth:`shutdown` when done.
     """
 
-    def __init__(self, settings: Settings, *, registry: Registry | None = None,
-                 engine: Engine | None = None) -> None:
-        self.engine = engine or Engine(settings, registry=registry)
+    def __init__(self, settings: Settings | str | os.PathLike[str] | None = None, *,
+                 registry: Registry | None = None) -> None:
+        if not isinstance(settings, Settings):
+            settings = load_settings(settings, registry=registry or registry_for)
+        self.engine = Engine(settings, registry=registry)
         self.settings = settings
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -21,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from patchbay.contract.settings import Settings
+from patchbay.contract.settings import DEFAULT_MODEL, Settings
 from patchbay.engine import AsyncLLM, EngineDeadError, RequestDelta, RequestOutput
 from patchbay.entrypoints.serve.metrics import ServerMetrics
 from patchbay.entrypoints.serve.protocol import (
@@ -64,13 +65,22 @@ class _Prepared:
     params: SamplingParams
 
 
-def model_name_of(settings: Settings, llm: AsyncLLM) -> str:
-    return settings.server.served_model_name or llm.engine.model_dir.name
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+"""What clients call the bundled model (``model.path: default``)."""
+
+
+def model_name_of(settings: Settings) -> str:
+    """``server.served_model_name``, else the model directory's name."""
+    if settings.server.served_model_name:
+        return settings.server.served_model_name
+    if settings.model.path == DEFAULT_MODEL:
+        return BUNDLED_MODEL_NAME
+    return Path(settings.model.path).name
 
 
 def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
     """The application serving ``llm``; the caller owns ``llm`` (and shuts it down)."""
-    model_name = model_name_of(settings, llm)
+    model_name = model_name_of(settings)
     state = ServerState(llm, settings, model_name, ServerMetrics(llm, model_name))
     app = FastAPI(title="patchbay", version=_version())
     app.state.patchbay = state

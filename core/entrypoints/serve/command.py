@@ -81,7 +81,7 @@ def serve_from_settings(settings: Settings, *, stream: TextIO = sys.stdout) -> i
     host, port = sock.getsockname()[:2]
     from patchbay.entrypoints.serve.app import model_name_of
 
-    print(f"patchbay serve: {model_name_of(settings, llm)} on http://{host}:{port}/v1 "
+    print(f"patchbay serve: {model_name_of(settings)} on http://{host}:{port}/v1 "
           f"(metrics at /metrics)", file=stream, flush=True)
     try:
         asyncio.run(_serve_until_signal(server, sock))
