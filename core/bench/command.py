@@ -31,6 +31,7 @@ from patchbay.bench.peers import (
 )
 from patchbay.bench.report import append_json_lines, print_table, write_plot
 from patchbay.bench.roofline import ModelCost, Roofline
+from patchbay.bench.serve_load import add_serve_arguments, serve_bench
 
 PEERS = ("generate", "continuous")
 OPTIONAL_PEERS = ("vllm", "llamacpp")
@@ -68,8 +69,9 @@ class BenchOptions:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("workloads", nargs="*", choices=[*wl.WORKLOADS, "all"], default=["throughput"],
-                        help="what to run (default: throughput); 'all' runs the four")
+    parser.add_argument("workloads", nargs="*", choices=[*wl.WORKLOADS, "all", "serve"], default=["throughput"],
+                        help="what to run (default: throughput); 'all' runs the four; 'serve' alone loads a "
+                             "patchbay serve server with the throughput requests and compares with offline")
     parser.add_argument("--model", default="default", help="model directory, or 'default' for the bundled SmolLM2")
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     parser.add_argument("--num-requests", type=int, default=64, help="requests of the throughput workload")
@@ -103,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--out", type=Path, help="directory for results.jsonl and bench.png (default: print only)")
     parser.add_argument("--seed", type=int, default=0)
+    add_serve_arguments(parser)
 
 
 def options_from(args: argparse.Namespace) -> BenchOptions:
@@ -396,6 +399,10 @@ def bench_command(args: argparse.Namespace, stream: TextIO | None = None) -> int
     ``stream`` defaults to the ``sys.stdout`` of the call (not of the import: a captured one may be closed).
     """
     stream = stream if stream is not None else sys.stdout
+    if "serve" in args.workloads:
+        if len(args.workloads) > 1:
+            raise ValueError("patchbay bench serve runs alone; give the other workloads in another run")
+        return serve_bench(args, stream)
     options = options_from(args)
     bench = Bench(options, stream)
     try:
