@@ -262,6 +262,30 @@ def test_a_client_disconnect_mid_stream_frees_the_requests_blocks(server):
     assert idle["patchbay_generation_tokens_total"] < idle["patchbay_prompt_tokens_total"] + 400
 
 
+def test_closing_an_async_stream_frees_its_blocks_before_the_engines_next_step(server):
+    llm = server.llm  # the server's own AsyncLLM, used from this test's event loop
+
+    async def scenario() -> tuple[tuple, tuple, list]:
+        _, token_ids = llm.encode("A prompt long enough to fill a few blocks of the KV cache. " * 4)
+        stream = await llm.add_request(token_ids, SamplingParams(max_tokens=400, ignore_eos=True))
+        async for delta in stream:
+            assert delta.choices and not delta.finished
+            break
+        # Commands run in the engine thread between steps, in order: this one sees the request's blocks ...
+        held = await llm.call(lambda engine: engine.kv_cache_manager.get_block_ids(stream.request_id))
+        stream.close()
+        # ... and this one, queued after the abort, sees them gone, whatever step ran in between.
+        after = await llm.call(lambda engine: engine.kv_cache_manager.get_block_ids(stream.request_id))
+        live = await llm.call(lambda engine: engine.live_outputs(stream.request_id))
+        return held, after, live
+
+    held, after, live = asyncio.run(scenario())
+    assert sum(len(ids) for ids in held) >= 3
+    assert all(not ids for ids in after)
+    assert live == [] or [output.finish_reason for output in live] == ["abort"]  # retired by the next step
+    server.wait_until_idle(timeout=10)
+
+
 def test_requests_over_the_admission_limit_get_503_and_the_rest_run(server):
     limit = MAX_NUM_SEQS + MAX_WAITING
 
