@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from patchbay.contract.registry import Registry
 from patchbay.contract.settings import Settings
 from patchbay.engine import AsyncLLM
 from patchbay.entrypoints.serve.command import bind, make_server
@@ -49,9 +50,9 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def running_server(settings: Settings) -> Iterator[RunningServer]:
-    """Serve ``settings`` on 127.0.0.1 (a free port) until the block exits."""
-    llm = AsyncLLM(settings)
+def running_server(settings: Settings, registry: Registry | None = None) -> Iterator[RunningServer]:
+    """Serve ``settings`` on 127.0.0.1 (a free port) until the block exits (plugins from ``registry`` if given)."""
+    llm = AsyncLLM(settings, registry=registry)
     server = make_server(llm, settings)
     sock = bind("127.0.0.1", 0)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)

@@ -262,6 +262,17 @@ def test_a_client_disconnect_mid_stream_frees_the_requests_blocks(server):
     assert idle["patchbay_generation_tokens_total"] < idle["patchbay_prompt_tokens_total"] + 400
 
 
+def test_a_client_that_gives_up_on_a_non_streamed_request_aborts_it(server):
+    before = server.metrics().get('patchbay_request_success_total{finished_reason="abort"}', 0.0)
+    with pytest.raises(httpx.ReadTimeout):
+        post_timeout = httpx.Timeout(60, read=1.0)
+        httpx.post(f"{server.url}/v1/completions", timeout=post_timeout, headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": "tiny", "prompt": "Count with me:", "max_tokens": 480, "n": 4, "temperature": 0,
+                         "ignore_eos": True})
+    idle = server.wait_until_idle(timeout=10)
+    assert idle['patchbay_request_success_total{finished_reason="abort"}'] == before + 4
+
+
 def test_closing_an_async_stream_frees_its_blocks_before_the_engines_next_step(server):
     llm = server.llm  # the server's own AsyncLLM, used from this test's event loop
 

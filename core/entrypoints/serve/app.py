@@ -251,10 +251,29 @@ async def _respond(state: ServerState, request: Request, stream: bool, stream_op
         return StreamingResponse(_sse(format, response_id, prepared, streams, include_usage, release),
                                  media_type="text/event-stream")
     try:
-        outputs = await _collect(streams)
+        outputs = await _collect_unless_disconnected(request, streams)
     finally:
         release()
+    if outputs is None:
+        return Response(status_code=499)  # nobody is listening; the requests were aborted by release()
     return JSONResponse(format.response(response_id, prepared, outputs))
+
+
+DISCONNECT_POLL_SECONDS = 0.5
+
+
+async def _collect_unless_disconnected(request: Request, streams: list[Any]) -> list[RequestOutput] | None:
+    """:func:`_collect`, or ``None`` as soon as the client has gone (checked every half second)."""
+    collecting = asyncio.ensure_future(_collect(streams))
+    try:
+        while True:
+            done, _ = await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return collecting.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        collecting.cancel()
 
 
 async def _collect(streams: list[Any]) -> list[RequestOutput]:
