@@ -289,7 +289,10 @@ class AsyncLLM:
         deltas: list[tuple[_Stream, RequestDelta]] = []
         for output in finished:
             for listener in self._finish_listeners:
-                listener(output)
+                try:
+                    listener(output)
+                except Exception:  # noqa: BLE001 - a listener (metrics) must not stop the engine
+                    logger.exception("finish listener %r failed on request %s", listener, output.request_id)
             stream = self._streams.pop(output.request_id, None)
             if stream is None:  # aborted: its stream already ended
                 continue

@@ -242,14 +242,19 @@ async def _respond(state: ServerState, request: Request, stream: bool, stream_op
     response_id = f"{format.id_prefix}-{request_id}"
     include_usage = bool(stream_options and stream_options.include_usage)
 
+    released = False
+
     def release() -> None:
-        for opened in streams:
-            opened.close()
-        state.admitted -= sequences
+        nonlocal released
+        if not released:
+            released = True
+            for opened in streams:
+                opened.close()
+            state.admitted -= sequences
 
     if stream:
-        return StreamingResponse(_sse(format, response_id, prepared, streams, include_usage, release),
-                                 media_type="text/event-stream")
+        return _ReleasingStreamingResponse(_sse(format, response_id, prepared, streams, include_usage, release),
+                                           release)
     try:
         outputs = await _collect_unless_disconnected(request, streams)
     finally:
@@ -274,6 +279,20 @@ async def _collect_unless_disconnected(request: Request, streams: list[Any]) -> 
                 return None
     finally:
         collecting.cancel()
+
+
+class _ReleasingStreamingResponse(StreamingResponse):
+    """An SSE response that releases its requests however it ends, even if its body never started."""
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 async def _collect(streams: list[Any]) -> list[RequestOutput]:
