@@ -202,6 +202,7 @@ def test_an_unknown_model_is_404(server):
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"echo": True}, "echo"),
     ({"prompt": 123}, "prompt"),
+    ({"n": 1000}, "n"),
 ])
 def test_a_bad_field_is_400_naming_it(server, body, param):
     response = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", **body})
@@ -223,7 +224,8 @@ def test_a_sampler_that_cannot_serve_a_parameter_is_400_naming_it(tiny_llama):
         response = post(greedy_server, "/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 0,
                                                            "top_k": 5})
         assert response.status_code == 400
-        assert "top_k" in error_of(response)["message"]
+        error = error_of(response)
+        assert "top_k" in error["message"] and error["param"] == "top_k"
         ok = post(greedy_server, "/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 0})
         assert ok.status_code == 200
 

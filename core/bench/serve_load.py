@@ -145,6 +145,11 @@ def served_row(rate: float, timings: list[RequestTiming], seconds: float, arriva
                      first_error=next((t.error for t in timings if t.error), None))
 
 
+def warm_up_requests(requests: list[wl.BenchRequest]) -> list[wl.BenchRequest]:
+    """A few of the requests, cut short: run untimed first on each side (first-call allocations, kernel choices)."""
+    return [wl.BenchRequest(r.prompt_token_ids, 4) for r in requests[:8]]
+
+
 def offline_row(requests: list[wl.BenchRequest], settings_overrides: list[str]) -> dict[str, Any]:
     """The same requests through ``patchbay.LLM.generate`` (what ``patchbay run`` does), all at once."""
     import patchbay
@@ -152,7 +157,8 @@ def offline_row(requests: list[wl.BenchRequest], settings_overrides: list[str]) 
     from patchbay.sampling_params import SamplingParams
 
     llm = patchbay.LLM(load_settings(None, overrides=settings_overrides))
-    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2))  # warm-up, as the server had its first requests
+    warm_up = warm_up_requests(requests)
+    llm.generate([r.prompt_token_ids for r in warm_up], [SamplingParams(max_tokens=r.max_tokens) for r in warm_up])
     started = time.perf_counter()
     outputs = llm.generate([r.prompt_token_ids for r in requests],
                            [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in requests])
@@ -247,6 +253,8 @@ def serve_bench(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
     rows = []
     server = contextlib.nullcontext((args.url, None)) if args.url else serve_subprocess(overrides, stream)
     with server as (url, model):
+        asyncio.run(run_load(url, model, warm_up_requests(workload.requests), rate=math.inf, arrivals="fixed",
+                             max_concurrency=args.max_concurrency, seed=args.seed))
         for rate in args.rates:
             print(f"serve: {len(workload.requests)} requests at {rate:g} req/s ({args.arrivals}), "
                   f"at most {args.max_concurrency} in flight ...", file=stream, flush=True)

@@ -219,6 +219,9 @@ async def _respond(state: ServerState, request: Request, stream: bool, stream_op
     if not state.accepting:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     sequences = sum(p.params.n for p in prepared)
+    if sequences > state.admission_limit:
+        raise APIError(400, f"n: {sequences} sequences can never be admitted; the limit is {state.admission_limit} "
+                            f"(scheduler.max_num_seqs + server.max_waiting)", param="n")
     if state.admitted + sequences > state.admission_limit:
         raise APIError(503, f"the server is at its limit of {state.admission_limit} sequences in flight "
                             f"(scheduler.max_num_seqs + server.max_waiting); retry later", code="queue_full")
@@ -230,8 +233,8 @@ async def _respond(state: ServerState, request: Request, stream: bool, stream_op
             try:
                 streams.append(await state.llm.add_request(item.token_ids, item.params, prompt=item.text,
                                                            request_id=f"{format.id_prefix}-{request_id}-{index}"))
-            except ValueError as exc:
-                raise APIError(400, str(exc)) from None
+            except ValueError as exc:  # the engine refuses it (e.g. a parameter the sampler cannot serve)
+                raise APIError(400, str(exc), param=_named_parameter(str(exc), item.params)) from None
             except EngineDeadError as exc:
                 raise APIError(500, str(exc)) from None
     except BaseException:
@@ -279,6 +282,11 @@ async def _collect_unless_disconnected(request: Request, streams: list[Any]) -> 
                 return None
     finally:
         collecting.cancel()
+
+
+def _named_parameter(message: str, params: SamplingParams) -> str | None:
+    """The first sampling parameter the request sets that the engine's refusal names."""
+    return next((name for name in sorted(params.params_used()) if name in message), None)
 
 
 class _ReleasingStreamingResponse(StreamingResponse):
