@@ -39,7 +39,8 @@ def test_bench_serve_streams_every_requested_token_and_reports_the_overhead(tiny
     printed = capsys.readouterr().out
     assert "serving overhead" in printed
     rows = [json.loads(line) for line in (out / "serve.jsonl").read_text().splitlines()]
-    assert [row["run"] for row in rows] == ["serve @ 30 req/s", "serve @ inf req/s", "offline (patchbay run)"]
+    assert [row["run"] for row in rows] == ["serve @ 30 req/s", "serve @ inf req/s", "offline (patchbay run)",
+                                            "in-process AsyncLLM"]
     from transformers import AutoTokenizer
 
     workload = wl.throughput(wl.source_corpus(AutoTokenizer.from_pretrained(tiny_llama)), num_requests=12,
@@ -47,5 +48,5 @@ def test_bench_serve_streams_every_requested_token_and_reports_the_overhead(tiny
     for row in rows:
         assert row["errors"] == 0 and row["generated_tokens"] == workload.generated_tokens, row
         assert row["ttft"]["p50_ms"] > 0 and row["itl"]["p50_ms"] > 0
-    assert rows[1]["overhead_x"] > 0
+    assert rows[1]["overhead_x"] > 0 and rows[1]["http_overhead_x"] > 0
     assert (out / "serve.png").stat().st_size > 0

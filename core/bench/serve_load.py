@@ -7,7 +7,8 @@ requests.  Per rate: throughput, TTFT, inter-token latency and end-to-end
 percentiles.  The same requests then run offline through ``patchbay.LLM``
 (``patchbay run``'s path) in this process, after the server has stopped, so
 the serving overhead is a measured ratio.  The server is a ``patchbay serve``
-subprocess on a loopback port (or ``--url``, one already running).
+subprocess on a loopback port (or ``--url``, one already running).  Both
+sides run without the prefix cache, since each rate repeats the requests.
 """
 
 from __future__ import annotations
@@ -169,6 +170,39 @@ def offline_row(requests: list[wl.BenchRequest], settings_overrides: list[str]) 
                      [o.metrics.e2e_latency for o in outputs if o.metrics.e2e_latency is not None], 0)
 
 
+def in_process_row(requests: list[wl.BenchRequest], settings_overrides: list[str], max_concurrency: int) -> dict[str, Any]:
+    """The same requests through ``patchbay.AsyncLLM`` in this process, no HTTP, at most ``max_concurrency`` at once.
+
+    What the server does less the HTTP layer: its ratio to the served figures is the cost of HTTP, JSON and SSE.
+    """
+    import patchbay
+    from patchbay.contract.settings import load_settings
+    from patchbay.sampling_params import SamplingParams
+
+    async def run() -> dict[str, Any]:
+        llm = patchbay.AsyncLLM(load_settings(None, overrides=settings_overrides))
+        limit = asyncio.Semaphore(max_concurrency)
+
+        async def one(request: wl.BenchRequest, ignore_eos: bool = True) -> Any:
+            async with limit:
+                async for delta in llm.generate(request.prompt_token_ids,
+                                                SamplingParams(max_tokens=request.max_tokens, ignore_eos=ignore_eos)):
+                    if delta.finished:
+                        return delta.output
+
+        await asyncio.gather(*(one(r, False) for r in warm_up_requests(requests)))
+        started = time.perf_counter()
+        outputs = await asyncio.gather(*(one(r) for r in requests))
+        seconds = time.perf_counter() - started
+        await llm.shutdown()
+        return summarize("in-process AsyncLLM", seconds, sum(len(o.token_ids) for o in outputs),
+                         [o.metrics.time_to_first_token for o in outputs],
+                         [gap for o in outputs for gap in o.metrics.inter_token_latencies if gap > 0],
+                         [o.metrics.e2e_latency for o in outputs], 0)
+
+    return asyncio.run(run())
+
+
 @contextlib.contextmanager
 def serve_subprocess(overrides: list[str], stream: TextIO) -> Iterator[tuple[str, str]]:
     """``patchbay serve`` on 127.0.0.1 and a free port; yields its URL and model name, stops it with SIGTERM."""
@@ -240,7 +274,8 @@ def serve_bench(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
     from patchbay.worker.model_loader import resolve_model_dir
 
     max_num_seqs = max(args.concurrency)
-    overrides = [f"model.path={args.model}", f"scheduler.max_num_seqs={max_num_seqs}",
+    # No prefix cache: every rate sends the same requests, and a later run must not find an earlier one's prompts.
+    overrides = [f"model.path={args.model}", f"scheduler.max_num_seqs={max_num_seqs}", "cache.prefix_caching=false",
                  f"scheduler.max_num_batched_tokens={args.max_num_batched_tokens}",
                  f"server.max_waiting={max(args.num_requests, args.max_concurrency)}"]
     if args.threads is not None:
@@ -264,13 +299,18 @@ def serve_bench(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
     print("offline: the same requests through patchbay.LLM ...", file=stream, flush=True)
     offline = offline_row(workload.requests, overrides)
     rows.append(offline)
+    print("in process: the same requests through patchbay.AsyncLLM, no HTTP ...", file=stream, flush=True)
+    in_process = in_process_row(workload.requests, overrides, args.max_concurrency)
+    rows.append(in_process)
     all_at_once = next((row for row in rows if row["run"].startswith("serve") and row.get("rate") is None), None)
     if all_at_once is not None and all_at_once["generated_tokens_per_s"]:
         all_at_once["overhead_x"] = offline["generated_tokens_per_s"] / all_at_once["generated_tokens_per_s"]
+        all_at_once["http_overhead_x"] = in_process["generated_tokens_per_s"] / all_at_once["generated_tokens_per_s"]
     print_rows(rows, stream)
     if all_at_once is not None and "overhead_x" in all_at_once:
         print(f"\nserving overhead (offline tok/s / served tok/s, all requests at once): "
-              f"{all_at_once['overhead_x']:.2f}x", file=stream)
+              f"{all_at_once['overhead_x']:.2f}x; HTTP overhead (in-process AsyncLLM tok/s / served tok/s, same "
+              f"concurrency cap): {all_at_once['http_overhead_x']:.2f}x", file=stream)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         append_json_lines(args.out / "serve.jsonl", rows, model=str(model_dir), requests=len(workload.requests))
