@@ -299,6 +299,23 @@ def test_closing_an_async_stream_frees_its_blocks_before_the_engines_next_step(s
     server.wait_until_idle(timeout=10)
 
 
+def test_an_aborted_request_ends_its_stream_with_finish_reason_abort(server):
+    llm = server.llm
+
+    async def scenario() -> list:
+        stream = await llm.add_request([100, 200, 300], SamplingParams(max_tokens=400, ignore_eos=True, n=2))
+        deltas = [await anext(stream)]
+        await llm.abort(stream.request_id)
+        deltas += [delta async for delta in stream]
+        return deltas
+
+    deltas = asyncio.run(scenario())
+    last = deltas[-1]
+    assert last.finished and [c.finish_reason for c in last.output.completions] == ["abort", "abort"]
+    assert len(last.output.completions[0].token_ids) < 400
+    server.wait_until_idle(timeout=10)
+
+
 def test_requests_over_the_admission_limit_get_503_and_the_rest_run(server):
     limit = MAX_NUM_SEQS + MAX_WAITING
 

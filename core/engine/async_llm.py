@@ -173,7 +173,8 @@ class AsyncLLM:
             stream.close()
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request (its stream ends with finish reason ``abort``); unknown ids are ignored."""
+        """Abort a request: its blocks are freed before the next step, and its stream ends with a last delta
+        of finish reason ``abort``.  Unknown or finished ids are ignored."""
         await self._call(lambda: self._abort(request_id))
 
     def abort_soon(self, request_id: str) -> None:
@@ -223,11 +224,9 @@ class AsyncLLM:
         self._num_sequences += params.n
 
     def _abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
-        self._num_sequences -= len(stream.texts)
-        self.engine.abort([request_id])
+        # The stream stays: the next step returns the aborted request, and its last delta ends the stream.
+        if request_id in self._streams:
+            self.engine.abort([request_id])
 
     def _abort_all(self) -> None:
         for request_id in list(self._streams):
@@ -324,7 +323,10 @@ class AsyncLLM:
         new_ids = list(token_ids[sent:])
         stream.num_sent_tokens[index] = len(token_ids)
         new_logprobs = None if logprobs is None else list(logprobs[sent:len(token_ids)])
-        if finish_reason is not None:
+        if finish_reason == "abort":  # cut off where it stood: no text held back is sent
+            stream.finished[index] = True
+            new_text = ""
+        elif finish_reason is not None:
             stream.finished[index] = True
             stream.texts[index].detokenizer.add(new_ids)
             new_text = stream.texts[index].finish(text)
