@@ -67,6 +67,18 @@ def test_greedy_completions_are_those_of_llm_generate(client, offline):
     assert response.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
 
 
+def test_a_streamed_batch_of_prompts_interleaves_its_choices_by_index(client, offline):
+    expected = offline.generate(PROMPTS[:2], SamplingParams(max_tokens=10, ignore_eos=True))
+    texts = ["", ""]
+    finish = [None, None]
+    for chunk in client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=10, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        finish[choice.index] = choice.finish_reason or finish[choice.index]
+    assert texts == [o.text for o in expected] and finish == ["length", "length"]
+
+
 def test_streamed_greedy_chat_is_the_offline_text_in_pieces(client, offline):
     (expected,) = offline.generate({"messages": MESSAGES}, SamplingParams(max_tokens=20, ignore_eos=True))
     stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=20, temperature=0,
