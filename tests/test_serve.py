@@ -17,6 +17,7 @@ from serving import RunningServer, running_server
 import patchbay
 from patchbay import SamplingParams
 from patchbay.contract.settings import load_settings
+from patchbay.engine import AsyncLLM, EngineDeadError
 
 API_KEY = "sk-patchbay-test"
 MAX_NUM_SEQS = 16
@@ -326,6 +327,22 @@ def test_an_aborted_request_ends_its_stream_with_finish_reason_abort(server):
     assert last.finished and [c.finish_reason for c in last.output.completions] == ["abort", "abort"]
     assert len(last.output.completions[0].token_ids) < 400
     server.wait_until_idle(timeout=10)
+
+
+def test_shutdown_aborts_what_its_grace_period_leaves_and_refuses_new_requests(tiny_llama):
+    async def scenario() -> list:
+        llm = AsyncLLM(serve_settings(tiny_llama))
+        stream = await llm.add_request([100, 200, 300], SamplingParams(max_tokens=480, ignore_eos=True))
+        await anext(stream)
+        await llm.shutdown(grace_period=0.2)
+        rest = [delta async for delta in stream]
+        with pytest.raises(EngineDeadError):
+            await llm.add_request([100, 200, 300], SamplingParams())
+        assert not llm.alive
+        return rest
+
+    rest = asyncio.run(scenario())
+    assert rest[-1].finished and rest[-1].output.finish_reason == "abort"
 
 
 def test_requests_over_the_admission_limit_get_503_and_the_rest_run(server):

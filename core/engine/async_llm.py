@@ -260,15 +260,20 @@ class AsyncLLM:
             self.error = exc
             self._fail_all(exc)
         finally:
+            self._reject_pending(EngineDeadError("the engine has shut down"))
             self._close_connector()
 
-    def _fail_all(self, exc: BaseException) -> None:
-        error = EngineDeadError(f"the engine stopped: {type(exc).__name__}: {exc}")
+    def _reject_pending(self, error: BaseException) -> None:
+        """Fail the commands still queued (they came in as the thread stopped)."""
         with self._condition:
             commands, self._commands = self._commands, []
         for _, future in commands:
             if future is not None and not future.done():
                 future.set_exception(error)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = EngineDeadError(f"the engine stopped: {type(exc).__name__}: {exc}")
+        self._reject_pending(error)
         for stream in self._streams.values():
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
         self._streams.clear()
@@ -293,7 +298,7 @@ class AsyncLLM:
                 except Exception:  # noqa: BLE001 - a listener (metrics) must not stop the engine
                     logger.exception("finish listener %r failed on request %s", listener, output.request_id)
             stream = self._streams.pop(output.request_id, None)
-            if stream is None:  # aborted: its stream already ended
+            if stream is None:  # not added through this front end
                 continue
             self._num_sequences -= len(stream.texts)
             completions = output.completions or [output.completion()]
