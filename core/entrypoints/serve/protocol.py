@@ -93,8 +93,6 @@ class _GenerationRequest(BaseModel):
 
 def sampling_params(fields: dict[str, Any], *, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
     """Validate ``fields`` as :class:`SamplingParams`; a bad or unknown field is a 400 naming it."""
-    if "max_tokens" in fields:
-        raise APIError(400, "max_tokens: give it as the OpenAI field, not twice", param="max_tokens")
     fields = {**fields, "max_tokens": max_tokens if max_tokens is not None else max(default_max_tokens, 1)}
     try:
         return SamplingParams.model_validate(fields)
