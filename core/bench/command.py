@@ -70,7 +70,7 @@ class BenchOptions:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workloads", nargs="*", choices=[*wl.WORKLOADS, "all", "serve"], default=["throughput"],
-                        help="what to run (default: throughput); 'all' runs the four; 'serve' alone loads a "
+                        help="what to run (default: throughput); 'all' runs every one but serve; 'serve' alone loads a "
                              "patchbay serve server with the throughput requests and compares with offline")
     parser.add_argument("--model", default="default", help="model directory, or 'default' for the bundled SmolLM2")
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
