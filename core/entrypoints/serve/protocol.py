@@ -170,10 +170,26 @@ class ChatCompletionRequest(_GenerationRequest):
     def check_supported(self) -> None:
         if self.tools:
             raise APIError(400, "tools: tool calling is not supported by patchbay", param="tools")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
+        self.structured_output()  # a malformed response_format is a 400 before anything runs
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+
+    def structured_output(self) -> dict[str, Any] | None:
+        """``response_format`` as patchbay's ``structured_output`` constraint (``None`` for plain text)."""
+        response_format = self.response_format
+        kind = None if response_format is None else response_format.get("type")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return {"json_object": True}
+        if kind == "json_schema":
+            schema = (response_format.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format.json_schema.schema: a JSON schema object is required",
+                               param="response_format.json_schema.schema")
+            return {"json_schema": schema}
+        raise APIError(400, f"response_format.type: {kind!r} is not one of text, json_object, json_schema",
+                       param="response_format.type")
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -182,6 +198,12 @@ class ChatCompletionRequest(_GenerationRequest):
         fields = super().sampling_fields()
         if self.logprobs:
             fields["logprobs"] = self.top_logprobs or 0
+        constraint = self.structured_output()
+        if constraint is not None:
+            if "structured_output" in fields:
+                raise APIError(400, "structured_output: give response_format or structured_output, not both",
+                               param="structured_output")
+            fields["structured_output"] = constraint
         return fields
 
 
