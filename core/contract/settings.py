@@ -56,6 +56,8 @@ class ModelSettings(Section):
     weights for steps of few rows on the CPU, activations in ``dtype``."""
     max_model_len: PositiveInt | None = None
     """Longest prompt + output in tokens; default: the model's own limit."""
+    max_logprobs: int = Field(default=20, ge=-1)
+    """Most ``logprobs`` / ``prompt_logprobs`` a request may ask for per position; ``-1``: the whole vocabulary."""
 
 
 class RuntimeSettings(Section):

@@ -10,11 +10,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from patchbay.engine.async_llm import AsyncLLM, ChoiceDelta, EngineDeadError, EngineSnapshot, RequestDelta
+    from patchbay.engine.async_llm import AsyncLLM, ChoiceDelta, EngineSnapshot, RequestDelta
     from patchbay.engine.core import Engine, measure_machine_defaults
     from patchbay.engine.detokenizer import IncrementalDetokenizer, StreamingText
     from patchbay.engine.outputs import Completion, RequestMetrics, RequestOutput
     from patchbay.engine.prompts import Prompt, encode_prompt
+    from patchbay.engine.step_failures import EngineDeadError
     from patchbay.worker.model_loader import ModelLoadError
 
 __all__ = ["AsyncLLM", "ChoiceDelta", "Completion", "Engine", "EngineDeadError", "EngineSnapshot",
@@ -23,7 +24,8 @@ __all__ = ["AsyncLLM", "ChoiceDelta", "Completion", "Engine", "EngineDeadError",
 _ASYNC = "patchbay.engine.async_llm"
 _MODULE_OF = {"Engine": "patchbay.engine.core", "ModelLoadError": "patchbay.worker.model_loader",
               "measure_machine_defaults": "patchbay.engine.core",
-              "AsyncLLM": _ASYNC, "ChoiceDelta": _ASYNC, "EngineDeadError": _ASYNC, "EngineSnapshot": _ASYNC,
+              "AsyncLLM": _ASYNC, "ChoiceDelta": _ASYNC, "EngineSnapshot": _ASYNC,
+              "EngineDeadError": "patchbay.engine.step_failures",
               "RequestDelta": _ASYNC, "IncrementalDetokenizer": "patchbay.engine.detokenizer",
               "StreamingText": "patchbay.engine.detokenizer", "Prompt": "patchbay.engine.prompts",
               "encode_prompt": "patchbay.engine.prompts"}

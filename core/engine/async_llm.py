@@ -33,12 +33,11 @@ from patchbay.engine.detokenizer import StreamingText
 from patchbay.engine.outputs import RequestOutput
 from patchbay.engine.prompts import Prompt, encode_prompt
 from patchbay.sampling_params import SamplingParams
+from patchbay.engine.step_failures import EngineDeadError  # one error for a dead engine, whichever front end
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an error; no request can run any more."""
 
 
 @dataclass

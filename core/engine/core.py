@@ -21,6 +21,7 @@ import torch
 from patchbay.contract.registry import Registry, registry_for
 from patchbay.contract.selection import create, require_serves, select_attention_backend
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings, plugin_options
+from patchbay.engine.admission import AdmissionLimits, check_request, effective_max_logprobs
 from patchbay.engine.outputs import RequestMetrics, RequestOutput, find_stop_string, merge_completions
 from patchbay.engine.structured_output import check_constraint, grammar_compilations
 from patchbay.interfaces import (
@@ -39,6 +40,7 @@ from patchbay.sampling_params import SamplingParams
 from patchbay.scheduling.kv_cache_manager import KVCacheManager, num_blocks_for_memory
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
 from patchbay.scheduling.request import Request
+from patchbay.engine.step_failures import EngineDeadError, describe_failure, fail_requests, replay_alone
 from patchbay.scheduling.scheduler import Scheduler
 from patchbay.worker.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.model_loader import resolve_model_dir
@@ -203,6 +205,10 @@ class Engine:
         """Requests with n > 1: their sequence ids and the sequences finished so far."""
         self._group_of: dict[str, str] = {}
         self._aborted: list[str] = []
+        self._dead: str | None = None
+        """Why the engine stopped for good (an error that may have corrupted its state); ``None`` while it runs."""
+        self.limits = AdmissionLimits(shape.vocab_size, self.max_model_len,
+                                      effective_max_logprobs(settings.model.max_logprobs, shape.vocab_size))
         self._ids = itertools.count()
         eos = shape.eos_token_ids
         self._eos_token_id = eos[0] if eos else None
@@ -301,17 +307,11 @@ class Engine:
         seeds ``seed, seed + 1, ...``) and finishes as one output holding all
         ``n`` completions.
         """
+        self._require_alive()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._outputs or request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._check_sampling(request_id, sampling_params)
-        check_constraint(request_id, sampling_params, self.grammars)
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r} has an empty prompt")
-        vocab = self.model.shape.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r} has token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}")
+        self.check_request(request_id, prompt_token_ids, sampling_params)
         sampling_params = self._complete_params(sampling_params)
         if sampling_params.n == 1:
             self._add_sequence(request_id, prompt_token_ids, sampling_params, prompt)
@@ -350,6 +350,18 @@ class Engine:
         )
         self.stats.num_prompt_tokens += len(prompt_token_ids)
 
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the request if it cannot run here (vocabulary, lengths, logprobs, sampler).
+
+        :meth:`add_request` calls it; a job can call it for every request
+        before adding any, so that no result is written for a job that is invalid.
+        """
+        if not isinstance(request_id, str):
+            raise ValueError(f"a request id must be a string, got {type(request_id).__name__} {request_id!r}")
+        check_request(request_id, prompt_token_ids, params, self.limits)
+        self._check_sampling(request_id, params)
+        check_constraint(request_id, params, self.grammars)
+
     def _check_sampling(self, request_id: str, params: SamplingParams) -> None:
         # Prompt logprobs come from the runner, not the sampler.
         config = SamplerConfig(device=self.device.type, dtype=self.dtype,
@@ -361,6 +373,7 @@ class Engine:
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests; their outputs finish with reason ``abort`` (returned by the next :meth:`step`)."""
+        self._require_alive()
         sequence_ids = [child for request_id in request_ids
                         for child in (self._groups[request_id][0] if request_id in self._groups else [request_id])]
         self.scheduler.abort_requests(sequence_ids)
@@ -386,21 +399,92 @@ class Engine:
         output = self._outputs.get(request_id)
         return [] if output is None else [output]
 
+    def discard(self, request_ids: list[str]) -> None:
+        """Abort requests and forget them: no step returns their outputs, and their ids are free again."""
+        self._require_alive()
+        sequence_ids = [child for request_id in request_ids
+                        for child in (self._groups[request_id][0] if request_id in self._groups else [request_id])]
+        self.scheduler.abort_requests(sequence_ids)
+        for sequence_id in sequence_ids:
+            self._outputs.pop(sequence_id, None)
+            self._group_of.pop(sequence_id, None)
+        for request_id in request_ids:
+            self._groups.pop(request_id, None)
+        dropped = set(sequence_ids)
+        self._aborted = [sequence_id for sequence_id in self._aborted if sequence_id not in dropped]
+
     def has_unfinished_requests(self) -> bool:
         """Whether a :meth:`step` still has work or outputs (aborted requests are returned by the next step)."""
+        self._require_alive()
         return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+
+    @property
+    def is_dead(self) -> bool:
+        """Whether an earlier error stopped the engine for good (every call then raises :class:`EngineDeadError`)."""
+        return self._dead is not None
+
+    def _require_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error that may have corrupted its state "
+                                  f"({self._dead}); create a new engine")
+
+    def _plugins(self) -> dict[str, list[Any]]:
+        """The run's plugin objects by ``KIND:NAME``, to name the one an exception came from."""
+        settings = self.settings
+        runner = self.runner
+        plugins: dict[str, list[Any]] = {
+            f"sampler:{settings.sampler.name}": [self.sampler],
+            f"attention:{self.backend_name}": [runner.backend, *(b.impl for b in runner._bindings.values())],
+            f"attention_metadata_builder:{settings.attention.metadata_builder or type(runner.backend).metadata_builder}":
+                list(runner.builders),
+        }
+        if settings.speculative is not None:
+            plugins[f"drafter:{settings.speculative.method}"] = [runner.drafter]
+            plugins[f"sampler:{settings.speculative.rejection_sampler}"] = [runner.rejection_sampler]
+        if settings.kv_connector is not None and self.kv_connector is not None:
+            plugins[f"kv_connector:{settings.kv_connector.name}"] = [self.kv_connector, runner.kv_connector,
+                                                                      self.scheduler.kv_connector]
+        return plugins
 
     # -- stepping --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the requests that finished in it."""
+        """Run one step; return the requests that finished in it.
+
+        A request whose work raises in the step finishes alone with
+        ``finish_reason="error"`` (its ``error`` says what raised, naming the
+        plugin); an error that may have corrupted the engine's state makes
+        this and every later call raise :class:`EngineDeadError`.
+        """
+        self._require_alive()
+        try:
+            return self._step()
+        except BaseException as exc:
+            self._dead = describe_failure(exc, self._plugins()) if not isinstance(exc, EngineDeadError) else str(exc)
+            logger.error("engine stopped: %s", self._dead)
+            if isinstance(exc, Exception) and not isinstance(exc, EngineDeadError):
+                raise EngineDeadError(f"the engine stopped: {self._dead}") from exc
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         self.stats.num_preemptions += len(scheduler_output.preempted_req_ids)
         scheduled = time.perf_counter()
         self._engine_timings["schedule"] += scheduled - started
-        runner_output = self.runner.execute_model(scheduler_output)
+        failed: dict[str, str] = {}
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+        except Exception as exc:
+            runner_output, failed = self._replay_failed_step(scheduler_output, exc)
         ran = time.perf_counter()
+        now = time.monotonic()
+        errored = []
+        for request_id, message in failed.items():
+            logger.warning("request %r failed: %s", self._group_of.get(request_id, request_id), message)
+            output = self._outputs[request_id]
+            output.finish_reason, output.error, output.metrics.finish_time = "error", message, now
+            errored.append(request_id)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.stats.num_steps += 1
         now = time.monotonic()
@@ -415,7 +499,7 @@ class Engine:
             output = self._outputs.get(request_id)
             if output is not None and output.prompt_logprobs is None:  # a preempted request computes them again
                 output.prompt_logprobs = prompt_logprobs
-        finished_ids = self._aborted
+        finished_ids = self._aborted + errored
         self._aborted = []
         stopped: list[tuple[str, str]] = []
         for update in updates:
@@ -444,6 +528,18 @@ class Engine:
         finished = [result for sequence_id in finished_ids if (result := self._finish(sequence_id)) is not None]
         self._engine_timings["finish"] += time.perf_counter() - ran
         return finished
+
+    def _replay_failed_step(self, scheduler_output: Any, exc: Exception) -> tuple[Any, dict[str, str]]:
+        """Replay a step whose runner raised request by request; fail (and free) the requests that raise alone."""
+        if self.kv_connector is not None:
+            # The step's loads and saves cannot be replayed per request without re-saving blocks not yet computed.
+            raise EngineDeadError(f"the runner failed in a step with a KV connector: "
+                                  f"{describe_failure(exc, self._plugins())}") from exc
+        logger.warning("a step failed (%s); running its %d requests one by one to find the one at fault",
+                       describe_failure(exc, self._plugins()), len(scheduler_output.num_scheduled_tokens))
+        isolated = replay_alone(self.runner, self.scheduler, scheduler_output, self._plugins())
+        fail_requests(self.scheduler, isolated.errors)
+        return isolated.output, isolated.errors
 
     def _speed_up_linears(self, runtime: Any, quantization: str) -> None:
         """Apply ``model.quantization``, ``runtime.fuse_projections`` and ``runtime.linear_kernel`` to the linears."""

@@ -56,7 +56,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-    """``"stop"`` (EOS, stop token or stop string), ``"length"`` or ``"abort"``."""
+    """``"stop"`` (EOS, stop token or stop string), ``"length"``, ``"abort"`` or ``"error"``."""
     stop_reason: int | str | None = None
     logprobs: list[Any] | None = None
     """Per generated token, its logprobs (when the request asked for ``logprobs``)."""
@@ -96,6 +96,8 @@ class RequestOutput:
     """Per prompt token, its logprobs (``None`` for the first); set when the request asked for ``prompt_logprobs``."""
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     completions: list[Completion] = field(default_factory=list)
+    error: str | None = None
+    """Why the request failed, when ``finish_reason`` is ``"error"`` (what raised, naming the plugin if one did)."""
 
     @property
     def finished(self) -> bool:
@@ -118,6 +120,8 @@ class RequestOutput:
             "num_generated_tokens": sum(len(c.token_ids) for c in self.completions) or len(self.token_ids),
             "metrics": self.metrics.as_dict(),
         }
+        if self.error is not None:
+            result["error"] = self.error
         if self.logprobs is not None:
             result["logprobs"] = [_logprobs_dict(entry) for entry in self.logprobs]
         if self.prompt_logprobs is not None:
@@ -149,6 +153,7 @@ def merge_completions(request_id: str, sequences: list[RequestOutput]) -> Reques
         request_id, first.prompt, first.prompt_token_ids, first.sampling_params, first.token_ids, first.text,
         first.finish_reason, first.stop_reason, first.logprobs, first.prompt_logprobs, metrics,
         completions=[sequence.completion(index) for index, sequence in enumerate(sequences)],
+        error=next((sequence.error for sequence in sequences if sequence.error is not None), None),
     )
 
 

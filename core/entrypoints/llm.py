@@ -66,24 +66,30 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling parameter sets")
+        if request_ids is not None and len(request_ids) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(request_ids)} request ids")
         order: dict[str, int] = {}
+        results: list[RequestOutput | None] = [None] * len(prompts)
         try:
             for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                text, token_ids = self.encode(prompt)
-                request_id = self.engine.add_request(
-                    token_ids, params, prompt=text, request_id=None if request_ids is None else request_ids[index]
-                )
+                request_id = None if request_ids is None else request_ids[index]
+                try:
+                    text, token_ids = self.encode(prompt)
+                except ValueError as exc:
+                    raise ValueError(f"request {request_id if request_id is not None else index!r}: {exc}") from None
+                request_id = self.engine.add_request(token_ids, params, prompt=text, request_id=request_id)
                 order[request_id] = index
-        except Exception:
-            self.engine.abort(list(order))
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.request_id in order:
+                        results[order[output.request_id]] = output
+                        if on_finished is not None:
+                            on_finished(output)
+        except BaseException:
+            # Whatever stopped us (a bad request, a callback, Ctrl-C), none of ours stays queued in the engine.
+            if not self.engine.is_dead:
+                self.engine.discard([request_id for request_id, index in order.items() if results[index] is None])
             raise
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.request_id in order:
-                    results[order[output.request_id]] = output
-                    if on_finished is not None:
-                        on_finished(output)
         return [result for result in results if result is not None]
 
 

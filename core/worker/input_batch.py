@@ -27,7 +27,8 @@ class InputBatch:
         self.max_model_len = max_model_len
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
-        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        # One column past max_model_len: a prompt of exactly max_model_len tokens still samples one token.
+        self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         """Known tokens of each row: prompt, then generated (the sampled one of the last step included)."""
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)

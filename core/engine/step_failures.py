@@ -1,0 +1,139 @@
+"""When a step raises: find the request at fault, fail it alone, and go on; or stop the engine for good.
+
+The runner works on a whole batch, so an exception from it (a plugin that
+raises for one request's parameters, say) does not say whose it was.  The
+scheduler has not advanced anything yet (it does that from the runner's
+output), so the step can be replayed: every request of the step is dropped
+from the runner's persistent batch and run again *alone*, as a new request
+with its blocks.  Those that succeed give this step's output as if nothing
+had happened (rewriting a block's KV with the same tokens writes the same
+values); those that raise again are failed with ``finish_reason="error"``:
+their blocks past what was computed before the step are dropped from the
+prefix cache (their contents are not what their hashes say) and freed.
+
+An exception where the engine's own bookkeeping was half-updated (the
+scheduler, the output processing, the replay itself) cannot be undone, so
+it makes the engine dead: :class:`EngineDeadError` on every later call.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from patchbay.scheduling.request import RequestStatus
+from patchbay.scheduling.scheduler import Scheduler
+from patchbay.scheduling.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped after an error that may have left its state inconsistent; make a new one."""
+
+
+@dataclass
+class IsolatedStep:
+    """A failed step replayed request by request."""
+
+    output: ModelRunnerOutput
+    """The merged output of the requests that ran alone without error."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """Request id to the error it raised when run alone."""
+
+
+def describe_failure(exc: BaseException, plugins: Mapping[str, Iterable[Any]]) -> str:
+    """``"sampler:standard raised ValueError: ..."``: the exception, naming the plugin whose code raised it.
+
+    ``plugins`` maps ``KIND:NAME`` to the plugin's objects (instance, its
+    implementation class); the innermost traceback frame that runs a method
+    of one of them, or code of its module, names the plugin.
+    """
+    modules = {}
+    instances = {}
+    for reference, objects in plugins.items():
+        for obj in objects:
+            if obj is None:
+                continue
+            instances[id(obj)] = reference
+            cls = obj if isinstance(obj, type) else type(obj)
+            modules.setdefault(cls.__module__, reference)
+    blamed = None
+    for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
+        owner = frame.f_locals.get("self")
+        blamed = instances.get(id(owner)) or instances.get(id(type(owner))) \
+            or modules.get(frame.f_globals.get("__name__", ""))
+        if blamed is not None:
+            break
+    message = f"{type(exc).__name__}: {exc}"
+    return f"{blamed} raised {message}" if blamed else message
+
+
+def replay_alone(runner: Any, scheduler: Scheduler, scheduler_output: SchedulerOutput,
+                 plugins: Mapping[str, Iterable[Any]]) -> IsolatedStep:
+    """Run each request of a failed step alone; see the module docstring."""
+    batch = runner.batch
+    dropped = (scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
+               | scheduler_output.reset_req_ids | set(scheduler_output.num_scheduled_tokens))
+    for req_id in dropped:
+        batch.remove_request(req_id)
+        runner.prompt_logprobs.forget(req_id)
+    batch.condense()
+    merged = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], draft_token_ids=[])
+    errors: dict[str, str] = {}
+    for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        request = scheduler.requests[req_id]
+        alone = SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData(
+                req_id=req_id, prompt_token_ids=list(request.prompt_token_ids),
+                output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
+                block_ids=scheduler.kv_cache_manager.get_block_ids(req_id),
+                num_computed_tokens=request.num_computed_tokens)],
+            scheduled_cached_reqs=CachedRequestData(),
+            num_scheduled_tokens={req_id: num_tokens},
+            total_num_scheduled_tokens=num_tokens,
+            scheduled_spec_decode_tokens={req_id: drafts} if (
+                drafts := scheduler_output.scheduled_spec_decode_tokens.get(req_id)) else {},
+        )
+        try:
+            output = runner.execute_model(alone)
+        except Exception as exc:  # noqa: BLE001 - any failure of this request alone is its own
+            errors[req_id] = describe_failure(exc, plugins)
+            batch.remove_request(req_id)
+            runner.prompt_logprobs.forget(req_id)
+            batch.condense()
+            continue
+        for row, row_id in enumerate(output.req_ids):
+            merged.req_ids.append(row_id)
+            merged.sampled_token_ids.append(output.sampled_token_ids[row])
+            merged.logprobs.append(output.logprobs[row] if output.logprobs else None)
+            merged.draft_token_ids.append(output.draft_token_ids[row] if output.draft_token_ids else [])
+        merged.prompt_logprobs.update(output.prompt_logprobs)
+    if not any(merged.logprobs):
+        merged.logprobs = None
+    if not any(merged.draft_token_ids):
+        merged.draft_token_ids = None
+    return IsolatedStep(merged, errors)
+
+
+def fail_requests(scheduler: Scheduler, request_ids: Iterable[str]) -> None:
+    """Finish requests whose step failed: forget the cached hashes of blocks they did not finish computing, free them."""
+    manager = scheduler.kv_cache_manager
+    for request_id in request_ids:
+        request = scheduler.requests.get(request_id)
+        if request is None:
+            continue
+        first_unfinished = request.num_computed_tokens // manager.block_size
+        if request.status == RequestStatus.RUNNING:
+            for pool, block_ids in zip(manager.pools, manager.get_block_ids(request_id), strict=True):
+                for block_id in block_ids[first_unfinished:]:
+                    block = pool.blocks[block_id]
+                    if block.block_hash is not None and pool.cached_blocks.get(block.block_hash) is block:
+                        del pool.cached_blocks[block.block_hash]
+                    block.block_hash = None
+        scheduler.finish_requests([request_id], "abort")
