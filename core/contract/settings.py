@@ -39,6 +39,15 @@ DEFAULT_MODEL = "default"
 """The model path that means the bundled SmolLM2-135M-Instruct."""
 
 
+def _expand_home(value: Any) -> Any:
+    """``~/x`` and ``~user/x`` as the home directory's path (a path setting never means a directory named ``~``)."""
+    if isinstance(value, Path):
+        return value.expanduser()
+    if isinstance(value, str) and value.startswith("~"):
+        return str(Path(value).expanduser())
+    return value
+
+
 class Section(BaseModel):
     """Base of every settings section: unknown keys are errors."""
 
@@ -58,6 +67,8 @@ class ModelSettings(Section):
     """Longest prompt + output in tokens; default: the model's own limit."""
     max_logprobs: int = Field(default=20, ge=-1)
     """Most ``logprobs`` / ``prompt_logprobs`` a request may ask for per position; ``-1``: the whole vocabulary."""
+
+    _home = field_validator("path")(lambda value: _expand_home(value))
 
 
 class RuntimeSettings(Section):
@@ -160,11 +171,15 @@ class InputSettings(Section):
     sampling: dict[str, Any] = Field(default_factory=dict)
     """Default sampling parameters for every request (``max_tokens``, ``stop``, ...)."""
 
+    _home = field_validator("file")(lambda value: _expand_home(value))
+
 
 class OutputSettings(Section):
     path: Path | None = None
     """Where ``patchbay run`` writes JSONL results; default: not written."""
     progress: bool = True
+
+    _home = field_validator("path")(lambda value: _expand_home(value))
 
 
 class ServerSettings(Section):

@@ -59,9 +59,18 @@ def resolve_device(name: str) -> torch.device:
     """``auto`` is CUDA when available, else the CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError([ConfigProblem("<run>", "runtime.device",
+                                         f"{name!r} is not a device (auto, cpu, cuda, cuda:1, ...): {exc}")]) from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError([ConfigProblem("<run>", "runtime.device", f"{name!r}: patchbay runs on cpu or cuda")])
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError([ConfigProblem("<run>", "runtime.device", f"{name!r} requested but CUDA is not available")])
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError([ConfigProblem("<run>", "runtime.device",
+                                         f"{name!r}: this machine has {torch.cuda.device_count()} CUDA devices")])
     return device
 
 

@@ -3,23 +3,35 @@
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from pydantic import ValidationError
 
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings
-from patchbay.engine import RequestOutput
+from patchbay.engine import EngineDeadError, RequestOutput
+from patchbay.entrypoints.result_file import ResultFile, check_output_path
 from patchbay.sampling_params import SamplingParams
 
 _REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids"}
 
 
-def read_requests(settings: Settings, config_path: str | None) -> list[tuple[str, Any, SamplingParams]]:
-    """The run's requests as ``(id, prompt, sampling params)``; errors name the file, line or index at fault."""
+class JobRequest(NamedTuple):
+    """One request of a job, and where it was written (``job.yaml: inputs.prompts.3``, ``requests.jsonl:12``)."""
+
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    where: str
+
+
+def read_requests(settings: Settings, config_path: str | None) -> list[JobRequest]:
+    """The run's requests; errors name the file, line or index at fault."""
     config_label = config_path or "<settings>"
     items: list[tuple[str, str, Any]] = []  # (where, default id, raw item)
     for index, item in enumerate(settings.inputs.prompts):
@@ -30,6 +42,8 @@ def read_requests(settings: Settings, config_path: str | None) -> list[tuple[str
             path = Path(config_path).parent / path
         try:
             lines = path.read_text().splitlines()
+        except UnicodeDecodeError as exc:
+            raise ConfigError([ConfigProblem(config_label, "inputs.file", f"{path} is not UTF-8 text: {exc}")]) from None
         except OSError as exc:
             raise ConfigError([ConfigProblem(config_label, "inputs.file", f"cannot read {path}: {exc.strerror}")]) from exc
         for number, line in enumerate(lines, start=1):
@@ -49,7 +63,7 @@ def read_requests(settings: Settings, config_path: str | None) -> list[tuple[str
         if request_id in seen:
             raise ConfigError([ConfigProblem(where, "id", f"duplicate request id {request_id!r}")])
         seen.add(request_id)
-        requests.append((request_id, prompt, params))
+        requests.append(JobRequest(request_id, prompt, params, where))
     return requests
 
 
@@ -66,7 +80,11 @@ def _parse_item(item: Any, where: str, default_id: str, settings: Settings) -> t
         (key,) = given
         prompt = {key: item[key]}
         overrides = {k: v for k, v in item.items() if k not in _REQUEST_KEYS}
-        request_id = str(item.get("id", default_id))
+        request_id = item.get("id", default_id)
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            raise ConfigError([ConfigProblem(where, "id", f"a request id is a string or an integer, "
+                                                          f"got {json.dumps(request_id)}")])
+        request_id = str(request_id)
     else:
         raise ConfigError([ConfigProblem(where, "<request>", f"expected a string or an object, got {type(item).__name__}")])
     try:
@@ -127,36 +145,84 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
     return "\n".join(lines)
 
 
-def run_from_settings(settings: Settings, *, config_path: str | None = None, stream: TextIO = sys.stdout) -> int:
-    """Run the job ``settings`` describe; the exit status of ``patchbay run``."""
+def check_requests(llm: Any, requests: list[JobRequest]) -> list[tuple[str | None, list[int]]]:
+    """Every request encoded and checked against the loaded model; errors name the file and line at fault."""
+    encoded = []
+    problems = []
+    for request in requests:
+        try:
+            try:
+                text, token_ids = llm.encode(request.prompt)
+            except ValueError as exc:
+                raise ValueError(f"request {request.request_id!r}: {exc}") from None
+            llm.engine.check_request(request.request_id, token_ids, request.params)
+        except ValueError as exc:
+            problems.append(ConfigProblem(request.where, "<request>", str(exc)))
+            continue
+        encoded.append((text, token_ids))
+    if problems:
+        raise ConfigError(problems)
+    return encoded
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that the finished results are kept like on Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated("terminated by SIGTERM")
+
+
+def run_from_settings(settings: Settings, *, config_path: str | None = None, stream: TextIO | None = None) -> int:
+    """Run the job ``settings`` describe; the exit status of ``patchbay run``.
+
+    Every request is checked (against the model too) before results are
+    written; results then go to a temporary file renamed over
+    ``outputs.path`` at the end, also when the job stops early (Ctrl-C,
+    SIGTERM, an engine error): then a last line records the error.
+    """
     from tqdm import tqdm
 
     from patchbay.entrypoints.llm import LLM
 
+    stream = stream or sys.stdout
     requests = read_requests(settings, config_path)
+    output_path = settings.outputs.path
+    if output_path is not None:
+        check_output_path(output_path, config_path or "<settings>")
     llm = LLM(settings)
-    output_file = None
-    if settings.outputs.path is not None:
-        settings.outputs.path.parent.mkdir(parents=True, exist_ok=True)
-        output_file = settings.outputs.path.open("w")
+    encoded = check_requests(llm, requests)
+    results = ResultFile(output_path) if output_path is not None else None
     progress = tqdm(total=len(requests), desc="requests", unit="req", disable=not settings.outputs.progress,
                     file=sys.stderr)
 
     def finished(output: RequestOutput) -> None:
         progress.update(1)
-        if output_file is not None:
-            output_file.write(json.dumps(output.as_dict()) + "\n")
-            output_file.flush()
+        if results is not None:
+            results.write(output.as_dict())
 
     started = time.monotonic()
+    own_sigterm = threading.current_thread() is threading.main_thread() \
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    previous_handler = signal.signal(signal.SIGTERM, _raise_terminated) if own_sigterm else None
+    error: str | None = None
     try:
-        prompts = [prompt for _, prompt, _ in requests]
-        params = [p for _, _, p in requests]
-        outputs = llm.generate(prompts, params, request_ids=[rid for rid, _, _ in requests], on_finished=finished)
+        prompts = [{"prompt_token_ids": token_ids, "prompt": text} for text, token_ids in encoded]
+        outputs = llm.generate(prompts, [r.params for r in requests], request_ids=[r.request_id for r in requests],
+                               on_finished=finished)
+    except EngineDeadError as exc:
+        error = str(exc)
+        print(f"patchbay: error: {exc}", file=sys.stderr)
+        return 1
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise
     finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
         progress.close()
-        if output_file is not None:
-            output_file.close()
+        if results is not None:
+            results.close(error, num_requests=len(requests))
     elapsed = time.monotonic() - started
     for output in outputs[:8]:
         text = output.text.replace("\n", " ")
@@ -164,6 +230,6 @@ def run_from_settings(settings: Settings, *, config_path: str | None = None, str
     if len(outputs) > 8:
         print(f"... {len(outputs) - 8} more", file=stream)
     print("\n" + summarise(outputs, elapsed, llm.engine), file=stream)
-    if output_file is not None:
-        print(f"results:             {settings.outputs.path}", file=stream)
+    if results is not None:
+        print(f"results:             {output_path}", file=stream)
     return 0
