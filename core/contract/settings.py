@@ -30,6 +30,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
 
+from patchbay.contract.bounded_yaml import DocumentTooLarge, check_bounds, load_bounded
+
 if TYPE_CHECKING:
     from patchbay.contract.registry import Registry
 
@@ -336,9 +338,11 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a settings YAML file; an unreadable file or a non-mapping top level is a :class:`ConfigError`."""
     source = str(path)
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = load_bounded(Path(path).read_text())
     except OSError as exc:
         raise ConfigError([ConfigProblem(source, "<file>", f"cannot read: {exc.strerror or exc}")]) from exc
+    except (DocumentTooLarge, UnicodeDecodeError) as exc:
+        raise ConfigError([ConfigProblem(source, "<file>", str(exc))]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([ConfigProblem(source, "<file>", f"not valid YAML: {exc}")]) from exc
     if data is None:
@@ -357,6 +361,11 @@ def env_overrides() -> list[tuple[str, dict[str, Any]]]:
     """
     try:
         data = EnvSettingsSource(Settings)()
+        check_bounds(data)
+    except (DocumentTooLarge, RecursionError) as exc:
+        variables = sorted(v for v in os.environ if v.upper().startswith(ENV_PREFIX))
+        raise ConfigError([ConfigProblem(f"env {', '.join(variables)}", "<env>",
+                                         str(exc) if isinstance(exc, DocumentTooLarge) else "nested too deeply")]) from None
     except SettingsError as exc:
         # pydantic-settings names the field ("error parsing value for field "inputs" from source ...").
         field = str(exc).split('"')[1] if '"' in str(exc) else ""
@@ -378,14 +387,18 @@ def cli_overrides(assignments: Iterable[str]) -> list[tuple[str, dict[str, Any]]
         label = f"--set {assignment}"
         if not sep or not key.strip():
             raise ConfigError([ConfigProblem(label, key or "<empty>", "expected KEY.PATH=VALUE")])
-        found.append((label, _nest(key.strip().split("."), _parse_scalar(raw))))
+        try:
+            value = _parse_scalar(raw)
+        except DocumentTooLarge as exc:
+            raise ConfigError([ConfigProblem(label, key.strip(), str(exc))]) from None
+        found.append((label, _nest(key.strip().split("."), value)))
     return found
 
 
 def _parse_scalar(raw: str) -> Any:
     # YAML scalars, so that --set scheduler.max_num_seqs=8 gives an int and --set a.b=[1,2] a list.
     try:
-        return yaml.safe_load(raw)
+        return load_bounded(raw)
     except yaml.YAMLError:
         return raw
 

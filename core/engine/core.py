@@ -40,6 +40,7 @@ from patchbay.sampling_params import SamplingParams
 from patchbay.scheduling.kv_cache_manager import KVCacheManager, num_blocks_for_memory
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
 from patchbay.scheduling.request import Request
+from patchbay.engine.memory_check import check_fits, format_bytes
 from patchbay.engine.step_failures import EngineDeadError, describe_failure, fail_requests, replay_alone
 from patchbay.scheduling.scheduler import Scheduler
 from patchbay.worker.hf_model import HFCausalLM, torch_dtype
@@ -167,6 +168,7 @@ class Engine:
                                        "sampler.options")
 
         num_blocks = self._num_blocks()
+        max_num_reqs, max_step_tokens = self._check_memory(num_blocks)
         drafter, rejection_sampler = self._speculative_plugins(registry, backend, builders[0], num_blocks)
         num_speculative_tokens = settings.speculative.num_speculative_tokens if settings.speculative else 0
         self.kv_connector = self._kv_connector(registry, backend)
@@ -193,9 +195,9 @@ class Engine:
             sampler=self.sampler,
             groups=self.groups,
             num_blocks=num_blocks,
-            max_num_reqs=settings.scheduler.max_num_seqs,
+            max_num_reqs=max_num_reqs,
             max_model_len=self.max_model_len,
-            max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
+            max_num_batched_tokens=max_step_tokens,
             device=self.device,
             eos_token_ids=shape.eos_token_ids,
             drafter=drafter,
@@ -299,6 +301,33 @@ class Engine:
             return cache.num_blocks
         memory = int(cache.memory) if cache.memory is not None else DEFAULT_KV_CACHE_MEMORY
         return num_blocks_for_memory(self.groups, memory)
+
+    def _check_memory(self, num_blocks: int) -> tuple[int, int]:
+        """Check the KV pool and the batch buffers fit in free memory; the runner's row and step-token sizes.
+
+        The buffers are sized by what the run can use, not by the raw
+        settings: every running request holds at least one block and every
+        scheduled token a slot, so ``max_num_seqs`` beyond the pool's blocks
+        and a token budget beyond its slots would only be memory never touched.
+        """
+        settings = self.settings
+        usable_blocks = max(1, num_blocks - 1)  # block 0 is the null block
+        max_num_reqs = min(settings.scheduler.max_num_seqs, usable_blocks)
+        max_step_tokens = min(settings.scheduler.max_num_batched_tokens, usable_blocks * settings.cache.block_size)
+        bytes_per_block = sum(len(group.layer_names) * group.spec.page_size_bytes for group in self.groups)
+        kv_key = "cache.num_blocks" if settings.cache.num_blocks is not None else "cache.memory"
+        kv = (kv_key, f"the KV cache ({num_blocks} blocks of {format_bytes(bytes_per_block)})",
+              num_blocks * bytes_per_block)
+        blocks_per_row = -(-self.max_model_len // settings.cache.block_size) * len(self.groups)
+        row_bytes = 4 * ((self.max_model_len + 1) + blocks_per_row)  # int32 token ids and block tables
+        batch = ("scheduler.max_num_seqs", f"the persistent batch ({max_num_reqs} rows of {self.max_model_len} tokens)",
+                 max_num_reqs * row_bytes)
+        if self.device.type == "cpu":
+            check_fits([kv, batch], self.device)
+        else:
+            check_fits([kv], self.device)
+            check_fits([batch], torch.device("cpu"))
+        return max_num_reqs, max_step_tokens
 
     # -- requests --------------------------------------------------------------------------
 
