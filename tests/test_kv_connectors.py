@@ -38,8 +38,8 @@ needs_redis = pytest.mark.skipif(not REDIS_URL,
                                  reason="PATCHBAY_TEST_REDIS_URL is not set (.ci/run starts a redis-server)")
 
 
-def damaged(raw: bytes, how: str) -> bytes | None:
-    return damage_entry(raw, how)
+def damaged(raw: bytes, how: str, key: bytes = b"test-key-0123456789") -> bytes | None:
+    return damage_entry(raw, how, key)
 
 
 # -- the conformance suite on each connector --------------------------------------------------------
@@ -63,7 +63,7 @@ class TestSharedStorageConformance(KVConnectorSuite):
 
     def corrupt_entry(self, connector, block_hash, how):
         path = connector.open_store().path_of(connector.key(block_hash.hex()))
-        replacement = damaged(path.read_bytes(), how)
+        replacement = damaged(path.read_bytes(), how, connector.key_bytes)
         if replacement is None:
             path.unlink()
         else:
@@ -81,7 +81,7 @@ class TestRedisConformance(KVConnectorSuite):
     def corrupt_entry(self, connector, block_hash, how):
         store = connector.open_store()
         key = connector.key(block_hash.hex())
-        replacement = damaged(store.client.get(store.redis_key(key)), how)
+        replacement = damaged(store.client.get(store.redis_key(key)), how, connector.key_bytes)
         if replacement is None:
             store.client.delete(store.redis_key(key))
         else:
@@ -120,18 +120,26 @@ def test_all_three_are_registered_lazily():
 
 def test_encoded_block_round_trips_and_rejects_every_kind_of_damage():
     layout = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
-    payload = bytes(range(256)) * (layout.payload_bytes // 256)
-    entry = encode_block("m", layout, b"\x01" * 32, payload)
-    assert bytes(decode_block(entry, model_id="m", layout=layout, block_hash=b"\x01" * 32)) == payload
-    expectations = {"truncated": "truncated", "corrupted": "checksum", "other_model": "model",
-                    "other_layout": "layout"}
+    payload = torch.randn(layout.payload_bytes // 4, generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+    key = b"test-key-0123456789"
+    entry = encode_block("m", layout, b"\x01" * 32, payload, key=key)
+
+    def decode(data, block_hash=b"\x01" * 32):
+        return decode_block(data, model_id="m", layout=layout, block_hash=block_hash, key=key)
+
+    assert bytes(decode(entry)) == payload
+    expectations = {"truncated": "truncated", "corrupted": "authentication code mismatch", "other_model": "model",
+                    "other_layout": "layout", "forged": "forged", "not_an_object": "JSON list, expected an object",
+                    "deeply_nested": "RecursionError", "non_finite": "NaN or infinite"}
     for how, words in expectations.items():
         with pytest.raises(BlockDecodeError, match=words):
-            decode_block(damaged(entry, how), model_id="m", layout=layout, block_hash=b"\x01" * 32)
+            decode(damaged(entry, how, key))
     with pytest.raises(BlockDecodeError, match="expected 0202"):
-        decode_block(entry, model_id="m", layout=layout, block_hash=b"\x02" * 32)
+        decode(entry, b"\x02" * 32)
     with pytest.raises(BlockDecodeError, match="magic"):
-        decode_block(b"garbage-garbage-garbage", model_id="m", layout=layout, block_hash=b"\x01" * 32)
+        decode(b"garbage-garbage-garbage")
+    with pytest.raises(BlockDecodeError, match="more than the"):
+        decode(entry + bytes(5000))
 
 
 def test_the_metadata_payload_survives_json():

@@ -30,6 +30,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
 
+from patchbay.contract.redaction import redact
 from patchbay.contract.bounded_yaml import DocumentTooLarge, check_bounds, load_bounded
 
 if TYPE_CHECKING:
@@ -497,5 +498,5 @@ def plugin_options(implementation: type, options: Mapping[str, Any], *, where: s
 
 
 def dump_settings(settings: Settings) -> str:
-    """The effective settings as YAML (what ``patchbay config show`` prints)."""
-    return yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False)
+    """The effective settings as YAML (what ``patchbay config show`` prints), secrets hidden (``***``)."""
+    return yaml.safe_dump(redact(settings.model_dump(mode="json")), sort_keys=False)

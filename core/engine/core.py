@@ -40,6 +40,7 @@ from patchbay.sampling_params import SamplingParams
 from patchbay.scheduling.kv_cache_manager import KVCacheManager, num_blocks_for_memory
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
 from patchbay.scheduling.request import Request
+from patchbay.engine.model_identity import weights_fingerprint
 from patchbay.engine.memory_check import check_fits, format_bytes
 from patchbay.engine.step_failures import EngineDeadError, describe_failure, fail_requests, replay_alone
 from patchbay.scheduling.scheduler import Scheduler
@@ -284,16 +285,19 @@ class Engine:
         return connector_class(options, config=config)  # type: ignore[call-arg,return-value]
 
     def _model_id(self, backend: Any) -> str:
-        """What KV blocks depend on: model (directory name + config hash), dtype and block layout.
+        """What KV blocks depend on: model (directory name, config and weights), dtype and block layout.
 
-        e.g. ``SmolLM2-135M-3f2a9c1d0e4b5a67-float32-2x1x16x3x64`` (the layout is
-        the backend's cache shape of one block: keys/values, block, tokens, KV heads, head size).
+        e.g. ``SmolLM2-135M-3f2a9c1d0e4b5a67-float32-2x1x16x3x64`` (the hash covers
+        config.json and a fingerprint of the weight files; the layout is the backend's
+        cache shape of one block: keys/values, block, tokens, KV heads, head size).
         """
         config_bytes = (self.model_dir / "config.json").read_bytes() if (self.model_dir / "config.json").exists() \
             else str(self.model_dir).encode()
+        identity = hashlib.sha256(config_bytes)
+        identity.update(weights_fingerprint(self.model_dir).encode())
         spec = self.groups[0].spec
         layout = "x".join(str(d) for d in backend.kv_cache_shape(1, spec.block_size, spec.num_kv_heads, spec.head_size))
-        return f"{self.model_dir.name}-{hashlib.sha256(config_bytes).hexdigest()[:16]}-{self.dtype}-{layout}"
+        return f"{self.model_dir.name}-{identity.hexdigest()[:16]}-{self.dtype}-{layout}"
 
     def _num_blocks(self) -> int:
         cache = self.settings.cache

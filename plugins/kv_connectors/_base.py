@@ -37,12 +37,14 @@ from patchbay.interfaces import (
     KVConnectorWorker,
     RequestView,
 )
+from patchbay.plugins.kv_connectors._auth import resolve_key
 from patchbay.plugins.kv_connectors._blocks import (
     BlockDecodeError,
     PagedCaches,
     damage_entry,
     decode_block,
     encode_block,
+    max_entry_bytes,
     store_namespace,
 )
 
@@ -55,6 +57,10 @@ class StoreUnreachable(ConnectionError):
     """The store cannot be reached at all (as opposed to one entry being bad)."""
 
 
+class StoreError(OSError):
+    """The store answered with an error (a Redis ``-ERR``, a key of the wrong type, out of memory, ...)."""
+
+
 class EntryTooLarge(ValueError):
     """An entry over the store's size limit: not saved, counted as ``skipped_saves``."""
 
@@ -63,8 +69,13 @@ class BlockStore(ABC):
     """Encoded blocks by key.  Raise :class:`StoreUnreachable` when the store as a whole is down."""
 
     @abstractmethod
-    def get(self, key: str) -> bytes | memoryview | None:
-        """The stored entry, or ``None`` when there is none."""
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | memoryview | None:
+        """The stored entry, or ``None`` when there is none.
+
+        An entry over ``max_bytes`` raises :class:`BlockDecodeError` without
+        being read whole (a stored file grown to gigabytes must not be loaded
+        into memory to be refused).
+        """
 
     @abstractmethod
     def put(self, key: str, data: bytes) -> None:
@@ -97,9 +108,22 @@ class StoreConnector(KVConnector):
         super().__init__(options, config=config)
         self.namespace = store_namespace(self.config.model_id, self.config.block_size, self.config.dtype)
         self.stats: dict[str, int] = {"loaded_blocks": 0, "saved_blocks": 0, "load_errors": 0, "store_errors": 0,
-                                      "unreachable": 0, "skipped_saves": 0, "discarded_entries": 0}
+                                      "unreachable": 0, "skipped_saves": 0, "discarded_entries": 0,
+                                      "dropped_saves": 0}
         self._stats_lock = threading.Lock()
         self._warned_unreachable = False
+        self._warned: set[str] = set()
+        self.key_bytes = self.auth_key()
+
+    def auth_key(self) -> bytes:
+        """The secret that signs and checks this store's entries (see ``_auth``)."""
+        return resolve_key(self.options)
+
+    def warn_once(self, kind: str, message: str, *args: Any) -> None:
+        """Log ``message`` the first time a failure of ``kind`` happens; later ones are only counted in ``stats``."""
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(message + " (further such failures are counted in stats, not logged)", *args)
 
     @abstractmethod
     def open_store(self) -> BlockStore:
@@ -133,7 +157,7 @@ class StoreConnector(KVConnector):
         data = store.get(key)
         if data is None:
             raise KeyError(f"no stored entry for block {bytes(block_hash).hex()}")
-        store.replace_raw(key, damage_entry(bytes(data), how))
+        store.replace_raw(key, damage_entry(bytes(data), how, self.key_bytes))
 
     def scheduler_side(self) -> StoreScheduler:
         return StoreScheduler(self)
@@ -183,6 +207,11 @@ class StoreScheduler(KVConnectorScheduler):
         except StoreUnreachable as exc:
             self.connector.unreachable(exc, "prompts are computed instead of loaded")
             return 0, False
+        except (OSError, ValueError) as exc:
+            self.connector.count("store_errors")
+            self.connector.warn_once("lookup", "KV connector %s: a lookup failed (%s); prompts are computed "
+                                     "instead of loaded", type(self.connector).__name__, exc)
+            return 0, False
         num_tokens = max(0, (first + hits) * self.block_size - num_computed_tokens)
         # Remembered only to place the loads if this very answer gets allocated; asking again overwrites it.
         self._last_answer[request.request_id] = (num_computed_tokens, num_tokens)
@@ -223,7 +252,15 @@ class StoreScheduler(KVConnectorScheduler):
             stored = self.store.present([self.connector.key(block_hash) for block_hash in hashes])
         except StoreUnreachable as exc:
             self.connector.count("store_errors", len(hashes))
+            self.connector.count("dropped_saves", len(hashes))
             self.connector.unreachable(exc, "new KV blocks are not saved")
+            state.num_considered_blocks = limit
+            return 0
+        except (OSError, ValueError) as exc:
+            self.connector.count("store_errors", len(hashes))
+            self.connector.count("dropped_saves", len(hashes))
+            self.connector.warn_once("presence", "KV connector %s: checking which blocks are stored failed (%s); "
+                                     "they are not saved", type(self.connector).__name__, exc)
             state.num_considered_blocks = limit
             return 0
         queued = 0
@@ -300,21 +337,25 @@ class StoreWorker(KVConnectorWorker):
             return
         caches = self._require_caches()
         good_ids, good_payloads = [], []
+        limit = max_entry_bytes(caches.layout)
         for block_id, block_hash in loads:
             try:
-                data = self.store.get(self.connector.key(block_hash))
+                data = self.store.get(self.connector.key(block_hash), limit)
                 if data is None:
                     raise BlockDecodeError("missing entry")
                 good_payloads.append(decode_block(data, model_id=self.connector.config.model_id,
-                                                  layout=caches.layout, block_hash=bytes.fromhex(block_hash)))
+                                                  layout=caches.layout, block_hash=bytes.fromhex(block_hash),
+                                                  key=self.connector.key_bytes))
                 good_ids.append(block_id)
             except StoreUnreachable as exc:
                 self._load_failed(block_id, block_hash, None)
                 self.connector.unreachable(exc, "blocks that were to be loaded are recomputed")
-            except (BlockDecodeError, OSError) as exc:
+            except BlockDecodeError as exc:
                 self._load_failed(block_id, block_hash, exc)
-                if isinstance(exc, BlockDecodeError) and str(exc) != "missing entry":
+                if str(exc) != "missing entry":
                     self._discard(block_hash)
+            except Exception as exc:  # noqa: BLE001 - a stored entry is untrusted input: any failure is a miss
+                self._load_failed(block_id, block_hash, exc)
         caches.scatter(good_ids, good_payloads)
         self.connector.count("loaded_blocks", len(good_ids))
 
@@ -323,15 +364,15 @@ class StoreWorker(KVConnectorWorker):
         try:
             self.store.replace_raw(self.connector.key(block_hash), None)
             self.connector.count("discarded_entries")
-        except (StoreUnreachable, OSError):
+        except (OSError, ValueError):
             pass
 
     def _load_failed(self, block_id: int, block_hash: str, exc: BaseException | None) -> None:
         self._load_errors.add(block_id)
         self.connector.count("load_errors")
         if exc is not None:
-            logger.warning("KV block %s could not be loaded (%s); block %d is recomputed",
-                           block_hash[:16], exc, block_id)
+            logger.warning("KV block %s could not be loaded (%s: %s); block %d is recomputed",
+                           block_hash[:16], type(exc).__name__, exc, block_id)
 
     # -- saves --------------------------------------------------------------------------------
 
@@ -357,11 +398,13 @@ class StoreWorker(KVConnectorWorker):
         model_id = self.connector.config.model_id
         try:
             for block_hash, payload in zip(hashes, payloads):
-                entry = encode_block(model_id, layout, bytes.fromhex(block_hash), payload)
+                entry = encode_block(model_id, layout, bytes.fromhex(block_hash), payload,
+                                     key=self.connector.key_bytes)
                 try:
                     self.store.put(self.connector.key(block_hash), entry)
                 except StoreUnreachable as exc:
                     self.connector.count("store_errors")
+                    self.connector.count("dropped_saves")
                     try:
                         self.connector.unreachable(exc, "new KV blocks are not saved")
                     except StoreUnreachable as failure:
@@ -370,7 +413,9 @@ class StoreWorker(KVConnectorWorker):
                     self.connector.count("skipped_saves")
                 except (OSError, ValueError) as exc:
                     self.connector.count("store_errors")
-                    logger.warning("KV block %s could not be saved: %s", block_hash[:16], exc)
+                    self.connector.count("dropped_saves")
+                    self.connector.warn_once("save", "KV connector %s: block %s could not be saved (%s)",
+                                             type(self.connector).__name__, block_hash[:16], exc)
                 else:
                     self.connector.count("saved_blocks")
         finally:

@@ -5,9 +5,11 @@ An entry is a fixed prefix, a JSON header and the payload::
     b"PBKV" | version u16 | header length u32 | header (JSON, UTF-8) | payload
 
 The header names the model identity, the block layout, the block hash, the
-payload length and its CRC-32, so a reader can reject an entry that is
-truncated, corrupted, of another model or of another layout *before* a byte
-of it reaches the KV cache.  The payload is every layer's keys then values
+payload length and an HMAC-SHA256 of header and payload under the store's
+secret key, so a reader rejects an entry that is truncated, corrupted, forged
+by someone without the key, of another model or of another layout *before* a
+byte of it reaches the KV cache.  Entries are untrusted input: the header must
+be a small flat JSON object, and a payload of floats must be finite.  The payload is every layer's keys then values
 for the block, layer by layer in registration order:
 ``[num_layers, 2, block_size, num_kv_heads, head_size]`` in the cache dtype.
 """
@@ -15,9 +17,10 @@ for the block, layer by layer in registration order:
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import math
 import struct
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -26,8 +29,12 @@ if TYPE_CHECKING:
     import torch
 
 MAGIC = b"PBKV"
-VERSION = 1
+VERSION = 2
+"""2: an HMAC instead of version 1's CRC-32 (version 1 entries are refused, and recomputed)."""
 _PREFIX = struct.Struct("<4sHI")  # magic, version, header length
+MAX_HEADER_BYTES = 4096
+"""A real header is ~300 bytes; anything far larger is refused before it is parsed."""
+_HEADER_KEYS = {"model_id", "layout", "block_hash", "payload_bytes", "mac"}
 
 _DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -65,21 +72,34 @@ def store_namespace(model_id: str, block_size: int, dtype: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def encode_block(model_id: str, layout: BlockLayout, block_hash: bytes, payload: bytes | memoryview) -> bytes:
-    """The stored form of one block (prefix, header, payload)."""
+def max_entry_bytes(layout: BlockLayout) -> int:
+    """The largest entry a store may hold for ``layout``: larger ones are refused before they are read."""
+    return _PREFIX.size + MAX_HEADER_BYTES + layout.payload_bytes
+
+
+def _mac(key: bytes, fields: dict, payload: memoryview) -> str:
+    # The header fields in canonical form, then the payload: changing either changes the code.
+    mac = hmac.new(key, json.dumps(fields, sort_keys=True).encode(), hashlib.sha256)
+    mac.update(payload)
+    return mac.hexdigest()
+
+
+def encode_block(model_id: str, layout: BlockLayout, block_hash: bytes, payload: bytes | memoryview, *,
+                 key: bytes) -> bytes:
+    """The stored form of one block (prefix, header, payload), authenticated with ``key``."""
     payload = memoryview(payload).cast("B")
-    header = json.dumps({
+    fields = {
         "model_id": model_id,
         "layout": asdict(layout),
         "block_hash": bytes(block_hash).hex(),
         "payload_bytes": payload.nbytes,
-        "crc32": zlib.crc32(payload),
-    }, sort_keys=True).encode()
+    }
+    header = json.dumps({**fields, "mac": _mac(key, fields, payload)}, sort_keys=True).encode()
     return b"".join((_PREFIX.pack(MAGIC, VERSION, len(header)), header, payload))
 
 
 def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
-    """Split an entry into its header and payload, checking only the framing."""
+    """Split an entry into its header (a flat JSON object of the expected keys) and payload, checking the framing."""
     data = memoryview(data).cast("B")
     if data.nbytes < _PREFIX.size:
         raise BlockDecodeError(f"truncated entry: {data.nbytes} bytes, shorter than the {_PREFIX.size}-byte prefix")
@@ -88,18 +108,27 @@ def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
         raise BlockDecodeError(f"not a KV block entry: magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != VERSION:
         raise BlockDecodeError(f"entry format version {version}, expected {VERSION}")
+    if header_length > MAX_HEADER_BYTES:
+        raise BlockDecodeError(f"entry header of {header_length} bytes, more than the {MAX_HEADER_BYTES} allowed")
     end = _PREFIX.size + header_length
     if data.nbytes < end:
         raise BlockDecodeError(f"truncated entry: header needs {end} bytes, found {data.nbytes}")
     try:
         header = json.loads(bytes(data[_PREFIX.size:end]))
-    except ValueError as exc:
-        raise BlockDecodeError(f"unreadable entry header: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise BlockDecodeError(f"unreadable entry header: {type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict):
+        raise BlockDecodeError(f"entry header is a JSON {type(header).__name__}, expected an object")
+    if set(header) != _HEADER_KEYS or not isinstance(header.get("layout"), dict):
+        raise BlockDecodeError(f"entry header has keys {sorted(header)[:8]}, expected {sorted(_HEADER_KEYS)}")
     return header, data[end:]
 
 
-def decode_block(data: bytes | memoryview, *, model_id: str, layout: BlockLayout, block_hash: bytes) -> memoryview:
-    """The payload of a stored entry, after checking identity, layout, hash, length and checksum."""
+def decode_block(data: bytes | memoryview, *, model_id: str, layout: BlockLayout, block_hash: bytes,
+                 key: bytes) -> memoryview:
+    """The payload of a stored entry, after checking identity, layout, hash, length, authentication and finiteness."""
+    if len(data) > max_entry_bytes(layout):
+        raise BlockDecodeError(f"entry of {len(data)} bytes, more than the {max_entry_bytes(layout)} a block takes")
     header, payload = read_header(data)
     if header.get("model_id") != model_id:
         raise BlockDecodeError(f"entry of model {header.get('model_id')!r}, expected {model_id!r}")
@@ -111,30 +140,60 @@ def decode_block(data: bytes | memoryview, *, model_id: str, layout: BlockLayout
     if header.get("payload_bytes") != expected or payload.nbytes != expected:
         raise BlockDecodeError(f"truncated or padded entry: payload of {payload.nbytes} bytes "
                                f"(header says {header.get('payload_bytes')}), expected {expected}")
-    if zlib.crc32(payload) != header.get("crc32"):
-        raise BlockDecodeError("corrupted entry: payload checksum mismatch")
+    fields = {name: value for name, value in header.items() if name != "mac"}
+    if not isinstance(header["mac"], str) or not hmac.compare_digest(_mac(key, fields, payload), header["mac"]):
+        raise BlockDecodeError("corrupted or forged entry: authentication code mismatch (written without this "
+                               "store's key, or damaged)")
+    if not payload_is_finite(payload, layout.dtype):
+        raise BlockDecodeError("entry payload holds NaN or infinite values")
     return payload
 
 
-def damage_entry(data: bytes, how: str) -> bytes | None:
+def payload_is_finite(payload: memoryview, dtype: str) -> bool:
+    """Whether every value of a block payload of ``dtype`` is finite."""
+    import torch
+
+    values = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(getattr(torch, dtype))
+    if dtype.startswith("float8"):
+        values = values.float()
+    return bool(torch.isfinite(values).all())
+
+
+def damage_entry(data: bytes, how: str, key: bytes) -> bytes | None:
     """``data`` damaged for fault tests: ``missing`` (``None``), ``truncated``, ``corrupted``,
-    ``other_model`` or ``other_layout`` (a valid entry of another identity / shape, same bytes)."""
+    ``other_model`` or ``other_layout`` (a valid entry of another identity / shape, same bytes, signed with
+    ``key``), ``forged`` (the same entry signed with another key), ``not_an_object`` (a header that is JSON but
+    no object), ``deeply_nested`` (a header nested past the parser's recursion limit) or ``non_finite``
+    (a validly signed entry whose payload holds a NaN)."""
     if how == "missing":
         return None
     if how == "truncated":
         return data[: len(data) // 2]
     if how == "corrupted":  # flip the last payload byte
         return data[:-1] + bytes([data[-1] ^ 0xFF])
+    if how in ("not_an_object", "deeply_nested"):
+        # Deeper than Python's recursion limit, within the header size limit.
+        header = b"[1, 2, 3]" if how == "not_an_object" else b"[" * 2000 + b"]" * 2000
+        return _PREFIX.pack(MAGIC, VERSION, len(header)) + header + data[-64:]
     header, payload = read_header(data)
     layout = BlockLayout(**header["layout"])
     block_hash = bytes.fromhex(header["block_hash"])
     if how == "other_model":
-        return encode_block(f"not-{header['model_id']}", layout, block_hash, payload)
+        return encode_block(f"not-{header['model_id']}", layout, block_hash, payload, key=key)
     if how == "other_layout":  # same number of bytes, other shape
         other = BlockLayout(layout.num_layers, layout.block_size, layout.num_kv_heads * 2, layout.head_size // 2,
                             layout.dtype)
-        return encode_block(header["model_id"], other, block_hash, payload)
-    raise ValueError(f"unknown damage {how!r} (expected missing, truncated, corrupted, other_model, other_layout)")
+        return encode_block(header["model_id"], other, block_hash, payload, key=key)
+    if how == "forged":
+        return encode_block(header["model_id"], layout, block_hash, payload, key=b"not-" + key)
+    if how == "non_finite":
+        import torch
+
+        values = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(getattr(torch, layout.dtype)).clone()
+        values[0] = math.nan
+        return encode_block(header["model_id"], layout, block_hash, values.view(torch.uint8).numpy().tobytes(), key=key)
+    raise ValueError(f"unknown damage {how!r} (expected missing, truncated, corrupted, other_model, other_layout, "
+                     f"forged, not_an_object, deeply_nested, non_finite)")
 
 
 # -- the paged cache side ------------------------------------------------------------------------

@@ -15,6 +15,7 @@ YAML::
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections import OrderedDict
 from typing import ClassVar
@@ -23,6 +24,10 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt
 
 from patchbay.interfaces import KVConnectorCapabilities
 from patchbay.plugins.kv_connectors._base import BlockStore, StoreConnector
+from patchbay.plugins.kv_connectors._blocks import BlockDecodeError
+
+_PROCESS_KEY = secrets.token_bytes(32)
+"""Entries never leave this process, so they are signed with a key that never leaves it either."""
 
 
 class HostOffloadOptions(BaseModel):
@@ -51,12 +56,14 @@ class HostMemoryStore(BlockStore):
     def contains(self, key: str) -> bool:
         return key in self.entries
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         with self._lock:
             data = self.entries.get(key)
             if data is not None:
                 self.entries.move_to_end(key)
-            return data
+        if data is not None and max_bytes is not None and len(data) > max_bytes:
+            raise BlockDecodeError(f"entry of {len(data)} bytes, more than the {max_bytes} a block takes")
+        return data
 
     def put(self, key: str, data: bytes) -> None:
         with self._lock:
@@ -92,6 +99,9 @@ class HostOffloadConnector(StoreConnector):
     capabilities: ClassVar[KVConnectorCapabilities] = KVConnectorCapabilities(
         devices=("cpu", "cuda"), async_load=False, async_save=False, cross_process=False, cross_machine=False,
     )
+
+    def auth_key(self) -> bytes:
+        return _PROCESS_KEY
 
     def open_store(self) -> HostMemoryStore:
         options: HostOffloadOptions = self.options

@@ -1,6 +1,12 @@
 """``shared_storage``: KV blocks as files under a directory, shared by every process that can see it.
 
 Layout: ``<path>/<model identity>/<first two hex digits of the hash>/<block hash>.kvb``,
+``path`` defaulting to ``<cache dir>/kv-store`` (``~/.cache/patchbay/kv-store``), a
+directory of this user's alone: created 0700, and refused when another user
+owns it or others may write it.  Entries are authenticated (see ``_auth``), so
+a shared ``path`` only lets in entries of runners that hold the same key;
+entry files get the usual mode of new files (the umask), so a consumer
+running as another user can read them.
 where the model identity is a hash of the model id, block size and dtype.
 Each file is written to a temporary name in its final directory and renamed
 over the target (``os.replace``), so a reader sees a whole entry or none;
@@ -25,18 +31,30 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from patchbay.interfaces import KVConnectorCapabilities
+from patchbay.plugins.kv_connectors._auth import AuthOptions, private_directory
 from patchbay.plugins.kv_connectors._base import BlockStore, StoreConnector
+from patchbay.plugins.kv_connectors._blocks import BlockDecodeError
+from patchbay.worker.model_loader import cache_dir
 
 
-class SharedStorageOptions(BaseModel):
+class SharedStorageOptions(AuthOptions):
     """Options of ``kv_connector: {name: shared_storage, options: {...}}``."""
 
     model_config = ConfigDict(extra="forbid")
 
-    path: Path = Path(tempfile.gettempdir()) / "patchbay-kv"
-    """Directory of the store; created if missing."""
+    path: Path | None = None
+    """Directory of the store; created if missing.  Default: ``<cache dir>/kv-store``, this user's alone."""
     fsync: bool = False
     """Flush each file to disk before renaming it into place (survives a power cut; slower)."""
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
 
 
 class DirectoryStore(BlockStore):
@@ -53,9 +71,13 @@ class DirectoryStore(BlockStore):
     def contains(self, key: str) -> bool:
         return self.path_of(key).is_file()
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         try:
-            return self.path_of(key).read_bytes()
+            with self.path_of(key).open("rb") as file:
+                size = os.fstat(file.fileno()).st_size
+                if max_bytes is not None and size > max_bytes:
+                    raise BlockDecodeError(f"entry file of {size} bytes, more than the {max_bytes} a block takes")
+                return file.read(size + 1 if max_bytes is None else max_bytes + 1)
         except FileNotFoundError:
             return None
 
@@ -64,6 +86,7 @@ class DirectoryStore(BlockStore):
         target.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
+            os.fchmod(handle, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide entries from a consumer of another uid
             with os.fdopen(handle, "wb") as file:
                 file.write(data)
                 if self.fsync:
@@ -93,4 +116,7 @@ class SharedStorageConnector(StoreConnector):
     )
 
     def open_store(self) -> DirectoryStore:
-        return DirectoryStore(Path(self.options.path), fsync=self.options.fsync)
+        path = self.options.path
+        if path is None:
+            path = private_directory(cache_dir() / "kv-store", "the default shared_storage directory")
+        return DirectoryStore(Path(path).expanduser(), fsync=self.options.fsync)
