@@ -350,6 +350,10 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError([ConfigProblem(source, "<file>", f"expected a mapping at top level, got {type(data).__name__}")])
+    not_names = [key for key in data if not isinstance(key, str)]
+    if not_names:
+        raise ConfigError([ConfigProblem(source, str(key), "unknown key (section names are strings)")
+                           for key in not_names])
     return data
 
 
