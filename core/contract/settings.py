@@ -366,11 +366,15 @@ def env_overrides() -> list[tuple[str, dict[str, Any]]]:
     """
     try:
         data = EnvSettingsSource(Settings)()
-        check_bounds(data)
-    except (DocumentTooLarge, RecursionError) as exc:
-        variables = sorted(v for v in os.environ if v.upper().startswith(ENV_PREFIX))
-        raise ConfigError([ConfigProblem(f"env {', '.join(variables)}", "<env>",
-                                         str(exc) if isinstance(exc, DocumentTooLarge) else "nested too deeply")]) from None
+        for section, value in data.items():
+            try:
+                check_bounds(value)
+            except (DocumentTooLarge, RecursionError) as exc:
+                variables = sorted(v for v in os.environ if v.upper().startswith(f"{ENV_PREFIX}{section.upper()}"))
+                raise ConfigError([ConfigProblem(f"env {', '.join(variables)}", "<env>", str(exc) if isinstance(
+                    exc, DocumentTooLarge) else "nested too deeply")]) from None
+    except RecursionError:
+        raise ConfigError([ConfigProblem("environment", "<env>", "a value nested too deeply")]) from None
     except SettingsError as exc:
         # pydantic-settings names the field ("error parsing value for field "inputs" from source ...").
         field = str(exc).split('"')[1] if '"' in str(exc) else ""
