@@ -5,13 +5,19 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-SECRET_NAMES = ("password", "passwd", "secret", "token", "auth_key", "api_key")
-"""A key (or URL query parameter) whose name contains one of these holds a secret."""
+SECRET_WORDS = {"password", "passwd", "pass", "secret", "token", "key", "auth", "credentials"}
+"""A key (or URL query parameter) holds a secret when one of its ``_``/``-`` separated words is one of these
+(``auth_key``, ``password``, ``api_token``; not ``max_num_batched_tokens`` nor ``key_prefix``)."""
+NOT_SECRET = {"key_prefix"}
 HIDDEN = "***"
 
 
 def is_secret_name(name: str) -> bool:
-    return any(part in name.lower() for part in SECRET_NAMES)
+    name = name.lower()
+    if name in NOT_SECRET:
+        return False
+    words = name.replace("-", "_").split("_")
+    return words[-1] in SECRET_WORDS or any(word in {"password", "passwd", "secret"} for word in words)
 
 
 def redact_url(url: str) -> str:
