@@ -56,6 +56,11 @@ class LLM:
         greedy, 16 tokens).  ``on_finished`` is called as each request ends
         (progress bars, streaming to a file).  ``request_ids`` names the
         requests (default: the engine numbers them).
+
+        A request that cannot run raises ``ValueError`` naming it before any
+        runs; one that fails inside a step comes back with ``finish_reason``
+        ``"error"`` and its ``error`` while the others finish.  Whatever is
+        raised, none of these requests is left queued in the engine.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]

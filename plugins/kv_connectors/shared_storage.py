@@ -10,7 +10,7 @@ running as another user can read them.
 where the model identity is a hash of the model id, block size and dtype.
 Each file is written to a temporary name in its final directory and renamed
 over the target (``os.replace``), so a reader sees a whole entry or none;
-readers still check the header and checksum (another writer, a full disk, a
+readers still check the header and its HMAC (another writer, a full disk, a
 different model on a shared filesystem).  Saves run on a background thread
 and finished requests are reported through ``get_finished``.
 
