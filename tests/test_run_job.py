@@ -98,3 +98,24 @@ def test_a_tilde_in_paths_means_the_home_directory(job, tmp_path, capsys, monkey
     assert code == 0, err
     assert (tmp_path / "home" / "results" / "job.jsonl").is_file()
     assert not (tmp_path / "~").exists()
+
+
+def test_sigterm_keeps_the_finished_lines_and_exits_143(job, tmp_path, capsys, monkeypatch):
+    import os
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        pytest.skip("this process already handles SIGTERM, so patchbay run leaves it alone")
+    monkeypatch.chdir(tmp_path)
+    write = result_file.ResultFile.write
+
+    def terminate_after_first(self, record):
+        write(self, record)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(result_file.ResultFile, "write", terminate_after_first)
+    code, err = _run(job(GOOD), capsys)
+    assert code == 143 and "terminated by SIGTERM; finished results kept in" in err
+    lines = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and lines[1] == {"error": "terminated by SIGTERM", "num_results": 1, "num_requests": 2}
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -214,6 +214,10 @@ def run_from_settings(settings: Settings, *, config_path: str | None = None, str
         error = str(exc)
         print(f"patchbay: error: {exc}", file=sys.stderr)
         return 1
+    except _Terminated:
+        error = "terminated by SIGTERM"
+        print(f"patchbay: {error}" + (f"; finished results kept in {output_path}" if results else ""), file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise
