@@ -132,7 +132,7 @@ def test_a_plugin_raising_for_one_request_fails_that_request_alone(llm, clean_to
     by_id = {o.request_id: o for o in outputs}
     assert by_id["bad"].finish_reason == "error" and by_id["bad"].token_ids == []
     assert by_id["bad"].error == "sampler:standard raised RuntimeError: this sampler cannot take that temperature"
-    assert by_id["bad"].as_dict()["error"] == by_id["bad"].error
+    assert by_id["bad"].as_dict()["error"] == by_id["bad"].as_dict()["stop_reason"] == by_id["bad"].error
     assert by_id["a"].token_ids == clean_tokens[0] and by_id["c"].token_ids == clean_tokens[1]
     assert "request 'bad' failed" in caplog.text
     monkeypatch.undo()

@@ -525,7 +525,8 @@ class Engine:
         for request_id, message in failed.items():
             logger.warning("request %r failed: %s", self._group_of.get(request_id, request_id), message)
             output = self._outputs[request_id]
-            output.finish_reason, output.error, output.metrics.finish_time = "error", message, now
+            output.finish_reason, output.stop_reason, output.error = "error", message, message
+            output.metrics.finish_time = now
             errored.append(request_id)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.stats.num_steps += 1
