@@ -30,8 +30,13 @@ class JobRequest(NamedTuple):
     where: str
 
 
-def read_requests(settings: Settings, config_path: str | None) -> list[JobRequest]:
-    """The run's requests; errors name the file, line or index at fault."""
+def read_requests(settings: Settings, config_path: str | None) -> list[tuple[str, Any, SamplingParams]]:
+    """The run's requests as ``(id, prompt, sampling params)``; errors name the file, line or index at fault."""
+    return [(request.request_id, request.prompt, request.params) for request in read_job(settings, config_path)]
+
+
+def read_job(settings: Settings, config_path: str | None) -> list[JobRequest]:
+    """:func:`read_requests` with where each request was written, to name it in later errors."""
     config_label = config_path or "<settings>"
     items: list[tuple[str, str, Any]] = []  # (where, default id, raw item)
     for index, item in enumerate(settings.inputs.prompts):
@@ -186,7 +191,7 @@ def run_from_settings(settings: Settings, *, config_path: str | None = None, str
     from patchbay.entrypoints.llm import LLM
 
     stream = stream or sys.stdout
-    requests = read_requests(settings, config_path)
+    requests = read_job(settings, config_path)
     output_path = settings.outputs.path
     if output_path is not None:
         check_output_path(output_path, config_path or "<settings>")
