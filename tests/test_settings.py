@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from patchbay import hookimpl
 from patchbay.contract.registry import Registry, default_registry
 from patchbay.contract.settings import ConfigError, Settings, dump_settings, load_settings, plugin_options
-from patchbay.interfaces import AttentionBackend, Sampler, SamplerOutput
+from patchbay.interfaces import AttentionBackend, AttentionMetadataBuilder, Sampler, SamplerOutput
 
 
 @pytest.fixture(autouse=True)
@@ -246,10 +246,21 @@ class PlainSampler(Sampler):
         return SamplerOutput(sampled_token_ids=logits.argmax(-1, keepdim=True))
 
 
+class PassThroughBuilder(AttentionMetadataBuilder):
+    """The metadata builder TunableBackend names (a run-time choice must name an installed builder)."""
+
+    def build(self, common):
+        return common
+
+
 class SettingsTestPlugins:
     @hookimpl
     def register_attention_backends(self, register):
         register("tunable", TunableBackend)
+
+    @hookimpl
+    def register_attention_metadata_builders(self, register):
+        register(TunableBackend.metadata_builder, PassThroughBuilder)
 
     @hookimpl
     def register_samplers(self, register):

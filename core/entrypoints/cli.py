@@ -89,21 +89,23 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace) -> Any:
-    return load_settings(args.file, overrides=args.set or [], registry=registry_for)
+def _load(args: argparse.Namespace, path: str) -> Any:
+    settings = load_settings(path, overrides=args.set or [], registry=registry_for)
+    _warn_about_failures(registry_for(settings.plugins))
+    return settings
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
     from patchbay.entrypoints.run_command import read_requests
 
-    settings = _load(args)
+    settings = _load(args, args.file)
     requests = read_requests(settings, args.file) if settings.inputs.prompts or settings.inputs.file else []
     print(f"{args.file}: valid ({len(requests)} requests)")
     return 0
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    print(dump_settings(_load(args)), end="")
+    print(dump_settings(_load(args, args.file)), end="")
     return 0
 
 
@@ -111,7 +113,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     import pytest
 
     kind, name = parse_reference(args.reference)
-    default_registry().get(kind.name, name)  # fail early, with the available names
+    registry = default_registry()
+    _warn_about_failures(registry)
+    registration = registry.get(kind.name, name)  # fail early, with the available names
+    implementation = registration.resolve()
+    reason = implementation.unavailable_reason()
+    if reason and not args.allow_unavailable:
+        print(f"patchbay: error: {kind.name}:{name} is unavailable here: {reason}; its behavioural checks cannot run, "
+              "so it cannot pass (--allow-unavailable runs the rest and skips them)", file=sys.stderr)
+        return 1
     with tempfile.TemporaryDirectory(prefix="patchbay-check-") as tmp:
         test_file = Path(tmp) / f"test_{kind.name}_{name.replace('-', '_')}.py"
         test_file.write_text(
@@ -119,16 +129,25 @@ def cmd_check(args: argparse.Namespace) -> int:
             f"TestConformance = suite_for({kind.name!r}, {name!r})\n"
         )
         (Path(tmp) / "pytest.ini").write_text("[pytest]\n")
-        print(f"conformance suite for {kind.name}:{name}")
+        mode = " (strict: a skipped behavioural check fails)" if args.strict else ""
+        print(f"conformance suite for {kind.name}:{name}{mode}")
+        strict = ["--patchbay-strict"] if args.strict else []
         code = pytest.main([str(test_file), "-v", "-rA", "-p", "no:cacheprovider", "--rootdir", tmp,
-                            "-c", str(Path(tmp) / "pytest.ini"), *args.pytest_args])
+                            "-c", str(Path(tmp) / "pytest.ini"), *strict, *args.pytest_args])
     return int(code)
+
+
+def _warn_about_failures(registry: Registry) -> None:
+    """Say on stderr which plugins failed to load: a name they would have registered is missing for that reason."""
+    for failure in registry.failures:
+        print(f"patchbay: warning: {failure} (its implementations are not available; `patchbay plugins` shows "
+              "the traceback)", file=sys.stderr)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from patchbay.entrypoints.run_command import run_from_settings
 
-    settings = load_settings(args.config, overrides=args.set or [], registry=registry_for)
+    settings = _load(args, args.config)
     return run_from_settings(settings, config_path=args.config)
 
 
@@ -195,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="run the conformance suite against a plugin (KIND:NAME)")
     check.add_argument("reference", metavar="KIND:NAME")
+    check.add_argument("--strict", action="store_true",
+                       help="a behavioural check skipped for any reason but a limit the plugin declares fails")
+    check.add_argument("--allow-unavailable", action="store_true",
+                       help="run the checks of a plugin that is unavailable here (its behavioural checks skip)")
     check.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
     check.set_defaults(handler=cmd_check)
 
