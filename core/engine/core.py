@@ -192,6 +192,7 @@ class Engine:
             device=self.device,
             eos_token_ids=shape.eos_token_ids,
             drafter=drafter,
+            drafter_name=f"drafter:{settings.speculative.method}" if settings.speculative else "",
             rejection_sampler=rejection_sampler,
             num_speculative_tokens=num_speculative_tokens,
             kv_connector=self.kv_connector.worker_side() if self.kv_connector is not None else None,

