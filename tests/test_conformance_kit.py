@@ -12,6 +12,7 @@ Two ways to point a suite at a plugin:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -508,3 +509,55 @@ def test_the_engine_runs_of_the_kit_catch_what_breaks_a_real_run(defective_site,
     result = check_defect(defective_site, reference, "-k", test)
     assert result.returncode != 0
     assert message in result.stdout, result.stdout[-4000:]
+
+
+# -- the engine guards the contract at run time ------------------------------------------------------------
+
+
+def run_yaml(site: Path, directory: Path, body: str) -> subprocess.CompletedProcess[str]:
+    """``patchbay run`` of ``body`` on the kit's tiny model (token-id prompts), with the defective plugin installed."""
+    from conftest import run_patchbay
+
+    from patchbay.testing.end_to_end import tiny_model_dir
+
+    config = directory / "run.yaml"
+    config.write_text(textwrap.dedent(f"""\
+        model: {{path: {tiny_model_dir()}, dtype: float32}}
+        runtime: {{threads: 1, device: cpu}}
+        attention: {{backend: reference}}
+        outputs: {{path: {directory / 'results.jsonl'}, progress: false}}
+        """) + textwrap.dedent(body))
+    return run_patchbay("run", str(config), site=site, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_connector_holding_a_request_forever_ends_the_run_naming_it_after_writing_results(defective_site, tmp_path):
+    result = run_yaml(defective_site, tmp_path, f"""\
+        kv_connector: {{name: defect_holds_forever, stall_timeout: 2}}
+        inputs:
+          sampling: {{max_tokens: 3, ignore_eos: true}}
+          prompts:
+            - {{id: long, prompt_token_ids: {list(range(1000, 1040))}}}
+            - {{id: short, prompt_token_ids: [2000, 2001, 2002, 2003, 2004, 2005]}}
+        """)
+    assert result.returncode != 0
+    assert "KV connector 'defect_holds_forever' holds requests 'short'" in result.stderr, result.stderr[-3000:]
+    assert "2 s (kv_connector.stall_timeout)" in result.stderr
+    written = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert sorted(row["id"] for row in written) == ["long", "short"]  # both finished before the hang
+    assert all(len(row["token_ids"]) == 3 for row in written)
+
+
+@pytest.mark.slow
+def test_a_drafter_proposing_an_id_outside_the_vocabulary_fails_the_run_naming_it(defective_site, tmp_path):
+    result = run_yaml(defective_site, tmp_path, """\
+        speculative: {method: defect_out_of_range, num_speculative_tokens: 2}
+        inputs:
+          sampling: {max_tokens: 4, ignore_eos: true}
+          prompts:
+            - {id: only, prompt_token_ids: [1000, 1001, 1002, 1003]}
+        """)
+    assert result.returncode != 0
+    assert "drafter:defect_out_of_range proposed for request 'only' token ids outside the vocabulary (0..49151): " \
+        "[49152]" in result.stderr, result.stderr[-3000:]
+    assert "IndexError" not in result.stderr
