@@ -130,7 +130,11 @@ def test_plugins_json_reports_plugins_failures_and_conflicts(patchbay_cli):
     assert failure["error"] == "ImportError: this plugin is broken on purpose"
 
     (conflict,) = report["conflicts"]
-    assert "patchbay-duplicate-plugin" in conflict and "patchbay-example-plugin" in conflict
+    assert (conflict["kind"], conflict["name"]) == ("sampler", "example_argmax")
+    assert {claimant["distribution"] for claimant in conflict["claimants"]} == {
+        "patchbay-duplicate-plugin", "patchbay-example-plugin"}
+    assert "is registered twice" in conflict["message"]
+    assert dense["metadata_builder"] == "common" and dense["known_gaps"] == {}
 
 
 def test_plugins_kind_filter(patchbay_cli, example_only_env):

@@ -210,6 +210,13 @@ class Settings(BaseSettings):
     outputs: OutputSettings = Field(default_factory=OutputSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
 
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: Any,
+                                   **other_sources: Any) -> tuple:
+        # load_settings merges the environment itself (env_overrides), so each variable is named in errors and
+        # PATCHBAY_KEY=null can clear a key; reading it again here would undo that.
+        return (init_settings,)
+
     def plugin_choices(self) -> list[PluginChoice]:
         """Every plugin this run names, with its options and the key path of its YAML section."""
         choices = []

@@ -29,20 +29,22 @@ def _registry(args: argparse.Namespace) -> Registry:
     return default_registry()
 
 
+def _origin(origin: Any) -> dict[str, str]:
+    return {"plugin": origin.plugin, "distribution": origin.distribution, "version": origin.version}
+
+
 def _describe(registration: Registration) -> dict[str, Any]:
     row: dict[str, Any] = {
         "kind": registration.kind.name,
         "name": registration.name,
-        "distribution": registration.origin.distribution,
-        "version": registration.origin.version,
-        "plugin": registration.origin.plugin,
+        **_origin(registration.origin),
         "target": registration.target_path,
         "description": registration.description,
     }
     try:
         implementation = registration.resolve()
     except PluginError as exc:
-        row.update(available=False, reason=str(exc), capabilities=None)
+        row.update(available=False, reason=str(exc), capabilities=None, known_gaps={})
         return row
     reason = implementation.unavailable_reason()
     doc = (implementation.__doc__ or "").strip().splitlines()
@@ -50,25 +52,35 @@ def _describe(registration: Registration) -> dict[str, Any]:
         available=reason is None,
         reason=reason,
         capabilities=implementation.capabilities.as_dict(),
+        known_gaps=dict(implementation.known_gaps),
         description=registration.description or (doc[0] if doc else ""),
     )
+    if registration.kind.name == "attention":
+        row["metadata_builder"] = getattr(implementation, "metadata_builder", None)
     return row
+
+
+def _plugins_report(registry: Registry, kind: str | None) -> dict[str, Any]:
+    """What ``patchbay plugins --json`` prints: implementations, load failures, what the policy kept out, conflicts."""
+    return {
+        "plugins": [_describe(r) for r in registry.registrations(kind)],
+        "failures": [{**_origin(f.origin), "error": f.error, "traceback": f.traceback_summary}
+                     for f in registry.failures],
+        "excluded": [{"what": e.what, "rule": e.rule, "reference": e.reference} for e in registry.excluded],
+        "conflicts": [{"kind": c.kind.name, "name": c.name, "claimants": [_origin(c.first), _origin(c.second)],
+                       "message": str(c)} for c in registry.conflicts],
+    }
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     registry = _registry(args)
-    rows = [_describe(r) for r in registry.registrations(args.kind)]
-    failures = [
-        {"plugin": f.origin.plugin, "distribution": f.origin.distribution, "version": f.origin.version,
-         "error": f.error, "traceback": f.traceback_summary}
-        for f in registry.failures
-    ]
-    conflicts = [str(conflict) for conflict in registry.conflicts]
+    report = _plugins_report(registry, args.kind)
     if args.json:
-        print(json.dumps({"plugins": rows, "failures": failures, "conflicts": conflicts}, indent=2))
+        print(json.dumps(report, indent=2))
         return 0
     current_kind = None
-    for row in rows:
+    builders = set(registry.names("attention_metadata_builder"))
+    for row in report["plugins"]:
         if row["kind"] != current_kind:
             current_kind = row["kind"]
             print(f"\n{current_kind}:")
@@ -77,15 +89,23 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"  {row['name']:<16} {row['distribution']}{version}  [{status}]")
         if row["description"]:
             print(f"  {'':<16} {row['description']}")
-        if row["capabilities"] and args.verbose:
-            for key, value in row["capabilities"].items():
-                print(f"  {'':<18}{key}: {value}")
-    for failure in failures:
+        if not args.verbose:
+            continue
+        if "metadata_builder" in row:
+            missing = "" if row["metadata_builder"] in builders else "  (NOT INSTALLED: runs will fail)"
+            print(f"  {'':<18}metadata builder: {row['metadata_builder']}{missing}")
+        for test, why in (row["known_gaps"] or {}).items():
+            print(f"  {'':<18}known gap: {test}: {why}")
+        for key, value in (row["capabilities"] or {}).items():
+            print(f"  {'':<18}{key}: {value}")
+    for failure in report["failures"]:
         version = f" {failure['version']}" if failure["version"] else ""
         print(f"\nbroken plugin {failure['plugin']!r} from {failure['distribution']}{version}: {failure['error']}")
         print(textwrap.indent(failure["traceback"], "    "))
-    for conflict in conflicts:
-        print(f"\nconflict: {conflict}")
+    for exclusion in registry.excluded:
+        print(f"\nnot loaded: {exclusion}")
+    for conflict in report["conflicts"]:
+        print(f"\nconflict: {conflict['message']}")
     return 0
 
 
@@ -198,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     plugins.add_argument("--strict", action="store_true", help="a plugin that fails to load is an error")
     plugins.add_argument("--kind", help="only this kind")
-    plugins.add_argument("-v", "--verbose", action="store_true", help="show capabilities")
+    plugins.add_argument("-v", "--verbose", action="store_true",
+                         help="show each backend's metadata builder, declared known gaps and capabilities")
     plugins.set_defaults(handler=cmd_plugins)
 
     config = sub.add_parser("config", help="validate or show a YAML configuration")
