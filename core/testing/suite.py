@@ -41,6 +41,11 @@ class NotDeclared(pytest.skip.Exception):
     """A skip strict mode accepts: the plugin declares it does not do this, or the test does not apply to it."""
 
 
+# pytest prints a skip's reason as "<qualified exception name>: <reason>" unless the exception is its own; a
+# short name keeps the summary line readable ("NotDeclared: greedy only") rather than the module path.
+NotDeclared.__module__ = "builtins"
+
+
 def skip_not_declared(reason: str) -> None:
     """Skip the current test because the plugin declares it does not do what the test checks."""
     raise NotDeclared(msg=reason, pytrace=False)
