@@ -396,3 +396,28 @@ class KVConnectorSuite(KVConnectorBaseSuite):
             loaded = engine.scheduler.kv_connector_stats.num_loaded_tokens
             if run == "warm":
                 assert loaded > 0, "the warm run loaded nothing from the store the cold run filled"
+
+    def test_engine_producer_then_consumer_keep_greedy_output(self, available: type[KVConnector],
+                                                              patchbay_registry, connector_options: dict[str, Any]) -> None:
+        """A producer run saves, a consumer run (a new engine) loads: both give the greedy tokens of no connector."""
+        from patchbay.testing import end_to_end
+
+        if not self.plugin_name:
+            skip_not_declared("the engine selects the connector by its registered name; set plugin_name")
+        if not {"producer", "consumer"} <= set(available.capabilities.roles):
+            skip_not_declared("the producer/consumer pair needs roles 'producer' and 'consumer'")
+        reason = end_to_end.unavailable_reason(patchbay_registry)
+        if reason:
+            pytest.skip(reason)
+        workload = end_to_end.shared_prefix_workload(seed=uuid.uuid4().int % (1 << 30))
+        expected, _ = end_to_end.run_greedy(patchbay_registry, workload, {})
+        for role in ("producer", "consumer"):
+            section = {"name": self.plugin_name, "role": role, "options": connector_options,
+                       "stall_timeout": ENGINE_STALL_TIMEOUT}
+            got, engine = end_to_end.run_greedy(patchbay_registry, workload, {"kv_connector": section})
+            stats = getattr(engine.kv_connector, "stats", None)
+            if isinstance(stats, dict) and stats.get("unreachable"):
+                pytest.skip(f"the store is unreachable with these options (stats: {stats})")
+            end_to_end.assert_same_tokens(expected, got, f"{role} run with KV connector {self.plugin_name!r}")
+        assert engine.scheduler.kv_connector_stats.num_loaded_tokens > 0, (
+            "the consumer loaded nothing from the store the producer filled")
