@@ -47,6 +47,7 @@ class TestExampleRepeat(DrafterSuite):
 
 class TestExampleMemory(KVConnectorSuite):
     plugin_name = "example_memory"
+    run_end_to_end = False  # its engine runs are covered by `patchbay check` in tests/test_cli.py
 
 
 class TestExamplePassthrough(MetadataBuilderSuite):
@@ -194,7 +195,7 @@ def test_a_few_lines_run_the_whole_kit_against_an_installed_plugin(third_party):
         numeric = {test: outcome for test, outcome in ran.items() if test not in registration_level}
         assert all(outcome <= {"PASSED", "SKIPPED"} for outcome in numeric.values()), f"{suite_name}: {ran}"
         if numeric:
-            assert any(outcome == {"PASSED"} for outcome in numeric.values()), f"{suite_name}: {ran}"
+            assert any("PASSED" in outcome for outcome in numeric.values()), f"{suite_name}: {ran}"
     assert found[("TestExampleArgmax", "test_greedy_rows_take_the_argmax")] == {"PASSED"}
     assert result.ret == 0, result.stdout.str()[-3000:]
 
@@ -255,7 +256,7 @@ def test_each_bad_plugin_fails_exactly_the_check_it_breaks(third_party):
             else:  # numeric checks: these bad plugins are greedy-only, so random-sampling checks skip
                 assert outcome is not None and outcome <= {"PASSED", "SKIPPED"}, (suite_name, test, outcome)
     output = result.stdout.str()
-    assert "registering sampler:bad_eager imported bad_eager_impl" in output
+    assert "it imported the implementation module bad_eager_impl" in output
     assert "Options() must be constructible with no keys" in output
     assert "validate accepted a config outside its capabilities" in output
     assert result.ret != 0
