@@ -413,6 +413,8 @@ def test_every_settings_key_the_docs_name_exists(doc: Path):
     for span in inline_code(doc):
         if re.search(r"\.(py|md|ya?ml|toml|jsonl?|txt)$", span):
             continue  # a file name
+        if re.search(r"\.(weight|bias)$|\.\d+\.", span):
+            continue  # a model parameter (`model.embed_tokens.weight`, `model.layers.0.self_attn`)
         match = SETTINGS_KEY.match(span.split("=")[0].split(":")[0].strip())
         if match and not settings_key_exists(match.group(0).split(".")):
             missing.append(f"`{span}`: no such settings key")

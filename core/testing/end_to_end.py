@@ -40,6 +40,9 @@ BASE_SETTINGS: dict[str, Any] = {
     "attention__backend": "reference",  # the oracle-like built-in; runs of other kinds compare against it
     "runtime__threads": 1,
     "runtime__device": "cpu",
+    # Plain torch linears: no per-machine tuning to measure, the same arithmetic in every run of a comparison.
+    "runtime__linear_kernel": "torch",
+    "runtime__fuse_projections": False,
     "model__dtype": "float32",
     "cache__block_size": 16,
 }
