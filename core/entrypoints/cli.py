@@ -239,7 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a behavioural check skipped for any reason but a limit the plugin declares fails")
     check.add_argument("--allow-unavailable", action="store_true",
                        help="run the checks of a plugin that is unavailable here (its behavioural checks skip)")
-    check.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+    check.add_argument("pytest_args", nargs=argparse.REMAINDER,
+                       help="extra pytest arguments (everything after KIND:NAME; give --strict and --allow-unavailable "
+                            "before it)")
     check.set_defaults(handler=cmd_check)
 
     run = sub.add_parser("run", help="run the job a YAML file describes")
