@@ -273,7 +273,9 @@ def test_plugins_shows_builders_known_gaps_and_what_the_policy_kept_out(patchbay
     excluded = {row["what"]: row["rule"] for row in report["excluded"]}
     assert excluded["plugin 'broken' from patchbay-broken-plugin 0.0.1"] == "denied by plugins.deny"
     assert excluded["plugin 'duplicate' from patchbay-duplicate-plugin 1.0.0"] == "denied by plugins.deny"
-    assert all(row["known_gaps"] == {} for row in report["plugins"] if row["available"])
+    rows = {(row["kind"], row["name"]): row for row in report["plugins"]}
+    assert all(isinstance(row["known_gaps"], dict) for row in rows.values() if row["available"])
+    assert rows[("attention", "example_dense")]["known_gaps"] == {}
 
     listing = patchbay_cli("plugins", "-v", "--kind", "attention", env=example_only_env).stdout
     assert re.search(r"example_dense .*\n.*\n\s+metadata builder: common\n", listing), listing
