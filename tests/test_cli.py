@@ -130,7 +130,11 @@ def test_plugins_json_reports_plugins_failures_and_conflicts(patchbay_cli):
     assert failure["error"] == "ImportError: this plugin is broken on purpose"
 
     (conflict,) = report["conflicts"]
-    assert "patchbay-duplicate-plugin" in conflict and "patchbay-example-plugin" in conflict
+    assert (conflict["kind"], conflict["name"]) == ("sampler", "example_argmax")
+    assert {claimant["distribution"] for claimant in conflict["claimants"]} == {
+        "patchbay-duplicate-plugin", "patchbay-example-plugin"}
+    assert "is registered twice" in conflict["message"]
+    assert dense["metadata_builder"] == "common" and dense["known_gaps"] == {}
 
 
 def test_plugins_kind_filter(patchbay_cli, example_only_env):
@@ -261,3 +265,27 @@ def test_check_a_malformed_reference_names_the_kinds(patchbay_cli, example_only_
     assert result.returncode != 0
     assert ("expected KIND:NAME (kinds: attention, attention_metadata_builder, drafter, sampler, kv_connector, "
             "structured_output)") in result.stderr
+
+
+
+def test_plugins_shows_builders_known_gaps_and_what_the_policy_kept_out(patchbay_cli, example_only_env):
+    report = json.loads(patchbay_cli("plugins", "--json", env=example_only_env).stdout)
+    excluded = {row["what"]: row["rule"] for row in report["excluded"]}
+    assert excluded["plugin 'broken' from patchbay-broken-plugin 0.0.1"] == "denied by plugins.deny"
+    assert excluded["plugin 'duplicate' from patchbay-duplicate-plugin 1.0.0"] == "denied by plugins.deny"
+    rows = {(row["kind"], row["name"]): row for row in report["plugins"]}
+    assert all(isinstance(row["known_gaps"], dict) for row in rows.values() if row["available"])
+    assert rows[("attention", "example_dense")]["known_gaps"] == {}
+
+    listing = patchbay_cli("plugins", "-v", "--kind", "attention", env=example_only_env).stdout
+    assert re.search(r"example_dense .*\n.*\n\s+metadata builder: common\n", listing), listing
+    assert "not loaded: plugin 'broken' from patchbay-broken-plugin 0.0.1 is denied by plugins.deny" in listing
+
+
+def test_run_validate_and_check_name_a_plugin_that_failed_to_import(patchbay_cli, write_yaml):
+    path = write_yaml("sampler: {name: greedy}\n")
+    warning = "patchbay: warning: plugin 'broken' from patchbay-broken-plugin 0.0.1: ImportError: this plugin is broken"
+    validate = patchbay_cli("config", "validate", str(path))
+    assert validate.returncode == 0 and warning in validate.stderr, validate.stderr
+    check = patchbay_cli("check", "sampler:greedy", "-k", "documented")
+    assert check.returncode == 0 and warning in check.stderr, check.stderr

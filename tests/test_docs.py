@@ -275,6 +275,253 @@ def test_the_worked_example_installs_lists_and_passes_the_kit(tmp_path: Path):
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
     assert "passed" in tests.stdout and "failed" not in tests.stdout
 
-    check = subprocess.run([sys.executable, "-m", "patchbay.entrypoints.cli", "check", "sampler:temperature"],
+    check = subprocess.run([sys.executable, "-m", "patchbay.entrypoints.cli", "check", "--strict", "sampler:temperature"],
                            capture_output=True, text=True, env=env, timeout=300)
     assert check.returncode == 0, check.stdout[-4000:] + check.stderr[-2000:]
+    # The guide's sample output is this run's: the same tests, in the same order, with the same outcomes.
+    assert check_outcomes(check.stdout) == check_outcomes(guide_check_sample()), "the guide's patchbay check sample is stale"
+
+
+def check_outcomes(text: str) -> list[tuple[str, str]]:
+    """``(test, outcome)`` of each per-test line of a ``patchbay check`` output, in order."""
+    return re.findall(r"::TestConformance::(\S+) (PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS)", text)
+
+
+def guide_check_sample() -> str:
+    (sample,) = [body for _, body in fenced_blocks(PLUGIN_GUIDE.read_text())
+                 if body.startswith("$ patchbay check --strict sampler:temperature")]
+    return sample
+
+
+def test_the_guides_check_sample_runs_every_test_of_the_sampler_suite():
+    from patchbay.testing import SamplerSuite
+
+    tests = {name.partition("[")[0] for name, _ in check_outcomes(guide_check_sample())}
+    assert tests == {name for name in dir(SamplerSuite) if name.startswith("test_")}
+
+
+# -- names the docs use exist: symbols, settings keys, CLI flags -------------------------------------------
+
+
+def inline_code(doc: Path) -> list[str]:
+    """Every inline code span of ``doc``'s prose, without the backticks."""
+    return [span.strip("`") for span in INLINE_CODE.findall(prose(doc.read_text()))]
+
+
+def patchbay_names() -> dict[str, object]:
+    """Every public name defined in a module of the ``patchbay`` package (plugins included), by name."""
+    import importlib
+    import pkgutil
+
+    import patchbay
+    import patchbay.plugins
+
+    found: dict[str, object] = {}
+    modules = [*pkgutil.walk_packages(patchbay.__path__, "patchbay."),
+               *pkgutil.walk_packages(patchbay.plugins.__path__, "patchbay.plugins.")]
+    for module_info in modules:
+        if module_info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(module_info.name)
+        for name, value in vars(module).items():
+            if not name.startswith("_") and getattr(value, "__module__", module_info.name) == module_info.name:
+                found.setdefault(name, value)
+    return found
+
+
+def names_defined_in_examples() -> set[str]:
+    """Classes and functions the docs' own code blocks and the example plugin define (they exist only there)."""
+    sources = [body for doc in DOC_FILES for _, body in fenced_blocks(doc.read_text())]
+    sources += [path.read_text() for path in (REPO_ROOT / "tests").glob("*_plugin/**/*.py")]
+    return {match for source in sources for match in re.findall(r"^\s*(?:class|def)\s+(\w+)", source, re.MULTILINE)}
+
+
+CAMEL_CASE = re.compile(r"^(?=[A-Za-z0-9]*[a-z])[A-Z][a-z0-9]*[A-Z][A-Za-z0-9]*$")
+"""A class-like name: starts upper case, has another capital and some lower case (``KVConnectorScheduler``)."""
+
+FOREIGN_FLAGS = {"--no-deps"}
+"""Flags of other tools (pip) the docs mention in passing."""
+
+
+def third_party_name(name: str) -> bool:
+    """Whether ``name`` is a builtin or a public name of a library patchbay builds on (transformers, pydantic, torch)."""
+    import builtins
+
+    import pydantic
+    import torch
+    import transformers
+
+    return any(hasattr(module, name) for module in (builtins, pydantic, torch, transformers))
+MEMBER = re.compile(r"^([A-Z]\w+)\.(\w+)(?:\(\))?$")
+DOTTED_MODULE = re.compile(r"^patchbay(?:\.\w+)+$")
+
+
+@pytest.mark.parametrize("doc", DOC_FILES, ids=doc_id)
+def test_every_class_member_and_module_the_docs_name_exists(doc: Path):
+    import importlib
+
+    known = patchbay_names()
+    local = names_defined_in_examples()
+    missing = []
+    for span in inline_code(doc):
+        if DOTTED_MODULE.match(span):
+            module, _, attribute = span, "", ""
+            while module:
+                try:
+                    obj = importlib.import_module(module)
+                    break
+                except ImportError:
+                    module, _, last = module.rpartition(".")
+                    attribute = f"{last}.{attribute}".strip(".")
+            for part in filter(None, attribute.split(".")):
+                obj = getattr(obj, part, None) if obj is not None else None
+            if not module or obj is None:
+                missing.append(f"`{span}`: no such module or attribute")
+        elif (member := MEMBER.match(span)) and member.group(1) in known and isinstance(known[member.group(1)], type):
+            owner = known[member.group(1)]
+            fields = getattr(owner, "__dataclass_fields__", {}) | getattr(owner, "model_fields", {})
+            if not hasattr(owner, member.group(2)) and member.group(2) not in fields:
+                missing.append(f"`{span}`: {member.group(1)} has no {member.group(2)!r}")
+        elif CAMEL_CASE.match(span) and span not in known and span not in local and not third_party_name(span):
+            missing.append(f"`{span}`: no class or function of that name in patchbay or the examples")
+    assert not missing, f"{doc_id(doc)} names what does not exist:\n  " + "\n  ".join(missing)
+
+
+SETTINGS_KEY = re.compile(r"^(" + "|".join(Settings.model_fields) + r")\.([a-z_][a-z0-9_.]*)$")
+
+
+def settings_key_exists(path: list[str]) -> bool:
+    """Whether a dotted settings key exists (a free-form mapping such as ``options`` accepts any key below it)."""
+    model: object = Settings
+    for index, key in enumerate(path):
+        fields = getattr(model, "model_fields", None)
+        if fields is None:
+            return False
+        if key not in fields:
+            return False
+        annotation = fields[key].annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, Section)), None)
+        if model is None:
+            return True  # a leaf value, or a mapping/list whose keys are the plugin's or the request's
+    return True
+
+
+@pytest.mark.parametrize("doc", DOC_FILES, ids=doc_id)
+def test_every_settings_key_the_docs_name_exists(doc: Path):
+    missing = []
+    for span in inline_code(doc):
+        if re.search(r"\.(py|md|ya?ml|toml|jsonl?|txt)$", span):
+            continue  # a file name
+        if re.search(r"\.(weight|bias)$|\.\d+\.", span):
+            continue  # a model parameter (`model.embed_tokens.weight`, `model.layers.0.self_attn`)
+        match = SETTINGS_KEY.match(span.split("=")[0].split(":")[0].strip())
+        if match and match.group(1) in SamplingParams.model_fields:
+            continue  # also a request parameter (`structured_output.regex`): which one is meant is the prose's to say
+        if match and not settings_key_exists(match.group(0).split(".")):
+            missing.append(f"`{span}`: no such settings key")
+    assert not missing, f"{doc_id(doc)} names settings that do not exist:\n  " + "\n  ".join(missing)
+
+
+def subparsers() -> dict[tuple[str, ...], argparse.ArgumentParser]:
+    """Every (sub)command parser of ``patchbay`` by its command words: ``()``, ``("run",)``, ``("config", "show")``."""
+    found: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+
+    def walk(parser: argparse.ArgumentParser, words: tuple[str, ...]) -> None:
+        found[words] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, (*words, name))
+
+    walk(build_parser(), ())
+    return found
+
+
+def options_of(parser: argparse.ArgumentParser) -> set[str]:
+    return {option for action in parser._actions for option in action.option_strings}
+
+
+def documented_command_lines(text: str) -> list[str]:
+    lines = []
+    for info, body in fenced_blocks(text):
+        language = info.split()[0] if info else ""
+        for line in body.splitlines():
+            line = line.strip()
+            if line.startswith("$ "):
+                lines.append(line[2:])
+            elif language in ("sh", "bash", "shell", "console"):
+                lines.append(re.sub(r"\s+#.*$", "", line))
+    lines += [span for span in INLINE_CODE.findall(prose(text)) for span in [span.strip("`")]]
+    return [line for line in lines if COMMAND.match(line)]
+
+
+@pytest.mark.parametrize("doc", DOC_FILES, ids=doc_id)
+def test_every_cli_flag_the_docs_show_exists(doc: Path):
+    parsers = subparsers()
+    every_option = set().union(*(options_of(parser) for parser in parsers.values())) | {"--patchbay-strict"}
+    wrong = []
+    for line in documented_command_lines(doc.read_text()):
+        words = line[COMMAND.match(line).start(1):].split()
+        command: tuple[str, ...] = ()
+        while words and (*command, words[0]) in parsers:
+            command = (*command, words.pop(0))
+        for word in words:
+            if command == ("check",) and not word.startswith("-"):
+                break  # after KIND:NAME, arguments go to pytest
+            flag = word.split("=")[0]
+            if flag.startswith("-") and flag not in options_of(parsers[command]):
+                wrong.append(f"`{line}`: patchbay {' '.join(command)} has no {flag}")
+    for span in inline_code(doc):
+        if re.fullmatch(r"--[a-z][a-z-]+", span) and span not in every_option | FOREIGN_FLAGS:
+            wrong.append(f"`{span}`: no patchbay command has this flag")
+    assert not wrong, f"{doc_id(doc)} shows flags the CLI does not have:\n  " + "\n  ".join(wrong)
+
+
+def test_the_name_checks_catch_a_name_that_does_not_exist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Not vacuous: a doc naming a missing class, member, settings key or flag fails each check."""
+    doc = tmp_path / "bad.md"
+    doc.write_text("Use `KVConnectorSchedular`, `KVConnectorWorker.save_layer`, `patchbay.testing.no_such_thing`,\n"
+                   "`kv_connector.stall_timout` and `patchbay check --no-such-flag sampler:greedy`.\n")
+    monkeypatch.setattr(sys.modules[__name__], "doc_id", lambda path: path.name)
+    for check, fragment in ((test_every_class_member_and_module_the_docs_name_exists, "KVConnectorSchedular"),
+                            (test_every_class_member_and_module_the_docs_name_exists, "has no 'save_layer'"),
+                            (test_every_class_member_and_module_the_docs_name_exists, "no_such_thing"),
+                            (test_every_settings_key_the_docs_name_exists, "kv_connector.stall_timout"),
+                            (test_every_cli_flag_the_docs_show_exists, "has no --no-such-flag")):
+        with pytest.raises(AssertionError, match=re.escape(fragment)):
+            check(doc)
+
+
+# -- sample outputs are what the code prints -------------------------------------------------------------
+
+
+def config_error_samples(doc: Path) -> list[tuple[str, str, str]]:
+    """``(file name, YAML, error text)`` for each error sample of ``doc`` shown after the YAML that causes it."""
+    blocks = fenced_blocks(doc.read_text())
+    samples = []
+    for (_, yaml_body), (_, error) in zip(blocks, blocks[1:]):
+        names = set(re.findall(r"^  (\S+\.yaml): ", error, re.MULTILINE))
+        if error.startswith("patchbay: error: invalid configuration:\n") and error.count("patchbay: error") == 1 \
+                and len(names) == 1:
+            samples.append((names.pop(), yaml_body, error))
+    return samples
+
+
+@pytest.mark.parametrize("index", range(len(config_error_samples(CONFIGURATION))))
+def test_the_configuration_guides_error_samples_are_what_validation_says(index: int, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         no_patchbay_env: None):
+    from patchbay.contract.registry import registry_for
+    from patchbay.contract.settings import ConfigError
+
+    name, body, error = config_error_samples(CONFIGURATION)[index]
+    (tmp_path / name).write_text(body)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(name, registry=registry_for)
+    assert f"patchbay: error: {caught.value}\n" == error
+
+
+def test_the_configuration_guide_has_error_samples():
+    assert len(config_error_samples(CONFIGURATION)) >= 3

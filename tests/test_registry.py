@@ -540,3 +540,35 @@ def test_allow_a_single_implementation_by_kind_and_name(two_samplers):
 def test_deny_wins_over_allow(two_samplers):
     registry = Registry.from_entry_points(allow=["good-plugin"], deny=["sampler:second"], entry_points=two_samplers)
     assert registry.names("sampler") == ["first"]
+
+
+# -- why a name is missing: denied, not allowed, or its plugin failed to load --------------------------------
+
+
+def test_a_denied_implementation_is_said_to_be_denied_not_missing(two_samplers):
+    registry = Registry.from_entry_points(deny=["sampler:first"], entry_points=two_samplers)
+    with pytest.raises(UnknownPluginError) as caught:
+        registry.get("sampler", "first")
+    message = str(caught.value)
+    assert message.startswith("sampler:first (plugin 'good' from good-plugin 1.2.0) is denied by plugins.deny")
+    assert "PATCHBAY_PLUGINS__DENY" in message and "is installed but the plugin policy keeps it out" in message
+
+
+def test_an_implementation_outside_the_allow_list_is_said_to_be_not_allowed(two_samplers):
+    registry = Registry.from_entry_points(allow=["sampler:second"], entry_points=two_samplers)
+    with pytest.raises(UnknownPluginError, match=r"^sampler:first \(plugin 'good' from good-plugin 1\.2\.0\) is not "
+                                                 r"in plugins\.allow"):
+        registry.get("sampler", "first")
+
+
+def test_a_missing_name_lists_the_plugins_that_were_denied_or_failed_to_import(site, with_unwanted):
+    site.module("missing_dependency", "import a_module_that_is_not_installed_anywhere\n")
+    broken = site.distribution("needs-more-plugin", "0.1", {"needs_more": "{pkg}.missing_dependency"})
+    registry = Registry.from_entry_points(deny=["unwanted-plugin"], entry_points=[*with_unwanted, *broken])
+    with pytest.raises(UnknownPluginError) as caught:
+        registry.get("sampler", "from_the_unwanted_plugin")
+    message = str(caught.value)
+    assert "no sampler named 'from_the_unwanted_plugin' is installed; available: first, second\n" in message
+    assert "plugin 'unwanted' from unwanted-plugin 6.6.6 is denied by plugins.deny" in message
+    assert ("plugin 'needs_more' from needs-more-plugin 0.1 failed to load: ModuleNotFoundError: No module named "
+            "'a_module_that_is_not_installed_anywhere'") in message

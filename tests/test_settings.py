@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from patchbay import hookimpl
 from patchbay.contract.registry import Registry, default_registry
 from patchbay.contract.settings import ConfigError, Settings, dump_settings, load_settings, plugin_options
-from patchbay.interfaces import AttentionBackend, Sampler, SamplerOutput
+from patchbay.interfaces import AttentionBackend, AttentionMetadataBuilder, Sampler, SamplerOutput
 
 
 @pytest.fixture(autouse=True)
@@ -246,10 +246,21 @@ class PlainSampler(Sampler):
         return SamplerOutput(sampled_token_ids=logits.argmax(-1, keepdim=True))
 
 
+class PassThroughBuilder(AttentionMetadataBuilder):
+    """The metadata builder TunableBackend names (a run-time choice must name an installed builder)."""
+
+    def build(self, common):
+        return common
+
+
 class SettingsTestPlugins:
     @hookimpl
     def register_attention_backends(self, register):
         register("tunable", TunableBackend)
+
+    @hookimpl
+    def register_attention_metadata_builders(self, register):
+        register(TunableBackend.metadata_builder, PassThroughBuilder)
 
     @hookimpl
     def register_samplers(self, register):
@@ -361,3 +372,40 @@ def test_the_dump_shows_every_key_with_overrides_applied(monkeypatch):
     text = dump_settings(load_settings())
     assert "max_num_seqs: 8" in text
     assert "block_size: 16" in text  # defaults are shown, not only what was set
+
+
+def test_a_backend_whose_metadata_builder_is_not_installed_is_a_validation_error(write_yaml):
+    class OnlyTheBackend:
+        @hookimpl
+        def register_attention_backends(self, register):
+            register("tunable", TunableBackend)
+
+    registry = Registry()
+    registry.add_plugin(OnlyTheBackend(), name="backend-only")
+    path = write_yaml("attention: {backend: tunable}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path, registry=registry)
+    (problem,) = [problem for problem in caught.value.problems if problem.path.startswith("attention")]
+    assert (problem.source, problem.path, problem.plugin) == (str(path), "attention.backend", "attention:tunable")
+    assert problem.message.startswith(
+        "attention:tunable's metadata builder 'common' cannot be used: no attention-metadata builder named 'common'")
+
+
+def test_set_null_clears_a_value_or_a_mapping_and_so_does_the_environment(write_yaml, registry, monkeypatch):
+    path = write_yaml("attention: {backend: tunable, options: {chunk: 64}}\nmodel: {max_model_len: 256}\n"
+                      "sampler: {name: plain}\n")
+    # 'auto' with the YAML's options is an error that names where 'auto' came from and how to clear the options.
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path, overrides=["attention.backend=auto"], registry=registry)
+    (problem,) = caught.value.problems
+    assert "attention.backend is 'auto' (from --set attention.backend=auto)" in problem.message
+    assert "--set attention.options=null" in problem.message
+
+    cleared = load_settings(path, overrides=["attention.backend=auto", "attention.options=null",
+                                             "model.max_model_len=null"], registry=registry)
+    assert (cleared.attention.backend, cleared.attention.options, cleared.model.max_model_len) == ("auto", {}, None)
+
+    monkeypatch.setenv("PATCHBAY_ATTENTION__OPTIONS", "null")
+    monkeypatch.setenv("PATCHBAY_ATTENTION__BACKEND", "auto")
+    from_env = load_settings(path, registry=registry)
+    assert (from_env.attention.backend, from_env.attention.options) == ("auto", {})

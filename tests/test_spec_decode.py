@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections import Counter
 from typing import ClassVar
 
@@ -144,3 +145,26 @@ def test_requests_asking_for_logprobs_decode_without_drafts(tiny_llama, registry
     assert all(len(o.logprobs) == 6 for o in outputs)
     assert llm.engine.spec_stats.num_draft_tokens == 0
     assert not math.isnan(outputs[0].logprobs[0].logprobs[0])
+
+
+# -- proposals are checked where the runner receives them ------------------------------------------------
+
+
+def test_draft_proposals_outside_the_contract_name_the_drafter_and_the_request():
+    from patchbay.worker.spec_decode import DraftProposalError, check_draft_proposals
+
+    def check(proposals, skip=frozenset(), num_tokens=(10, 10)):
+        return check_draft_proposals("drafter:mine", proposals, ["a", "b"], list(num_tokens), set(skip),
+                                     vocab_size=100, max_drafts=3, max_model_len=12)
+
+    assert check([[1, 2], [99]]) == [[1, 2], [99]]
+    assert check([[1, 2], [500, 600]], skip={1}) == [[1, 2], []]  # a skipped row's proposal is dropped unchecked
+    for proposals, num_tokens, message in (
+        ([[1], [100]], (10, 10), "drafter:mine proposed for request 'b' token ids outside the vocabulary (0..99): [100]"),
+        ([[-1], []], (10, 10), "drafter:mine proposed for request 'a' token ids outside the vocabulary (0..99): [-1]"),
+        ([[1, 2, 3, 4], []], (5, 5), "drafter:mine proposed for request 'a' 4 drafts; at most 3 are allowed"),
+        ([[], [1, 2, 3]], (10, 10), "drafter:mine proposed for request 'b' 3 drafts; at most 2 are allowed"),
+        ([[1]], (10, 10), "drafter:mine returned 1 proposals for a batch of 2 requests"),
+    ):
+        with pytest.raises(DraftProposalError, match=re.escape(message)):
+            check(proposals, num_tokens=num_tokens)

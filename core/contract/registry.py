@@ -182,6 +182,24 @@ class Conflict:
         )
 
 
+@dataclass(frozen=True)
+class Exclusion:
+    """A plugin (``origin``) or one implementation (``reference``) the plugin policy kept out of the registry."""
+
+    what: str
+    """``plugin 'x' from dist 1.0`` or ``KIND:NAME``."""
+    rule: str
+    """``denied by plugins.deny`` or ``not in plugins.allow``."""
+    reference: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.what} is {self.rule} ({POLICY_SOURCES})"
+
+
+POLICY_SOURCES = "the plugins: section of the settings, or PATCHBAY_PLUGINS__ALLOW / PATCHBAY_PLUGINS__DENY"
+"""Where an allow or deny rule can come from, for messages about it."""
+
+
 def _summarise(exc: BaseException, frames: int = 3) -> tuple[str, str]:
     error = f"{type(exc).__name__}: {exc}"
     summary = traceback.extract_tb(exc.__traceback__)[-frames:]
@@ -208,6 +226,8 @@ class Registry:
         self._manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._manager.add_hookspecs(hookspecs)
         self._origins: dict[str, Origin] = {}
+        self.excluded: list[Exclusion] = []
+        """Plugins and implementations the allow/deny policy kept out, so a lookup can say why a name is missing."""
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -337,18 +357,30 @@ class Registry:
 
     def _admits_plugin(self, origin: Origin) -> bool:
         if origin.plugin in self.deny or origin.distribution in self.deny:
+            self._exclude(Exclusion(str(origin), "denied by plugins.deny"))
             return False
         if not self.allow:
             return True
         # An allow list naming single implementations admits every module; the filter runs per implementation.
-        return origin.plugin in self.allow or origin.distribution in self.allow or any(":" in a for a in self.allow)
+        if origin.plugin in self.allow or origin.distribution in self.allow or any(":" in a for a in self.allow):
+            return True
+        self._exclude(Exclusion(str(origin), "not in plugins.allow"))
+        return False
 
     def _admits_implementation(self, origin: Origin, reference: str) -> bool:
         if reference in self.deny:
+            self._exclude(Exclusion(f"{reference} ({origin})", "denied by plugins.deny", reference))
             return False
         if not self.allow:
             return True
-        return origin.plugin in self.allow or origin.distribution in self.allow or reference in self.allow
+        if origin.plugin in self.allow or origin.distribution in self.allow or reference in self.allow:
+            return True
+        self._exclude(Exclusion(f"{reference} ({origin})", "not in plugins.allow", reference))
+        return False
+
+    def _exclude(self, exclusion: Exclusion) -> None:
+        if exclusion not in self.excluded:
+            self.excluded.append(exclusion)
 
     def _fail(self, origin: Origin, exc: BaseException) -> None:
         error, summary = _summarise(exc)
@@ -383,8 +415,17 @@ class Registry:
         if len(claims) > 1:
             raise PluginConflictError(str(Conflict(kind_obj, name, claims[0].origin, claims[1].origin)))
         if not claims:
+            reference = f"{kind}:{name}"
+            for exclusion in self.excluded:
+                if exclusion.reference == reference:
+                    raise UnknownPluginError(f"{exclusion}; it is installed but the plugin policy keeps it out")
             available = ", ".join(self.names(kind)) or "none"
-            raise UnknownPluginError(f"no {kind_obj.label[:-1]} named {name!r} is installed; available: {available}")
+            message = f"no {kind_obj.label[:-1]} named {name!r} is installed; available: {available}"
+            unknown = [f"  {exclusion}" for exclusion in self.excluded if exclusion.reference is None]
+            unknown += [f"  {failure.origin} failed to load: {failure.error}" for failure in self.failures]
+            if unknown:
+                message += "\nthese plugins were not loaded, so any names they register are missing:\n" + "\n".join(unknown)
+            raise UnknownPluginError(message)
         return claims[0]
 
     def resolve(self, kind: str, name: str) -> type[Plugin]:

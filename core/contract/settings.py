@@ -23,6 +23,7 @@ from pydantic import (
     ByteSize,
     ConfigDict,
     Field,
+    PositiveFloat,
     PositiveInt,
     ValidationError,
     field_validator,
@@ -137,6 +138,8 @@ class KVConnectorSettings(Section):
     name: str
     role: Literal["both", "producer", "consumer"] = "both"
     options: dict[str, Any] = Field(default_factory=dict)
+    stall_timeout: PositiveFloat = 60.0
+    """Seconds the engine waits on requests only the connector holds before it fails the run naming them."""
 
 
 class StructuredOutputSettings(Section):
@@ -226,6 +229,13 @@ class Settings(BaseSettings):
     inputs: InputSettings = Field(default_factory=InputSettings)
     outputs: OutputSettings = Field(default_factory=OutputSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: Any,
+                                   **other_sources: Any) -> tuple:
+        # load_settings merges the environment itself (env_overrides), so each variable is named in errors and
+        # PATCHBAY_KEY=null can clear a key; reading it again here would undo that.
+        return (init_settings,)
 
     def plugin_choices(self) -> list[PluginChoice]:
         """Every plugin this run names, with its options and the key path of its YAML section."""
@@ -318,9 +328,12 @@ class _Sources:
 
 
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """``override`` over ``base``, mappings merged key by key; a ``None`` (``null``) value clears the key."""
     merged = dict(base)
     for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+        if value is None:  # --set KEY=null / PATCHBAY_KEY=null: back to the default, a mapping emptied
+            merged.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
             merged[key] = _deep_merge(dict(merged[key]), value)
         else:
             merged[key] = value
@@ -381,7 +394,14 @@ def env_overrides() -> list[tuple[str, dict[str, Any]]]:
         variables = sorted(v for v in os.environ if v.upper().startswith(f"{ENV_PREFIX}{field.upper()}"))
         label = f"env {', '.join(variables)}" if variables else "environment"
         raise ConfigError([ConfigProblem(label, field or "<env>", f"not valid JSON: {exc.__cause__ or exc}")]) from None
-    return [(_env_label, data)] if data else []
+    return [(_env_label, _nulls_cleared(data))] if data else []
+
+
+def _nulls_cleared(data: Any) -> Any:
+    """Environment values are strings: ``null`` (as in ``--set KEY=null``) means clear the key."""
+    if isinstance(data, Mapping):
+        return {key: _nulls_cleared(value) for key, value in data.items()}
+    return None if isinstance(data, str) and data.strip() == "null" else data
 
 
 def _env_label(path: tuple[str, ...]) -> str:
@@ -473,13 +493,17 @@ def validate_plugin_choices(settings: Settings, registry: Registry, sources: _So
         if choice.name == "auto":
             problems.append(ConfigProblem(sources.of(choice.options_path or choice.name_path),
                                           ".".join(choice.options_path or choice.name_path),
-                                          "options need a named backend; 'auto' picks one at run time"))
+                                          f"options need a named backend, but {'.'.join(choice.name_path)} is 'auto' "
+                                          f"(from {sources.of(choice.name_path)}), which picks one at run time; clear "
+                                          f"the options with --set {'.'.join(choice.options_path or choice.name_path)}=null"))
             continue
         try:
             implementation = registry.resolve(choice.kind, choice.name)
         except PluginError as exc:
             problems.append(ConfigProblem(sources.of(choice.name_path), ".".join(choice.name_path), str(exc)))
             continue
+        if choice.kind == "attention":
+            problems.extend(_metadata_builder_problems(settings, implementation, reference, registry, sources))
         role = getattr(implementation.capabilities, "role", None)
         if choice.sampler_role is not None and role != choice.sampler_role:
             problems.append(ConfigProblem(sources.of(choice.name_path), ".".join(choice.name_path),
@@ -492,6 +516,25 @@ def validate_plugin_choices(settings: Settings, registry: Registry, sources: _So
         except ValidationError as exc:
             problems.extend(_problem_from_error(error, sources, choice.options_path, reference) for error in exc.errors())
     return problems
+
+
+def _metadata_builder_problems(settings: Settings, backend: Any, reference: str, registry: Registry,
+                               sources: _Sources) -> list[ConfigProblem]:
+    """A named backend's metadata builder (its own, or ``attention.metadata_builder``) must be installed too."""
+    from patchbay.contract.registry import PluginError
+
+    chosen = settings.attention.metadata_builder
+    builder = chosen or getattr(backend, "metadata_builder", None)
+    if not builder:
+        return [ConfigProblem(sources.of(("attention", "backend")), "attention.backend",
+                              f"{reference} names no metadata_builder", reference)]
+    try:
+        registry.resolve("attention_metadata_builder", builder)
+    except PluginError as exc:
+        key = ("attention", "metadata_builder") if chosen else ("attention", "backend")
+        whose = "attention.metadata_builder" if chosen else f"{reference}'s metadata builder"
+        return [ConfigProblem(sources.of(key), ".".join(key), f"{whose} {builder!r} cannot be used: {exc}", reference)]
+    return []
 
 
 def plugin_options(implementation: type, options: Mapping[str, Any], *, where: str) -> BaseModel:

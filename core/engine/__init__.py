@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from patchbay.engine.async_llm import AsyncLLM, ChoiceDelta, EngineSnapshot, RequestDelta
-    from patchbay.engine.core import Engine, measure_machine_defaults
+    from patchbay.engine.core import Engine, KVConnectorStalledError, measure_machine_defaults
+    from patchbay.engine.step_failures import EngineDeadError
     from patchbay.engine.detokenizer import IncrementalDetokenizer, StreamingText
     from patchbay.engine.outputs import Completion, RequestMetrics, RequestOutput
     from patchbay.engine.prompts import Prompt, encode_prompt
@@ -19,10 +20,11 @@ if TYPE_CHECKING:
     from patchbay.worker.model_loader import ModelLoadError
 
 __all__ = ["AsyncLLM", "ChoiceDelta", "Completion", "Engine", "EngineDeadError", "EngineSnapshot",
-           "IncrementalDetokenizer", "ModelLoadError", "Prompt", "RequestDelta", "RequestMetrics", "RequestOutput",
-           "StreamingText", "encode_prompt", "measure_machine_defaults"]
+           "IncrementalDetokenizer", "KVConnectorStalledError", "ModelLoadError", "Prompt", "RequestDelta",
+           "RequestMetrics", "RequestOutput", "StreamingText", "encode_prompt", "measure_machine_defaults"]
 _ASYNC = "patchbay.engine.async_llm"
-_MODULE_OF = {"Engine": "patchbay.engine.core", "ModelLoadError": "patchbay.worker.model_loader",
+_MODULE_OF = {"Engine": "patchbay.engine.core", "KVConnectorStalledError": "patchbay.engine.core",
+              "ModelLoadError": "patchbay.worker.model_loader",
               "measure_machine_defaults": "patchbay.engine.core",
               "AsyncLLM": _ASYNC, "ChoiceDelta": _ASYNC, "EngineSnapshot": _ASYNC,
               "EngineDeadError": "patchbay.engine.step_failures",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from patchbay.contract.registry import Registry, registry_for
+from patchbay.contract.registry import PluginError, Registry, registry_for
 from patchbay.contract.selection import create, require_serves, select_attention_backend
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings, plugin_options
 from patchbay.engine.admission import AdmissionLimits, check_request, effective_max_logprobs
@@ -105,6 +105,10 @@ def measure_machine_defaults(settings: Settings) -> Tuning:
         torch.set_num_threads(settings.runtime.threads)
     config = AutoConfig.from_pretrained(resolve_model_dir(settings.model.path))
     return tune(LayerShapes.of(getattr(config, "text_config", config)), fresh=True)
+
+
+class KVConnectorStalledError(PluginError):
+    """Only requests the KV connector holds remain, and none progressed within ``kv_connector.stall_timeout``."""
 
 
 @dataclass
@@ -202,6 +206,7 @@ class Engine:
             device=self.device,
             eos_token_ids=shape.eos_token_ids,
             drafter=drafter,
+            drafter_name=f"drafter:{settings.speculative.method}" if settings.speculative else "",
             rejection_sampler=rejection_sampler,
             num_speculative_tokens=num_speculative_tokens,
             kv_connector=self.kv_connector.worker_side() if self.kv_connector is not None else None,
@@ -221,6 +226,9 @@ class Engine:
         """Why the engine stopped for good (an error that may have corrupted its state); ``None`` while it runs."""
         self.limits = AdmissionLimits(shape.vocab_size, self.max_model_len,
                                       effective_max_logprobs(settings.model.max_logprobs, shape.vocab_size))
+        self._stalled_since: float | None = None
+        self._stalled_on: list[str] = []
+        """When the steps started doing nothing but wait on the connector (``None``: they are not)."""
         self._ids = itertools.count()
         eos = shape.eos_token_ids
         self._eos_token_id = eos[0] if eos else None
@@ -570,6 +578,7 @@ class Engine:
             self.scheduler.finish_requests([request_id], "stop", stop)
         finished = [result for sequence_id in finished_ids if (result := self._finish(sequence_id)) is not None]
         self._engine_timings["finish"] += time.perf_counter() - ran
+        self._check_liveness(scheduler_output.is_empty and not finished)
         return finished
 
     def _replay_failed_step(self, scheduler_output: Any, exc: Exception) -> tuple[Any, dict[str, str]]:
@@ -583,6 +592,34 @@ class Engine:
         isolated = replay_alone(self.runner, self.scheduler, scheduler_output, self._plugins())
         fail_requests(self.scheduler, isolated.errors)
         return isolated.output, isolated.errors
+    def _check_liveness(self, idle: bool) -> None:
+        """Fail the run when steps only wait on the KV connector and nothing moved for ``stall_timeout`` seconds.
+
+        A connector that holds a finished request (``request_finished``
+        returned True) and never reports it in ``get_finished`` would keep
+        the engine stepping forever.  Outputs finished before are already
+        returned, so the caller has written them.
+        """
+        waiting_on = self.scheduler.connector_waits() if idle and self.kv_connector is not None else []
+        now = time.monotonic()
+        # Progress: a step ran or finished something, or the connector released one of the requests it held.
+        if not waiting_on or self._stalled_since is None or waiting_on != self._stalled_on:
+            self._stalled_since = now if waiting_on else None
+            self._stalled_on = waiting_on
+            return
+        section = self.settings.kv_connector
+        assert section is not None
+        if now - self._stalled_since < section.stall_timeout:
+            time.sleep(0.001)  # nothing to compute: do not spin a core while the connector works
+            return
+        # Outputs returned by earlier steps are written; requests not yet finished are named here.
+        held = ", ".join(repr(request_id) for request_id in waiting_on[:10])
+        more = f" and {len(waiting_on) - 10} more" if len(waiting_on) > 10 else ""
+        raise KVConnectorStalledError(
+            f"KV connector {section.name!r} holds requests {held}{more} and reported none of them done in "
+            f"{section.stall_timeout:g} s (kv_connector.stall_timeout) with nothing else to run: a request for which "
+            "request_finished returned True must be reported by the worker side's get_finished (finished_sending), "
+            "and an async load by get_finished (finished_recving)")
 
     def _speed_up_linears(self, runtime: Any, quantization: str) -> None:
         """Apply ``model.quantization``, ``runtime.fuse_projections`` and ``runtime.linear_kernel`` to the linears."""

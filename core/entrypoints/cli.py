@@ -29,20 +29,22 @@ def _registry(args: argparse.Namespace) -> Registry:
     return default_registry()
 
 
+def _origin(origin: Any) -> dict[str, str]:
+    return {"plugin": origin.plugin, "distribution": origin.distribution, "version": origin.version}
+
+
 def _describe(registration: Registration) -> dict[str, Any]:
     row: dict[str, Any] = {
         "kind": registration.kind.name,
         "name": registration.name,
-        "distribution": registration.origin.distribution,
-        "version": registration.origin.version,
-        "plugin": registration.origin.plugin,
+        **_origin(registration.origin),
         "target": registration.target_path,
         "description": registration.description,
     }
     try:
         implementation = registration.resolve()
     except PluginError as exc:
-        row.update(available=False, reason=str(exc), capabilities=None)
+        row.update(available=False, reason=str(exc), capabilities=None, known_gaps={})
         return row
     reason = implementation.unavailable_reason()
     doc = (implementation.__doc__ or "").strip().splitlines()
@@ -50,25 +52,35 @@ def _describe(registration: Registration) -> dict[str, Any]:
         available=reason is None,
         reason=reason,
         capabilities=implementation.capabilities.as_dict(),
+        known_gaps=dict(implementation.known_gaps),
         description=registration.description or (doc[0] if doc else ""),
     )
+    if registration.kind.name == "attention":
+        row["metadata_builder"] = getattr(implementation, "metadata_builder", None)
     return row
+
+
+def _plugins_report(registry: Registry, kind: str | None) -> dict[str, Any]:
+    """What ``patchbay plugins --json`` prints: implementations, load failures, what the policy kept out, conflicts."""
+    return {
+        "plugins": [_describe(r) for r in registry.registrations(kind)],
+        "failures": [{**_origin(f.origin), "error": f.error, "traceback": f.traceback_summary}
+                     for f in registry.failures],
+        "excluded": [{"what": e.what, "rule": e.rule, "reference": e.reference} for e in registry.excluded],
+        "conflicts": [{"kind": c.kind.name, "name": c.name, "claimants": [_origin(c.first), _origin(c.second)],
+                       "message": str(c)} for c in registry.conflicts],
+    }
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     registry = _registry(args)
-    rows = [_describe(r) for r in registry.registrations(args.kind)]
-    failures = [
-        {"plugin": f.origin.plugin, "distribution": f.origin.distribution, "version": f.origin.version,
-         "error": f.error, "traceback": f.traceback_summary}
-        for f in registry.failures
-    ]
-    conflicts = [str(conflict) for conflict in registry.conflicts]
+    report = _plugins_report(registry, args.kind)
     if args.json:
-        print(json.dumps({"plugins": rows, "failures": failures, "conflicts": conflicts}, indent=2))
+        print(json.dumps(report, indent=2))
         return 0
     current_kind = None
-    for row in rows:
+    builders = set(registry.names("attention_metadata_builder"))
+    for row in report["plugins"]:
         if row["kind"] != current_kind:
             current_kind = row["kind"]
             print(f"\n{current_kind}:")
@@ -77,33 +89,43 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"  {row['name']:<16} {row['distribution']}{version}  [{status}]")
         if row["description"]:
             print(f"  {'':<16} {row['description']}")
-        if row["capabilities"] and args.verbose:
-            for key, value in row["capabilities"].items():
-                print(f"  {'':<18}{key}: {value}")
-    for failure in failures:
+        if not args.verbose:
+            continue
+        if "metadata_builder" in row:
+            missing = "" if row["metadata_builder"] in builders else "  (NOT INSTALLED: runs will fail)"
+            print(f"  {'':<18}metadata builder: {row['metadata_builder']}{missing}")
+        for test, why in (row["known_gaps"] or {}).items():
+            print(f"  {'':<18}known gap: {test}: {why}")
+        for key, value in (row["capabilities"] or {}).items():
+            print(f"  {'':<18}{key}: {value}")
+    for failure in report["failures"]:
         version = f" {failure['version']}" if failure["version"] else ""
         print(f"\nbroken plugin {failure['plugin']!r} from {failure['distribution']}{version}: {failure['error']}")
         print(textwrap.indent(failure["traceback"], "    "))
-    for conflict in conflicts:
-        print(f"\nconflict: {conflict}")
+    for exclusion in registry.excluded:
+        print(f"\nnot loaded: {exclusion}")
+    for conflict in report["conflicts"]:
+        print(f"\nconflict: {conflict['message']}")
     return 0
 
 
-def _load(args: argparse.Namespace) -> Any:
-    return load_settings(args.file, overrides=args.set or [], registry=registry_for)
+def _load(args: argparse.Namespace, path: str) -> Any:
+    settings = load_settings(path, overrides=args.set or [], registry=registry_for)
+    _warn_about_failures(registry_for(settings.plugins))
+    return settings
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
     from patchbay.entrypoints.run_command import read_requests
 
-    settings = _load(args)
+    settings = _load(args, args.file)
     requests = read_requests(settings, args.file) if settings.inputs.prompts or settings.inputs.file else []
     print(f"{args.file}: valid ({len(requests)} requests)")
     return 0
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    print(dump_settings(_load(args)), end="")
+    print(dump_settings(_load(args, args.file)), end="")
     return 0
 
 
@@ -111,7 +133,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     import pytest
 
     kind, name = parse_reference(args.reference)
-    default_registry().get(kind.name, name)  # fail early, with the available names
+    registry = default_registry()
+    _warn_about_failures(registry)
+    registration = registry.get(kind.name, name)  # fail early, with the available names
+    implementation = registration.resolve()
+    reason = implementation.unavailable_reason()
+    if reason and not args.allow_unavailable:
+        print(f"patchbay: error: {kind.name}:{name} is unavailable here: {reason}; its behavioural checks cannot run, "
+              "so it cannot pass (--allow-unavailable runs the rest and skips them)", file=sys.stderr)
+        return 1
     with tempfile.TemporaryDirectory(prefix="patchbay-check-") as tmp:
         test_file = Path(tmp) / f"test_{kind.name}_{name.replace('-', '_')}.py"
         test_file.write_text(
@@ -119,16 +149,25 @@ def cmd_check(args: argparse.Namespace) -> int:
             f"TestConformance = suite_for({kind.name!r}, {name!r})\n"
         )
         (Path(tmp) / "pytest.ini").write_text("[pytest]\n")
-        print(f"conformance suite for {kind.name}:{name}")
+        mode = " (strict: a skipped behavioural check fails)" if args.strict else ""
+        print(f"conformance suite for {kind.name}:{name}{mode}")
+        strict = ["--patchbay-strict"] if args.strict else []
         code = pytest.main([str(test_file), "-v", "-rA", "-p", "no:cacheprovider", "--rootdir", tmp,
-                            "-c", str(Path(tmp) / "pytest.ini"), *args.pytest_args])
+                            "-c", str(Path(tmp) / "pytest.ini"), *strict, *args.pytest_args])
     return int(code)
+
+
+def _warn_about_failures(registry: Registry) -> None:
+    """Say on stderr which plugins failed to load: a name they would have registered is missing for that reason."""
+    for failure in registry.failures:
+        print(f"patchbay: warning: {failure} (its implementations are not available; `patchbay plugins` shows "
+              "the traceback)", file=sys.stderr)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from patchbay.entrypoints.run_command import run_from_settings
 
-    settings = load_settings(args.config, overrides=args.set or [], registry=registry_for)
+    settings = _load(args, args.config)
     return run_from_settings(settings, config_path=args.config)
 
 
@@ -179,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     plugins.add_argument("--strict", action="store_true", help="a plugin that fails to load is an error")
     plugins.add_argument("--kind", help="only this kind")
-    plugins.add_argument("-v", "--verbose", action="store_true", help="show capabilities")
+    plugins.add_argument("-v", "--verbose", action="store_true",
+                         help="show each backend's metadata builder, declared known gaps and capabilities")
     plugins.set_defaults(handler=cmd_plugins)
 
     config = sub.add_parser("config", help="validate or show a YAML configuration")
@@ -195,7 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="run the conformance suite against a plugin (KIND:NAME)")
     check.add_argument("reference", metavar="KIND:NAME")
-    check.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+    check.add_argument("--strict", action="store_true",
+                       help="a behavioural check skipped for any reason but a limit the plugin declares fails")
+    check.add_argument("--allow-unavailable", action="store_true",
+                       help="run the checks of a plugin that is unavailable here (its behavioural checks skip)")
+    check.add_argument("pytest_args", nargs=argparse.REMAINDER,
+                       help="extra pytest arguments (everything after KIND:NAME; give --strict and --allow-unavailable "
+                            "before it)")
     check.set_defaults(handler=cmd_check)
 
     run = sub.add_parser("run", help="run the job a YAML file describes")

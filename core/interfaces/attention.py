@@ -118,8 +118,13 @@ class AttentionLayerSpec:
     num_kv_heads: int
     head_size: int
     scale: float
+    """Multiplies ``q . k`` before the soft cap and the softmax (usually ``head_size ** -0.5``)."""
     sliding_window: int | None = None
+    """Window ``W`` in tokens: the query at position ``p`` sees the keys at positions ``p - W + 1 .. p``
+    (``W`` keys, itself included; position ``p - W`` is out).  ``None``: every key up to ``p``."""
     logits_soft_cap: float | None = None
+    """Cap ``c``: each score ``s = scale * (q . k)`` becomes ``c * tanh(s / c)`` before masking and the
+    softmax (Gemma 2).  ``None``: scores are used as they are."""
 
 
 class AttentionImpl(ABC):
@@ -146,7 +151,8 @@ class AttentionImpl(ABC):
         Returns ``[num_tokens, num_heads, head_size]`` in ``query``'s dtype;
         padding rows may hold anything.  Each query attends, causally, to all
         keys of its own request up to its own position (within
-        ``sliding_window`` when set), scaled by ``scale``.
+        ``sliding_window`` when set), scaled by ``scale`` and soft-capped by
+        ``logits_soft_cap`` when set (see :class:`AttentionLayerSpec`).
         """
 
 

@@ -44,7 +44,9 @@ class DrafterCapabilities(Capabilities):
     needs_attention_metadata: bool = False
     """Runs its own attention over the paged cache (EAGLE)."""
     produces_draft_probs: bool = False
-    """Returns probabilities with its drafts (enables exact verification of random rows)."""
+    """Returns probabilities with its drafts.  Not used yet: the runner passes ``draft_probs=None`` to the
+    rejection sampler, which verifies every draft as if proposed with probability 1 -- exact for
+    deterministic drafters (n-gram, greedy EAGLE), not for drafters that sample their drafts."""
     max_num_speculative_tokens: int | None = None
 
     def reasons(self, config: ServingConfig) -> list[str]:
@@ -138,7 +140,8 @@ class DraftProposals:
 
     draft_token_ids: list[list[int]]
     draft_probs: torch.Tensor | None = None
-    """``[total_draft_tokens, vocab]`` when the drafter produces probabilities."""
+    """``[total_draft_tokens, vocab]`` when the drafter produces probabilities (not passed on yet; see
+    :attr:`DrafterCapabilities.produces_draft_probs`)."""
 
 
 class Drafter(Plugin):

@@ -5,7 +5,9 @@ and decides, without side effects, how many prompt tokens of a request can
 be loaded; the worker side lives next to the model runner and moves blocks
 between the paged cache and the connector's store around the forward pass:
 ``start_load_kv`` before it, ``save_kv_layer`` / ``wait_for_save`` after it,
-``get_finished`` to report asynchronous transfers that completed.
+``get_finished`` to report asynchronous transfers that completed.  The
+order of the calls for one request, step by step, is in
+docs/plugin-guide.md ("The KV-connector protocol").
 """
 
 from __future__ import annotations
@@ -81,14 +83,33 @@ class KVConnectorScheduler(ABC):
 
     @abstractmethod
     def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """Blocks were allocated for ``request``; the last ``num_external_tokens`` tokens are to be loaded."""
+        """Blocks were allocated for ``request``; the last ``num_external_tokens`` tokens are to be loaded.
+
+        Called when the request is admitted (``block_ids``: all its blocks so
+        far, in order) and again, with ``num_external_tokens == 0``, in every
+        later step that gives it new blocks.  At admission
+        ``request.num_computed_tokens`` counts local prefix-cache hits plus the
+        external tokens; a local hit may be a block another request computes
+        in this very step, so a block's KV exists only after the step whose
+        forward pass wrote it (never save a block here, or in that step's
+        ``start_load_kv``).
+        """
 
     @abstractmethod
     def build_connector_meta(self, scheduled_request_ids: Sequence[str]) -> KVConnectorMetadata:
         """Build the message for the worker side for this step and reset per-step state."""
 
     def request_finished(self, request: RequestView, block_ids: Sequence[int]) -> bool:
-        """A request finished; return ``True`` to keep its blocks until an async save completes."""
+        """A request finished; return ``True`` to keep its blocks until an async save completes.
+
+        ``True`` commits the worker side to report ``request.request_id`` in
+        the ``finished_sending`` set of a later :meth:`KVConnectorWorker.get_finished`:
+        until then its blocks stay allocated and the engine keeps stepping.  If
+        nothing else can run and it is not reported within
+        ``kv_connector.stall_timeout`` seconds, the run fails naming the
+        connector and the request.  Return ``False`` when there is nothing to
+        save (a prompt shorter than a block, every block already stored).
+        """
         return False
 
 
@@ -111,14 +132,25 @@ class KVConnectorWorker(ABC):
         """Block until ``layer_name``'s blocks are loaded. Default: loads are whole-model."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attention_metadata: Any) -> None:
-        """Start saving one layer's new KV (called after the layer runs). Default: save in :meth:`wait_for_save`."""
+        """Start saving one layer's new KV (called after the layer runs). Default: save in :meth:`wait_for_save`.
+
+        ``kv_layer`` is the layer's whole cache tensor (the step's keys and
+        values are in it now); ``attention_metadata`` is what the backend's
+        metadata builder built for this step, the object the layer's
+        :meth:`AttentionImpl.forward` read (its type is the builder's).
+        """
 
     @abstractmethod
     def wait_for_save(self) -> None:
         """Called after the forward pass; return once saves that must be synchronous are done."""
 
     def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
-        """Request ids whose async saves and async loads completed since the last call."""
+        """Request ids whose async saves and async loads completed since the last call.
+
+        Called after every step, also steps that run nothing while the
+        connector holds requests.  ``finished_request_ids``: the requests that
+        finished in the previous step.
+        """
         return set(), set()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -192,6 +192,10 @@ class Scheduler:
         """Requests still to run, or finished ones whose blocks a connector still uses (steps must go on)."""
         return bool(self.requests) or bool(self._held)
 
+    def connector_waits(self) -> list[str]:
+        """Requests whose progress waits on the connector: finished ones it holds, waiting ones it loads, sorted."""
+        return sorted({*self._held, *(request_id for request_id in self._loading if request_id not in self._loaded)})
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 

@@ -43,6 +43,7 @@ from patchbay.interfaces import (
     CommonAttentionMetadata,
 )
 from patchbay.testing.kinds import AttentionBackendBaseSuite, MetadataBuilderBaseSuite
+from patchbay.testing.suite import skip_not_declared
 
 if TYPE_CHECKING:
     import torch
@@ -324,7 +325,8 @@ def _one_thread() -> Iterator[None]:
 
 
 def check_attention(backend_class: type[AttentionBackend], builder_class: type[AttentionMetadataBuilder],
-                    case: AttentionCase, *, device: str = "cpu", options: Any = None, num_layers: int = 1) -> None:
+                    case: AttentionCase, *, device: str = "cpu", options: Any = None, num_layers: int = 1,
+                    builder: AttentionMetadataBuilder | None = None) -> None:
     """Run ``case`` through a backend and raise :class:`AssertionError` on any deviation from the oracle.
 
     Builds the step's metadata once with ``builder_class`` (default
@@ -334,12 +336,15 @@ def check_attention(backend_class: type[AttentionBackend], builder_class: type[A
     against the expected one (new keys and values at ``slot_mapping``,
     nothing else touched), and that neither the inputs nor the common
     metadata were modified.  ``options`` is an instance of the backend's
-    ``Options`` (``None``: the defaults).
+    ``Options`` (``None``: the defaults).  ``builder`` is an instance to
+    reuse (the runner keeps one per KV-cache group for the whole run); by
+    default a new one is made for the case.
     """
     with _one_thread():
         batches = [make_batch(backend_class, case, device, layer) for layer in range(num_layers)]
     common = batches[0].common
-    builder = builder_class(block_size=case.block_size, sliding_window=case.sliding_window, device=device)
+    if builder is None:
+        builder = builder_class(block_size=case.block_size, sliding_window=case.sliding_window, device=device)
     original = snapshot(common)
     metadata = builder.build(common)
     assert_unchanged(common, original, f"{builder_class.__name__}.build")
@@ -389,6 +394,8 @@ class AttentionBackendSuite(AttentionBackendBaseSuite):
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     sliding_windows: ClassVar[tuple[int, ...]] = (5, 20)
     """Windows smaller than a block and spanning blocks (cases with a window skip unless it is supported)."""
+    run_end_to_end: ClassVar[bool] = True
+    """Run the engine test (tiny model, a few seconds); ``False`` skips it (and fails it in strict mode)."""
 
     # -- fixtures ----------------------------------------------------------------------------
 
@@ -433,7 +440,7 @@ class AttentionBackendSuite(AttentionBackendBaseSuite):
         """Skip ``case`` if the backend rejects it, else check it with :func:`check_attention`."""
         reasons = backend_class.validate(case.config(self.device))
         if reasons:
-            pytest.skip("; ".join(reasons))
+            skip_not_declared("; ".join(reasons))
         check_attention(backend_class, builder_class, case, device=self.device, **kwargs)
 
     # -- batch shapes ------------------------------------------------------------------------
@@ -516,6 +523,77 @@ class AttentionBackendSuite(AttentionBackendBaseSuite):
         case = self.base_case(backend_class.capabilities, logits_soft_cap=2.0)
         self.run_case(backend_class, builder_class, case)
 
+    # -- one builder for a whole run, and the real engine -------------------------------------
+
+    def test_one_builder_serves_changing_batches(self, backend_class, builder_class) -> None:
+        """The runner builds every step's metadata with one builder instance: each step must be right, not the first."""
+        check_changing_batches(backend_class, builder_class, self.base_case(backend_class.capabilities),
+                               device=self.device)
+
+    def test_engine_run_matches_the_reference_backend(self, backend_class, patchbay_registry: Registry) -> None:
+        """In the real engine on a tiny model, over many steps with a changing batch, greedy tokens are the reference's.
+
+        Requests join as others finish (3 at a time), prompts are prefilled in
+        32-token chunks, and a small KV cache forces preemptions.
+        """
+        if not self.run_end_to_end:
+            pytest.skip(f"{type(self).__name__}.run_end_to_end is False")
+        run_backend_in_engine(self.plugin_name, backend_class, patchbay_registry, self.device)
+
+
+CHANGING_BATCHES: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
+    ((0, 0, 0), (5, 17, 33)),  # prefills
+    ((5, 17, 33), (1, 1, 1)),  # their first decode
+    ((20, 0, 31, 7, 0), (1, 12, 1, 9, 1)),  # requests joined: a mixed batch
+    ((16, 5), (16, 30)),  # fewer requests, chunked prefill
+    ((100,), (1,)),  # one long decode
+)
+"""The steps :func:`check_changing_batches` runs one builder instance through (cached, new tokens per request)."""
+
+
+def check_changing_batches(backend_class: type[AttentionBackend], builder_class: type[AttentionMetadataBuilder],
+                           base: AttentionCase, *, device: str = "cpu") -> None:
+    """Run :data:`CHANGING_BATCHES` through one backend with ONE builder instance, each step against the oracle."""
+    builder = builder_class(block_size=base.block_size, sliding_window=base.sliding_window, device=device)
+    for step, (num_computed, num_new) in enumerate(CHANGING_BATCHES):
+        case = dataclasses.replace(base, num_computed=num_computed, num_new=num_new, seed=step)
+        try:
+            check_attention(backend_class, builder_class, case, device=device, builder=builder)
+        except AssertionError as exc:
+            raise AssertionError(f"step {step + 1} of a run with one {builder_class.__name__} instance "
+                                 f"(earlier steps were right): {exc}") from None
+        except Exception as exc:
+            raise AssertionError(f"step {step + 1} of a run with one {builder_class.__name__} instance raised "
+                                 f"{type(exc).__name__}: {exc}") from exc
+
+
+def run_backend_in_engine(name: str | None, backend_class: type[AttentionBackend], registry: Registry,
+                          device: str = "cpu", *, metadata_builder: str | None = None) -> None:
+    """Greedy tokens of the tiny model with backend ``name`` over a changing batch equal the ``reference`` backend's."""
+    from patchbay.testing import end_to_end
+
+    if not name:
+        skip_not_declared("the engine selects the backend by its registered name; set plugin_name")
+    reasons = backend_class.validate(end_to_end.attention_config(device))
+    if reasons:
+        skip_not_declared(f"cannot serve the tiny model: {'; '.join(reasons)}")
+    reason = end_to_end.unavailable_reason(registry)
+    if reason:
+        pytest.skip(reason)
+    workload = end_to_end.changing_batch_workload()
+    expected, _ = end_to_end.run_greedy(registry, workload, {"attention__backend": "reference",
+                                                             "runtime__device": device})
+    settings = {"attention__backend": name, "runtime__device": device, **end_to_end.CHANGING_BATCH_SETTINGS}
+    if metadata_builder is not None:
+        settings["attention__metadata_builder"] = metadata_builder
+    try:
+        got, engine = end_to_end.run_greedy(registry, workload, settings)
+    except Exception as exc:
+        raise AssertionError(f"the engine run with attention backend {name!r} (requests joining, finishing and "
+                             f"preempted; chunked prefill) failed: {type(exc).__name__}: {exc}") from exc
+    end_to_end.assert_same_tokens(expected, got, f"attention backend {name!r} in the engine")
+    assert engine.stats.num_preemptions > 0, "the changing-batch run had no preemption (the kit's set-up is wrong)"
+
 
 def _assert_same(first: Any, second: Any, path: str, depth: int = 0) -> None:
     """Assert two build results are equal, field by field (tensors exactly; callables are not compared)."""
@@ -575,7 +653,7 @@ class MetadataBuilderSuite(MetadataBuilderBaseSuite):
             pytest.skip(f"unavailable: {reason}")
         kind = self.device.split(":")[0]
         if kind not in available.capabilities.devices:
-            pytest.skip(f"device {kind!r} not supported (supports {', '.join(available.capabilities.devices)})")
+            skip_not_declared(f"device {kind!r} not supported (supports {', '.join(available.capabilities.devices)})")
         return available
 
     def common(self, batch_name: str, seed: int = 0) -> CommonAttentionMetadata:
@@ -646,8 +724,45 @@ class MetadataBuilderSuite(MetadataBuilderBaseSuite):
             got = got.tolist() if hasattr(got, "tolist") else got
             assert got == want, f"metadata.{name} is {got}, the batch has {want}"
 
+    def test_one_instance_builds_each_batch_afresh(self, builder_class, sliding_window) -> None:
+        """One instance serves a whole run: each batch it builds equals what a new instance builds for that batch."""
+        builder = self.make_builder(builder_class, sliding_window)
+        for step, batch_name in enumerate([*BUILDER_BATCHES, *reversed(BUILDER_BATCHES)]):
+            got = builder.build(self.common(batch_name, seed=step))
+            fresh = self.make_builder(builder_class, sliding_window).build(self.common(batch_name, seed=step))
+            try:
+                _assert_same(got, fresh, "metadata")
+            except AssertionError as exc:
+                raise AssertionError(f"build #{step + 1} ({batch_name}) of one instance differs from a new instance's "
+                                     f"build of the same batch: {exc}") from None
+
+    def test_backends_reading_it_attend_correctly(self, builder_class, patchbay_registry: Registry) -> None:
+        """Every field a backend reads, custom ones included, checked through that backend's output over changing batches."""
+        readers = [registration for registration in patchbay_registry.registrations("attention")
+                   if _declared_builder(registration) == self.plugin_name]
+        if not readers:
+            skip_not_declared(f"no registered attention backend names {self.plugin_name!r} as its metadata_builder; "
+                              "its fields are checked through the backends that read them")
+        for registration in readers:
+            backend_class = registration.resolve()
+            if backend_class.unavailable_reason():
+                pytest.skip(f"{registration.reference} reads this builder but is unavailable here: "
+                            f"{backend_class.unavailable_reason()}")
+            base = AttentionBackendSuite().base_case(backend_class.capabilities)
+            try:
+                check_changing_batches(backend_class, builder_class, base, device=self.device)
+            except AssertionError as exc:
+                raise AssertionError(f"{registration.reference}, which reads this builder's metadata: {exc}") from None
+
     def test_reorder_batch_is_a_permutation_or_none(self, builder_class) -> None:
         num_scheduled = [1, 12, 1, 9, 1]
         order = self.make_builder(builder_class).reorder_batch(num_scheduled)
         if order is not None:
             assert sorted(order) == list(range(len(num_scheduled))), f"reorder_batch returned {order}"
+
+
+def _declared_builder(registration: Any) -> str | None:
+    try:
+        return registration.resolve().metadata_builder
+    except Exception:  # a backend that does not import is reported by its own checks
+        return None

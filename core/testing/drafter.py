@@ -59,6 +59,7 @@ from patchbay.interfaces import (
     DraftStep,
 )
 from patchbay.testing.kinds import DrafterBaseSuite
+from patchbay.testing.suite import skip_not_declared
 
 if TYPE_CHECKING:
     import numpy as np
@@ -587,7 +588,7 @@ class DrafterSuite(DrafterBaseSuite):
         """The drafter class, skipping when it cannot serve the suite's configuration here."""
         reasons = available.validate(self.drafter_config(available.capabilities, self.num_speculative_tokens))
         if reasons:
-            pytest.skip(f"{available.__name__} cannot serve the suite's configuration: {'; '.join(reasons)}")
+            skip_not_declared(f"{available.__name__} cannot serve the suite's configuration: {'; '.join(reasons)}")
         return available
 
     @pytest.fixture
@@ -675,7 +676,7 @@ class DrafterSuite(DrafterBaseSuite):
                                             batch_shape: BatchShape, num_speculative_tokens: int) -> None:
         limit = drafter_class.capabilities.max_num_speculative_tokens
         if limit is not None and num_speculative_tokens > limit:
-            pytest.skip(f"the drafter serves at most {limit} speculative tokens")
+            skip_not_declared(f"the drafter serves at most {limit} speculative tokens")
         drafter = make_drafter(num_speculative_tokens)
         for case in ("repetitive", "random"):
             check_proposals(drafter, self.batch(case, batch_shape, num_speculative_tokens), self.vocab_size)

@@ -1,4 +1,4 @@
-"""Numeric conformance suite for KV connectors: no model, random caches, exact comparisons.
+"""Conformance suite for KV connectors: random caches with exact comparisons, then the real engine.
 
 A connector author's test file::
 
@@ -7,31 +7,33 @@ A connector author's test file::
     class TestMyConnector(KVConnectorSuite):
         plugin_name = "my_connector"
 
-        @pytest.fixture
-        def connector_options(self, tmp_path):
-            return {"path": str(tmp_path)}          # the options both connector instances get
-
-        def corrupt_entry(self, connector, block_hash, how):
-            ...                                      # the backdoor: damage the stored entry of block_hash
-
 The suite drives both roles as the runner does.  A *producer* connector
 sees a request scheduled, its prompt computed (the random caches stand in
 for the forward pass), then finished; a *second instance* with the same
 options, over zeroed caches, is asked for the prefix, allocates blocks and
 loads them, and every block of every layer must equal the original bit for
-bit -- and every other block must still be zero.
+bit -- and every other block must still be zero.  Then the connector runs in
+the engine on a tiny model: a run without it, a cold run and a warm run
+(a new engine, the same store) must give the same greedy tokens, with
+prompts that hit each other's blocks inside one step and a prompt too short
+to save anything.
 
-Faults need a backdoor into the store: :meth:`KVConnectorSuite.corrupt_entry`
-(``missing``, ``truncated``, ``corrupted``, ``other_model``, ``other_layout``),
-or a ``corrupt_entry(block_hash, how)`` method on the connector.  Without
-either the fault tests skip, saying so.  The damage happens after the
-scheduler side planned the load (as if another process changed the store in
-between), and the worker must then report the block as a load error and
-leave it untouched.
+Every test runs twice: with the connector's default options (as an operator
+who writes only ``name:`` gets it) and, for a connector with a ``path``
+option, with ``path`` pointed at a fresh temporary directory.  Options for
+``patchbay check`` can be given in the ``PATCHBAY_TEST_KV_CONNECTOR_OPTIONS``
+environment variable (JSON); they apply to both modes.
 
-Options for ``patchbay check`` come from the ``PATCHBAY_TEST_KV_CONNECTOR_OPTIONS``
-environment variable (JSON), and an options field named ``path`` is pointed
-at a temporary directory.
+Faults need the fault hook, a required part of the connector contract for
+the kit: a ``corrupt_entry(block_hash, how)`` method on the connector (or
+:meth:`KVConnectorSuite.corrupt_entry` overridden in the suite subclass)
+that damages the stored entry of ``block_hash`` as ``how`` (one of
+:data:`FAULTS`) says, or raises :class:`NotImplementedError` with the reason
+a fault cannot happen to its store (never for ``missing``).  Without the
+hook the fault tests fail, saying so.  The
+damage happens after the scheduler side planned the load (as if another
+process changed the store in between), and the worker must then report the
+block as a load error and leave it untouched.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import pytest
 from patchbay.interfaces import KVConnector, KVConnectorConfig, KVConnectorMetadata
 from patchbay.scheduling.request import hash_block_tokens
 from patchbay.testing.kinds import KVConnectorBaseSuite
+from patchbay.testing.suite import skip_not_declared
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +60,12 @@ FAULTS = ("missing", "truncated", "corrupted", "other_model", "other_layout")
 """What :meth:`KVConnectorSuite.corrupt_entry` is asked to do to a stored entry."""
 
 OPTIONS_ENV = "PATCHBAY_TEST_KV_CONNECTOR_OPTIONS"
+
+STORE_MODES = ("defaults", "temp-dir")
+"""Every test runs with the connector's default options, and with ``path`` in a temporary directory if it has one."""
+
+ENGINE_STALL_TIMEOUT = 10.0
+"""``kv_connector.stall_timeout`` of the engine runs: a connector that holds a request forever fails within it."""
 
 SEED = 20241130
 
@@ -138,14 +147,22 @@ class KVConnectorSuite(KVConnectorBaseSuite):
     num_kv_heads: ClassVar[int] = 2
     head_size: ClassVar[int] = 8
     num_blocks: ClassVar[int] = 16
+    run_end_to_end: ClassVar[bool] = True
+    """Run the engine tests (tiny model, a few seconds each); ``False`` skips them (and fails them in strict mode)."""
 
     # -- fixtures and hooks an implementer may override --------------------------------------
 
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "store_mode" in metafunc.fixturenames:
+            metafunc.parametrize("store_mode", STORE_MODES)
+
     @pytest.fixture
-    def connector_options(self, plugin_class: type[KVConnector], tmp_path) -> dict[str, Any]:
-        """Options (a YAML section as a dict) every connector instance of a test gets."""
+    def connector_options(self, plugin_class: type[KVConnector], tmp_path, store_mode: str) -> dict[str, Any]:
+        """Options (a YAML section as a dict) every connector instance of a test gets, per :data:`STORE_MODES`."""
         options = json.loads(os.environ.get(OPTIONS_ENV) or "{}")
-        if "path" in plugin_class.Options.model_fields and "path" not in options:
+        if store_mode == "temp-dir":
+            if "path" not in plugin_class.Options.model_fields:
+                skip_not_declared("the connector has no 'path' option: its defaults are its only store")
             options["path"] = str(tmp_path / "kv-store")
         return options
 
@@ -161,7 +178,7 @@ class KVConnectorSuite(KVConnectorBaseSuite):
 
         def make(role: str = "both", *, random: bool = False) -> Side:
             if role not in available.capabilities.roles:
-                pytest.skip(f"role {role!r} not supported")
+                skip_not_declared(f"role {role!r} not supported")
             options = available.Options.model_validate(connector_options)
             config = KVConnectorConfig(device="cpu", dtype="float32", role=role, block_size=self.block_size,
                                        model_id=model_id)
@@ -181,14 +198,24 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         flip a byte of its KV data; ``other_model`` / ``other_layout``: replace
         it by an otherwise valid entry of another model identity / block layout.
         Override in a subclass.  The default calls the connector's own
-        ``corrupt_entry(block_hash, how)`` if it has one (so ``patchbay check``
-        runs the fault tests), and otherwise skips them.
+        ``corrupt_entry(block_hash, how)`` (what ``patchbay check`` uses) and
+        fails the test when there is none.  The hook may raise
+        :class:`NotImplementedError` with a reason for a fault its store
+        cannot suffer (an in-process store of tensors cannot be truncated),
+        never for ``missing``.
         """
         backdoor = getattr(connector, "corrupt_entry", None)
         if not callable(backdoor):
-            pytest.skip("no backdoor: override corrupt_entry(connector, block_hash, how) in the suite, or give "
-                        "the connector a corrupt_entry(block_hash, how) method, to run the fault tests")
-        backdoor(block_hash, how)
+            pytest.fail(f"{type(connector).__name__} has no fault hook: the kit needs a corrupt_entry(block_hash, how) "
+                        "method on the connector (or KVConnectorSuite.corrupt_entry overridden in your suite) to check "
+                        "that damaged entries are load errors; see docs/plugin-guide.md, 'The KV-connector fault hook'")
+        try:
+            backdoor(block_hash, how)
+        except NotImplementedError as exc:
+            if how == "missing":
+                pytest.fail(f"{type(connector).__name__}.corrupt_entry does not implement 'missing' ({exc}); "
+                            "every store can lose an entry, so every connector must handle and simulate that")
+            skip_not_declared(f"{type(connector).__name__} declares {how!r} entries impossible in its store: {exc}")
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -291,6 +318,18 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         else:
             assert request.request_id not in side.worker.get_finished({request.request_id})[0]
 
+    def test_request_with_nothing_to_save_is_released(self, make_side) -> None:
+        """A prompt shorter than a block has no full block: if ``request_finished`` holds it, the worker must report it."""
+        side = make_side("both", random=True)
+        request = SuiteRequest("too-short", self.prompt(self.block_size - 1), self.block_size)
+        side.scheduler.update_state_after_alloc(request, [4], 0)
+        side.step([request.request_id])
+        request.num_computed_tokens = len(request.prompt_token_ids)
+        side.step([request.request_id])  # a decode step
+        if side.scheduler.request_finished(request, [4]):
+            side.step([])
+            side.wait_sent(request.request_id, 5.0)
+
     def test_producer_does_not_load(self, make_side) -> None:
         prompt = self.prompt(3 * self.block_size + 1)
         self.produce(make_side, prompt, [5, 2, 9, 7])
@@ -326,3 +365,65 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         stats = getattr(consumer.worker, "stats", None)
         if isinstance(stats, dict):
             assert stats.get("load_errors", 0) >= 1, f"stats do not count the load error: {stats}"
+
+    # -- the real engine ---------------------------------------------------------------------------
+
+    def test_engine_cold_then_warm_runs_keep_greedy_output(self, available: type[KVConnector],
+                                                            patchbay_registry, connector_options: dict[str, Any]) -> None:
+        """No connector, a cold store, then a warm one (a new engine): the same greedy tokens, and the warm run loads.
+
+        In the first step prompts 1 and 2 hit prompt 0's prefix blocks, which
+        are computed in that very step; prompt 3 is shorter than a block, so
+        there is nothing to save for it.  A connector that holds a request and
+        never reports it done fails the run (``kv_connector.stall_timeout``).
+        """
+        from patchbay.testing import end_to_end
+
+        if not self.run_end_to_end:
+            pytest.skip(f"{type(self).__name__}.run_end_to_end is False")
+        if not self.plugin_name:
+            skip_not_declared("the engine selects the connector by its registered name; set plugin_name")
+        if "both" not in available.capabilities.roles:
+            skip_not_declared("the cold/warm engine runs need role 'both'")
+        reason = end_to_end.unavailable_reason(patchbay_registry)
+        if reason:
+            pytest.skip(reason)
+        workload = end_to_end.shared_prefix_workload(seed=uuid.uuid4().int % (1 << 30))
+        expected, _ = end_to_end.run_greedy(patchbay_registry, workload, {})
+        section = {"name": self.plugin_name, "options": connector_options, "stall_timeout": ENGINE_STALL_TIMEOUT}
+        for run in ("cold", "warm"):
+            got, engine = end_to_end.run_greedy(patchbay_registry, workload, {"kv_connector": section})
+            stats = getattr(engine.kv_connector, "stats", None)
+            if isinstance(stats, dict) and stats.get("unreachable"):
+                pytest.skip(f"the store is unreachable with these options (stats: {stats})")
+            end_to_end.assert_same_tokens(expected, got, f"{run} run with KV connector {self.plugin_name!r}")
+            loaded = engine.scheduler.kv_connector_stats.num_loaded_tokens
+            if run == "warm":
+                assert loaded > 0, "the warm run loaded nothing from the store the cold run filled"
+
+    def test_engine_producer_then_consumer_keep_greedy_output(self, available: type[KVConnector],
+                                                              patchbay_registry, connector_options: dict[str, Any]) -> None:
+        """A producer run saves, a consumer run (a new engine) loads: both give the greedy tokens of no connector."""
+        from patchbay.testing import end_to_end
+
+        if not self.run_end_to_end:
+            pytest.skip(f"{type(self).__name__}.run_end_to_end is False")
+        if not self.plugin_name:
+            skip_not_declared("the engine selects the connector by its registered name; set plugin_name")
+        if not {"producer", "consumer"} <= set(available.capabilities.roles):
+            skip_not_declared("the producer/consumer pair needs roles 'producer' and 'consumer'")
+        reason = end_to_end.unavailable_reason(patchbay_registry)
+        if reason:
+            pytest.skip(reason)
+        workload = end_to_end.shared_prefix_workload(seed=uuid.uuid4().int % (1 << 30))
+        expected, _ = end_to_end.run_greedy(patchbay_registry, workload, {})
+        for role in ("producer", "consumer"):
+            section = {"name": self.plugin_name, "role": role, "options": connector_options,
+                       "stall_timeout": ENGINE_STALL_TIMEOUT}
+            got, engine = end_to_end.run_greedy(patchbay_registry, workload, {"kv_connector": section})
+            stats = getattr(engine.kv_connector, "stats", None)
+            if isinstance(stats, dict) and stats.get("unreachable"):
+                pytest.skip(f"the store is unreachable with these options (stats: {stats})")
+            end_to_end.assert_same_tokens(expected, got, f"{role} run with KV connector {self.plugin_name!r}")
+        assert engine.scheduler.kv_connector_stats.num_loaded_tokens > 0, (
+            "the consumer loaded nothing from the store the producer filled")

@@ -1,7 +1,9 @@
 """pytest plugin of the conformance kit (auto-loaded through the ``pytest11`` entry point).
 
-Provides the ``patchbay_registry`` fixture and turns known gaps declared on
-a suite subclass into strict expected failures.
+Provides the ``patchbay_registry`` fixture, turns known gaps declared on
+a suite subclass into strict expected failures, and adds ``--patchbay-strict``:
+a conformance test that skips for any reason other than a limit the plugin
+declares (:func:`patchbay.testing.suite.skip_not_declared`) fails instead.
 """
 
 from __future__ import annotations
@@ -9,7 +11,13 @@ from __future__ import annotations
 import pytest
 
 from patchbay.contract.registry import Registry, default_registry
-from patchbay.testing.suite import PluginSuite
+from patchbay.testing.suite import NotDeclared, PluginSuite
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--patchbay-strict", action="store_true", default=False,
+                     help="fail conformance tests that skip for a reason other than a limit the plugin declares "
+                          "(unavailable here, unreachable store, missing test context)")
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +40,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         reason = suite.known_gaps.get(getattr(item, "originalname", item.name))
         if reason:
             item.add_marker(pytest.mark.xfail(reason=f"known gap: {reason}", strict=True))
+
+
+def _is_suite_item(item: pytest.Item) -> bool:
+    suite = getattr(item, "cls", None)
+    return isinstance(suite, type) and issubclass(suite, PluginSuite)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and item.config.getoption("patchbay_strict", False) and _is_suite_item(item)):
+        return
+    if hasattr(report, "wasxfail") or call.excinfo is None or isinstance(call.excinfo.value, NotDeclared):
+        return
+    reason = str(call.excinfo.value) or "no reason given"
+    report.outcome = "failed"
+    report.longrepr = f"strict mode: a skip of a behavioural check is a failure: {reason}"

@@ -59,6 +59,7 @@ from patchbay.interfaces import (
     SpecDecodeMetadata,
 )
 from patchbay.testing.kinds import SamplerBaseSuite
+from patchbay.testing.suite import skip_not_declared
 
 if TYPE_CHECKING:
     import torch
@@ -887,12 +888,12 @@ def require(plugin: SamplerBase, role: str, params: Sequence[str] = (), random: 
     capabilities = type(plugin).capabilities
     name = type(plugin).__name__
     if capabilities.role != role:
-        pytest.skip(f"checks the {role!r} role; {name} is a {capabilities.role!r} sampler")
+        skip_not_declared(f"checks the {role!r} role; {name} is a {capabilities.role!r} sampler")
     missing = sorted(set(params) - capabilities.supported_params)
     if missing:
-        pytest.skip(f"{name} does not declare {', '.join(missing)} in supported_params")
+        skip_not_declared(f"{name} does not declare {', '.join(missing)} in supported_params")
     if random and not capabilities.supports_random:
-        pytest.skip(f"{name} is greedy only (supports_random is False)")
+        skip_not_declared(f"{name} is greedy only (supports_random is False)")
 
 
 class SamplerSuite(SamplerBaseSuite):

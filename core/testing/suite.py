@@ -13,6 +13,13 @@ the entry-point registry, so the plugin must be installed), or supplied
 directly by overriding the ``plugin_class`` fixture.  Tests that a plugin is
 known to fail are listed, with reasons, in ``known_gaps`` on the suite
 subclass or on the plugin class; they run as strict expected failures.
+
+A test skips for one of two kinds of reason.  :func:`skip_not_declared`
+skips what the plugin's capabilities say it does not do (a greedy-only
+sampler's random-sampling checks) or what does not apply to it; every other
+skip (the plugin is unavailable here, a store is unreachable, a test context
+cannot be built) means a behaviour went unchecked, and strict mode
+(``pytest --patchbay-strict``, ``patchbay check --strict``) fails it.
 """
 
 from __future__ import annotations
@@ -28,6 +35,20 @@ from pydantic import BaseModel, ValidationError
 
 from patchbay.contract.registry import KINDS, Registration, Registry
 from patchbay.interfaces import Capabilities, Plugin, ServingConfig
+
+
+class NotDeclared(pytest.skip.Exception):
+    """A skip strict mode accepts: the plugin declares it does not do this, or the test does not apply to it."""
+
+
+# pytest prints a skip's reason as "<qualified exception name>: <reason>" unless the exception is its own; a
+# short name keeps the summary line readable ("NotDeclared: greedy only") rather than the module path.
+NotDeclared.__module__ = "builtins"
+
+
+def skip_not_declared(reason: str) -> None:
+    """Skip the current test because the plugin declares it does not do what the test checks."""
+    raise NotDeclared(msg=reason, pytrace=False)
 
 
 class PluginSuite:
@@ -70,7 +91,7 @@ class PluginSuite:
         """The implementation class, skipping the test when it cannot run on this machine."""
         reason = plugin_class.unavailable_reason()
         if reason:
-            pytest.skip(f"unavailable: {reason}")
+            pytest.skip(f"unavailable: {reason}")  # not a declared limit: strict mode fails it
         return plugin_class
 
     # -- what each kind's suite supplies -----------------------------------------------------
@@ -104,22 +125,21 @@ class PluginSuite:
         )
 
     def test_registration_has_no_side_effects(self, plugin_class: type[Plugin], request: pytest.FixtureRequest) -> None:
-        """Running the plugin's hooks must not import the implementation module or touch a device."""
+        """Loading the plugin's hooks module and running its hooks imports no torch and no implementation, writes no file.
+
+        Checked in a fresh interpreter for every registration, a lazy
+        ``"module:Class"`` string or a class alike.
+        """
         if not self.plugin_name:
-            pytest.skip("the plugin class was supplied directly; there is no registration to inspect")
+            skip_not_declared("the plugin class was supplied directly; there is no registration to inspect")
         registration: Registration = request.getfixturevalue("registration")
-        if registration.origin.distribution == "<local>" or not isinstance(registration.target, str):
-            pytest.skip("only lazy ('module:Class') registrations from installed distributions are checked")
-        target_module = registration.target.partition(":")[0]
+        if registration.origin.distribution == "<local>":
+            skip_not_declared("the plugin was added to the registry by hand; only installed distributions are loaded "
+                              "the way patchbay loads them")
         report = _registration_report(registration.origin.plugin)
         assert report["error"] is None, f"registering plugin {registration.origin.plugin!r} failed: {report['error']}"
-        if target_module != report["hook_module"]:
-            assert target_module not in report["imported"], (
-                f"registering {registration.reference} imported {target_module}; "
-                "register a 'module:Class' string and import heavy modules in the class instead"
-            )
-        assert not report["cuda_initialized"], f"registering {registration.reference} initialised CUDA"
-
+        problems = registration_problems(registration, report)
+        assert not problems, f"registering {registration.reference} ({registration.origin}): " + "; ".join(problems)
     # -- options ----------------------------------------------------------------------------
 
     def test_options_is_a_pydantic_model(self, plugin_class: type[Plugin]) -> None:
@@ -172,12 +192,49 @@ def _replace(config: ServingConfig, **changes: Any) -> ServingConfig:
     return dataclasses.replace(config, **changes)
 
 
+def registration_problems(registration: Registration, report: dict[str, Any]) -> list[str]:
+    """What is wrong with what loading a plugin's hooks module did (``report`` of :func:`_registration_report`)."""
+    problems = []
+    hook_module = report["hook_module"]
+    target_module = registration.target_path.partition(":")[0]
+    if target_module != hook_module and target_module in report["imported"]:
+        how = "a class" if not isinstance(registration.target, str) else "a string, but its hooks module imports it"
+        problems.append(f"it imported the implementation module {target_module} (registered as {how}); register a "
+                        "'module:Class' string and keep heavy imports out of the hooks module")
+    heavy = sorted(module for module in report["imported"] if module.partition(".")[0] in HEAVY_MODULES)
+    if heavy:
+        problems.append(f"it imported {', '.join(sorted({m.partition('.')[0] for m in heavy}))} "
+                        f"({len(heavy)} modules); import heavy libraries in the implementation module only")
+    if report["written"]:
+        problems.append(f"it wrote files: {', '.join(report['written'][:5])}; registration must have no side effects")
+    if report["cuda_initialized"]:
+        problems.append("it initialised CUDA")
+    return problems
+
+
+HEAVY_MODULES = frozenset({"torch", "transformers", "numpy", "triton", "jax", "tensorflow"})
+"""Libraries a hooks module must not import: listing plugins would pay for them (and may touch a device)."""
+
+
 _REPORT_SCRIPT = r"""
-import importlib.metadata as md, json, sys
+import importlib.metadata as md, json, os, sys
 name = sys.argv[1]
 (ep,) = [ep for ep in md.entry_points(group="patchbay") if ep.name == name]
+import patchbay  # the package itself is not the plugin's doing
+written = []
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+def _audit(event, args):
+    if event == "open" and args[0] is not None and not isinstance(args[0], int):
+        mode, flags = args[1], args[2]
+        if (isinstance(mode, str) and any(c in mode for c in "wax+")) or (mode is None and flags & _WRITE_FLAGS):
+            written.append(os.fsdecode(args[0]))
+    elif event in ("os.mkdir", "os.remove", "os.rename", "os.rmdir", "os.truncate", "shutil.rmtree"):
+        written.append(os.fsdecode(args[0]) if not isinstance(args[0], int) else str(args[0]))
+
 before = set(sys.modules)
 error = None
+sys.addaudithook(_audit)
 try:
     module = ep.load()
     from patchbay.contract.registry import KINDS
@@ -189,8 +246,9 @@ except Exception as exc:
     error = f"{type(exc).__name__}: {exc}"
 torch = sys.modules.get("torch")
 cuda = bool(torch is not None and torch.cuda.is_initialized())
+written = sorted(set(path for path in written if not path.endswith((".pyc", ".pyc.tmp")) and "__pycache__" not in path))
 print(json.dumps({"imported": sorted(set(sys.modules) - before), "hook_module": ep.value.partition(":")[0],
-                  "error": error, "cuda_initialized": cuda}))
+                  "error": error, "cuda_initialized": cuda, "written": written}))
 """
 
 

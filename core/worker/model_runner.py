@@ -41,7 +41,14 @@ from patchbay.worker.forward_context import ForwardContext, LayerBinding, forwar
 from patchbay.worker.hf_model import AuxHiddenStates, HFCausalLM, torch_dtype
 from patchbay.worker.input_batch import InputBatch
 from patchbay.worker.logprobs import Logprobs, PromptLogprobs
-from patchbay.worker.spec_decode import LogitsLayout, SpecDecodeStats, logits_layout, may_draft, verify
+from patchbay.worker.spec_decode import (
+    LogitsLayout,
+    SpecDecodeStats,
+    check_draft_proposals,
+    logits_layout,
+    may_draft,
+    verify,
+)
 from patchbay.worker.structured_output import ConstrainedDecoding
 
 
@@ -88,6 +95,7 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: tuple[int, ...] = (),
         drafter: Drafter | None = None,
+        drafter_name: str = "",
         rejection_sampler: RejectionSampler | None = None,
         num_speculative_tokens: int = 0,
         kv_connector: KVConnectorWorker | None = None,
@@ -101,6 +109,9 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.drafter = drafter
+        self.drafter_name = drafter_name or (f"drafter {type(drafter).__module__}.{type(drafter).__qualname__}"
+                                             if drafter is not None else "")
+        """How errors about the drafter's proposals name it (``drafter:NAME`` when the engine built it)."""
         self.aux_hidden_states = self._aux_capture(model, drafter)
         """Captures the target layers the (loaded) drafter reads, during the forward pass; ``None``: none."""
         self.rejection_sampler = rejection_sampler
@@ -418,7 +429,11 @@ class ModelRunner:
                 aux_hidden_states=self.aux_hidden_states.latest() if self.aux_hidden_states is not None else None,
             )
         proposals = drafter.propose(draft_batch).draft_token_ids
-        return [list(proposal) if i not in skip else [] for i, proposal in enumerate(proposals)]
+        # Checked here, where they arrive: a bad id would otherwise fail the next step inside torch, unnamed.
+        return check_draft_proposals(self.drafter_name, proposals, draft_batch.req_ids,
+                                     [int(batch.num_tokens[row]) for row in rows], skip,
+                                     vocab_size=self.model.shape.vocab_size, max_drafts=self.num_speculative_tokens,
+                                     max_model_len=batch.max_model_len)
 
     def _logprobs(self, step: StepInputs, positions: np.ndarray, sampler_output: SamplerOutput) -> list[Any] | None:
         """Per step row, the sampled token's logprobs when its request asked for them (else ``None``)."""

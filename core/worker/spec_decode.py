@@ -9,6 +9,8 @@ or the bonus token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,3 +154,37 @@ class SpecDecodeStats:
             "acceptance_rate_per_position": self.acceptance_rate_per_position,
             "mean_accepted_length": self.mean_accepted_length,
         }
+
+
+class DraftProposalError(ValueError):
+    """A drafter proposed something the target cannot verify (an id outside the vocabulary, too many drafts)."""
+
+
+def check_draft_proposals(drafter: str, proposals: Sequence[Sequence[int]], req_ids: Sequence[str],
+                          num_tokens: Sequence[int], skip: set[int], *, vocab_size: int, max_drafts: int,
+                          max_model_len: int) -> list[list[int]]:
+    """The proposals as lists of ints, or :class:`DraftProposalError` naming ``drafter`` and the request.
+
+    ``num_tokens[i]`` is request ``i``'s length now: its drafts may take it
+    to ``max_model_len`` at most.  Rows in ``skip`` get no drafts, whatever
+    was proposed for them.
+    """
+    if len(proposals) != len(req_ids):
+        raise DraftProposalError(f"{drafter} returned {len(proposals)} proposals for a batch of {len(req_ids)} requests")
+    checked: list[list[int]] = []
+    for index, proposal in enumerate(proposals):
+        if index in skip:
+            checked.append([])
+            continue
+        drafts = [int(token) for token in proposal]
+        where = f"{drafter} proposed for request {req_ids[index]!r}"
+        limit = min(max_drafts, max_model_len - num_tokens[index])
+        if len(drafts) > limit:
+            raise DraftProposalError(f"{where} {len(drafts)} drafts; at most {limit} are allowed "
+                                     f"(num_speculative_tokens {max_drafts}, {num_tokens[index]} of max_model_len "
+                                     f"{max_model_len} tokens used)")
+        bad = [token for token in drafts if not 0 <= token < vocab_size]
+        if bad:
+            raise DraftProposalError(f"{where} token ids outside the vocabulary (0..{vocab_size - 1}): {bad[:5]}")
+        checked.append(drafts)
+    return checked

@@ -77,6 +77,17 @@ class InMemoryKVConnector(KVConnector):
     def worker_side(self) -> InMemoryWorker:
         return InMemoryWorker(self)
 
+    def corrupt_entry(self, block_hash: bytes, how: str) -> None:
+        """The conformance kit's fault hook: damage the stored entry of ``block_hash`` as ``how`` says."""
+        key = self.key(block_hash)
+        if how == "missing":
+            del self.store[key]
+        elif how in ("other_model", "other_layout"):
+            # The model id names the model and the block layout: the entry is now another model's.
+            self.store[(f"another-{how}", *key[1:])] = self.store.pop(key)
+        else:
+            raise NotImplementedError("the store holds tensors in this process: nothing can truncate or flip them")
+
     @staticmethod
     def clear(namespace: str = "default") -> None:
         """Forget every block saved under ``namespace`` (tests use this between cases)."""

@@ -1,0 +1,44 @@
+"""Registers the defective implementations lazily, as a well-behaved hooks module does.
+
+Each name is one defect; the comment says what it breaks in a real run.
+"""
+
+from patchbay import hookimpl
+
+
+@hookimpl
+def register_attention_backends(register):
+    # Correct itself, but reads a builder that returns its first step's metadata forever: crashes at step 2.
+    register("defect_stale_reader", "patchbay_defective.attention:StaleBuilderReader")
+    # Correct itself, but reads a custom field its builder computes wrongly: wrong attention on decodes.
+    register("defect_wrong_field_reader", "patchbay_defective.attention:WrongFieldReader")
+
+
+@hookimpl
+def register_attention_metadata_builders(register):
+    register("defect_stale", "patchbay_defective.metadata:StaleBuilder")
+    register("defect_wrong_field", "patchbay_defective.metadata:WrongFieldBuilder")
+
+
+@hookimpl
+def register_samplers(register):
+    # Says it is unavailable on every machine: every behavioural check of it skips.
+    register("defect_unavailable", "patchbay_defective.sampler:UnavailableSampler")
+
+
+@hookimpl
+def register_drafters(register):
+    # Proposes an id one past the vocabulary: the target's embedding cannot look it up.
+    register("defect_out_of_range", "patchbay_defective.drafter:OutOfRangeDrafter")
+
+
+@hookimpl
+def register_kv_connectors(register):
+    # Saves prefix-hit blocks when a request is admitted, before the step computes them: stores garbage.
+    register("defect_early_save", "patchbay_defective.kv_connector:EarlySaveConnector")
+    # Holds every finished request, but never reports those with nothing to save: the engine waits forever.
+    register("defect_holds_forever", "patchbay_defective.kv_connector:HoldsForeverConnector")
+    # Has no fault hook, so the kit cannot damage its entries.
+    register("defect_no_fault_hook", "patchbay_defective.kv_connector:NoFaultHookConnector")
+    # Correct with a `path`, broken with its defaults (saves zeros): only a default-mode check sees it.
+    register("defect_default_mode", "patchbay_defective.kv_connector:BrokenDefaultsConnector")
