@@ -592,6 +592,7 @@ class Engine:
         isolated = replay_alone(self.runner, self.scheduler, scheduler_output, self._plugins())
         fail_requests(self.scheduler, isolated.errors)
         return isolated.output, isolated.errors
+
     def _check_liveness(self, idle: bool) -> None:
         """Fail the run when steps only wait on the KV connector and nothing moved for ``stall_timeout`` seconds.
 
