@@ -540,9 +540,11 @@ def test_a_connector_holding_a_request_forever_ends_the_run_naming_it_after_writ
     assert result.returncode != 0
     assert "KV connector 'defect_holds_forever' holds requests 'short'" in result.stderr, result.stderr[-3000:]
     assert "2 s (kv_connector.stall_timeout)" in result.stderr
-    written = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    *written, last = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert sorted(row["id"] for row in written) == ["long", "short"]  # both finished before the hang
     assert all(len(row["token_ids"]) == 3 for row in written)
+    # patchbay run keeps the finished lines and records why the job stopped early.
+    assert "defect_holds_forever" in last["error"]
 
 
 @pytest.mark.slow
@@ -554,7 +556,10 @@ def test_a_drafter_proposing_an_id_outside_the_vocabulary_fails_the_run_naming_i
           prompts:
             - {id: only, prompt_token_ids: [1000, 1001, 1002, 1003]}
         """)
-    assert result.returncode != 0
+    # The request fails alone (the run goes on for others) and the exit status says that one failed.
+    assert result.returncode == 3, result.stderr[-3000:]
     assert "drafter:defect_out_of_range proposed for request 'only' token ids outside the vocabulary (0..49151): " \
         "[49152]" in result.stderr, result.stderr[-3000:]
     assert "IndexError" not in result.stderr
+    (row,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert row["finish_reason"] == "error" and "drafter:defect_out_of_range" in row["error"]

@@ -178,6 +178,10 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise _Terminated("terminated by SIGTERM")
 
 
+REQUESTS_FAILED = 3
+"""Exit status of ``patchbay run`` when the job ran to its end but some requests failed."""
+
+
 def run_from_settings(settings: Settings, *, config_path: str | None = None, stream: TextIO | None = None) -> int:
     """Run the job ``settings`` describe; the exit status of ``patchbay run``.
 
@@ -241,4 +245,10 @@ def run_from_settings(settings: Settings, *, config_path: str | None = None, str
     print("\n" + summarise(outputs, elapsed, llm.engine), file=stream)
     if results is not None:
         print(f"results:             {output_path}", file=stream)
+    failed = [output for output in outputs if output.finish_reason == "error"]
+    if failed:
+        # Every other request completed and is written; the exit status still tells a script that some did not.
+        print(f"patchbay: {len(failed)} of {len(outputs)} requests failed (finish_reason \"error\"); the first: "
+              f"request {failed[0].request_id!r}: {failed[0].error}", file=sys.stderr)
+        return REQUESTS_FAILED
     return 0

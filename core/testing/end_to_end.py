@@ -160,13 +160,20 @@ def shared_prefix_workload(seed: int) -> Workload:
 
 
 def run_greedy(registry: Registry | None, workload: Workload, settings: Mapping[str, Any]) -> tuple[list[list[int]], Any]:
-    """Greedy token ids of every prompt with ``settings`` (``LLM`` keyword overrides); also the engine."""
+    """Greedy token ids of every prompt with ``settings`` (``LLM`` keyword overrides); also the engine.
+
+    Raises ``RuntimeError`` naming the prompts the engine failed (``finish_reason`` ``"error"``).
+    """
     from patchbay.entrypoints.llm import LLM
     from patchbay.sampling_params import SamplingParams
 
     llm = LLM(registry=registry, model__path=str(tiny_model_dir()), **{**BASE_SETTINGS, **settings})
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in workload.max_tokens]
     outputs = llm.generate([list(prompt) for prompt in workload.prompts], params)
+    # The engine fails a request whose step raised alone and runs on; for the kit that is the plugin failing.
+    failed = [(index, output.error) for index, output in enumerate(outputs) if output.finish_reason == "error"]
+    if failed:
+        raise RuntimeError("; ".join(f"prompt {index} failed in the engine: {error}" for index, error in failed[:3]))
     return [list(output.token_ids) for output in outputs], llm.engine
 
 
