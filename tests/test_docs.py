@@ -119,8 +119,8 @@ def cli_commands() -> dict[str, set[str]]:
 COMMAND = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(?:\S*/)?patchbay\s+(\S+)(?:\s+(\S+))?")
 
 
-def documented_commands(text: str) -> set[tuple[str, str | None]]:
-    """``(subcommand, next word)`` of every ``patchbay ...`` command line the text shows.
+def documented_command_lines(text: str) -> list[str]:
+    """Every ``patchbay ...`` command line the text shows.
 
     Command lines are the lines of sh/bash/console blocks, lines after a ``$ `` prompt in
     any block, and inline code that starts with the command (``.venv/bin/patchbay run``).
@@ -136,12 +136,13 @@ def documented_commands(text: str) -> set[tuple[str, str | None]]:
             elif language in ("sh", "bash", "shell", "console"):
                 lines.append(re.sub(r"\s+#.*$", "", line))  # drop a trailing shell comment
     lines += [span.strip("`") for span in INLINE_CODE.findall(prose(text))]
-    found = set()
-    for line in lines:
-        match = COMMAND.match(line)
-        if match:
-            found.add((match.group(1), match.group(2)))
-    return found
+    return [line for line in lines if COMMAND.match(line)]
+
+
+def documented_commands(text: str) -> set[tuple[str, str | None]]:
+    """``(subcommand, next word)`` of every ``patchbay ...`` command line the text shows."""
+    return {(match.group(1), match.group(2))
+            for line in documented_command_lines(text) if (match := COMMAND.match(line))}
 
 
 @pytest.mark.parametrize("doc", DOC_FILES, ids=doc_id)
@@ -440,20 +441,6 @@ def subparsers() -> dict[tuple[str, ...], argparse.ArgumentParser]:
 
 def options_of(parser: argparse.ArgumentParser) -> set[str]:
     return {option for action in parser._actions for option in action.option_strings}
-
-
-def documented_command_lines(text: str) -> list[str]:
-    lines = []
-    for info, body in fenced_blocks(text):
-        language = info.split()[0] if info else ""
-        for line in body.splitlines():
-            line = line.strip()
-            if line.startswith("$ "):
-                lines.append(line[2:])
-            elif language in ("sh", "bash", "shell", "console"):
-                lines.append(re.sub(r"\s+#.*$", "", line))
-    lines += [span for span in INLINE_CODE.findall(prose(text)) for span in [span.strip("`")]]
-    return [line for line in lines if COMMAND.match(line)]
 
 
 @pytest.mark.parametrize("doc", DOC_FILES, ids=doc_id)
