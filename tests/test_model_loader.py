@@ -10,9 +10,8 @@ from safetensors.numpy import load_file
 
 from patchbay.worker.model_loader import bundled_gguf, convert_gguf
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_the_converted_checkpoint_is_standard_and_holds_the_gguf_embedding():
     import gguf
 
@@ -31,3 +30,19 @@ def test_the_converted_checkpoint_is_standard_and_holds_the_gguf_embedding():
     (embedding,) = [tensor for tensor in gguf.GGUFReader(str(path)).tensors if tensor.name == "token_embd.weight"]
     expected = gguf.quants.dequantize(embedding.data, embedding.tensor_type)
     np.testing.assert_array_equal(tensors["model.embed_tokens.weight"], expected.astype(np.float32))
+
+
+def test_a_conversion_abandoned_long_ago_is_cleaned_up_and_a_running_one_kept(tmp_path):
+    import os
+    import time
+
+    from patchbay.worker import model_loader
+
+    old, fresh = tmp_path / ".converting-old", tmp_path / ".converting-now"
+    for folder in (old, fresh):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"partial")
+    long_ago = time.time() - model_loader.ABANDONED_AFTER_SECONDS - 60
+    os.utime(old, (long_ago, long_ago))
+    model_loader._remove_abandoned_conversions(tmp_path)
+    assert not old.exists() and fresh.exists()

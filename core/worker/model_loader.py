@@ -16,6 +16,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from patchbay.contract.settings import DEFAULT_MODEL
@@ -56,6 +57,21 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+ABANDONED_AFTER_SECONDS = 3600.0
+"""A ``.converting-*`` directory this old belongs to a conversion that was killed (one takes a minute or two)."""
+
+
+def _remove_abandoned_conversions(models: Path) -> None:
+    # A process killed mid-conversion (SIGKILL, or SIGTERM, which skips ``finally``) leaves its staging folder.
+    now = time.time()
+    for staging in models.glob(".converting-*"):
+        try:
+            if now - staging.stat().st_mtime > ABANDONED_AFTER_SECONDS:
+                shutil.rmtree(staging, ignore_errors=True)
+        except FileNotFoundError:
+            pass
+
+
 def convert_gguf(gguf_path: Path) -> Path:
     """Convert a GGUF checkpoint to a safetensors model directory once; return the directory.
 
@@ -70,6 +86,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_conversions(target.parent)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
