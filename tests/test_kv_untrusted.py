@@ -4,7 +4,6 @@ Redis servers are misses that are recomputed and counted, never a crash or a wro
 from __future__ import annotations
 
 import os
-import socket
 import socketserver
 import stat
 import threading

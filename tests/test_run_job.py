@@ -49,7 +49,7 @@ def test_a_bad_request_found_after_loading_names_file_and_line_and_leaves_old_re
 
     code, err = _run(job([*GOOD, {"id": "c", "prompt_token_ids": [1], "logit_bias": {str(VOCAB): 1}}]), capsys)
     assert code == 2
-    assert f"requests.jsonl:3: <request>: request 'c': logit_bias has token ids outside the vocabulary" in err
+    assert "requests.jsonl:3: <request>: request 'c': logit_bias has token ids outside the vocabulary" in err
     assert results.read_bytes() == before
     assert not list(results.parent.glob(".*.partial"))
 

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from patchbay.engine.async_llm import AsyncLLM, ChoiceDelta, EngineSnapshot, RequestDelta
     from patchbay.engine.core import Engine, KVConnectorStalledError, measure_machine_defaults
-    from patchbay.engine.step_failures import EngineDeadError
     from patchbay.engine.detokenizer import IncrementalDetokenizer, StreamingText
     from patchbay.engine.outputs import Completion, RequestMetrics, RequestOutput
     from patchbay.engine.prompts import Prompt, encode_prompt
