@@ -368,6 +368,37 @@ class KVConnectorSuite(KVConnectorBaseSuite):
 
     # -- the real engine ---------------------------------------------------------------------------
 
+    def _engine_runs(self, available: type[KVConnector], patchbay_registry: Any, roles: set[str],
+                     needed: str) -> tuple[Any, list[list[int]]]:
+        """Skip unless the engine runs can be made with ``roles``; else a fresh shared-prefix workload and the
+        greedy tokens of a run without connector."""
+        from patchbay.testing import end_to_end
+
+        if not self.run_end_to_end:
+            pytest.skip(f"{type(self).__name__}.run_end_to_end is False")
+        if not self.plugin_name:
+            skip_not_declared("the engine selects the connector by its registered name; set plugin_name")
+        if not roles <= set(available.capabilities.roles):
+            skip_not_declared(needed)
+        reason = end_to_end.unavailable_reason(patchbay_registry)
+        if reason:
+            pytest.skip(reason)
+        workload = end_to_end.shared_prefix_workload(seed=uuid.uuid4().int % (1 << 30))
+        expected, _ = end_to_end.run_greedy(patchbay_registry, workload, {})
+        return workload, expected
+
+    def _run_with_connector(self, patchbay_registry: Any, workload: Any, expected: list[list[int]],
+                            section: dict[str, Any], what: str) -> Any:
+        """One engine run with the connector ``section``: its greedy tokens must be ``expected``; the engine."""
+        from patchbay.testing import end_to_end
+
+        got, engine = end_to_end.run_greedy(patchbay_registry, workload, {"kv_connector": section})
+        stats = getattr(engine.kv_connector, "stats", None)
+        if isinstance(stats, dict) and stats.get("unreachable"):
+            pytest.skip(f"the store is unreachable with these options (stats: {stats})")
+        end_to_end.assert_same_tokens(expected, got, f"{what} run with KV connector {self.plugin_name!r}")
+        return engine
+
     def test_engine_cold_then_warm_runs_keep_greedy_output(self, available: type[KVConnector],
                                                             patchbay_registry, connector_options: dict[str, Any]) -> None:
         """No connector, a cold store, then a warm one (a new engine): the same greedy tokens, and the warm run loads.
@@ -377,53 +408,22 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         there is nothing to save for it.  A connector that holds a request and
         never reports it done fails the run (``kv_connector.stall_timeout``).
         """
-        from patchbay.testing import end_to_end
-
-        if not self.run_end_to_end:
-            pytest.skip(f"{type(self).__name__}.run_end_to_end is False")
-        if not self.plugin_name:
-            skip_not_declared("the engine selects the connector by its registered name; set plugin_name")
-        if "both" not in available.capabilities.roles:
-            skip_not_declared("the cold/warm engine runs need role 'both'")
-        reason = end_to_end.unavailable_reason(patchbay_registry)
-        if reason:
-            pytest.skip(reason)
-        workload = end_to_end.shared_prefix_workload(seed=uuid.uuid4().int % (1 << 30))
-        expected, _ = end_to_end.run_greedy(patchbay_registry, workload, {})
+        workload, expected = self._engine_runs(available, patchbay_registry, {"both"},
+                                               "the cold/warm engine runs need role 'both'")
         section = {"name": self.plugin_name, "options": connector_options, "stall_timeout": ENGINE_STALL_TIMEOUT}
-        for run in ("cold", "warm"):
-            got, engine = end_to_end.run_greedy(patchbay_registry, workload, {"kv_connector": section})
-            stats = getattr(engine.kv_connector, "stats", None)
-            if isinstance(stats, dict) and stats.get("unreachable"):
-                pytest.skip(f"the store is unreachable with these options (stats: {stats})")
-            end_to_end.assert_same_tokens(expected, got, f"{run} run with KV connector {self.plugin_name!r}")
-            loaded = engine.scheduler.kv_connector_stats.num_loaded_tokens
-            if run == "warm":
-                assert loaded > 0, "the warm run loaded nothing from the store the cold run filled"
+        self._run_with_connector(patchbay_registry, workload, expected, section, "cold")
+        warm = self._run_with_connector(patchbay_registry, workload, expected, section, "warm")
+        assert warm.scheduler.kv_connector_stats.num_loaded_tokens > 0, (
+            "the warm run loaded nothing from the store the cold run filled")
 
     def test_engine_producer_then_consumer_keep_greedy_output(self, available: type[KVConnector],
                                                               patchbay_registry, connector_options: dict[str, Any]) -> None:
         """A producer run saves, a consumer run (a new engine) loads: both give the greedy tokens of no connector."""
-        from patchbay.testing import end_to_end
-
-        if not self.run_end_to_end:
-            pytest.skip(f"{type(self).__name__}.run_end_to_end is False")
-        if not self.plugin_name:
-            skip_not_declared("the engine selects the connector by its registered name; set plugin_name")
-        if not {"producer", "consumer"} <= set(available.capabilities.roles):
-            skip_not_declared("the producer/consumer pair needs roles 'producer' and 'consumer'")
-        reason = end_to_end.unavailable_reason(patchbay_registry)
-        if reason:
-            pytest.skip(reason)
-        workload = end_to_end.shared_prefix_workload(seed=uuid.uuid4().int % (1 << 30))
-        expected, _ = end_to_end.run_greedy(patchbay_registry, workload, {})
+        workload, expected = self._engine_runs(available, patchbay_registry, {"producer", "consumer"},
+                                               "the producer/consumer pair needs roles 'producer' and 'consumer'")
         for role in ("producer", "consumer"):
             section = {"name": self.plugin_name, "role": role, "options": connector_options,
                        "stall_timeout": ENGINE_STALL_TIMEOUT}
-            got, engine = end_to_end.run_greedy(patchbay_registry, workload, {"kv_connector": section})
-            stats = getattr(engine.kv_connector, "stats", None)
-            if isinstance(stats, dict) and stats.get("unreachable"):
-                pytest.skip(f"the store is unreachable with these options (stats: {stats})")
-            end_to_end.assert_same_tokens(expected, got, f"{role} run with KV connector {self.plugin_name!r}")
+            engine = self._run_with_connector(patchbay_registry, workload, expected, section, role)
         assert engine.scheduler.kv_connector_stats.num_loaded_tokens > 0, (
             "the consumer loaded nothing from the store the producer filled")
