@@ -41,7 +41,7 @@ def test_greedy_tokens_are_the_same_with_either_kernel_and_match_transformers(ti
     tokens = {}
     for kernel in ("torch", "row_split"):
         llm = patchbay.LLM(model__path=str(tiny_llama), runtime__threads=2, runtime__linear_kernel=kernel)
-        assert (llm.engine.row_split_linears > 0) == (kernel == "row_split")
+        assert (llm.engine.linear_paths.row_split > 0) == (kernel == "row_split")
         outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
         tokens[kernel] = [o.token_ids for o in outputs]
     assert tokens["row_split"] == tokens["torch"] == transformers_greedy(tiny_llama, prompts, 12)
@@ -89,7 +89,7 @@ def test_greedy_tokens_are_the_same_with_and_without_fused_projections(tiny_llam
     tokens = {}
     for fuse in (False, True):
         llm = patchbay.LLM(model__path=str(tiny_llama), runtime__threads=2, runtime__fuse_projections=fuse)
-        assert (llm.engine.fused_projection_groups > 0) == fuse
+        assert (llm.engine.linear_paths.fused_groups > 0) == fuse
         outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
         tokens[fuse] = [o.token_ids for o in outputs]
     assert tokens[True] == tokens[False] == transformers_greedy(tiny_llama, prompts, 12)

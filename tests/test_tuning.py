@@ -25,11 +25,11 @@ def _times(**per_bucket: list[float]) -> dict[str, dict[int, float]]:
     return {name: dict(zip(tuning.ROW_BUCKETS, values, strict=True)) for name, values in per_bucket.items()}
 
 
-def _measured(float32, bfloat16=None, float16=None, row_split=None, fused=None) -> Measurements:
+def _measured(float32, bfloat16=None, float16=None, row_split=None, fused=None, packed=None) -> Measurements:
     by_dtype = _times(float32=float32, **({"bfloat16": bfloat16} if bfloat16 else {}),
                       **({"float16": float16} if float16 else {}))
     return Measurements(by_dtype=by_dtype, row_split=_times(x=row_split or float32)["x"],
-                        fused=_times(x=fused or float32)["x"])
+                        fused=_times(x=fused or float32)["x"], packed=_times(**(packed or {})))
 
 
 def test_native_dtypes_follow_the_flags():
@@ -66,6 +66,24 @@ def test_linear_paths_win_up_to_the_last_bucket_of_an_unbroken_run_of_wins():
     assert choose(AVX2_EPYC, measured, threads=1).row_split_max_rows == 0  # one thread: nothing to split over
     losing = choose(AVX2_EPYC, _measured(float32=[1, 2, 8, 30], row_split=[1.02, 1, 1, 1]), threads=2)
     assert losing.row_split_max_rows == 0
+
+
+def test_packing_is_chosen_per_dtype_and_dtypes_compare_on_their_fastest_paths():
+    measured = _measured(float32=[1, 2, 8, 30], bfloat16=[1.2, 1, 2.5, 8],
+                         packed={"float32": [0.5, 1, 4, 15], "bfloat16": [1.15, 0.95, 2.4, 7.9]})
+    chosen = choose(AMX_XEON, measured, threads=2)
+    assert chosen.packed_dtypes == ["float32"]  # packed bfloat16 gains under PATH_GAIN over its torch products
+    # bfloat16 beats float32's torch products 1.8x, but packed float32 nearly as fast: float32 stays.
+    assert chosen.dtype == "float32" and chosen.speedup["bfloat16"] < tuning.MIN_GAIN
+    assert "oneDNN-packed linears for float32" in chosen.describe()
+    assert chosen.measurements["packed_float32"]["64"] == 4
+
+
+def test_an_avx2_cpu_packs_float32_and_never_an_emulated_dtype():
+    measured = _measured(float32=[1, 2, 8, 30], bfloat16=[0.5, 1, 4, 15],
+                         packed={"float32": [0.5, 1, 4, 15], "bfloat16": [0.2, 0.4, 2, 7]})
+    chosen = choose(AVX2_EPYC, measured, threads=2)
+    assert (chosen.dtype, chosen.packed_dtypes) == ("float32", ["float32"])
 
 
 def test_cpuinfo_is_read_for_x86_and_arm(tmp_path):
@@ -115,12 +133,29 @@ def test_linear_paths_follow_the_setting_or_the_tuning(kernel, row_split_rows, e
     inputs = torch.randn(3, 64)
     expected = [linear(inputs) for linear in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
     torch.set_num_threads(2)
-    fused, split = apply_linear_paths(layer, linear_kernel=kernel, fuse_projections=True, dtype="float32",
-                                      device=torch.device("cpu"), tuning=chosen)
-    assert fused == 1 and (split > 0) == expect_split
+    paths = apply_linear_paths(layer, linear_kernel=kernel, fuse_projections=True, dtype="float32",
+                               device=torch.device("cpu"), tuning=chosen)
+    assert paths.fused_groups == 1 and (paths.row_split > 0) == expect_split and paths.packed == 0
     got = [linear(inputs) for linear in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
     for want, have in zip(expected, got, strict=True):
         torch.testing.assert_close(have, want)
+
+
+def test_auto_packs_the_linears_of_a_dtype_the_tuning_packs():
+    chosen = choose(AVX2_EPYC, _measured(float32=[1, 2, 8, 30], packed={"float32": [0.5, 1, 4, 15]}), threads=2)
+    layer = _Layer(torch.float32)
+    inputs = torch.randn(3, 64)
+    expected = [linear(inputs).detach() for linear in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
+    paths = apply_linear_paths(layer, linear_kernel="auto", fuse_projections=True, dtype="float32",
+                               device=torch.device("cpu"), tuning=chosen)
+    assert (paths.fused_groups, paths.packed, paths.row_split) == (1, 4, 0)
+    for want, linear in zip(expected, (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj), strict=True):
+        torch.testing.assert_close(linear(inputs), want)
+    # A dtype the tuning did not pack keeps the other paths.
+    other = _Layer(torch.bfloat16)
+    unpacked = apply_linear_paths(other, linear_kernel="auto", fuse_projections=True,
+                                  dtype="bfloat16", device=torch.device("cpu"), tuning=chosen)
+    assert unpacked.packed == 0 and not other.q_proj.weight.is_meta
 
 
 def test_an_engine_left_on_auto_runs_the_tuned_dtype(tiny_llama, tmp_path, monkeypatch):

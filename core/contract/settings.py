@@ -80,10 +80,11 @@ class RuntimeSettings(Section):
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:1``, ..."""
     threads: PositiveInt | None = None
     """CPU threads for torch; default: all cores."""
-    linear_kernel: Literal["auto", "row_split", "torch"] = "auto"
-    """Linear layers on CPU float32: ``row_split`` cuts each weight into one slice per thread for
-    steps of few rows (decode), which torch's kernel runs on one core; ``torch`` keeps torch's own;
-    ``auto`` is ``row_split`` on CPU float32, else ``torch``."""
+    linear_kernel: Literal["auto", "onednn", "row_split", "torch"] = "auto"
+    """Linear layers on the CPU: ``onednn`` packs each weight once into oneDNN's layout (float32,
+    bfloat16); ``row_split`` cuts each float32 weight into one slice per thread for steps of few
+    rows; ``torch`` keeps torch's own products; ``auto`` is what the machine's tuning measured
+    fastest for the run's dtype."""
     fuse_projections: bool = True
     """Compute the q/k/v projections (and gate/up) of each layer as one matrix product."""
     seed: int = 0

@@ -49,6 +49,7 @@ from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.model_runner import ModelRunner
 from patchbay.worker.fused_projections import fuse_shared_input_projections
 from patchbay.worker.quantization import INT8_MAX_ROWS, quantize_linears
+from patchbay.worker.packed_linear import packing_supported
 from patchbay.worker.tuning import LayerShapes, Tuning, apply_linear_paths, tune
 
 logger = logging.getLogger(__name__)
@@ -637,7 +638,14 @@ class Engine:
             raise ConfigError([ConfigProblem(
                 "<run>", "runtime.linear_kernel",
                 f"row_split runs on CPU float32 weights; this run has {self.device.type} {self.dtype} (use auto or torch)")])
-        self.fused_projection_groups, self.row_split_linears = apply_linear_paths(
+        if runtime.linear_kernel == "onednn" and not (self.device.type == "cpu"
+                                                      and packing_supported(getattr(torch, self.dtype))):
+            raise ConfigError([ConfigProblem(
+                "<run>", "runtime.linear_kernel",
+                f"onednn packs CPU float32 or bfloat16 weights with a torch built with oneDNN; this run has "
+                f"{self.device.type} {self.dtype}{'' if torch.backends.mkldnn.is_available() else ' and no oneDNN'}"
+                " (use auto or torch)")])
+        self.linear_paths = apply_linear_paths(
             self.model.model, linear_kernel=runtime.linear_kernel, fuse_projections=runtime.fuse_projections,
             dtype=self.dtype, device=self.device, tuning=self.tuning)
 

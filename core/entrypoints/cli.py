@@ -183,9 +183,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
           f"torch {tuning.torch_version}")
     print("one decoder layer's linears, ms per call:")
     buckets = list(next(iter(tuning.measurements.values())))
-    print(f"  {'path':<10}" + "".join(f"{rows + ' rows':>12}" for rows in buckets))
+    width = max(len(path) for path in tuning.measurements) + 2
+    print(f"  {'path':<{width}}" + "".join(f"{rows + ' rows':>12}" for rows in buckets))
     for path, seconds in tuning.measurements.items():
-        print(f"  {path:<10}" + "".join(f"{seconds[rows] * 1e3:>12.3f}" for rows in buckets))
+        print(f"  {path:<{width}}" + "".join(f"{seconds[rows] * 1e3:>12.3f}" for rows in buckets))
     print(f"chosen: {tuning.describe()}")
     print("(cached for this CPU, torch and model shape; runs with model.dtype, runtime.linear_kernel auto use it)")
     return 0

@@ -4,7 +4,7 @@ CPUs differ too much for fixed defaults: on one, bfloat16 matrix products are
 several times float32 (AVX512-BF16, AMX); on another bfloat16 is emulated and
 slow; on one torch runs few-row products on a single core (so cutting weights
 into per-thread slices pays), on another its own kernel is faster. So on the
-first start on a machine (and by ``patchbay tune``), a second or two of
+first start on a machine (and by ``patchbay tune``), a few seconds of
 micro-benchmarks at the model's real shapes — one decoder layer's linears at
 a few row counts — decide:
 
@@ -13,7 +13,9 @@ a few row counts — decide:
   or ``amx_fp16``): the fastest over the row counts, which must beat float32
   by :data:`MIN_GAIN` to be chosen;
 - up to how many rows float32 linears run row-split (:mod:`patchbay.worker.cpu_linear`);
-- up to how many rows q/k/v and gate/up run as one product (:mod:`patchbay.worker.fused_projections`).
+- up to how many rows q/k/v and gate/up run as one product (:mod:`patchbay.worker.fused_projections`);
+- for each native dtype, whether its linears run over weights packed once into oneDNN's layout
+  (:mod:`patchbay.worker.packed_linear`), fused projections whole, instead of the paths above.
 
 The result is cached per CPU model, CPU flags, torch version, thread count
 and model shape in patchbay's cache directory. The choice (:func:`choose`) is
@@ -40,6 +42,7 @@ from torch import nn
 
 from patchbay.worker.cpu_linear import DEFAULT_MAX_ROWS, row_split_linear, use_row_split_linears
 from patchbay.worker.fused_projections import FUSE_MAX_ROWS, fuse_shared_input_projections
+from patchbay.worker.packed_linear import pack, packed_linear, packing_supported, use_packed_linears
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ MIN_GAIN = 1.1
 """A lower-precision dtype is chosen only when it is this much faster than float32 (geometric mean over buckets)."""
 PATH_GAIN = 1.05
 """A linear path replaces torch's own product up to the largest bucket where it is this much faster."""
-TUNING_FORMAT = 1
+TUNING_FORMAT = 2
 """Bumped whenever what is measured or chosen changes, so cached results from older rules are measured again."""
 
 NATIVE_DTYPE_FLAGS = {
@@ -119,6 +122,8 @@ class Measurements:
     """float32, every linear row-split over the threads."""
     fused: dict[int, float] = field(default_factory=dict)
     """float32, q/k/v and gate/up each as one product."""
+    packed: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per dtype torch can pack: weights packed for oneDNN, q/k/v and gate/up each as one product."""
 
 
 @dataclass
@@ -130,20 +135,24 @@ class Tuning:
     """float32 linears run row-split up to this many rows; 0: never."""
     fuse_max_rows: int
     """q/k/v and gate/up run as one product up to this many rows; 0: never."""
+    packed_dtypes: list[str]
+    """Dtypes whose linears run packed for oneDNN (every step, projections fused), replacing the two paths above."""
     speedup: dict[str, float]
-    """Each native dtype's geometric-mean speed over float32."""
+    """Each native dtype's geometric-mean speed over float32, each on its fastest path."""
     cpu: str
     native_dtypes: list[str]
     threads: int
     torch_version: str
     measurements: dict[str, dict[str, float]]
-    """Seconds per layer, by path (``float32``, ``bfloat16``, ``row_split``, ``fused``) and rows."""
+    """Seconds per layer, by path (``float32``, ``bfloat16``, ``row_split``, ``fused``, ``packed_<dtype>``) and rows."""
     cached: bool = False
 
     def describe(self) -> str:
         """One line for the run summary and the bench."""
         speedups = ", ".join(f"{dtype} {gain:.2f}x" for dtype, gain in self.speedup.items() if dtype != "float32")
+        packed = ", ".join(self.packed_dtypes) or "none"
         return (f"dtype {self.dtype} ({speedups or 'float32 only'} vs float32), "
+                f"oneDNN-packed linears for {packed}, otherwise "
                 f"row-split up to {self.row_split_max_rows} rows, fused projections up to {self.fuse_max_rows} rows; "
                 f"{self.cpu}, {self.threads} threads, torch {self.torch_version}"
                 f"{' (cached)' if self.cached else ''}")
@@ -151,23 +160,36 @@ class Tuning:
 
 def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
     """The dtype and linear paths for ``cpu`` given ``measured`` times (no measuring: a pure decision)."""
+    natives = cpu.native_dtypes()
     baseline = measured.by_dtype["float32"]
-    speedup = {dtype: _geometric_mean([baseline[rows] / times[rows] for rows in baseline])
-               for dtype, times in measured.by_dtype.items() if dtype in cpu.native_dtypes()}
+    row_split_rows = _wins_up_to(measured.row_split, baseline) if threads > 1 else 0
+    fuse_rows = _wins_up_to(measured.fused, baseline)
+    unpacked = {dtype: dict(times) for dtype, times in measured.by_dtype.items() if dtype in natives}
+    for rows in unpacked["float32"]:  # float32 also has the row-split and fused paths, within their limits
+        for path, limit in ((measured.row_split, row_split_rows), (measured.fused, fuse_rows)):
+            if rows <= limit:
+                unpacked["float32"][rows] = min(unpacked["float32"][rows], path[rows])
+    packed_dtypes = [dtype for dtype, times in unpacked.items() if dtype in measured.packed
+                     and _geometric_mean([times[rows] / measured.packed[dtype][rows] for rows in times]) >= PATH_GAIN]
+    fastest = {dtype: measured.packed[dtype] if dtype in packed_dtypes else times for dtype, times in unpacked.items()}
+    speedup = {dtype: _geometric_mean([fastest["float32"][rows] / times[rows] for rows in times])
+               for dtype, times in fastest.items()}
     best = max(speedup, key=lambda dtype: speedup[dtype])
     dtype = best if speedup[best] >= MIN_GAIN else "float32"
     return Tuning(
         dtype=dtype,
-        row_split_max_rows=_wins_up_to(measured.row_split, baseline) if threads > 1 else 0,
-        fuse_max_rows=_wins_up_to(measured.fused, baseline),
+        row_split_max_rows=row_split_rows,
+        fuse_max_rows=fuse_rows,
+        packed_dtypes=packed_dtypes,
         speedup={name: round(gain, 3) for name, gain in speedup.items()},
         cpu=cpu.model_name,
-        native_dtypes=list(cpu.native_dtypes()),
+        native_dtypes=list(natives),
         threads=threads,
         torch_version=torch.__version__,
         measurements={path: {str(rows): seconds for rows, seconds in times.items()}
                       for path, times in [*measured.by_dtype.items(), ("row_split", measured.row_split),
-                                          ("fused", measured.fused)]},
+                                          ("fused", measured.fused),
+                                          *((f"packed_{dtype}", times) for dtype, times in measured.packed.items())]},
     )
 
 
@@ -186,26 +208,69 @@ def _wins_up_to(path: dict[int, float], baseline: dict[int, float]) -> int:
 
 
 def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_seconds: float = 1.5) -> Measurements:
-    """Time one decoder layer's linears with each path at each of :data:`ROW_BUCKETS` rows (random weights)."""
-    per_case = budget_seconds / (len(ROW_BUCKETS) * (len(dtypes) + 2))
+    """Time one decoder layer's linears with each path at each of :data:`ROW_BUCKETS` rows (random weights).
+
+    Few-row products stream their weights from memory in a real model (every layer's weights are read once
+    per step), so up to :data:`STREAMED_MAX_ROWS` rows the layer is timed as one of enough copies to overflow
+    the CPU's last-level cache; one layer whose weights stay cached would flatter whichever path reads them
+    most often.
+    """
+    packable = [dtype for dtype in dtypes if packing_supported(getattr(torch, dtype))]
+    per_case = budget_seconds / (len(ROW_BUCKETS) * (len(dtypes) + len(packable) + 2))
     measured = Measurements()
+
+    def per_layer(product, layers: list[list[torch.Tensor]]) -> dict[int, float]:  # noqa: ANN001 - a product
+        timed = {}
+        for rows in ROW_BUCKETS:
+            used = layers if rows <= STREAMED_MAX_ROWS else layers[:1]
+            timed[rows] = _time(lambda x: [product(x[w.shape[1]], w) for layer in used for w in layer],
+                                rows, used[0], per_case) / len(used)
+        return timed
+
     for dtype in dtypes:
-        weights = _weights(shapes, getattr(torch, dtype))
-        measured.by_dtype[dtype] = {rows: _time(lambda x: [F.linear(x[w.shape[1]], w) for w in weights],
-                                                rows, weights, per_case) for rows in ROW_BUCKETS}
-    weights = _weights(shapes, torch.float32)
-    measured.row_split = {rows: _time(lambda x: [row_split_linear(x[w.shape[1]], w, None, threads, max_rows=1 << 30)
-                                                 for w in weights], rows, weights, per_case) for rows in ROW_BUCKETS}
-    fused = [torch.cat(weights[0:3]), weights[3], torch.cat(weights[4:6]), weights[6]]
-    measured.fused = {rows: _time(lambda x: [F.linear(x[w.shape[1]], w) for w in fused], rows, fused, per_case)
-                      for rows in ROW_BUCKETS}
+        layers = _layers(shapes, getattr(torch, dtype))
+        measured.by_dtype[dtype] = per_layer(F.linear, layers)
+        if dtype in packable:
+            measured.packed[dtype] = per_layer(lambda x, p: packed_linear(x, p, None),
+                                               [[pack(weight) for weight in _fused(layer)] for layer in layers])
+    layers = _layers(shapes, torch.float32)
+    measured.row_split = per_layer(lambda x, w: row_split_linear(x, w, None, threads, max_rows=1 << 30), layers)
+    measured.fused = per_layer(F.linear, [_fused(layer) for layer in layers])
     return measured
 
 
-def _weights(shapes: LayerShapes, dtype: torch.dtype) -> list[torch.Tensor]:
+STREAMED_MAX_ROWS = 8
+"""Up to this many rows a product is bound by reading its weights from memory (the decode regime)."""
+
+
+def _fused(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A layer's weights (as :meth:`LayerShapes.products` lists them) with q/k/v and gate/up concatenated."""
+    return [torch.cat(weights[0:3]), weights[3], torch.cat(weights[4:6]), weights[6]]
+
+
+def _layers(shapes: LayerShapes, dtype: torch.dtype) -> list[list[torch.Tensor]]:
+    """Copies of one layer's random weights, together at least twice the last-level cache (64 MiB at least)."""
     generator = torch.Generator().manual_seed(0)
-    return [torch.randn(out_features, in_features, generator=generator).to(dtype) * in_features ** -0.5
-            for in_features, out_features in shapes.products()]
+    layer = [torch.randn(out_features, in_features, generator=generator).to(dtype) * in_features ** -0.5
+             for in_features, out_features in shapes.products()]
+    layer_bytes = sum(weight.numel() * weight.element_size() for weight in layer)
+    copies = max(1, math.ceil(max(64 << 20, 2 * _last_level_cache_bytes()) / layer_bytes))
+    return [layer] + [[weight.clone() for weight in layer] for _ in range(copies - 1)]
+
+
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache Linux reports for CPU 0 (0 where it reports none)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip().upper()
+        except OSError:
+            continue
+        multiplier = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * multiplier)
+    return max(sizes, default=0)
 
 
 def _time(run, rows: int, weights: list[torch.Tensor], budget: float) -> float:  # noqa: ANN001 - a closure
@@ -224,13 +289,20 @@ def _time(run, rows: int, weights: list[torch.Tensor], budget: float) -> float: 
 
 
 def apply_linear_paths(model: nn.Module, *, linear_kernel: str, fuse_projections: bool, dtype: str,
-                       device: torch.device, tuning: Tuning | None) -> tuple[int, int]:
-    """Give ``model``'s linears the paths chosen (explicitly, or by ``tuning``); return (fused groups, row-split linears).
+                       device: torch.device, tuning: Tuning | None) -> LinearPaths:
+    """Give ``model``'s linears the paths chosen (explicitly, or by ``tuning``); say how many took each.
 
-    ``linear_kernel``: ``row_split`` (always, up to the default row limit), ``torch`` (never) or ``auto``
-    (as tuned; off without a tuning).  Fused projections take their row limit from the tuning too.
+    ``linear_kernel``: ``onednn`` (weights packed, every step), ``row_split`` (always, up to the default row
+    limit), ``torch`` (torch's own products) or ``auto`` (as tuned: packed where the tuning measured packing
+    faster for ``dtype``, else row-split up to the tuned limit; torch's own without a tuning).  Fused projections
+    take their row limit from the tuning too, and run every step when packed.
     """
-    cpu_float32 = device.type == "cpu" and dtype == "float32"
+    cpu = device.type == "cpu"
+    if cpu and (linear_kernel == "onednn" or (linear_kernel == "auto" and tuning is not None
+                                              and dtype in tuning.packed_dtypes)):
+        fused = fuse_shared_input_projections(model, max_rows=1 << 62) if fuse_projections else 0
+        return LinearPaths(fused_groups=fused, packed=use_packed_linears(model))
+    cpu_float32 = cpu and dtype == "float32"
     if linear_kernel == "row_split":
         max_rows = DEFAULT_MAX_ROWS
     elif linear_kernel == "auto" and cpu_float32 and tuning is not None:
@@ -243,7 +315,16 @@ def apply_linear_paths(model: nn.Module, *, linear_kernel: str, fuse_projections
         fuse_rows = tuning.fuse_max_rows if tuning is not None else FUSE_MAX_ROWS
         product = functools.partial(row_split_linear, slices=slices, max_rows=max_rows) if slices > 1 else F.linear
         fused = fuse_shared_input_projections(model, product, max_rows=fuse_rows) if fuse_rows else 0
-    return fused, use_row_split_linears(model, slices, max_rows) if slices > 1 else 0
+    return LinearPaths(fused_groups=fused, row_split=use_row_split_linears(model, slices, max_rows) if slices > 1 else 0)
+
+
+@dataclass(frozen=True)
+class LinearPaths:
+    """How many of a model's linears (or projection groups) each path took."""
+
+    fused_groups: int = 0
+    row_split: int = 0
+    packed: int = 0
 
 
 def cache_key(cpu: CpuInfo, shapes: LayerShapes, threads: int) -> str:

@@ -1,0 +1,138 @@
+"""Linear layers whose weights are packed once, at load, into oneDNN's blocked layout.
+
+``F.linear`` on CPU hands each product to oneDNN (bfloat16) or MKL (float32)
+with the weight in PyTorch's plain row-major layout, and oneDNN reorders the
+weight into its blocked layout on every call.  For the few-row products of
+decoding that reorder costs more than the product: on the development machine
+(AMD EPYC, AVX-512 with AVX512-BF16, 2 threads) a decoder layer's q/k/v in
+bfloat16 ran in 81 us with ``F.linear`` and 25 us packed once and run as one
+product; float32, which oneDNN computes with its own kernels instead of MKL's,
+went from 126 to 46 us, and still ran twice as fast at 1,024 rows.
+
+Packed bfloat16 products are bit-identical to ``F.linear`` (the same oneDNN
+kernel, minus the per-call reorder); packed float32 products round
+differently from MKL's, like any other float32 GEMM.  Whether packing pays is
+measured per machine (:mod:`patchbay.worker.tuning`).
+
+The packed copy replaces the plain weight: the module's ``weight`` parameter
+becomes a tensor on the ``meta`` device with the same shape and dtype, so the
+model's memory does not double and code that reads a weight's metadata still
+works, while code that would compute with the plain weight fails loudly.
+Weights shared with another module (an LM head tied to the input embedding)
+are packed as a copy and kept.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patchbay.worker.fused_projections import Member, SharedInputProjections
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+"""Dtypes whose packed products oneDNN runs on CPU."""
+
+
+@functools.cache
+def packing_supported(dtype: torch.dtype) -> bool:
+    """Whether this torch build can pack and multiply ``dtype`` weights with oneDNN on this CPU (tried once)."""
+    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight = torch.ones(16, 32, dtype=dtype)
+        output = packed_linear(torch.ones(2, 32, dtype=dtype), pack(weight), None)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return bool(torch.all(output == 32))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[out_features, in_features]``, CPU) reordered into oneDNN's layout for linear products."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def packed_linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(inputs, weight, bias)`` with ``packed = pack(weight)``; ``inputs`` of any leading shape."""
+    return torch.ops.mkldnn._linear_pointwise(inputs.contiguous(), packed, bias, "none", [], "")
+
+
+class PackedLinear:
+    """The forward of one ``nn.Linear`` whose weight is packed."""
+
+    def __init__(self, linear: nn.Linear, shared: bool) -> None:
+        self.packed = pack(linear.weight)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        if not shared:
+            _release(linear, "weight")
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        return packed_linear(inputs, self.packed, self.bias)
+
+
+class PackedGroupProduct:
+    """A fused projection group's product (:mod:`patchbay.worker.fused_projections`) over its packed weight.
+
+    The group computes every step whole (its row limit is lifted), so the members' own weights are never
+    multiplied and are released with the concatenated one.
+    """
+
+    def __init__(self, group: SharedInputProjections) -> None:
+        self.weight = group.weight
+        self.packed = pack(group.weight)
+        group.max_rows = 1 << 62
+        group.product = self
+        for linear in group.linears:
+            _release(linear, "weight")
+        group.weight = self.weight = torch.empty_like(group.weight, device="meta")
+
+    def __call__(self, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if weight is not self.weight:
+            raise RuntimeError("a packed projection group was asked for a product with another weight")
+        return packed_linear(inputs, self.packed, bias)
+
+
+def _release(module: nn.Module, name: str) -> None:
+    """Replace a parameter by an empty tensor of its shape and dtype on the meta device (its data lives packed)."""
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(torch.empty_like(old, device="meta"), requires_grad=False))
+
+
+def use_packed_linears(model: nn.Module) -> int:
+    """Pack every CPU linear of ``model`` whose dtype oneDNN runs, fused projection groups whole; return how many.
+
+    Linears with a forward of their own (quantized, row-split) are left alone, as are groups whose product
+    was replaced (quantized groups).
+    """
+    shared = _shared_parameters(model)
+    count = 0
+    groups: set[int] = set()
+    for module in model.modules():
+        member = vars(module).get("forward")
+        if isinstance(member, Member):
+            group = member.group
+            if id(group) not in groups and _eligible(group.weight) and not isinstance(group.product, PackedGroupProduct):
+                groups.add(id(group))
+                if group.product is F.linear:  # not replaced by another path (integer, row-split)
+                    PackedGroupProduct(group)
+                    count += len(group.linears)
+            continue
+        if isinstance(module, nn.Linear) and "forward" not in vars(module) and _eligible(module.weight):
+            module.forward = PackedLinear(module, shared=id(module.weight) in shared)  # type: ignore[method-assign]
+            count += 1
+    return count
+
+
+def _eligible(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dim() == 2 and packing_supported(weight.dtype)
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """Ids of parameters that more than one module holds (tied embeddings)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for parameter in module.parameters(recurse=False):
+            seen[id(parameter)] = seen.get(id(parameter), 0) + 1
+    return {key for key, holders in seen.items() if holders > 1}
