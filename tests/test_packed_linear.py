@@ -103,3 +103,19 @@ def test_bfloat16_logits_are_the_same_packed_or_not(tiny_llama):
 def test_onednn_on_a_dtype_it_cannot_pack_is_refused_naming_the_setting(tiny_llama):
     with pytest.raises(ConfigError, match="runtime.linear_kernel"):
         patchbay.LLM(model__path=str(tiny_llama), model__dtype="float16", runtime__linear_kernel="onednn")
+
+
+def test_row_counts_run_in_buckets_and_padding_never_shows():
+    from patchbay.worker.packed_linear import row_bucket
+
+    assert [row_bucket(rows) for rows in (1, 7, 16, 17, 32, 33, 256, 257, 320, 2000)] == \
+        [1, 7, 16, 32, 32, 48, 256, 320, 320, 2048]
+    assert len({row_bucket(rows) for rows in range(1, 2049)}) <= 16 + 15 + 28  # kernels built per weight shape
+    torch.manual_seed(0)
+    weight = torch.randn(24, 40)
+    packed = pack(weight)
+    for rows in (17, 33, 257):
+        inputs = torch.randn(1, rows, 40)
+        got = packed_linear(inputs, packed, None)
+        assert got.shape == (1, rows, 24)
+        torch.testing.assert_close(got, F.linear(inputs, weight), rtol=1e-5, atol=1e-5)

@@ -55,8 +55,35 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(inputs, weight, bias)`` with ``packed = pack(weight)``; ``inputs`` of any leading shape."""
-    return torch.ops.mkldnn._linear_pointwise(inputs.contiguous(), packed, bias, "none", [], "")
+    """``F.linear(inputs, weight, bias)`` with ``packed = pack(weight)``; ``inputs`` of any leading shape.
+
+    The rows are padded with zeros up to :func:`row_bucket` (see there why) and the padding's rows dropped.
+    """
+    in_features = inputs.shape[-1]
+    rows = inputs.numel() // in_features
+    bucket = row_bucket(rows)
+    flat = inputs.reshape(rows, in_features)
+    if bucket != rows:
+        flat = F.pad(flat, (0, 0, 0, bucket - rows))
+    output = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
+    return output[:rows].view(*inputs.shape[:-1], output.shape[-1])
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a product of ``rows`` rows runs at: ``rows`` up to 16, then multiples of 16, then of 64.
+
+    oneDNN builds (JIT-compiles) a kernel for each new row count, which costs far more than a small product
+    (about 0.4-0.7 ms on the development machine, against 25-130 us for the product itself) and its cache of
+    kernels is bounded.  A serving engine meets every row count from 1 to its token budget as requests come
+    and go, so the row counts are bucketed: at most 16 + 15 + a few dozen kernels per weight shape, for at most
+    15 padded rows below 256 rows (where products are bound by reading the weights, not by arithmetic) and
+    under a quarter more arithmetic above.
+    """
+    if rows <= 16:
+        return rows
+    if rows <= 256:
+        return -(-rows // 16) * 16
+    return -(-rows // 64) * 64
 
 
 class PackedLinear:
