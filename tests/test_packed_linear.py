@@ -69,14 +69,22 @@ def test_packing_releases_plain_weights_but_keeps_tied_ones():
     torch.testing.assert_close(block.k_proj(other), expected_other, rtol=1e-5, atol=1e-5)
 
 
-def test_packing_leaves_linears_with_a_path_of_their_own_alone():
+def test_quantized_linears_keep_integer_products_for_few_rows_and_run_packed_ones_above():
     from patchbay.worker.quantization import quantize_linears
 
-    block = _Block()
+    torch.manual_seed(0)
+    block = _Block().to(torch.bfloat16)
+    few, many = torch.randn(3, 16).to(torch.bfloat16), torch.randn(40, 16).to(torch.bfloat16)
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "head")
+    plain = {name: getattr(block, name)(many).detach() for name in names}
     assert fuse_shared_input_projections(block, max_rows=16) == 1
     quantize_linears(block, "int8")
-    assert use_packed_linears(block) == 0  # every linear (and the group) is already quantized
-    assert not block.q_proj.weight.is_meta
+    integer = {name: getattr(block, name)(few) for name in names}
+    assert use_packed_linears(block) == 5
+    assert block.q_proj.weight.is_meta and not block.embed.weight.is_meta
+    for name in names:
+        assert torch.equal(getattr(block, name)(few), integer[name])  # still the integer products
+        assert torch.equal(getattr(block, name)(many), plain[name])  # packed bfloat16: torch's own products
 
 
 def test_greedy_tokens_with_packed_linears_match_transformers(tiny_llama):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchbay.worker.fused_projections import Member, SharedInputProjections
+from patchbay.worker.quantization import FusedIntegerProduct, IntegerLinear
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 """Dtypes whose packed products oneDNN runs on CPU."""
@@ -107,10 +108,8 @@ class PackedGroupProduct:
     """
 
     def __init__(self, group: SharedInputProjections) -> None:
-        self.weight = group.weight
         self.packed = pack(group.weight)
         group.max_rows = 1 << 62
-        group.product = self
         for linear in group.linears:
             _release(linear, "weight")
         group.weight = self.weight = torch.empty_like(group.weight, device="meta")
@@ -130,24 +129,34 @@ def _release(module: nn.Module, name: str) -> None:
 def use_packed_linears(model: nn.Module) -> int:
     """Pack every CPU linear of ``model`` whose dtype oneDNN runs, fused projection groups whole; return how many.
 
-    Linears with a forward of their own (quantized, row-split) are left alone, as are groups whose product
-    was replaced (quantized groups).
+    Quantized linears and groups (:mod:`patchbay.worker.quantization`) keep their integer products for few
+    rows and run the packed float product above; row-split linears and groups are left alone.
     """
     shared = _shared_parameters(model)
     count = 0
     groups: set[int] = set()
     for module in model.modules():
-        member = vars(module).get("forward")
-        if isinstance(member, Member):
-            group = member.group
-            if id(group) not in groups and _eligible(group.weight) and not isinstance(group.product, PackedGroupProduct):
-                groups.add(id(group))
-                if group.product is F.linear:  # not replaced by another path (integer, row-split)
-                    PackedGroupProduct(group)
-                    count += len(group.linears)
-            continue
-        if isinstance(module, nn.Linear) and "forward" not in vars(module) and _eligible(module.weight):
-            module.forward = PackedLinear(module, shared=id(module.weight) in shared)  # type: ignore[method-assign]
+        forward = vars(module).get("forward")
+        if isinstance(forward, Member):
+            group = forward.group
+            if id(group) in groups or not _eligible(group.weight):
+                continue
+            groups.add(id(group))
+            if group.product is F.linear:
+                group.product = PackedGroupProduct(group)
+            elif isinstance(group.product, FusedIntegerProduct):
+                packed = PackedGroupProduct(group)
+                group.product.use_float_product(packed, packed.weight)
+            else:  # another path (row-split) chose its product
+                continue
+            count += len(group.linears)
+        elif isinstance(module, nn.Linear) and _eligible(module.weight):
+            if forward is None:
+                module.forward = PackedLinear(module, shared=id(module.weight) in shared)  # type: ignore[method-assign]
+            elif isinstance(forward, IntegerLinear):
+                forward.float_forward = PackedLinear(module, shared=id(module.weight) in shared)
+            else:
+                continue
             count += 1
     return count
 

@@ -7,7 +7,8 @@ multiplies activations of the model's dtype by int8 weights and per-row
 scales; it is fast for few rows (with bfloat16 activations, measured ~10x
 bfloat16 ``F.linear`` at one row on an AVX512-BF16 CPU) and slow for many, so
 steps of more than :data:`INT8_MAX_ROWS` rows (prefill chunks, large batches)
-keep the float weight. int8 is symmetric per output row:
+keep the float weight (``IntegerLinear.float_forward``, which oneDNN packing
+replaces where it runs). int8 is symmetric per output row:
 ``scale = max|w_row| / 127``, ``q = round(w / scale)``. int4 (torch's
 ``aten._weight_int4pack_mm_for_cpu``) is asymmetric per group of
 :data:`INT4_GROUP_SIZE` input features, the layout of llama.cpp's Q4_1:
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,7 +67,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tu
     return levels.view(out_features, in_features).to(torch.int32), scales_and_zeros
 
 
-class _IntegerLinear:
+class IntegerLinear:
     """The forward of one ``nn.Linear`` with integer weights for steps of few rows, the float weight above.
 
     Subclasses quantize one slice of output rows (:meth:`quantize`) and multiply by it (:meth:`multiply`); a
@@ -81,6 +83,9 @@ class _IntegerLinear:
         parts = threads if linear.weight.numel() >= SPLIT_MIN_WEIGHTS and out_features % (16 * threads) == 0 else 1
         size = out_features // parts
         self.slices = [self.quantize(linear.weight[start : start + size]) for start in range(0, out_features, size)]
+        self.float_forward: Callable[[torch.Tensor], torch.Tensor] = functools.partial(_float_product, linear)
+        """The product for steps above ``max_rows`` rows: ``F.linear`` with the float weight, unless another
+        float path (oneDNN packing, :mod:`patchbay.worker.packed_linear`) replaced it."""
 
     def quantize(self, weight: torch.Tensor) -> Any:
         """The integer form of ``weight`` (some output rows of the linear's weight)."""
@@ -102,12 +107,16 @@ class _IntegerLinear:
         in_features, out_features = self.linear.in_features, self.linear.out_features
         rows = inputs.numel() // in_features
         if rows > self.max_rows or rows == 0 or inputs.dtype != self.activation_dtype:
-            return F.linear(inputs, self.linear.weight, self.linear.bias)
+            return self.float_forward(inputs)
         output = self.product(inputs.reshape(rows, in_features).contiguous()).view(*inputs.shape[:-1], out_features)
         return output if self.linear.bias is None else output + self.linear.bias
 
 
-class Int4Linear(_IntegerLinear):
+def _float_product(linear: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
+    return F.linear(inputs, linear.weight, linear.bias)
+
+
+class Int4Linear(IntegerLinear):
     """int4 weights in groups of :data:`INT4_GROUP_SIZE` (see :func:`quantize_int4`)."""
 
     def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +129,7 @@ class Int4Linear(_IntegerLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, INT4_GROUP_SIZE, scales_and_zeros)
 
 
-class Int8Linear(_IntegerLinear):
+class Int8Linear(IntegerLinear):
     """int8 weights with one scale per output row (see :func:`quantize_int8`)."""
 
     def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,10 +139,10 @@ class Int8Linear(_IntegerLinear):
         return torch.ops.aten._weight_int8pack_mm(flat, *quantized)
 
 
-QUANTIZED_LINEARS: dict[str, type[_IntegerLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
+QUANTIZED_LINEARS: dict[str, type[IntegerLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
 
 
-class _FusedIntegerProduct:
+class FusedIntegerProduct:
     """A fused projection group's product: integer weights for the group's concatenated weight, float otherwise."""
 
     def __init__(self, group: SharedInputProjections, scheme: str, max_rows: int) -> None:
@@ -148,6 +157,13 @@ class _FusedIntegerProduct:
 
     def __call__(self, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.integer(inputs) if weight is self.weight else self.fallback(inputs, weight, bias)
+
+    def use_float_product(self, product: Callable[..., torch.Tensor], weight: torch.Tensor) -> None:
+        """Run steps above the integer row limit through ``product`` over ``weight`` (the group's new weight)."""
+        bias = self.integer.linear.bias
+        self.weight = weight
+        self.fallback = product
+        self.integer.float_forward = lambda inputs: product(inputs, weight, bias)
 
 
 def _packable(weight: torch.Tensor, scheme: str) -> bool:
@@ -173,7 +189,7 @@ def quantize_linears(model: nn.Module, scheme: str, max_rows: int = INT8_MAX_ROW
         if isinstance(member, Member) and id(member.group) not in groups and _packable(member.group.weight, scheme):
             # q/k/v or gate/up fused into one product: one integer product over the concatenated weight.
             groups.add(id(member.group))
-            member.group.product = _FusedIntegerProduct(member.group, scheme, max_rows)
+            member.group.product = FusedIntegerProduct(member.group, scheme, max_rows)
             member.group.max_rows = max(member.group.max_rows, max_rows)
             count += len(member.group.linears)
             continue
