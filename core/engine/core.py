@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import logging
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +38,13 @@ from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
 from patchbay.scheduling.request import Request
 from patchbay.engine.model_identity import weights_fingerprint
 from patchbay.engine.memory_check import check_fits, format_bytes
+from patchbay.engine.ranks import TensorParallelRanks, check_tensor_parallel
 from patchbay.engine.step_failures import EngineDeadError, describe_failure, fail_requests, replay_alone
 from patchbay.scheduling.scheduler import Scheduler
+from patchbay.worker import distributed
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.runner_build import RunnerSpec, build_runner, drafter_config, load_rank_model
+from patchbay.worker.tensor_parallel import shard_layout
 from patchbay.worker.tuning import LayerShapes, Tuning, tune
 
 logger = logging.getLogger(__name__)
@@ -127,8 +131,9 @@ class Engine:
             logger.warning("torch was imported before patchbay, so OpenMP threads busy-wait; with another busy "
                            "process on the machine steps can be ~10x slower. Import patchbay first or set "
                            "OMP_WAIT_POLICY=PASSIVE before starting Python.")
-        if settings.runtime.threads is not None:
-            torch.set_num_threads(settings.runtime.threads)
+        threads = distributed.rank_threads(settings)
+        if threads is not None:
+            torch.set_num_threads(threads)
         torch.manual_seed(settings.runtime.seed)
         self.device = resolve_device(settings.runtime.device)
         model_dir = resolve_model_dir(settings.model.path)
@@ -136,7 +141,26 @@ class Engine:
         self.tuning = machine_tuning(settings, model_dir, self.device)
         self.dtype = resolve_dtype(settings.model.dtype, self.device, self.tuning)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        loaded = load_rank_model(settings, model_dir, dtype=self.dtype, device=self.device, tuning=self.tuning)
+        self.ranks: TensorParallelRanks | None = None
+        """The other tensor-parallel ranks (``None``: this process runs the whole model)."""
+        if settings.runtime.tensor_parallel_size > 1:
+            from transformers import AutoConfig
+
+            check_tensor_parallel(settings, self.device)
+            shard_layout(AutoConfig.from_pretrained(model_dir), settings.runtime.tensor_parallel_size)
+            self.ranks = TensorParallelRanks(settings, model_dir, device=self.device, dtype=self.dtype,
+                                             tuning=self.tuning)
+        self._close_ranks = weakref.finalize(self, self.ranks.close) if self.ranks is not None else None
+        try:
+            self._build(settings, registry, model_dir)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, settings: Settings, registry: Registry, model_dir: Path) -> None:
+        """Everything after the device, dtype and ranks: model, KV cache, plugins, scheduler, runner."""
+        loaded = load_rank_model(settings, model_dir, dtype=self.dtype, device=self.device, tuning=self.tuning,
+                                 all_reduce=self.ranks.group.all_reduce if self.ranks is not None else None)
         self.model = loaded.model
         self.quantized_linears = loaded.quantized_linears
         self.linear_paths = loaded.linear_paths
@@ -185,6 +209,9 @@ class Engine:
             grammars=self.grammars,
         )
         self.sampler: Sampler = self.runner.sampler
+        if self.ranks is not None:
+            self.ranks.start_runners(spec)
+        torch.manual_seed(settings.runtime.seed)  # every rank's samplers start here alike, whatever loading drew
         self.spec_stats = self.runner.spec_stats
         self.num_blocks = num_blocks
         self.stats = EngineStats()
@@ -372,6 +399,9 @@ class Engine:
             raise ValueError(f"a request id must be a string, got {type(request_id).__name__} {request_id!r}")
         check_request(request_id, prompt_token_ids, params, self.limits)
         self._check_sampling(request_id, params)
+        if params.structured_output is not None and self.ranks is not None:
+            raise ValueError(f"request {request_id!r}: structured_output is not supported with "
+                             f"runtime.tensor_parallel_size {self.settings.runtime.tensor_parallel_size}")
         check_constraint(request_id, params, self.grammars)
 
     def _check_sampling(self, request_id: str, params: SamplingParams) -> None:
@@ -430,6 +460,14 @@ class Engine:
         self._require_alive()
         return self.scheduler.has_unfinished_requests() or bool(self._aborted)
 
+    def close(self) -> None:
+        """Release what outlives a step: the other tensor-parallel ranks' processes (idempotent; no-op for one rank).
+
+        Also runs when the engine is collected or the interpreter exits.
+        """
+        if self._close_ranks is not None:
+            self._close_ranks()
+
     @property
     def is_dead(self) -> bool:
         """Whether an earlier error stopped the engine for good (every call then raises :class:`EngineDeadError`)."""
@@ -474,6 +512,7 @@ class Engine:
         except BaseException as exc:
             self._dead = describe_failure(exc, self._plugins()) if not isinstance(exc, EngineDeadError) else str(exc)
             logger.error("engine stopped: %s", self._dead)
+            self.close()
             if isinstance(exc, Exception) and not isinstance(exc, EngineDeadError):
                 raise EngineDeadError(f"the engine stopped: {self._dead}") from exc
             raise
@@ -486,6 +525,8 @@ class Engine:
         self._engine_timings["schedule"] += scheduled - started
         failed: dict[str, str] = {}
         try:
+            if self.ranks is not None:
+                self.ranks.send_step(scheduler_output)
             runner_output = self.runner.execute_model(scheduler_output)
         except Exception as exc:
             runner_output, failed = self._replay_failed_step(scheduler_output, exc)
@@ -545,6 +586,11 @@ class Engine:
 
     def _replay_failed_step(self, scheduler_output: Any, exc: Exception) -> tuple[Any, dict[str, str]]:
         """Replay a step whose runner raised request by request; fail (and free) the requests that raise alone."""
+        if self.ranks is not None:
+            # Every rank would have to replay in step; a failed rank or collective cannot be replayed at all.
+            raise self.ranks.failure(exc) or EngineDeadError(
+                f"a step failed with runtime.tensor_parallel_size {self.settings.runtime.tensor_parallel_size}, where "
+                f"steps are not replayed request by request: {describe_failure(exc, self._plugins())}") from exc
         if self.kv_connector is not None:
             # The step's loads and saves cannot be replayed per request without re-saving blocks not yet computed.
             raise EngineDeadError(f"the runner failed in a step with a KV connector: "

@@ -1,9 +1,10 @@
-"""Building the model and the model runner from settings and the engine's choices.
+"""Building one rank's model and model runner from settings: what rank 0 (the engine) and every other rank share.
 
-The engine checks the settings and chooses (the attention backend, the KV
-pool size, the batch sizes); it then builds its runner here from a
-:class:`RunnerSpec`.  Kept apart from the engine so that a process without
-an engine (a tensor-parallel rank) can build the very same runner.
+Rank 0 checks the settings and chooses (the attention backend, the KV pool
+size, the batch sizes); it then builds its runner here from a
+:class:`RunnerSpec`, and sends the same spec to the other tensor-parallel
+ranks, which build theirs here too, so every rank holds the same plugins
+and sizes over its own shard of the model.
 """
 
 from __future__ import annotations
@@ -24,22 +25,30 @@ from patchbay.worker.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.model_runner import ModelRunner
 from patchbay.worker.packed_linear import packing_supported
 from patchbay.worker.quantization import INT8_MAX_ROWS, quantize_linears
+from patchbay.worker.tensor_parallel import AllReduce, shard_layout, shard_model
 from patchbay.worker.tuning import LinearPaths, Tuning, apply_linear_paths
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """The model, with its linears' CPU paths applied."""
+    """A rank's model, sharded and with its linears' CPU paths applied."""
 
     model: HFCausalLM
     quantized_linears: int
     linear_paths: LinearPaths
 
 
-def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: torch.device,
-                    tuning: Tuning | None) -> LoadedModel:
-    """Load the model, then speed up its linears."""
+def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: torch.device, tuning: Tuning | None,
+                    rank: int = 0, all_reduce: AllReduce | None = None) -> LoadedModel:
+    """Load the model, keep ``rank``'s shard when ``runtime.tensor_parallel_size`` > 1, then speed up its linears.
+
+    ``all_reduce`` sums a tensor over the ranks (needed when sharded).
+    """
     model = HFCausalLM.load(model_dir, dtype=dtype, device=device)
+    world_size = settings.runtime.tensor_parallel_size
+    if world_size > 1:
+        assert all_reduce is not None, "a sharded model needs the ranks' all-reduce"
+        shard_model(model, shard_layout(model.model.config, world_size), rank, all_reduce)
     quantized, paths = speed_up_linears(model, settings.runtime, settings.model.quantization,
                                         device=device, dtype=dtype, tuning=tuning)
     return LoadedModel(model, quantized, paths)
@@ -77,7 +86,7 @@ def speed_up_linears(model: HFCausalLM, runtime: RuntimeSettings, quantization: 
 
 @dataclass(frozen=True)
 class RunnerSpec:
-    """The engine's choices the runner is built with."""
+    """The choices rank 0 made that every rank's runner must share."""
 
     backend_name: str
     """The attention backend (``attention.backend`` resolved when ``auto``)."""
@@ -99,7 +108,7 @@ def drafter_config(settings: Settings, model: HFCausalLM, *, device: torch.devic
 def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec: RunnerSpec, *,
                  device: torch.device, dtype: str, kv_connector: KVConnectorWorker | None = None,
                  grammars: GrammarCompilations | None = None) -> ModelRunner:
-    """The runner over ``model`` with the plugins the settings name (already checked by the engine)."""
+    """The runner over ``model`` with the plugins the settings name (already checked by rank 0)."""
     block_size = settings.cache.block_size
     groups = group_layers(model.kv_cache_specs(block_size, dtype))
     backend_class = registry.resolve("attention", spec.backend_name)
