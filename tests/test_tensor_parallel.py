@@ -259,3 +259,18 @@ def test_ranks_exit_when_rank_0_dies(tiny_llama: Path, how: signal.Signals) -> N
     finally:
         rank0.kill()
         rank0.wait()
+
+
+@pytest.mark.slow
+def test_the_bundled_model_over_three_ranks_writes_what_one_process_writes() -> None:
+    """SmolLM2-135M: 9 heads and 3 KV heads, one KV head per rank."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, temperature=0.0)
+    sizes = dict(model__max_model_len=128, cache__num_blocks=32)
+    single_output = patchbay.LLM(**sizes).generate(prompts, params)
+    llm = patchbay.LLM(runtime__tensor_parallel_size=3, **sizes)
+    try:
+        assert (llm.engine.model.layer_specs[0].num_heads, llm.engine.model.layer_specs[0].num_kv_heads) == (3, 1)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in single_output]
+    finally:
+        llm.engine.close()
