@@ -180,6 +180,16 @@ def test_seeded_sampling_over_two_ranks_equals_one_process(tp2: patchbay.LLM, si
 
 
 @pytest.mark.slow
+def test_step_timings_split_the_all_reduces_out_of_the_forward_pass(tp2: patchbay.LLM) -> None:
+    tp2.engine.reset_step_timings()
+    greedy(tp2, PROMPTS[:1])
+    timings = tp2.engine.step_timings()
+    assert list(timings)[list(timings).index("forward") + 1] == "all_reduce"
+    assert timings["all_reduce"] > 0 and timings["forward"] > 0
+    assert tp2.engine.ranks is not None and timings["all_reduce"] == tp2.engine.ranks.group.all_reduce_seconds
+
+
+@pytest.mark.slow
 def test_structured_output_requests_are_refused_over_two_ranks(tp2: patchbay.LLM) -> None:
     from patchbay.interfaces.structured_output import StructuredOutputParams
 

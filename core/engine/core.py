@@ -639,10 +639,17 @@ class Engine:
         ``draft`` (speculative proposals, when a drafter runs), ``structure`` (filling and
         applying grammar bitmasks and advancing matchers, when constrained requests run), then
         ``finish`` (the scheduler's update from the output, stop checks and
-        request outputs).
+        request outputs).  With tensor parallelism, ``all_reduce`` follows
+        ``forward``: rank 0's time in the forward pass's all-reduces, taken
+        out of ``forward``.
         """
         timings = {"schedule": self._engine_timings["schedule"]}
-        timings.update(self.runner.timings)
+        for phase, seconds in self.runner.timings.items():
+            if phase == "forward" and self.ranks is not None and self.ranks.group is not None:
+                all_reduce = self.ranks.group.all_reduce_seconds
+                timings.update(forward=seconds - all_reduce, all_reduce=all_reduce)
+            else:
+                timings[phase] = seconds
         timings["finish"] = self._engine_timings["finish"]
         return timings
 
@@ -650,6 +657,8 @@ class Engine:
         """Start :meth:`step_timings` from zero (after a warm-up, say)."""
         self._engine_timings.clear()
         self.runner.timings.clear()
+        if self.ranks is not None and self.ranks.group is not None:
+            self.ranks.group.all_reduce_seconds = 0.0
 
     def _finish(self, sequence_id: str) -> RequestOutput | None:
         """Retire a finished sequence; the request's output once all its sequences are done."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,8 @@ class RankGroup:
                                   timeout=setup.timeout)
             store.set(joined_key(rank), str(os.getpid()))
         self.rank = rank
+        self.all_reduce_seconds = 0.0
+        """Seconds this rank spent in :meth:`all_reduce` (waiting for the slowest rank included)."""
         self._store = store
         group_store = dist.PrefixStore("patchbay/group", store)
         if setup.backend == "gloo":
@@ -100,10 +103,12 @@ class RankGroup:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks, in place."""
         assert self._group is not None, "the rank left the group"
+        started = time.perf_counter()
         try:
             self._group.allreduce([tensor]).wait()
         except RuntimeError as exc:
             raise CollectiveError(f"all-reduce on rank {self.rank} failed: {exc}") from exc
+        self.all_reduce_seconds += time.perf_counter() - started
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point (a rank that died makes it raise at once)."""
