@@ -22,6 +22,7 @@ import patchbay
 from patchbay import SamplingParams
 from patchbay.contract.settings import ConfigError, load_settings
 from patchbay.engine import EngineDeadError
+from patchbay.engine.ranks import RankDiedError
 
 PROMPTS = [
     list(range(10, 17)),
@@ -142,8 +143,8 @@ def test_unsupported_architectures_and_kv_connectors_are_refused_before_any_rank
 @pytest.mark.slow
 def test_a_build_that_fails_after_the_ranks_started_leaves_none_behind(tiny_llama: Path) -> None:
     running = set(rank_processes())
-    with pytest.raises(ValueError, match="the KV cache is too small"):
-        patchbay.LLM(model__path=str(tiny_llama), runtime__tensor_parallel_size=2, cache__num_blocks=4)
+    with pytest.raises(ConfigError, match=r"the KV cache \(10000000 blocks of 4\.0 KiB, on each of 2 ranks\)"):
+        patchbay.LLM(model__path=str(tiny_llama), runtime__tensor_parallel_size=2, cache__num_blocks=10_000_000)
     assert set(rank_processes()) <= running
 
 
@@ -234,7 +235,7 @@ def test_speculative_decoding_over_two_ranks_then_a_killed_rank_ends_the_run(tin
         llm.engine.step()
         os.kill(worker, signal.SIGKILL)
         started = time.monotonic()
-        with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {worker}\) was killed by SIGKILL"):
+        with pytest.raises(RankDiedError, match=rf"^tensor-parallel rank 1 \(pid {worker}\) was killed by SIGKILL"):
             llm.engine.step()
         print(f"the killed rank ended the run in {time.monotonic() - started:.3f} s")
         with pytest.raises(EngineDeadError, match="rank 1"):

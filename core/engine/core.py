@@ -312,17 +312,22 @@ class Engine:
         and a token budget beyond its slots would only be memory never touched.
         """
         settings = self.settings
+        # Every rank allocates its own cache and batch; on the CPU they all share this machine's memory.
+        host_ranks = settings.runtime.tensor_parallel_size
+        device_ranks = host_ranks if self.device.type == "cpu" else 1
+        each = f", on each of {host_ranks} ranks" if host_ranks > 1 else ""
         usable_blocks = max(1, num_blocks - 1)  # block 0 is the null block
         max_num_reqs = min(settings.scheduler.max_num_seqs, usable_blocks)
         max_step_tokens = min(settings.scheduler.max_num_batched_tokens, usable_blocks * settings.cache.block_size)
         bytes_per_block = sum(len(group.layer_names) * group.spec.page_size_bytes for group in self.groups)
         kv_key = "cache.num_blocks" if settings.cache.num_blocks is not None else "cache.memory"
-        kv = (kv_key, f"the KV cache ({num_blocks} blocks of {format_bytes(bytes_per_block)})",
-              num_blocks * bytes_per_block)
+        kv = (kv_key, f"the KV cache ({num_blocks} blocks of {format_bytes(bytes_per_block)}{each})",
+              device_ranks * num_blocks * bytes_per_block)
         blocks_per_row = -(-self.max_model_len // settings.cache.block_size) * len(self.groups)
         row_bytes = 4 * ((self.max_model_len + 1) + blocks_per_row)  # int32 token ids and block tables
-        batch = ("scheduler.max_num_seqs", f"the persistent batch ({max_num_reqs} rows of {self.max_model_len} tokens)",
-                 max_num_reqs * row_bytes)
+        batch = ("scheduler.max_num_seqs",
+                 f"the persistent batch ({max_num_reqs} rows of {self.max_model_len} tokens{each})",
+                 host_ranks * max_num_reqs * row_bytes)
         if self.device.type == "cpu":
             check_fits([kv, batch], self.device)
         else:
@@ -524,9 +529,9 @@ class Engine:
         scheduled = time.perf_counter()
         self._engine_timings["schedule"] += scheduled - started
         failed: dict[str, str] = {}
+        if self.ranks is not None:
+            self.ranks.send_step(scheduler_output)  # raises RankDiedError once a rank has ended
         try:
-            if self.ranks is not None:
-                self.ranks.send_step(scheduler_output)
             runner_output = self.runner.execute_model(scheduler_output)
         except Exception as exc:
             runner_output, failed = self._replay_failed_step(scheduler_output, exc)
