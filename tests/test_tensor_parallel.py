@@ -88,6 +88,16 @@ def test_tensor_parallel_size_must_be_positive() -> None:
     assert caught.value.problems[0].path == "runtime.tensor_parallel_size"
 
 
+def test_ranks_share_the_cores_unless_runtime_threads_says_otherwise() -> None:
+    from patchbay.worker.distributed import rank_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert rank_threads(load_settings()) is None  # one rank: torch's own default
+    assert rank_threads(load_settings(overrides=["runtime.tensor_parallel_size=2"])) == max(1, cores // 2)
+    assert rank_threads(load_settings(overrides=["runtime.tensor_parallel_size=4096"])) == 1
+    assert rank_threads(load_settings(overrides=["runtime.tensor_parallel_size=2", "runtime.threads=3"])) == 3
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "ranks", "says"), [
     (8, 2, 3, "8 attention heads, not divisible by 3 ranks"),
     (12, 3, 2, "3 KV heads (and 12 attention heads)"),

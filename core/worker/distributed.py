@@ -59,14 +59,15 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def rank_threads(settings: Settings) -> int | None:
-    """Threads per rank: ``runtime.threads``, else the machine's cores shared evenly by the ranks (``None``: torch's
-    default, for a single rank)."""
+    """Threads per rank: ``runtime.threads``, else the cores this process may run on shared evenly by the ranks
+    (``None``: torch's default, for a single rank)."""
     if settings.runtime.threads is not None:
         return settings.runtime.threads
     world_size = settings.runtime.tensor_parallel_size
     if world_size == 1:
         return None
-    return max(1, (os.cpu_count() or 1) // world_size)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // world_size)
 
 
 class CollectiveError(RuntimeError):
