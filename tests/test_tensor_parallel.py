@@ -27,7 +27,7 @@ from patchbay.engine.ranks import RankDiedError
 PROMPTS = [
     list(range(10, 17)),
     [5, 6, 7, 8] * 10,                          # longer than the step budget: prefilled in chunks
-    list(range(10, 17)) + [40, 41, 42, 43, 44],  # shares its first block with the first prompt: a prefix-cache hit
+    list(range(10, 17)) + [40, 41, 42, 43, 44],  # shares its first block with the first prompt
 ]
 NUM_TOKENS = 12
 TP2 = dict(runtime__tensor_parallel_size=2, scheduler__max_num_batched_tokens=16, cache__block_size=4,
@@ -173,9 +173,14 @@ def test_each_rank_holds_its_heads_and_their_kv_cache_only(tp2: patchbay.LLM, si
 def test_greedy_tokens_over_two_ranks_equal_one_process_and_transformers(tp2: patchbay.LLM, single: patchbay.LLM,
                                                                          tiny_llama: Path) -> None:
     expected = transformers_greedy(tiny_llama, PROMPTS, NUM_TOKENS)
+    assert len(PROMPTS[1]) > TP2["scheduler__max_num_batched_tokens"]  # a chunked prefill
     assert greedy(single) == expected
     assert greedy(tp2) == expected
-    assert tp2.engine.kv_cache_manager.pools[0].cached_blocks, "the shared prefix was meant to be cached"
+    # Again, now from the prefix cache: each rank reads its own heads' cached blocks.
+    params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, temperature=0.0)
+    again = tp2.generate(PROMPTS, params)
+    assert [output.token_ids for output in again] == expected
+    assert all(output.metrics.num_cached_tokens > 0 for output in again)
 
 
 @pytest.mark.slow

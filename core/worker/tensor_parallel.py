@@ -46,6 +46,7 @@ class ShardLayout:
 
     @property
     def heads_per_rank(self) -> int:
+        """Query heads each rank holds."""
         return self.num_heads // self.world_size
 
     @property
