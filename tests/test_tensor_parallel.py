@@ -215,12 +215,16 @@ def test_structured_output_requests_are_refused_over_two_ranks(tp2: patchbay.LLM
 
 
 @pytest.mark.slow
-def test_a_single_kv_head_is_replicated_on_both_ranks(tmp_path_factory: pytest.TempPathFactory) -> None:
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("mistral"), "mistral-window")  # 4 heads, 1 KV head
+@pytest.mark.parametrize("architecture", [
+    "mistral-window",      # 4 heads, 1 KV head (replicated on both ranks), a 20-token sliding window
+    "qwen2-mixed-window",  # 4 heads, 2 KV heads; q/k/v biases sharded with their rows; two KV-cache groups
+])
+def test_other_architectures_over_two_ranks_equal_transformers(tmp_path_factory: pytest.TempPathFactory,
+                                                                architecture: str) -> None:
+    model_dir = build_tiny_model(tmp_path_factory.mktemp(architecture), architecture)
     llm = patchbay.LLM(model__path=str(model_dir), **TP2)
     try:
-        spec = llm.engine.model.layer_specs[0]
-        assert (spec.num_heads, spec.num_kv_heads, spec.sliding_window) == (2, 1, 20)
+        assert {(spec.num_heads, spec.num_kv_heads) for spec in llm.engine.model.layer_specs.values()} == {(2, 1)}
         assert greedy(llm) == transformers_greedy(model_dir, PROMPTS, NUM_TOKENS)
     finally:
         llm.engine.close()
