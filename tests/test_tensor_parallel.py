@@ -237,10 +237,11 @@ def test_other_architectures_over_two_ranks_equal_transformers(tmp_path_factory:
 def test_speculative_decoding_over_two_ranks_then_a_killed_rank_ends_the_run(tiny_llama: Path,
                                                                               single: patchbay.LLM) -> None:
     speculative = {"method": "ngram", "num_speculative_tokens": 3}
-    llm = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative, **TP2)
+    llm = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative, server__api_keys="secret", **TP2)
     try:
         ranks = llm.engine.ranks
         assert ranks is not None
+        assert ranks.setup.settings.server.api_keys == [], "the ranks need no server settings, least of all keys"
         reference = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative,
                                  **{**TP2, "runtime__tensor_parallel_size": 1})
         # A prompt that repeats itself gives the random model's output an ngram match.

@@ -28,7 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from patchbay.contract.settings import ConfigError, ConfigProblem, Settings
+from patchbay.contract.settings import (
+    ConfigError,
+    ConfigProblem,
+    InputSettings,
+    OutputSettings,
+    ServerSettings,
+    Settings,
+)
 from patchbay.engine.step_failures import EngineDeadError
 from patchbay.worker.distributed import STORE_HOST, CollectiveError, RankGroup, RankSetup, joined_key
 from patchbay.worker.runner_build import RunnerSpec
@@ -105,7 +112,10 @@ class TensorParallelRanks:
         timeout = settings.runtime.distributed_timeout
         self._store = dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout))
-        self.setup = RankSetup(settings, model_dir, str(device), dtype, tuning, self._store.port,
+        # The ranks build a model and a runner: the run's inputs, outputs and server (API keys) are rank 0's alone.
+        rank_settings = settings.model_copy(update={"inputs": InputSettings(), "outputs": OutputSettings(),
+                                                    "server": ServerSettings()})
+        self.setup = RankSetup(rank_settings, model_dir, str(device), dtype, tuning, self._store.port,
                                distributed_backend(settings, device))
         self.ranks: list[_Rank] = []
         self.group: RankGroup | None = None
