@@ -29,7 +29,7 @@ from patchbay.worker.distributed import RankSetup
 from patchbay.worker.runner_build import RunnerSpec, build_runner, load_rank_model
 
 
-def serve(connection: Connection, rank: int) -> None:
+def run_rank(connection: Connection, rank: int) -> None:
     """Build this rank's runner from what rank 0 sends, then run its steps until the pipe closes."""
     setup: RankSetup = connection.recv()
     settings = setup.settings
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
     logging.basicConfig(level=logging.WARNING, format=f"patchbay rank {rank}: %(levelname)s %(name)s: %(message)s")
     with Connection(fd, writable=False) as connection:
-        serve(connection, rank)
+        run_rank(connection, rank)
 
 
 if __name__ == "__main__":
