@@ -97,6 +97,7 @@ class RankGroup:
             self._group: dist.ProcessGroup | None = dist.ProcessGroupGloo(group_store, rank, setup.world_size,
                                                                           setup.timeout)
         else:
+            torch.cuda.set_device(rank_device(torch.device(setup.device), rank))  # NCCL works on the current device
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = setup.timeout
             self._group = dist.ProcessGroupNCCL(group_store, rank, setup.world_size, options)

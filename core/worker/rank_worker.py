@@ -37,8 +37,6 @@ def run_rank(connection: Connection, rank: int) -> None:
     if threads is not None:
         torch.set_num_threads(threads)
     device = distributed.rank_device(torch.device(setup.device), rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     group = distributed.RankGroup(setup, rank)
     try:
         torch.manual_seed(settings.runtime.seed)
