@@ -65,6 +65,21 @@ def test_bench_runs_every_workload_against_both_peers(tiny_llama, tmp_path, caps
     assert (out / "bench.png").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_bench_over_two_ranks_reports_the_all_reduce_share_and_the_whole_model(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = main(["bench", "throughput", "--model", str(tiny_llama), "--num-requests", "4", "--concurrency", "4",
+                 "--prompt-range", "8", "32", "--output-range", "4", "8", "--peers", "--tensor-parallel-size", "2",
+                 "--out", str(out)])
+    assert code == 0
+    assert "all_reduce" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert rows[0]["step_breakdown_s"]["all_reduce"] > 0
+    # Rank 0 holds half of each decoder linear; the roofline counts the whole model: 4 layers of 64-wide
+    # q, o (64 x 64), k, v (16 x 64: 2 KV heads of 8) and gate, up, down (128 x 64).
+    assert rows[0]["model"]["linear_params"] == 4 * (2 * 64 * 64 + 2 * 16 * 64 + 3 * 128 * 64)
+
+
 def test_json_lines_drop_the_named_keys_and_add_the_context(tmp_path):
     from patchbay.bench.report import append_json_lines
 

@@ -66,6 +66,8 @@ class BenchOptions:
     """Empty: the dtypes the patchbay engines run at (equal-dtype rows)."""
     llamacpp_python: Path = DEFAULT_PYTHON["llamacpp"]
     gguf: Path | None = None
+    tensor_parallel_size: int = 1
+    """``runtime.tensor_parallel_size`` of every patchbay engine."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "patchbay serve server with the throughput requests and compares with offline")
     parser.add_argument("--model", default="default", help="model directory, or 'default' for the bundled SmolLM2")
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks every patchbay engine is split over (runtime.tensor_parallel_size); the step "
+                             "breakdown then shows the share of step time spent in all-reduce")
     parser.add_argument("--num-requests", type=int, default=64, help="requests of the throughput workload")
     parser.add_argument("--prompt-range", type=int, nargs=2, default=(16, 512), metavar=("MIN", "MAX"),
                         help="prompt lengths of the throughput workload")
@@ -116,7 +121,7 @@ def options_from(args: argparse.Namespace) -> BenchOptions:
                         args.out, args.seed, dtypes=list(dict.fromkeys(args.dtypes)),
                         quantizations=list(dict.fromkeys(args.quantizations)), vllm_python=args.vllm_python,
                         vllm_dtypes=list(dict.fromkeys(args.vllm_dtypes)), llamacpp_python=args.llamacpp_python,
-                        gguf=args.gguf)
+                        gguf=args.gguf, tensor_parallel_size=args.tensor_parallel_size)
 
 
 class Bench:
@@ -134,6 +139,8 @@ class Bench:
                                      "scheduler__max_num_batched_tokens": options.max_num_batched_tokens}
         if options.threads is not None:
             overrides["runtime__threads"] = options.threads
+        if options.tensor_parallel_size != 1:
+            overrides["runtime__tensor_parallel_size"] = options.tensor_parallel_size
         if options.dtypes:
             overrides["model__dtype"] = options.dtypes[0]
         self.overrides = overrides
@@ -152,7 +159,7 @@ class Bench:
             self.patchbays.append(quantized)
         engine = self.patchbay.llm.engine
         self.model_dir = str(engine.model_dir)
-        self.roofline = Roofline(ModelCost.of(engine.model.model), machine)
+        self.roofline = Roofline(_whole_model_cost(engine), machine)
         self.tokenizer = self.patchbay.llm.tokenizer
         self._peers: dict[str, Any] = {}
         self.skipped: dict[str, str] = {}
@@ -237,10 +244,12 @@ class Bench:
                         self.options.threads)
 
     def close(self) -> None:
-        """Stop the peers' interpreters."""
+        """Stop the peers' interpreters and the patchbay engines' other tensor-parallel ranks."""
         for peer in self._peers.values():
             if isinstance(peer, SubprocessPeer):
                 peer.close()
+        for engine in self.patchbays:
+            engine.close()
 
     # -- workloads -------------------------------------------------------------------------
 
@@ -266,8 +275,11 @@ class Bench:
         drafting = PatchbayEngine(f"patchbay + {method}", **self.overrides,
                                   speculative={"method": method,
                                                "num_speculative_tokens": self.options.num_speculative_tokens})
-        self._compare(wl.repetitive(self.tokenizer), [self.patchbay, drafting],
-                      self.peer_names(extra=("prompt_lookup",)))
+        try:
+            self._compare(wl.repetitive(self.tokenizer), [self.patchbay, drafting],
+                          self.peer_names(extra=("prompt_lookup",)))
+        finally:
+            drafting.close()
 
     def _run_quality(self, corpus: list[int]) -> None:
         """Perplexity of each patchbay engine on the held text, scored in steps of at most 16 tokens, so that
@@ -393,6 +405,19 @@ class Bench:
                              None)
                 if (value := ratio(row, llama)) is not None:
                     row["x_llamacpp"] = value
+
+
+def _whole_model_cost(engine: Any) -> ModelCost:
+    """The model's cost as the machine computes it: with tensor parallelism rank 0 holds only its shard, so the
+    whole model is counted from its config (on the meta device: no memory)."""
+    if engine.settings.runtime.tensor_parallel_size == 1:
+        return ModelCost.of(engine.model.model)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        whole = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(engine.model_dir),
+                                                 dtype=getattr(torch, engine.dtype))
+    return ModelCost.of(whole)
 
 
 def bench_command(args: argparse.Namespace, stream: TextIO | None = None) -> int:

@@ -43,6 +43,10 @@ class PatchbayEngine:
 
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
+    def close(self) -> None:
+        """End the engine's other tensor-parallel ranks, if it has any."""
+        self.llm.engine.close()
+
     def run(self, workload: Workload) -> EngineRun:
         engine = self.llm.engine
         engine.scheduler.max_num_seqs = workload.concurrency  # run-time knob: the bench varies concurrency

@@ -88,6 +88,12 @@ class RuntimeSettings(Section):
     fuse_projections: bool = True
     """Compute the q/k/v projections (and gate/up) of each layer as one matrix product."""
     seed: int = 0
+    tensor_parallel_size: PositiveInt = 1
+    """Ranks the model is split over, one process each on this machine (attention heads and MLP columns sharded)."""
+    distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend joining the ranks: ``auto`` is NCCL on CUDA, gloo on the CPU."""
+    distributed_timeout: PositiveFloat = 300.0
+    """Seconds a collective waits for a rank that is alive but silent before the run fails."""
 
 
 class CacheSettings(Section):

@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import logging
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,20 +20,15 @@ from typing import Any
 import torch
 
 from patchbay.contract.registry import PluginError, Registry, registry_for
-from patchbay.contract.selection import create, require_serves, select_attention_backend
+from patchbay.contract.selection import require_serves, select_attention_backend
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings, plugin_options
 from patchbay.engine.admission import AdmissionLimits, check_request, effective_max_logprobs
 from patchbay.engine.outputs import RequestMetrics, RequestOutput, find_stop_string, merge_completions
 from patchbay.engine.structured_output import check_constraint, grammar_compilations
 from patchbay.interfaces import (
     AttentionConfig,
-    AttentionMetadataBuilder,
-    Drafter,
-    DrafterConfig,
-    DrafterContext,
     KVConnector,
     KVConnectorConfig,
-    RejectionSampler,
     Sampler,
     SamplerConfig,
 )
@@ -42,15 +38,14 @@ from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
 from patchbay.scheduling.request import Request
 from patchbay.engine.model_identity import weights_fingerprint
 from patchbay.engine.memory_check import check_fits, format_bytes
+from patchbay.engine.ranks import TensorParallelRanks, check_tensor_parallel
 from patchbay.engine.step_failures import EngineDeadError, describe_failure, fail_requests, replay_alone
 from patchbay.scheduling.scheduler import Scheduler
-from patchbay.worker.hf_model import HFCausalLM, torch_dtype
+from patchbay.worker import distributed
 from patchbay.worker.model_loader import resolve_model_dir
-from patchbay.worker.model_runner import ModelRunner
-from patchbay.worker.fused_projections import fuse_shared_input_projections
-from patchbay.worker.quantization import INT8_MAX_ROWS, quantize_linears
-from patchbay.worker.packed_linear import packing_supported
-from patchbay.worker.tuning import LayerShapes, Tuning, apply_linear_paths, tune
+from patchbay.worker.runner_build import RunnerSpec, build_runner, drafter_config, load_rank_model
+from patchbay.worker.tensor_parallel import shard_layout
+from patchbay.worker.tuning import LayerShapes, Tuning, tune
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +131,9 @@ class Engine:
             logger.warning("torch was imported before patchbay, so OpenMP threads busy-wait; with another busy "
                            "process on the machine steps can be ~10x slower. Import patchbay first or set "
                            "OMP_WAIT_POLICY=PASSIVE before starting Python.")
-        if settings.runtime.threads is not None:
-            torch.set_num_threads(settings.runtime.threads)
+        threads = distributed.rank_threads(settings)
+        if threads is not None:
+            torch.set_num_threads(threads)
         torch.manual_seed(settings.runtime.seed)
         self.device = resolve_device(settings.runtime.device)
         model_dir = resolve_model_dir(settings.model.path)
@@ -145,8 +141,29 @@ class Engine:
         self.tuning = machine_tuning(settings, model_dir, self.device)
         self.dtype = resolve_dtype(settings.model.dtype, self.device, self.tuning)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = HFCausalLM.load(model_dir, dtype=self.dtype, device=self.device)
-        self._speed_up_linears(settings.runtime, settings.model.quantization)
+        self.ranks: TensorParallelRanks | None = None
+        """The other tensor-parallel ranks (``None``: this process runs the whole model)."""
+        if settings.runtime.tensor_parallel_size > 1:
+            from transformers import AutoConfig
+
+            check_tensor_parallel(settings, self.device)
+            shard_layout(AutoConfig.from_pretrained(model_dir), settings.runtime.tensor_parallel_size)
+            self.ranks = TensorParallelRanks(settings, model_dir, device=self.device, dtype=self.dtype,
+                                             tuning=self.tuning)
+        self._close_ranks = weakref.finalize(self, self.ranks.close) if self.ranks is not None else None
+        try:
+            self._build(settings, registry, model_dir)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, settings: Settings, registry: Registry, model_dir: Path) -> None:
+        """Everything after the device, dtype and ranks: model, KV cache, plugins, scheduler, runner."""
+        loaded = load_rank_model(settings, model_dir, dtype=self.dtype, device=self.device, tuning=self.tuning,
+                                 all_reduce=self.ranks.group.all_reduce if self.ranks is not None else None)
+        self.model = loaded.model
+        self.quantized_linears = loaded.quantized_linears
+        self.linear_paths = loaded.linear_paths
         shape = self.model.shape
         self.max_model_len = min(
             settings.model.max_model_len or 1 << 62, shape.max_position_embeddings or 1 << 62
@@ -160,24 +177,15 @@ class Engine:
         self.backend_name, backend_class = select_attention_backend(
             registry, settings.attention.backend, [self._attention_config(g) for g in self.groups]
         )
-        backend = backend_class(plugin_options(backend_class, settings.attention.options, where="attention.options"))
-        builder_name = settings.attention.metadata_builder or backend_class.metadata_builder
-        builders: list[AttentionMetadataBuilder] = [
-            create(registry, "attention_metadata_builder", builder_name, {}, "attention.metadata_builder",
-                   block_size=g.spec.block_size, sliding_window=g.spec.sliding_window, device=str(self.device))
-            for g in self.groups
-        ]
         sampler_class = registry.resolve("sampler", settings.sampler.name)
         require_serves(sampler_class, f"sampler:{settings.sampler.name}", "sampler.name",
                        [SamplerConfig(device=self.device.type, dtype=self.dtype)])
-        self.sampler: Sampler = create(registry, "sampler", settings.sampler.name, settings.sampler.options,
-                                       "sampler.options")
 
         num_blocks = self._num_blocks()
         max_num_reqs, max_step_tokens = self._check_memory(num_blocks)
-        drafter, rejection_sampler = self._speculative_plugins(registry, backend, builders[0], num_blocks)
+        self._check_speculative(registry)
         num_speculative_tokens = settings.speculative.num_speculative_tokens if settings.speculative else 0
-        self.kv_connector = self._kv_connector(registry, backend)
+        self.kv_connector = self._kv_connector(registry, backend_class)
         self.kv_cache_manager = KVCacheManager(self.groups, num_blocks, settings.cache.prefix_caching)
         self.grammars = grammar_compilations(settings, registry, device=self.device.type, dtype=self.dtype,
                                              tokenizer=self.tokenizer, vocab_size=shape.vocab_size,
@@ -194,25 +202,16 @@ class Engine:
             kv_connector_role=settings.kv_connector.role if settings.kv_connector is not None else "both",
             grammars=self.grammars,
         )
-        self.runner = ModelRunner(
-            self.model,
-            backend=backend,
-            builders=builders,
-            sampler=self.sampler,
-            groups=self.groups,
-            num_blocks=num_blocks,
-            max_num_reqs=max_num_reqs,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=max_step_tokens,
-            device=self.device,
-            eos_token_ids=shape.eos_token_ids,
-            drafter=drafter,
-            drafter_name=f"drafter:{settings.speculative.method}" if settings.speculative else "",
-            rejection_sampler=rejection_sampler,
-            num_speculative_tokens=num_speculative_tokens,
+        spec = RunnerSpec(self.backend_name, num_blocks, max_num_reqs, self.max_model_len, max_step_tokens)
+        self.runner = build_runner(
+            self.model, settings, registry, spec, device=self.device, dtype=self.dtype,
             kv_connector=self.kv_connector.worker_side() if self.kv_connector is not None else None,
             grammars=self.grammars,
         )
+        self.sampler: Sampler = self.runner.sampler
+        if self.ranks is not None:
+            self.ranks.start_runners(spec)
+        torch.manual_seed(settings.runtime.seed)  # every rank's samplers start here alike, whatever loading drew
         self.spec_stats = self.runner.spec_stats
         self.num_blocks = num_blocks
         self.stats = EngineStats()
@@ -251,31 +250,20 @@ class Engine:
             logits_soft_cap=any_layer.logits_soft_cap,
         )
 
-    def _speculative_plugins(self, registry: Registry, backend: Any, builder: Any,
-                             num_blocks: int) -> tuple[Drafter | None, RejectionSampler | None]:
-        """The drafter and rejection sampler of ``speculative:``, loaded and checked; ``(None, None)`` without it."""
+    def _check_speculative(self, registry: Registry) -> None:
+        """Check that the drafter and rejection sampler of ``speculative:`` serve this run (the runner builds them)."""
         spec = self.settings.speculative
         if spec is None:
-            return None, None
-        config = DrafterConfig(device=self.device.type, dtype=self.dtype,
-                               num_speculative_tokens=spec.num_speculative_tokens,
-                               max_model_len=self.max_model_len, vocab_size=self.model.shape.vocab_size)
-        drafter_class = registry.resolve("drafter", spec.method)
-        require_serves(drafter_class, f"drafter:{spec.method}", "speculative.method", [config])
-        drafter: Drafter = drafter_class(plugin_options(drafter_class, spec.options, where="speculative.options"),
-                                         config=config)
-        verifier_class = registry.resolve("sampler", spec.rejection_sampler)
-        require_serves(verifier_class, f"sampler:{spec.rejection_sampler}", "speculative.rejection_sampler",
+            return
+        config = drafter_config(self.settings, self.model, device=self.device, dtype=self.dtype,
+                                max_model_len=self.max_model_len)
+        require_serves(registry.resolve("drafter", spec.method), f"drafter:{spec.method}", "speculative.method",
+                       [config])
+        require_serves(registry.resolve("sampler", spec.rejection_sampler), f"sampler:{spec.rejection_sampler}",
+                       "speculative.rejection_sampler",
                        [SamplerConfig(device=self.device.type, dtype=self.dtype, role="verify")])
-        verifier: RejectionSampler = verifier_class(verifier_class.Options())
-        drafter.load(DrafterContext(
-            model=self.model.model, attention_backend=backend, metadata_builder=builder,
-            block_size=self.settings.cache.block_size, num_blocks=num_blocks, device=self.device,
-            dtype=torch_dtype(self.dtype),
-        ))
-        return drafter, verifier
 
-    def _kv_connector(self, registry: Registry, backend: Any) -> KVConnector | None:
+    def _kv_connector(self, registry: Registry, backend: type) -> KVConnector | None:
         """The connector of ``kv_connector:``, checked against the run; ``None`` without that section."""
         section = self.settings.kv_connector
         if section is None:
@@ -293,7 +281,7 @@ class Engine:
         options = plugin_options(connector_class, section.options, where="kv_connector.options")
         return connector_class(options, config=config)  # type: ignore[call-arg,return-value]
 
-    def _model_id(self, backend: Any) -> str:
+    def _model_id(self, backend: type) -> str:
         """What KV blocks depend on: model (directory name, config and weights), dtype and block layout.
 
         e.g. ``SmolLM2-135M-3f2a9c1d0e4b5a67-float32-2x1x16x3x64`` (the hash covers
@@ -324,17 +312,22 @@ class Engine:
         and a token budget beyond its slots would only be memory never touched.
         """
         settings = self.settings
+        # Every rank allocates its own cache and batch; on the CPU they all share this machine's memory.
+        host_ranks = settings.runtime.tensor_parallel_size
+        device_ranks = host_ranks if self.device.type == "cpu" else 1
+        each = f", on each of {host_ranks} ranks" if host_ranks > 1 else ""
         usable_blocks = max(1, num_blocks - 1)  # block 0 is the null block
         max_num_reqs = min(settings.scheduler.max_num_seqs, usable_blocks)
         max_step_tokens = min(settings.scheduler.max_num_batched_tokens, usable_blocks * settings.cache.block_size)
         bytes_per_block = sum(len(group.layer_names) * group.spec.page_size_bytes for group in self.groups)
         kv_key = "cache.num_blocks" if settings.cache.num_blocks is not None else "cache.memory"
-        kv = (kv_key, f"the KV cache ({num_blocks} blocks of {format_bytes(bytes_per_block)})",
-              num_blocks * bytes_per_block)
+        kv = (kv_key, f"the KV cache ({num_blocks} blocks of {format_bytes(bytes_per_block)}{each})",
+              device_ranks * num_blocks * bytes_per_block)
         blocks_per_row = -(-self.max_model_len // settings.cache.block_size) * len(self.groups)
         row_bytes = 4 * ((self.max_model_len + 1) + blocks_per_row)  # int32 token ids and block tables
-        batch = ("scheduler.max_num_seqs", f"the persistent batch ({max_num_reqs} rows of {self.max_model_len} tokens)",
-                 max_num_reqs * row_bytes)
+        batch = ("scheduler.max_num_seqs",
+                 f"the persistent batch ({max_num_reqs} rows of {self.max_model_len} tokens{each})",
+                 host_ranks * max_num_reqs * row_bytes)
         if self.device.type == "cpu":
             check_fits([kv, batch], self.device)
         else:
@@ -411,6 +404,9 @@ class Engine:
             raise ValueError(f"a request id must be a string, got {type(request_id).__name__} {request_id!r}")
         check_request(request_id, prompt_token_ids, params, self.limits)
         self._check_sampling(request_id, params)
+        if params.structured_output is not None and self.ranks is not None:
+            raise ValueError(f"request {request_id!r}: structured_output is not supported with "
+                             f"runtime.tensor_parallel_size {self.settings.runtime.tensor_parallel_size}")
         check_constraint(request_id, params, self.grammars)
 
     def _check_sampling(self, request_id: str, params: SamplingParams) -> None:
@@ -469,6 +465,14 @@ class Engine:
         self._require_alive()
         return self.scheduler.has_unfinished_requests() or bool(self._aborted)
 
+    def close(self) -> None:
+        """Release what outlives a step: the other tensor-parallel ranks' processes (idempotent; no-op for one rank).
+
+        Also runs when the engine is collected or the interpreter exits.
+        """
+        if self._close_ranks is not None:
+            self._close_ranks()
+
     @property
     def is_dead(self) -> bool:
         """Whether an earlier error stopped the engine for good (every call then raises :class:`EngineDeadError`)."""
@@ -513,6 +517,7 @@ class Engine:
         except BaseException as exc:
             self._dead = describe_failure(exc, self._plugins()) if not isinstance(exc, EngineDeadError) else str(exc)
             logger.error("engine stopped: %s", self._dead)
+            self.close()
             if isinstance(exc, Exception) and not isinstance(exc, EngineDeadError):
                 raise EngineDeadError(f"the engine stopped: {self._dead}") from exc
             raise
@@ -524,6 +529,8 @@ class Engine:
         scheduled = time.perf_counter()
         self._engine_timings["schedule"] += scheduled - started
         failed: dict[str, str] = {}
+        if self.ranks is not None:
+            self.ranks.send_step(scheduler_output)  # raises RankDiedError once a rank has ended
         try:
             runner_output = self.runner.execute_model(scheduler_output)
         except Exception as exc:
@@ -584,6 +591,11 @@ class Engine:
 
     def _replay_failed_step(self, scheduler_output: Any, exc: Exception) -> tuple[Any, dict[str, str]]:
         """Replay a step whose runner raised request by request; fail (and free) the requests that raise alone."""
+        if self.ranks is not None:
+            # Every rank would have to replay in step; a failed rank or collective cannot be replayed at all.
+            raise self.ranks.failure(exc) or EngineDeadError(
+                f"a step failed with runtime.tensor_parallel_size {self.settings.runtime.tensor_parallel_size}, where "
+                f"steps are not replayed request by request: {describe_failure(exc, self._plugins())}") from exc
         if self.kv_connector is not None:
             # The step's loads and saves cannot be replayed per request without re-saving blocks not yet computed.
             raise EngineDeadError(f"the runner failed in a step with a KV connector: "
@@ -623,32 +635,6 @@ class Engine:
             "request_finished returned True must be reported by the worker side's get_finished (finished_sending), "
             "and an async load by get_finished (finished_recving)")
 
-    def _speed_up_linears(self, runtime: Any, quantization: str) -> None:
-        """Apply ``model.quantization``, ``runtime.fuse_projections`` and ``runtime.linear_kernel`` to the linears."""
-        self.quantized_linears = 0
-        if quantization != "none":
-            if self.device.type != "cpu":
-                raise ConfigError([ConfigProblem("<run>", "model.quantization",
-                                                 f"{quantization} runs on the CPU; this run is on {self.device}")])
-            # Fused q/k/v and gate/up mean fewer, larger integer products: fuse for every step that runs them.
-            if runtime.fuse_projections:
-                fuse_shared_input_projections(self.model.model, max_rows=INT8_MAX_ROWS)
-            self.quantized_linears = quantize_linears(self.model.model, quantization)
-        if runtime.linear_kernel == "row_split" and not (self.device.type == "cpu" and self.dtype == "float32"):
-            raise ConfigError([ConfigProblem(
-                "<run>", "runtime.linear_kernel",
-                f"row_split runs on CPU float32 weights; this run has {self.device.type} {self.dtype} (use auto or torch)")])
-        if runtime.linear_kernel == "onednn" and not (self.device.type == "cpu"
-                                                      and packing_supported(getattr(torch, self.dtype))):
-            raise ConfigError([ConfigProblem(
-                "<run>", "runtime.linear_kernel",
-                f"onednn packs CPU float32 or bfloat16 weights with a torch built with oneDNN; this run has "
-                f"{self.device.type} {self.dtype}{'' if torch.backends.mkldnn.is_available() else ' and no oneDNN'}"
-                " (use auto or torch)")])
-        self.linear_paths = apply_linear_paths(
-            self.model.model, linear_kernel=runtime.linear_kernel, fuse_projections=runtime.fuse_projections,
-            dtype=self.dtype, device=self.device, tuning=self.tuning)
-
     def step_timings(self) -> dict[str, float]:
         """Seconds spent per phase of a step since the last reset, in step order.
 
@@ -658,10 +644,17 @@ class Engine:
         ``draft`` (speculative proposals, when a drafter runs), ``structure`` (filling and
         applying grammar bitmasks and advancing matchers, when constrained requests run), then
         ``finish`` (the scheduler's update from the output, stop checks and
-        request outputs).
+        request outputs).  With tensor parallelism, ``all_reduce`` follows
+        ``forward``: rank 0's time in the forward pass's all-reduces, taken
+        out of ``forward``.
         """
         timings = {"schedule": self._engine_timings["schedule"]}
-        timings.update(self.runner.timings)
+        for phase, seconds in self.runner.timings.items():
+            if phase == "forward" and self.ranks is not None and self.ranks.group is not None:
+                all_reduce = self.ranks.group.all_reduce_seconds
+                timings.update(forward=seconds - all_reduce, all_reduce=all_reduce)
+            else:
+                timings[phase] = seconds
         timings["finish"] = self._engine_timings["finish"]
         return timings
 
@@ -669,6 +662,8 @@ class Engine:
         """Start :meth:`step_timings` from zero (after a warm-up, say)."""
         self._engine_timings.clear()
         self.runner.timings.clear()
+        if self.ranks is not None and self.ranks.group is not None:
+            self.ranks.group.all_reduce_seconds = 0.0
 
     def _finish(self, sequence_id: str) -> RequestOutput | None:
         """Retire a finished sequence; the request's output once all its sequences are done."""

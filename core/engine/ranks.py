@@ -1,0 +1,229 @@
+"""Tensor-parallel ranks 1..N-1 as child processes of the engine's process (rank 0): launch, steps, failure, teardown.
+
+Each rank runs :mod:`patchbay.worker.rank_worker`, reading rank 0's
+messages from a pipe.  A rank whose process ends makes the run fail within
+moments: rank 0 checks its children before sending each step, and a
+collective with a dead peer raises at once; either way the error is a
+:class:`RankDiedError` naming the rank and how it ended.  The ranks end
+when rank 0 closes their pipes (:meth:`TensorParallelRanks.close`, also run
+when the engine is collected or the interpreter exits) or when rank 0's
+process dies (its pipes and sockets close with it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from patchbay.contract.settings import (
+    ConfigError,
+    ConfigProblem,
+    InputSettings,
+    OutputSettings,
+    ServerSettings,
+    Settings,
+)
+from patchbay.engine.step_failures import EngineDeadError
+from patchbay.worker.distributed import STORE_HOST, CollectiveError, RankGroup, RankSetup, joined_key
+from patchbay.worker.runner_build import RunnerSpec
+from patchbay.worker.tuning import Tuning
+
+logger = logging.getLogger(__name__)
+
+EXIT_GRACE = 5.0
+"""Seconds a rank gets to exit on its own (after a failed collective, or at close) before it is killed."""
+
+
+class RankDiedError(EngineDeadError):
+    """A tensor-parallel rank's process ended, so the run cannot go on."""
+
+
+def distributed_backend(settings: Settings, device: torch.device) -> str:
+    """``runtime.distributed_backend`` resolved: ``auto`` is NCCL on CUDA and gloo elsewhere."""
+    name = settings.runtime.distributed_backend
+    if name == "auto":
+        name = "nccl" if device.type == "cuda" else "gloo"
+    if name == "nccl" and device.type != "cuda":
+        raise ConfigError([ConfigProblem("<run>", "runtime.distributed_backend",
+                                         f"nccl joins CUDA devices; this run is on {device} (use auto or gloo)")])
+    if name == "nccl" and not dist.is_nccl_available():
+        raise ConfigError([ConfigProblem("<run>", "runtime.distributed_backend",
+                                         "this torch is built without NCCL (use auto or gloo)")])
+    return name
+
+
+def check_tensor_parallel(settings: Settings, device: torch.device) -> None:
+    """Settings a tensor-parallel run cannot serve are :class:`ConfigError` naming the keys."""
+    size = settings.runtime.tensor_parallel_size
+    problems = []
+    if settings.kv_connector is not None:
+        problems.append(ConfigProblem("<run>", "kv_connector", f"KV connectors run with one rank; "
+                                      f"runtime.tensor_parallel_size is {size}"))
+    if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+        problems.append(ConfigProblem("<run>", "runtime.tensor_parallel_size",
+                                      f"{size} ranks from {device} need {(device.index or 0) + size} CUDA devices; "
+                                      f"this machine has {torch.cuda.device_count()}"))
+    if problems:
+        raise ConfigError(problems)
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: subprocess.Popen[bytes]
+    connection: Connection
+
+    def ended(self) -> str | None:
+        """How the process ended (``None``: it runs)."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with status {code}" + (" (its traceback is above, on stderr)" if code else "")
+
+    def describe(self) -> str:
+        return f"tensor-parallel rank {self.rank} (pid {self.process.pid})"
+
+
+class TensorParallelRanks:
+    """The run's other ranks, started and joined into the process group with this process as rank 0."""
+
+    def __init__(self, settings: Settings, model_dir: Path, *, device: torch.device, dtype: str,
+                 tuning: Tuning | None) -> None:
+        """Start ranks 1..N-1, send them the run's setup and join the process group with them."""
+        world_size = settings.runtime.tensor_parallel_size
+        timeout = settings.runtime.distributed_timeout
+        self._store = dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        # The ranks build a model and a runner: the run's inputs, outputs and server (API keys) are rank 0's alone.
+        rank_settings = settings.model_copy(update={"inputs": InputSettings(), "outputs": OutputSettings(),
+                                                    "server": ServerSettings()})
+        self.setup = RankSetup(rank_settings, model_dir, str(device), dtype, tuning, self._store.port,
+                               distributed_backend(settings, device))
+        self.ranks: list[_Rank] = []
+        self.group: RankGroup | None = None
+        """Rank 0's membership of the process group (its ``all_reduce`` is what the sharded model calls)."""
+        self._closed = False
+        try:
+            for rank in range(1, world_size):
+                self.ranks.append(self._start(rank))
+            self._wait_until_joining(timeout)
+            self.group = RankGroup(self.setup, 0, self._store)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, rank: int) -> _Rank:
+        read_fd, write_fd = os.pipe()
+        try:
+            process = subprocess.Popen([sys.executable, "-m", "patchbay.worker.rank_worker", str(read_fd), str(rank)],
+                                       pass_fds=(read_fd,))
+        finally:
+            os.close(read_fd)
+        started = _Rank(rank, process, Connection(write_fd, readable=False))
+        started.connection.send(self.setup)
+        return started
+
+    def _wait_until_joining(self, timeout: float) -> None:
+        """Wait for every rank to reach the process group, failing as soon as one of them ends."""
+        deadline = time.monotonic() + timeout
+        waiting = list(self.ranks)
+        while waiting:
+            self.check_alive("while starting")
+            waiting = [rank for rank in waiting if not self._store.check([joined_key(rank.rank)])]
+            if waiting and time.monotonic() > deadline:
+                raise RankDiedError(f"{waiting[0].describe()} did not join the process group within "
+                                    f"{timeout:g} s (runtime.distributed_timeout)")
+            time.sleep(0.02)
+
+    def start_runners(self, spec: RunnerSpec) -> None:
+        """Send the runner's spec (once rank 0 has built its own) and wait until every rank has built its runner."""
+        self._send(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+        assert self.group is not None
+        try:
+            self.group.barrier()
+        except Exception as exc:
+            died = self.failure(exc, "while building its model runner")
+            if died is not None:
+                raise died from exc
+            raise
+
+    def send_step(self, scheduler_output: Any) -> None:
+        """Hand a step to every other rank; raise :class:`RankDiedError` when one has ended."""
+        self._send(pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send(self, payload: bytes) -> None:
+        self.check_alive()
+        for rank in self.ranks:
+            try:
+                rank.connection.send_bytes(payload)
+            except OSError as exc:  # the rank closed its end: it is exiting
+                died = self.failure(exc)
+                if died is not None:
+                    raise died from exc
+                raise
+
+    def check_alive(self, when: str = "") -> None:
+        """Raise :class:`RankDiedError` naming the first rank whose process has ended."""
+        for rank in self.ranks:
+            ended = rank.ended()
+            if ended is not None:
+                raise RankDiedError(f"{rank.describe()} {ended}{' ' + when if when else ''}; the run cannot go on")
+
+    def failure(self, exc: BaseException, when: str = "") -> RankDiedError | None:
+        """The error naming the rank whose end made ``exc`` (raised on rank 0 in a step) happen; ``None`` if none did.
+
+        A collective fails at once when a peer's process ends, possibly
+        before that process is reaped, so its end is waited for a moment.
+        Any other error is rank 0's own: the ranks that fail after it are
+        not to blame.
+        """
+        if not isinstance(exc, (OSError, CollectiveError)):
+            return None
+        deadline = time.monotonic() + EXIT_GRACE
+        while True:
+            for rank in self.ranks:
+                ended = rank.ended()
+                if ended is not None:
+                    return RankDiedError(f"{rank.describe()} {ended}{' ' + when if when else ''}; the run cannot "
+                                         f"go on (rank 0 saw {type(exc).__name__}: {exc})")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """End the other ranks (they exit when their pipe closes; killed after a grace) and leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        for rank in self.ranks:
+            rank.connection.close()
+        # Leaving closes rank 0's sockets, which frees a rank blocked in a collective rank 0 will never join.
+        if self.group is not None:
+            self.group.close()
+        deadline = time.monotonic() + EXIT_GRACE
+        for rank in self.ranks:
+            try:
+                rank.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not exit within %g s; killing it", rank.describe(), EXIT_GRACE)
+                rank.process.kill()
+                rank.process.wait()
+

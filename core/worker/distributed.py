@@ -1,0 +1,127 @@
+"""The torch.distributed process group of a tensor-parallel run, as every rank joins it.
+
+Rank 0 (the engine's process) hosts a ``TCPStore`` on the loopback
+interface; each rank posts a key in it once it is about to join, so rank 0
+can watch its children while it waits instead of blocking in the group's
+rendezvous on a rank that already died.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from patchbay.contract.settings import Settings
+from patchbay.worker.tuning import Tuning
+
+STORE_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What every rank needs to build its part of the run: the settings and what rank 0 resolved from them."""
+
+    settings: Settings
+    model_dir: Path
+    device: str
+    """Rank 0's device; rank ``r`` of a CUDA run uses the ``r``-th device after it."""
+    dtype: str
+    tuning: Tuning | None
+    store_port: int
+    backend: str
+    """``gloo`` or ``nccl`` (resolved from ``runtime.distributed_backend``)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.settings.runtime.tensor_parallel_size
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.settings.runtime.distributed_timeout)
+
+
+def joined_key(rank: int) -> str:
+    """The store key a rank sets just before it calls ``init_process_group``."""
+    return f"patchbay/joining/{rank}"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device of ``rank``: the CPU for every rank, or the ``rank``-th CUDA device from rank 0's."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def rank_threads(settings: Settings) -> int | None:
+    """Threads per rank: ``runtime.threads``, else the cores this process may run on shared evenly by the ranks
+    (``None``: torch's default, for a single rank)."""
+    if settings.runtime.threads is not None:
+        return settings.runtime.threads
+    world_size = settings.runtime.tensor_parallel_size
+    if world_size == 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the run's process group failed: a rank's process ended, or one stayed silent too long."""
+
+
+class RankGroup:
+    """This rank's membership of the run's process group.
+
+    The group is a process group object of its own, never torch.distributed's
+    default (global) one, so a process may hold several runs' groups and
+    its own use of torch.distributed is left alone.
+    """
+
+    def __init__(self, setup: RankSetup, rank: int, store: dist.Store | None = None) -> None:
+        """Join as ``rank``: workers connect to rank 0's store and say so; rank 0 passes the store it hosts."""
+        if store is None:
+            store = dist.TCPStore(STORE_HOST, setup.store_port, setup.world_size, is_master=False,
+                                  timeout=setup.timeout)
+            store.set(joined_key(rank), str(os.getpid()))
+        self.rank = rank
+        self.all_reduce_seconds = 0.0
+        """Seconds this rank spent in :meth:`all_reduce` (waiting for the slowest rank included)."""
+        self._store = store
+        group_store = dist.PrefixStore("patchbay/group", store)
+        if setup.backend == "gloo":
+            self._group: dist.ProcessGroup | None = dist.ProcessGroupGloo(group_store, rank, setup.world_size,
+                                                                          setup.timeout)
+        else:
+            torch.cuda.set_device(rank_device(torch.device(setup.device), rank))  # NCCL works on the current device
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = setup.timeout
+            self._group = dist.ProcessGroupNCCL(group_store, rank, setup.world_size, options)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the ranks, in place."""
+        assert self._group is not None, "the rank left the group"
+        started = time.perf_counter()
+        try:
+            self._group.allreduce([tensor]).wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"all-reduce on rank {self.rank} failed: {exc}") from exc
+        self.all_reduce_seconds += time.perf_counter() - started
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point (a rank that died makes it raise at once)."""
+        assert self._group is not None, "the rank left the group"
+        try:
+            self._group.barrier().wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"barrier on rank {self.rank} failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Leave the group, closing this rank's connections to the others (idempotent)."""
+        group, self._group = self._group, None
+        if group is not None:
+            group.shutdown()

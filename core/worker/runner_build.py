@@ -1,0 +1,152 @@
+"""Building one rank's model and model runner from settings: what rank 0 (the engine) and every other rank share.
+
+Rank 0 checks the settings and chooses (the attention backend, the KV pool
+size, the batch sizes); it then builds its runner here from a
+:class:`RunnerSpec`, and sends the same spec to the other tensor-parallel
+ranks, which build theirs here too, so every rank holds the same plugins
+and sizes over its own shard of the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from patchbay.contract.registry import Registry
+from patchbay.contract.selection import create
+from patchbay.contract.settings import ConfigError, ConfigProblem, RuntimeSettings, Settings, plugin_options
+from patchbay.interfaces import DrafterConfig, DrafterContext, KVConnectorWorker
+from patchbay.scheduling.kv_cache_spec import group_layers
+from patchbay.scheduling.structured_output import GrammarCompilations
+from patchbay.worker.fused_projections import fuse_shared_input_projections
+from patchbay.worker.hf_model import HFCausalLM, torch_dtype
+from patchbay.worker.model_runner import ModelRunner
+from patchbay.worker.packed_linear import packing_supported
+from patchbay.worker.quantization import INT8_MAX_ROWS, quantize_linears
+from patchbay.worker.tensor_parallel import AllReduce, shard_layout, shard_model
+from patchbay.worker.tuning import LinearPaths, Tuning, apply_linear_paths
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A rank's model, sharded and with its linears' CPU paths applied."""
+
+    model: HFCausalLM
+    quantized_linears: int
+    linear_paths: LinearPaths
+
+
+def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: torch.device, tuning: Tuning | None,
+                    rank: int = 0, all_reduce: AllReduce | None = None) -> LoadedModel:
+    """Load the model, keep ``rank``'s shard when ``runtime.tensor_parallel_size`` > 1, then speed up its linears.
+
+    ``all_reduce`` sums a tensor over the ranks (needed when sharded).
+    """
+    model = HFCausalLM.load(model_dir, dtype=dtype, device=device)
+    world_size = settings.runtime.tensor_parallel_size
+    if world_size > 1:
+        assert all_reduce is not None, "a sharded model needs the ranks' all-reduce"
+        shard_model(model, shard_layout(model.model.config, world_size), rank, all_reduce)
+    quantized, paths = speed_up_linears(model, settings.runtime, settings.model.quantization,
+                                        device=device, dtype=dtype, tuning=tuning)
+    return LoadedModel(model, quantized, paths)
+
+
+def speed_up_linears(model: HFCausalLM, runtime: RuntimeSettings, quantization: str, *, device: torch.device,
+                     dtype: str, tuning: Tuning | None) -> tuple[int, LinearPaths]:
+    """Apply ``model.quantization``, ``runtime.fuse_projections`` and ``runtime.linear_kernel`` to the linears.
+
+    Returns the number of quantized linears and the float paths applied.
+    """
+    quantized = 0
+    if quantization != "none":
+        if device.type != "cpu":
+            raise ConfigError([ConfigProblem("<run>", "model.quantization",
+                                             f"{quantization} runs on the CPU; this run is on {device}")])
+        # Fused q/k/v and gate/up mean fewer, larger integer products: fuse for every step that runs them.
+        if runtime.fuse_projections:
+            fuse_shared_input_projections(model.model, max_rows=INT8_MAX_ROWS)
+        quantized = quantize_linears(model.model, quantization)
+    if runtime.linear_kernel == "row_split" and not (device.type == "cpu" and dtype == "float32"):
+        raise ConfigError([ConfigProblem(
+            "<run>", "runtime.linear_kernel",
+            f"row_split runs on CPU float32 weights; this run has {device.type} {dtype} (use auto or torch)")])
+    if runtime.linear_kernel == "onednn" and not (device.type == "cpu" and packing_supported(getattr(torch, dtype))):
+        raise ConfigError([ConfigProblem(
+            "<run>", "runtime.linear_kernel",
+            f"onednn packs CPU float32 or bfloat16 weights with a torch built with oneDNN; this run has "
+            f"{device.type} {dtype}{'' if torch.backends.mkldnn.is_available() else ' and no oneDNN'}"
+            " (use auto or torch)")])
+    paths = apply_linear_paths(model.model, linear_kernel=runtime.linear_kernel,
+                               fuse_projections=runtime.fuse_projections, dtype=dtype, device=device, tuning=tuning)
+    return quantized, paths
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """The choices rank 0 made that every rank's runner must share."""
+
+    backend_name: str
+    """The attention backend (``attention.backend`` resolved when ``auto``)."""
+    num_blocks: int
+    max_num_reqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+
+
+def drafter_config(settings: Settings, model: HFCausalLM, *, device: torch.device, dtype: str,
+                   max_model_len: int) -> DrafterConfig:
+    """What the ``speculative:`` drafter is asked to serve (and is built with)."""
+    assert settings.speculative is not None
+    return DrafterConfig(device=device.type, dtype=dtype,
+                         num_speculative_tokens=settings.speculative.num_speculative_tokens,
+                         max_model_len=max_model_len, vocab_size=model.shape.vocab_size)
+
+
+def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec: RunnerSpec, *,
+                 device: torch.device, dtype: str, kv_connector: KVConnectorWorker | None = None,
+                 grammars: GrammarCompilations | None = None) -> ModelRunner:
+    """The runner over ``model`` with the plugins the settings name (already checked by rank 0)."""
+    block_size = settings.cache.block_size
+    groups = group_layers(model.kv_cache_specs(block_size, dtype))
+    backend_class = registry.resolve("attention", spec.backend_name)
+    backend = backend_class(plugin_options(backend_class, settings.attention.options, where="attention.options"))
+    builder_name = settings.attention.metadata_builder or backend_class.metadata_builder
+    builders = [create(registry, "attention_metadata_builder", builder_name, {}, "attention.metadata_builder",
+                       block_size=g.spec.block_size, sliding_window=g.spec.sliding_window, device=str(device))
+                for g in groups]
+    sampler = create(registry, "sampler", settings.sampler.name, settings.sampler.options, "sampler.options")
+    drafter = verifier = None
+    speculative = settings.speculative
+    if speculative is not None:
+        drafter_class = registry.resolve("drafter", speculative.method)
+        drafter = drafter_class(plugin_options(drafter_class, speculative.options, where="speculative.options"),
+                                config=drafter_config(settings, model, device=device, dtype=dtype,
+                                                      max_model_len=spec.max_model_len))
+        verifier_class = registry.resolve("sampler", speculative.rejection_sampler)
+        verifier = verifier_class(verifier_class.Options())
+        drafter.load(DrafterContext(
+            model=model.model, attention_backend=backend, metadata_builder=builders[0], block_size=block_size,
+            num_blocks=spec.num_blocks, device=device, dtype=torch_dtype(dtype),
+        ))
+    return ModelRunner(
+        model,
+        backend=backend,
+        builders=builders,
+        sampler=sampler,
+        groups=groups,
+        num_blocks=spec.num_blocks,
+        max_num_reqs=spec.max_num_reqs,
+        max_model_len=spec.max_model_len,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        device=device,
+        eos_token_ids=model.shape.eos_token_ids,
+        drafter=drafter,
+        drafter_name=f"drafter:{speculative.method}" if speculative else "",
+        rejection_sampler=verifier,
+        num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+        kv_connector=kv_connector,
+        grammars=grammars,
+    )
