@@ -84,7 +84,11 @@ def _params(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     return linear.weight, linear.bias
 
 
-def test_greedy_tokens_are_the_same_with_and_without_fused_projections(tiny_llama):
+def test_greedy_tokens_are_the_same_with_and_without_fused_projections(tiny_llama, monkeypatch):
+    from patchbay.engine import core
+
+    # Without a machine tuning the fused path runs up to its default row limit, whatever this machine measures.
+    monkeypatch.setattr(core, "machine_tuning", lambda settings, model_dir, device: None)
     prompts = [[5, 9, 11, 3, 7], list(range(20, 60)), [42]]
     tokens = {}
     for fuse in (False, True):
@@ -93,3 +97,22 @@ def test_greedy_tokens_are_the_same_with_and_without_fused_projections(tiny_llam
         outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
         tokens[fuse] = [o.token_ids for o in outputs]
     assert tokens[True] == tokens[False] == transformers_greedy(tiny_llama, prompts, 12)
+
+
+def test_steps_of_few_tokens_run_on_one_thread_and_the_threads_come_back(tiny_llama):
+    torch.set_num_threads(2)
+    llm = patchbay.LLM(model__path=str(tiny_llama), runtime__threads=2, runtime__single_thread_max_tokens=4)
+    assert llm.engine.single_thread_max_tokens == 4
+    model = llm.engine.runner.model
+    forward = model.hidden_states
+    seen: list[tuple[int, int]] = []
+
+    def recording(input_ids, positions):
+        seen.append((input_ids.shape[0], torch.get_num_threads()))
+        return forward(input_ids, positions)
+
+    model.hidden_states = recording
+    llm.generate([list(range(20, 53)), [5, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert seen[0] == (35, 2)  # both prompts in one step: more than 4 tokens, every thread
+    assert {threads for tokens, threads in seen[1:]} == {1} and all(tokens <= 4 for tokens, _ in seen[1:])
+    assert torch.get_num_threads() == 2

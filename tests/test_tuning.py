@@ -25,11 +25,13 @@ def _times(**per_bucket: list[float]) -> dict[str, dict[int, float]]:
     return {name: dict(zip(tuning.ROW_BUCKETS, values, strict=True)) for name, values in per_bucket.items()}
 
 
-def _measured(float32, bfloat16=None, float16=None, row_split=None, fused=None, packed=None) -> Measurements:
+def _measured(float32, bfloat16=None, float16=None, row_split=None, fused=None, packed=None,
+              single_thread=None) -> Measurements:
     by_dtype = _times(float32=float32, **({"bfloat16": bfloat16} if bfloat16 else {}),
                       **({"float16": float16} if float16 else {}))
+    few_rows = {dtype: dict(zip(tuning.ROW_BUCKETS, values)) for dtype, values in (single_thread or {}).items()}
     return Measurements(by_dtype=by_dtype, row_split=_times(x=row_split or float32)["x"],
-                        fused=_times(x=fused or float32)["x"], packed=_times(**(packed or {})))
+                        fused=_times(x=fused or float32)["x"], packed=_times(**(packed or {})), single_thread=few_rows)
 
 
 def test_native_dtypes_follow_the_flags():
@@ -84,6 +86,16 @@ def test_an_avx2_cpu_packs_float32_and_never_an_emulated_dtype():
                          packed={"float32": [0.5, 1, 4, 15], "bfloat16": [0.2, 0.4, 2, 7]})
     chosen = choose(AVX2_EPYC, measured, threads=2)
     assert (chosen.dtype, chosen.packed_dtypes) == ("float32", ["float32"])
+
+
+def test_steps_run_on_one_thread_up_to_the_last_bucket_where_one_thread_wins():
+    measured = _measured(float32=[1, 2, 8, 30], bfloat16=[0.8, 1, 2, 8], packed={"bfloat16": [0.5, 0.6, 1.5, 6]},
+                         single_thread={"bfloat16": [0.3, 0.5], "float32": [1.2, 1.9]})
+    chosen = choose(AMX_XEON, measured, threads=2)
+    # bfloat16 runs packed, and its packed layer is faster on one thread at 1 and 8 rows; float32's is not.
+    assert chosen.single_thread_max_tokens == {"float32": 0, "bfloat16": 8}
+    assert "one thread for steps up to 8 tokens" in chosen.describe()
+    assert choose(AMX_XEON, measured, threads=1).single_thread_max_tokens["bfloat16"] == 0
 
 
 def test_cpuinfo_is_read_for_x86_and_arm(tmp_path):

@@ -23,6 +23,7 @@ from pydantic import (
     ByteSize,
     ConfigDict,
     Field,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     ValidationError,
@@ -87,6 +88,9 @@ class RuntimeSettings(Section):
     fastest for the run's dtype."""
     fuse_projections: bool = True
     """Compute the q/k/v projections (and gate/up) of each layer as one matrix product."""
+    single_thread_max_tokens: NonNegativeInt | Literal["auto"] = "auto"
+    """Steps of at most this many tokens run on one CPU thread (0: never); ``auto``: as the machine's
+    tuning measured for the run's dtype, 0 without a tuning."""
     seed: int = 0
     tensor_parallel_size: PositiveInt = 1
     """Ranks the model is split over, one process each on this machine (attention heads and MLP columns sharded)."""

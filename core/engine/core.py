@@ -81,11 +81,18 @@ def resolve_dtype(name: str, device: torch.device, tuning: Tuning | None) -> str
     return "bfloat16"
 
 
+def single_thread_max_tokens(setting: int | str, dtype: str, tuning: Tuning | None) -> int:
+    """``runtime.single_thread_max_tokens`` resolved: ``auto`` is the tuning's limit for ``dtype`` (0 without one)."""
+    if setting != "auto":
+        return int(setting)
+    return tuning.single_thread_max_tokens.get(dtype, 0) if tuning is not None else 0
+
+
 def machine_tuning(settings: Settings, model_dir: Path, device: torch.device) -> Tuning | None:
     """The CPU's measured defaults (cached per machine and model shape) when a setting is left to them."""
     runtime = settings.runtime
     if device.type != "cpu" or not (settings.model.dtype == "auto" or runtime.linear_kernel == "auto"
-                                     or runtime.fuse_projections):
+                                     or runtime.fuse_projections or runtime.single_thread_max_tokens == "auto"):
         return None
     from transformers import AutoConfig
 
@@ -202,7 +209,9 @@ class Engine:
             kv_connector_role=settings.kv_connector.role if settings.kv_connector is not None else "both",
             grammars=self.grammars,
         )
-        spec = RunnerSpec(self.backend_name, num_blocks, max_num_reqs, self.max_model_len, max_step_tokens)
+        spec = RunnerSpec(self.backend_name, num_blocks, max_num_reqs, self.max_model_len, max_step_tokens,
+                          single_thread_max_tokens(settings.runtime.single_thread_max_tokens, self.dtype, self.tuning))
+        self.single_thread_max_tokens = spec.single_thread_max_tokens
         self.runner = build_runner(
             self.model, settings, registry, spec, device=self.device, dtype=self.dtype,
             kv_connector=self.kv_connector.worker_side() if self.kv_connector is not None else None,

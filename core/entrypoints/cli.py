@@ -186,7 +186,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     width = max(len(path) for path in tuning.measurements) + 2
     print(f"  {'path':<{width}}" + "".join(f"{rows + ' rows':>12}" for rows in buckets))
     for path, seconds in tuning.measurements.items():
-        print(f"  {path:<{width}}" + "".join(f"{seconds[rows] * 1e3:>12.3f}" for rows in buckets))
+        print(f"  {path:<{width}}" + "".join(f"{seconds[rows] * 1e3:>12.3f}" if rows in seconds else f"{'-':>12}"
+                                             for rows in buckets))
     print(f"chosen: {tuning.describe()}")
     print("(cached for this CPU, torch and model shape; runs with model.dtype, runtime.linear_kernel auto use it)")
     return 0

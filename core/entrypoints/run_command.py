@@ -140,7 +140,8 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
     paths = getattr(engine, "linear_paths", None)
     if paths is not None:
         lines.append(f"linears:             {paths.packed} packed for oneDNN, {paths.fused_groups} fused projection "
-                     f"groups, {paths.row_split} row-split, {engine.quantized_linears} quantized")
+                     f"groups, {paths.row_split} row-split, {engine.quantized_linears} quantized; steps of up to "
+                     f"{engine.single_thread_max_tokens} tokens on one thread")
     if getattr(engine, "kv_connector", None) is not None:
         kv = engine.scheduler.kv_connector_stats
         lines.append(f"kv connector:        {kv.num_loaded_tokens} tokens loaded, {kv.num_recomputed_blocks} blocks "

@@ -100,8 +100,13 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         kv_connector: KVConnectorWorker | None = None,
         grammars: GrammarCompilations | None = None,
+        single_thread_max_tokens: int = 0,
     ) -> None:
         self.model = model
+        self.single_thread_max_tokens = single_thread_max_tokens
+        """Steps of at most this many tokens run on one thread: a sleeping OpenMP thread's wake-up, paid once
+        per parallel product, costs more than a second core gains on a few-row product (measured by the
+        machine's tuning, :mod:`patchbay.worker.tuning`)."""
         self.backend = backend
         self.builders = builders
         self.sampler = sampler
@@ -157,6 +162,17 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and return the sampled tokens of every request that ran."""
+        threads = torch.get_num_threads()
+        if threads < 2 or not 0 < scheduler_output.total_num_scheduled_tokens <= self.single_thread_max_tokens:
+            return self._execute(scheduler_output)
+        torch.set_num_threads(1)
+        try:
+            return self._execute(scheduler_output)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and return the sampled tokens of every request that ran."""
         clock = time.perf_counter()
         self._update_states(scheduler_output)

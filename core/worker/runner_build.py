@@ -94,6 +94,8 @@ class RunnerSpec:
     max_num_reqs: int
     max_model_len: int
     max_num_batched_tokens: int
+    single_thread_max_tokens: int = 0
+    """Steps of at most this many tokens run on one CPU thread (``runtime.single_thread_max_tokens`` resolved)."""
 
 
 def drafter_config(settings: Settings, model: HFCausalLM, *, device: torch.device, dtype: str,
@@ -149,4 +151,5 @@ def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec
         num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
         kv_connector=kv_connector,
         grammars=grammars,
+        single_thread_max_tokens=spec.single_thread_max_tokens,
     )

@@ -15,12 +15,15 @@ a few row counts — decide:
 - up to how many rows float32 linears run row-split (:mod:`patchbay.worker.cpu_linear`);
 - up to how many rows q/k/v and gate/up run as one product (:mod:`patchbay.worker.fused_projections`);
 - for each native dtype, whether its linears run over weights packed once into oneDNN's layout
-  (:mod:`patchbay.worker.packed_linear`), fused projections whole, instead of the paths above.
+  (:mod:`patchbay.worker.packed_linear`), fused projections whole, instead of the paths above;
+- for each native dtype, up to how many rows a step runs on one thread: OpenMP threads that sleep between
+  parallel regions (``OMP_WAIT_POLICY=PASSIVE``, see ``patchbay/__init__.py``) cost a wake-up per product,
+  more than a second core gains on a product bound by memory bandwidth.
 
 The result is cached per CPU model, CPU flags, torch version, thread count
 and model shape in patchbay's cache directory. The choice (:func:`choose`) is
 a pure function of the CPU's flags and the measured times, so it can be
-checked for any CPU. Attention paths and thread counts are not tuned here.
+checked for any CPU. Attention paths are not tuned here.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ MIN_GAIN = 1.1
 """A lower-precision dtype is chosen only when it is this much faster than float32 (geometric mean over buckets)."""
 PATH_GAIN = 1.05
 """A linear path replaces torch's own product up to the largest bucket where it is this much faster."""
-TUNING_FORMAT = 2
+TUNING_FORMAT = 3
 """Bumped whenever what is measured or chosen changes, so cached results from older rules are measured again."""
 
 NATIVE_DTYPE_FLAGS = {
@@ -124,6 +127,8 @@ class Measurements:
     """float32, q/k/v and gate/up each as one product."""
     packed: dict[str, dict[int, float]] = field(default_factory=dict)
     """Per dtype torch can pack: weights packed for oneDNN, q/k/v and gate/up each as one product."""
+    single_thread: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per dtype, its packed path (torch's own where it cannot pack) on one thread, at few rows."""
 
 
 @dataclass
@@ -137,6 +142,8 @@ class Tuning:
     """q/k/v and gate/up run as one product up to this many rows; 0: never."""
     packed_dtypes: list[str]
     """Dtypes whose linears run packed for oneDNN (every step, projections fused), replacing the two paths above."""
+    single_thread_max_tokens: dict[str, int]
+    """Per dtype, steps of up to this many tokens run on one thread; 0: never."""
     speedup: dict[str, float]
     """Each native dtype's geometric-mean speed over float32, each on its fastest path."""
     cpu: str
@@ -154,6 +161,7 @@ class Tuning:
         return (f"dtype {self.dtype} ({speedups or 'float32 only'} vs float32), "
                 f"oneDNN-packed linears for {packed}, otherwise "
                 f"row-split up to {self.row_split_max_rows} rows, fused projections up to {self.fuse_max_rows} rows; "
+                f"one thread for steps up to {self.single_thread_max_tokens.get(self.dtype, 0)} tokens; "
                 f"{self.cpu}, {self.threads} threads, torch {self.torch_version}"
                 f"{' (cached)' if self.cached else ''}")
 
@@ -176,11 +184,15 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
                for dtype, times in fastest.items()}
     best = max(speedup, key=lambda dtype: speedup[dtype])
     dtype = best if speedup[best] >= MIN_GAIN else "float32"
+    single_thread = {name: _wins_up_to(measured.single_thread.get(name, {}),
+                                       measured.packed[name] if name in packed_dtypes else measured.by_dtype[name])
+                     for name in fastest} if threads > 1 else {name: 0 for name in fastest}
     return Tuning(
         dtype=dtype,
         row_split_max_rows=row_split_rows,
         fuse_max_rows=fuse_rows,
         packed_dtypes=packed_dtypes,
+        single_thread_max_tokens=single_thread,
         speedup={name: round(gain, 3) for name, gain in speedup.items()},
         cpu=cpu.model_name,
         native_dtypes=list(natives),
@@ -189,7 +201,9 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
         measurements={path: {str(rows): seconds for rows, seconds in times.items()}
                       for path, times in [*measured.by_dtype.items(), ("row_split", measured.row_split),
                                           ("fused", measured.fused),
-                                          *((f"packed_{dtype}", times) for dtype, times in measured.packed.items())]},
+                                          *((f"packed_{dtype}", times) for dtype, times in measured.packed.items()),
+                                          *((f"one_thread_{dtype}", times)
+                                            for dtype, times in measured.single_thread.items())]},
     )
 
 
@@ -216,12 +230,14 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
     most often.
     """
     packable = [dtype for dtype in dtypes if packing_supported(getattr(torch, dtype))]
-    per_case = budget_seconds / (len(ROW_BUCKETS) * (len(dtypes) + len(packable) + 2))
+    streamed_buckets = sum(1 for rows in ROW_BUCKETS if rows <= STREAMED_MAX_ROWS)
+    per_case = budget_seconds / (len(ROW_BUCKETS) * (len(dtypes) + len(packable) + 2) + streamed_buckets * len(dtypes))
     measured = Measurements()
 
-    def per_layer(product, layers: list[list[torch.Tensor]]) -> dict[int, float]:  # noqa: ANN001 - a product
+    def per_layer(product, layers: list[list[torch.Tensor]],  # noqa: ANN001 - a product
+                  max_rows: int = ROW_BUCKETS[-1]) -> dict[int, float]:
         timed = {}
-        for rows in ROW_BUCKETS:
+        for rows in (bucket for bucket in ROW_BUCKETS if bucket <= max_rows):
             used = layers if rows <= STREAMED_MAX_ROWS else layers[:1]
             timed[rows] = _time(lambda x: [product(x[w.shape[1]], w) for layer in used for w in layer],
                                 rows, used[0], per_case) / len(used)
@@ -230,9 +246,18 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
     for dtype in dtypes:
         layers = _layers(shapes, getattr(torch, dtype))
         measured.by_dtype[dtype] = per_layer(F.linear, layers)
+        product, weights = F.linear, layers
         if dtype in packable:
-            measured.packed[dtype] = per_layer(lambda x, p: packed_linear(x, p, None),
-                                               [[pack(weight) for weight in _fused(layer)] for layer in layers])
+            product = lambda x, p: packed_linear(x, p, None)  # noqa: E731
+            weights = [[pack(weight) for weight in _fused(layer)] for layer in layers]
+            measured.packed[dtype] = per_layer(product, weights)
+        if threads > 1:
+            previous = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                measured.single_thread[dtype] = per_layer(product, weights, max_rows=STREAMED_MAX_ROWS)
+            finally:
+                torch.set_num_threads(previous)
     layers = _layers(shapes, torch.float32)
     measured.row_split = per_layer(lambda x, w: row_split_linear(x, w, None, threads, max_rows=1 << 30), layers)
     measured.fused = per_layer(F.linear, [_fused(layer) for layer in layers])
