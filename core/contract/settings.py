@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ByteSize,
     ConfigDict,
     Field,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -100,17 +102,34 @@ class RuntimeSettings(Section):
     """Seconds a collective waits for a rank that is alive but silent before the run fails."""
 
 
+_BYTE_SIZE = TypeAdapter(ByteSize)
+
+
+def _byte_size_or_auto(value: Any) -> Any:
+    """``auto``, or a byte size (``512MiB``, ``2GB``, a number of bytes) as its number of bytes."""
+    if value == "auto":
+        return value
+    try:
+        return int(_BYTE_SIZE.validate_python(value))
+    except ValidationError as exc:
+        raise ValueError(exc.errors()[0]["msg"]) from None
+
+
 class CacheSettings(Section):
     block_size: PositiveInt = 16
     num_blocks: PositiveInt | None = None
     """Size the KV pool by block count ..."""
-    memory: ByteSize | None = None
-    """... or by a memory budget (``512MiB``, ``2GB``); neither: a default budget."""
+    memory: Annotated[int | Literal["auto"], BeforeValidator(_byte_size_or_auto)] = "auto"
+    """... or by a memory budget (``512MiB``, ``2GB``); ``auto``: what remains of
+    ``memory_utilization`` of the device's memory once the model and a measured largest step are counted."""
+    memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    """The share of the device's memory (the machine's, on the CPU) ``memory: auto`` may fill, model
+    included; default 0.9 on a GPU, 0.5 on the CPU (shared with the rest of the machine)."""
     prefix_caching: bool = True
 
     @model_validator(mode="after")
     def _one_sizing(self) -> CacheSettings:
-        if self.num_blocks is not None and self.memory is not None:
+        if self.num_blocks is not None and self.memory != "auto":
             raise ValueError("give either num_blocks or memory, not both")
         return self
 

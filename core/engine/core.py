@@ -7,12 +7,14 @@ advances the requests, and the engine turns the news into
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,11 +39,13 @@ from patchbay.scheduling.kv_cache_manager import KVCacheManager, num_blocks_for_
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
 from patchbay.scheduling.request import Request
 from patchbay.engine.model_identity import weights_fingerprint
+from patchbay.engine.kv_sizing import KVSizing, size_kv_pool
 from patchbay.engine.memory_check import check_fits, format_bytes
 from patchbay.engine.ranks import TensorParallelRanks, check_tensor_parallel
 from patchbay.engine.step_failures import EngineDeadError, describe_failure, fail_requests, replay_alone
 from patchbay.scheduling.scheduler import Scheduler
 from patchbay.worker import distributed
+from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.runner_build import RunnerSpec, build_runner, drafter_config, load_rank_model
 from patchbay.worker.tensor_parallel import shard_layout
@@ -49,7 +53,6 @@ from patchbay.worker.tuning import LayerShapes, Tuning, tune
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_MEMORY = 1 << 30
 """KV pool budget when neither cache.num_blocks nor cache.memory is set."""
 
 
@@ -110,6 +113,27 @@ def measure_machine_defaults(settings: Settings) -> Tuning:
     return tune(LayerShapes.of(getattr(config, "text_config", config)), fresh=True)
 
 
+class PausableAllReduce:
+    """The ranks' all-reduce, which rank 0 can pause while it runs a forward pass the other ranks do not."""
+
+    def __init__(self, all_reduce: Callable[[torch.Tensor], None] | None) -> None:
+        self._all_reduce = all_reduce
+        self._paused = False
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        if not self._paused and self._all_reduce is not None:
+            self._all_reduce(tensor)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Skip the all-reduces inside the block (a memory profile: the values are wrong, the sizes are right)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+
 class KVConnectorStalledError(PluginError):
     """Only requests the KV connector holds remain, and none progressed within ``kv_connector.stall_timeout``."""
 
@@ -149,6 +173,8 @@ class Engine:
         self.dtype = resolve_dtype(settings.model.dtype, self.device, self.tuning)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.ranks: TensorParallelRanks | None = None
+        self.kv_sizing: KVSizing | None = None
+        """How ``cache.memory: auto`` sized the KV pool (``None``: sized by ``cache.memory`` or ``num_blocks``)."""
         """The other tensor-parallel ranks (``None``: this process runs the whole model)."""
         if settings.runtime.tensor_parallel_size > 1:
             from transformers import AutoConfig
@@ -166,8 +192,9 @@ class Engine:
 
     def _build(self, settings: Settings, registry: Registry, model_dir: Path) -> None:
         """Everything after the device, dtype and ranks: model, KV cache, plugins, scheduler, runner."""
+        self._all_reduce = PausableAllReduce(self.ranks.group.all_reduce if self.ranks is not None else None)
         loaded = load_rank_model(settings, model_dir, dtype=self.dtype, device=self.device, tuning=self.tuning,
-                                 all_reduce=self.ranks.group.all_reduce if self.ranks is not None else None)
+                                 all_reduce=self._all_reduce if self.ranks is not None else None)
         self.model = loaded.model
         self.quantized_linears = loaded.quantized_linears
         self.linear_paths = loaded.linear_paths
@@ -309,8 +336,22 @@ class Engine:
         cache = self.settings.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
-        memory = int(cache.memory) if cache.memory is not None else DEFAULT_KV_CACHE_MEMORY
-        return num_blocks_for_memory(self.groups, memory)
+        if cache.memory != "auto":
+            return num_blocks_for_memory(self.groups, int(cache.memory))
+        scheduler = self.settings.scheduler
+        step_tokens = min(scheduler.max_num_batched_tokens, self.max_model_len)
+        try:
+            with self._all_reduce.paused():  # the other ranks are not stepping: rank 0 measures its shard alone
+                activations = step_activation_bytes(self.model, num_tokens=step_tokens,
+                                                    num_rows=scheduler.max_num_seqs, device=self.device)
+        except PeakUnmeasurable as exc:
+            raise ConfigError([ConfigProblem("<run>", "cache.memory", f"auto measures a step's peak memory, and {exc}; "
+                                             "give cache.memory (e.g. 2GiB) or cache.num_blocks")]) from exc
+        self.kv_sizing = size_kv_pool(self.settings, self.groups, device=self.device, max_model_len=self.max_model_len,
+                                      activation_bytes=activations, step_tokens=step_tokens,
+                                      ranks=self.settings.runtime.tensor_parallel_size)
+        logger.info("KV cache (cache.memory auto): %s", self.kv_sizing.describe())
+        return self.kv_sizing.num_blocks
 
     def _check_memory(self, num_blocks: int) -> tuple[int, int]:
         """Check the KV pool and the batch buffers fit in free memory; the runner's row and step-token sizes.

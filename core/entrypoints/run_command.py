@@ -137,6 +137,9 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
     ]
     if getattr(engine, "tuning", None) is not None:
         lines.append(f"machine defaults:    {engine.tuning.describe()}")
+    sizing = getattr(engine, "kv_sizing", None)
+    if sizing is not None:
+        lines.append(f"kv cache:            {sizing.describe()}")
     paths = getattr(engine, "linear_paths", None)
     if paths is not None:
         lines.append(f"linears:             {paths.packed} packed for oneDNN, {paths.fused_groups} fused projection "

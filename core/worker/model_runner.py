@@ -77,6 +77,11 @@ class StepInputs:
     """Per row, drafts rejected this step (set once the samples are recorded)."""
 
 
+def _unwritten(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Memory for a KV-cache tensor whose blocks are zeroed as they are first used (its bytes are stale)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 class ModelRunner:
     """Executes scheduler steps on one device."""
 
@@ -143,13 +148,42 @@ class ModelRunner:
     # -- setup -----------------------------------------------------------------------------
 
     def _allocate_kv_caches(self, num_blocks: int) -> dict[str, torch.Tensor]:
+        """One cache tensor per layer. On the CPU they are left unwritten and each block is zeroed when first
+        handed out (:meth:`_zero_new_blocks`): zeroing a pool of many GiB up front costs seconds of page
+        faults at every start, and memory the run may never need."""
+        lazy = self.device.type == "cpu"
+        allocate = _unwritten if lazy else torch.zeros
         caches = {}
         for group in self.groups:
             spec = group.spec
             shape = self.backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
             for layer_name in group.layer_names:
-                caches[layer_name] = torch.zeros(shape, dtype=torch_dtype(spec.dtype), device=self.device)
+                caches[layer_name] = allocate(shape, dtype=torch_dtype(spec.dtype), device=self.device)
+        # Blocks read before any step writes them must hold zeros, not stale bytes that may be NaN: masked
+        # attention multiplies their weights of zero by them. Block 0 (the null block) pads every block table.
+        # Each KV-cache group hands out its own blocks, so each keeps its own record.
+        self._unzeroed = [np.ones(num_blocks, dtype=bool) for _ in self.groups] if lazy else None
+        if lazy:
+            for group in range(len(self.groups)):
+                self._zero_blocks(caches, group, [0])
         return caches
+
+    def _zero_new_blocks(self, group: int, block_ids: list[int]) -> None:
+        """Zero the blocks among group ``group``'s ``block_ids`` that no step was given before (CPU pools only)."""
+        if self._unzeroed is None or not block_ids:
+            return
+        ids = np.asarray(block_ids, dtype=np.int64)
+        fresh = ids[self._unzeroed[group][ids]]
+        if len(fresh):
+            self._zero_blocks(self.kv_caches, group, fresh.tolist())
+
+    def _zero_blocks(self, caches: dict[str, torch.Tensor], group: int, block_ids: list[int]) -> None:
+        assert self._unzeroed is not None
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer_name in self.groups[group].layer_names:
+            for part in self.backend.split_kv_cache(caches[layer_name]):
+                part.index_fill_(0, index, 0)
+        self._unzeroed[group][block_ids] = False
 
     def _bind_layers(self) -> dict[int, LayerBinding]:
         group_of = {name: index for index, group in enumerate(self.groups) for name in group.layer_names}
@@ -256,6 +290,8 @@ class ModelRunner:
             if self.constrained is not None:
                 self.constrained.remove(req_id)
         for request in scheduler_output.scheduled_new_reqs:
+            for group, block_ids in enumerate(request.block_ids):
+                self._zero_new_blocks(group, block_ids)
             batch.add_request(request)
             self.prompt_logprobs.forget(request.req_id)
             if request.grammar is not None and self.constrained is not None:
@@ -268,8 +304,9 @@ class ModelRunner:
             row = batch.req_id_to_index[req_id]
             batch.num_computed_tokens[row] = num_computed
             if new_block_ids is not None:
-                for table, block_ids in zip(batch.block_tables, new_block_ids, strict=True):
+                for group, (table, block_ids) in enumerate(zip(batch.block_tables, new_block_ids, strict=True)):
                     if block_ids:
+                        self._zero_new_blocks(group, block_ids)
                         table.append_to_row(row, block_ids)
         batch.condense()
         self._maybe_reorder(scheduler_output)

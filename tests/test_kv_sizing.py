@@ -1,0 +1,93 @@
+"""``cache.memory: auto``: the KV pool sized from the device's memory, the loaded model and a measured step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+import patchbay
+from patchbay.contract.settings import ConfigError, Settings
+from patchbay.engine import kv_sizing
+from patchbay.sampling_params import SamplingParams
+from patchbay.scheduling.kv_cache_spec import KVCacheGroup, KVCacheSpec
+from patchbay.worker import model_runner
+from tiny_models import transformers_greedy
+
+GiB = 1 << 30
+SPEC = KVCacheSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float32", sliding_window=None)
+GROUPS = [KVCacheGroup(spec=SPEC, layer_names=[f"layer.{i}" for i in range(4)])]
+BLOCK_BYTES = 4 * SPEC.page_size_bytes
+
+
+def _machine(monkeypatch, *, total: int, held: int, free: int | None) -> None:
+    monkeypatch.setattr(kv_sizing, "device_memory", lambda device: total)
+    monkeypatch.setattr(kv_sizing, "memory_in_use", lambda device: held)
+    monkeypatch.setattr(kv_sizing, "available_memory", lambda device: free)
+
+
+def _size(monkeypatch, *, ranks: int = 1, max_num_seqs: int = 1024, utilization: float | None = None,
+          **machine: int | None) -> kv_sizing.KVSizing:
+    _machine(monkeypatch, **machine)
+    settings = Settings(scheduler={"max_num_seqs": max_num_seqs},
+                        cache={"memory_utilization": utilization} if utilization else {})
+    return kv_sizing.size_kv_pool(settings, GROUPS, device=torch.device("cpu"), max_model_len=4096,
+                                  activation_bytes=GiB // 2, step_tokens=2048, ranks=ranks)
+
+
+def test_the_pool_gets_the_budget_left_after_the_model_and_a_step(monkeypatch):
+    sized = _size(monkeypatch, total=32 * GiB, held=2 * GiB, free=30 * GiB)
+    # CPU default: half the machine, less the model and the step's activations.
+    assert sized.limited_by == "budget" and sized.budget == 16 * GiB
+    assert sized.num_blocks == (16 * GiB - 2 * GiB - GiB // 2) // BLOCK_BYTES
+    assert sized.tokens == (sized.num_blocks - 1) * 16 and sized.kv_bytes == sized.num_blocks * BLOCK_BYTES
+    assert "limited by budget" in sized.describe() and "2048-token step" in sized.describe()
+    # Two ranks on one machine: each holds its model and runs its step; the rest is split between them.
+    both = _size(monkeypatch, total=32 * GiB, held=2 * GiB, free=30 * GiB, ranks=2)
+    assert both.num_blocks == (16 * GiB - 2 * (2 * GiB + GiB // 2)) // 2 // BLOCK_BYTES
+
+
+def test_the_pool_never_exceeds_free_memory_or_what_the_requests_can_fill(monkeypatch):
+    crowded = _size(monkeypatch, total=32 * GiB, held=2 * GiB, free=4 * GiB)
+    assert crowded.limited_by == "free memory"
+    assert crowded.num_blocks == (4 * GiB - GiB // 2) // BLOCK_BYTES
+    few = _size(monkeypatch, total=32 * GiB, held=2 * GiB, free=30 * GiB, max_num_seqs=2)
+    assert few.limited_by == "max_num_seqs x max_model_len"
+    assert few.num_blocks == 2 * math.ceil(4096 / 16) + 1
+
+
+def test_no_room_left_is_an_error_naming_the_setting_and_the_figures(monkeypatch):
+    with pytest.raises(ConfigError, match="cache.memory_utilization") as raised:
+        _size(monkeypatch, total=8 * GiB, held=3 * GiB, free=5 * GiB, utilization=0.25)
+    assert "2.0 GiB" in str(raised.value) and "3.0 GiB" in str(raised.value)
+
+
+def test_num_blocks_and_a_memory_figure_exclude_each_other_but_num_blocks_takes_auto():
+    assert Settings(cache={"num_blocks": 64}).cache.memory == "auto"
+    with pytest.raises(ValidationError, match="give either num_blocks or memory"):
+        Settings(cache={"num_blocks": 64, "memory": "1GiB"})
+
+
+def test_an_engine_on_auto_measures_a_step_and_sizes_its_pool(tiny_llama, monkeypatch):
+    llm = patchbay.LLM(model__path=str(tiny_llama), cache__memory_utilization=0.05,
+                       scheduler__max_num_batched_tokens=256)
+    sizing = llm.engine.kv_sizing
+    assert sizing is not None and llm.engine.num_blocks == sizing.num_blocks > 1
+    assert sizing.activation_bytes > 0 and sizing.step_tokens == 256
+    prompts = [list(range(20, 60)), [7, 8, 9]]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 6)
+
+
+def test_stale_bytes_in_a_fresh_cpu_pool_never_reach_attention(tiny_llama, monkeypatch):
+    # The pool is left unwritten at start; each block must be zeroed when first handed out, or a masked
+    # attention multiplying NaN garbage by a zero weight returns NaN.
+    monkeypatch.setattr(model_runner, "_unwritten",
+                        lambda shape, *, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+    llm = patchbay.LLM(model__path=str(tiny_llama), attention__backend="torch_sdpa",
+                       attention__options={"decode_kernel": "sdpa"})
+    prompts = [list(range(20, 70)), [7, 8, 9], list(range(3, 40))]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 8)
