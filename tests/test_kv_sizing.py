@@ -71,8 +71,10 @@ def test_num_blocks_and_a_memory_figure_exclude_each_other_but_num_blocks_takes_
 
 
 def test_an_engine_on_auto_measures_a_step_and_sizes_its_pool(tiny_llama, monkeypatch):
-    llm = patchbay.LLM(model__path=str(tiny_llama), cache__memory_utilization=0.05,
-                       scheduler__max_num_batched_tokens=256)
+    # A machine whose half leaves room for a pool whatever this test process already holds.
+    real = kv_sizing.memory_in_use
+    monkeypatch.setattr(kv_sizing, "device_memory", lambda device: 2 * real(device) + GiB)
+    llm = patchbay.LLM(model__path=str(tiny_llama), scheduler__max_num_batched_tokens=256)
     sizing = llm.engine.kv_sizing
     assert sizing is not None and llm.engine.num_blocks == sizing.num_blocks > 1
     assert sizing.activation_bytes > 0 and sizing.step_tokens == 256

@@ -105,6 +105,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
         """Hash of a full block to the one block holding it (in use or free)."""
+        self.highest_handed_out = 0
+        """The highest block id ever allocated: never-used blocks leave the free list first, in id order (freed
+        ones join its tail), so every block above this one has never held anything."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,6 +133,7 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
+            self.highest_handed_out = max(self.highest_handed_out, block.block_id)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -68,6 +68,11 @@ class KVCacheManager:
         """Usage of the fullest pool, 0.0 to 1.0."""
         return max(pool.usage for pool in self.pools)
 
+    @property
+    def highest_block_ids(self) -> tuple[int, ...]:
+        """Per group, the highest block id ever allocated (every block above it has never been used)."""
+        return tuple(pool.highest_handed_out for pool in self.pools)
+
     def get_block_ids(self, request_id: str) -> BlockIds:
         """The request's block table, one list of ids per group (0 marks a released sliding-window block)."""
         tables = self._tables.get(request_id)

@@ -269,6 +269,7 @@ class Scheduler:
             preempted_req_ids=preempted,
             reset_req_ids=reset,
         )
+        output.highest_block_ids = self.kv_cache_manager.highest_block_ids
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(list(num_scheduled))
         self._finished_req_ids = set()

@@ -70,6 +70,11 @@ class SchedulerOutput:
     """Requests whose KV failed to load: the runner drops their state; they are in ``scheduled_new_reqs``
     again, with ``num_computed_tokens`` rolled back to the first block that failed."""
     kv_connector_metadata: Any = None
+    highest_block_ids: tuple[int, ...] = ()
+    """Per KV-cache group, the highest block id allocated so far (empty: not told). Blocks above the previous
+    step's figure are new this step, possibly for a request that only waits on a KV connector's load: a
+    runner that leaves its pool unwritten zeroes them before anything (the connector's load included)
+    writes to them."""
     """What the KV connector's scheduler side built for its worker side this step (``None``: no connector)."""
 
     @property

@@ -168,6 +168,16 @@ class ModelRunner:
                 self._zero_blocks(caches, group, [0])
         return caches
 
+    def _zero_allocated_blocks(self, highest: tuple[int, ...]) -> None:
+        """Zero the blocks up to each group's ``highest`` allocated id not zeroed yet (CPU pools only): a
+        request waiting on a KV connector's load holds blocks no block table shows yet."""
+        if self._unzeroed is None:
+            return
+        for group, top in enumerate(highest):
+            fresh = np.flatnonzero(self._unzeroed[group][: top + 1])
+            if len(fresh):
+                self._zero_blocks(self.kv_caches, group, fresh.tolist())
+
     def _zero_new_blocks(self, group: int, block_ids: list[int]) -> None:
         """Zero the blocks among group ``group``'s ``block_ids`` that no step was given before (CPU pools only)."""
         if self._unzeroed is None or not block_ids:
@@ -209,6 +219,7 @@ class ModelRunner:
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and return the sampled tokens of every request that ran."""
         clock = time.perf_counter()
+        self._zero_allocated_blocks(scheduler_output.highest_block_ids)
         self._update_states(scheduler_output)
         clock = self._lap("update", clock)
         connector = self.kv_connector
