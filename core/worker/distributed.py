@@ -39,7 +39,7 @@ class RankSetup:
 
     @property
     def world_size(self) -> int:
-        return self.settings.runtime.tensor_parallel_size
+        return self.settings.runtime.world_size
 
     @property
     def timeout(self) -> datetime.timedelta:
@@ -59,8 +59,12 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def rank_threads(settings: Settings) -> int | None:
-    """Threads per rank: ``runtime.threads``, else the cores this process may run on shared evenly by the ranks
-    (``None``: torch's default, for a single rank)."""
+    """Threads per rank: ``runtime.threads``, else the cores this process may run on shared evenly by the
+    tensor-parallel ranks (``None``: torch's default, without tensor parallelism).
+
+    Pipeline stages are not counted: they compute one after the other, each
+    while the others wait for its hidden states, so each may use every core.
+    """
     if settings.runtime.threads is not None:
         return settings.runtime.threads
     world_size = settings.runtime.tensor_parallel_size
@@ -111,6 +115,32 @@ class RankGroup:
         except RuntimeError as exc:
             raise CollectiveError(f"all-reduce on rank {self.rank} failed: {exc}") from exc
         self.all_reduce_seconds += time.perf_counter() - started
+
+    def send(self, tensor: torch.Tensor, to_rank: int) -> None:
+        """Send ``tensor`` to ``to_rank``, which receives it with :meth:`recv` (returns once it was taken)."""
+        assert self._group is not None, "the rank left the group"
+        try:
+            self._group.send([tensor], to_rank, 0).wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"send from rank {self.rank} to rank {to_rank} failed: {exc}") from exc
+
+    def recv(self, tensor: torch.Tensor, from_rank: int) -> None:
+        """Fill ``tensor`` (of the sent shape and dtype) with what ``from_rank`` sends."""
+        assert self._group is not None, "the rank left the group"
+        try:
+            self._group.recv([tensor], from_rank, 0).wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"receive on rank {self.rank} from rank {from_rank} failed: {exc}") from exc
+
+    def broadcast(self, tensor: torch.Tensor, from_rank: int) -> None:
+        """Overwrite ``tensor`` on every rank with ``from_rank``'s, in place."""
+        assert self._group is not None, "the rank left the group"
+        options = dist.BroadcastOptions()
+        options.rootRank = from_rank
+        try:
+            self._group.broadcast([tensor], options).wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"broadcast from rank {from_rank} on rank {self.rank} failed: {exc}") from exc
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point (a rank that died makes it raise at once)."""
