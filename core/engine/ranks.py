@@ -1,4 +1,5 @@
-"""Tensor-parallel ranks 1..N-1 as child processes of the engine's process (rank 0): launch, steps, failure, teardown.
+"""Ranks 1..N-1 (tensor-parallel shards or pipeline stages) as child processes of the engine's process (rank 0):
+launch, steps, failure, teardown.
 
 Each rank runs :mod:`patchbay.worker.rank_worker`, reading rank 0's
 messages from a pipe.  A rank whose process ends makes the run fail within
@@ -48,7 +49,7 @@ EXIT_GRACE = 5.0
 
 
 class RankDiedError(EngineDeadError):
-    """A tensor-parallel rank's process ended, so the run cannot go on."""
+    """A rank's process (a tensor-parallel shard or a pipeline stage) ended, so the run cannot go on."""
 
 
 def distributed_backend(settings: Settings, device: torch.device) -> str:
@@ -65,15 +66,27 @@ def distributed_backend(settings: Settings, device: torch.device) -> str:
     return name
 
 
+def parallel_key(settings: Settings) -> str:
+    """The setting that spreads the run over several ranks (the pipeline's when both are above 1)."""
+    return "runtime.pipeline_parallel_size" if settings.runtime.pipeline_parallel_size > 1 \
+        else "runtime.tensor_parallel_size"
+
+
 def check_tensor_parallel(settings: Settings, device: torch.device) -> None:
-    """Settings a tensor-parallel run cannot serve are :class:`ConfigError` naming the keys."""
-    size = settings.runtime.tensor_parallel_size
+    """Settings a run over several ranks (shards or stages) cannot serve are :class:`ConfigError` naming the keys."""
+    size = settings.runtime.world_size
+    key = parallel_key(settings)
     problems = []
+    if settings.runtime.tensor_parallel_size > 1 and settings.runtime.pipeline_parallel_size > 1:
+        problems.append(ConfigProblem("<run>", "runtime.pipeline_parallel_size",
+                                      "pipeline stages are not combined with tensor parallelism yet; "
+                                      f"runtime.tensor_parallel_size is {settings.runtime.tensor_parallel_size} "
+                                      "(set one of them to 1)"))
     if settings.kv_connector is not None:
         problems.append(ConfigProblem("<run>", "kv_connector", f"KV connectors run with one rank; "
-                                      f"runtime.tensor_parallel_size is {size}"))
+                                      f"{key} is {size}"))
     if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
-        problems.append(ConfigProblem("<run>", "runtime.tensor_parallel_size",
+        problems.append(ConfigProblem("<run>", key,
                                       f"{size} ranks from {device} need {(device.index or 0) + size} CUDA devices; "
                                       f"this machine has {torch.cuda.device_count()}"))
     if problems:
@@ -85,6 +98,8 @@ class _Rank:
     rank: int
     process: subprocess.Popen[bytes]
     connection: Connection
+    is_stage: bool
+    """The rank is a pipeline stage (of the same number), not a tensor-parallel shard."""
 
     def ended(self) -> str | None:
         """How the process ended (``None``: it runs)."""
@@ -99,6 +114,8 @@ class _Rank:
         return f"exited with status {code}" + (" (its traceback is above, on stderr)" if code else "")
 
     def describe(self) -> str:
+        if self.is_stage:
+            return f"pipeline stage {self.rank} (rank {self.rank}, pid {self.process.pid})"
         return f"tensor-parallel rank {self.rank} (pid {self.process.pid})"
 
 
@@ -108,7 +125,7 @@ class TensorParallelRanks:
     def __init__(self, settings: Settings, model_dir: Path, *, device: torch.device, dtype: str,
                  tuning: Tuning | None) -> None:
         """Start ranks 1..N-1, send them the run's setup and join the process group with them."""
-        world_size = settings.runtime.tensor_parallel_size
+        world_size = settings.runtime.world_size
         timeout = settings.runtime.distributed_timeout
         self._store = dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout))
@@ -137,7 +154,8 @@ class TensorParallelRanks:
                                        pass_fds=(read_fd,))
         finally:
             os.close(read_fd)
-        started = _Rank(rank, process, Connection(write_fd, readable=False))
+        started = _Rank(rank, process, Connection(write_fd, readable=False),
+                        self.setup.settings.runtime.pipeline_parallel_size > 1)
         started.connection.send(self.setup)
         return started
 
