@@ -80,22 +80,17 @@ def test_stages_share_the_cores_only_with_tensor_parallel_ranks() -> None:
     assert rank_threads(load_settings(overrides=["runtime.pipeline_parallel_size=2"])) is None
 
 
-def test_more_stages_than_layers_or_stages_with_tensor_parallelism_are_refused_before_any_rank_starts(
-        tiny_llama: Path) -> None:
+def test_more_stages_than_layers_and_kv_connectors_are_refused_before_any_rank_starts(tiny_llama: Path) -> None:
     running = child_ranks()
     with pytest.raises(ConfigError) as caught:
         patchbay.LLM(model__path=str(tiny_llama), runtime__pipeline_parallel_size=5)
     problem = caught.value.problems[0]
     assert problem.path == "runtime.pipeline_parallel_size"
     assert "4 decoder layers, fewer than the 5 stages" in problem.message
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(ConfigError, match="KV connectors run with one rank; this run has "
+                                          "runtime.tensor_parallel_size 2 and runtime.pipeline_parallel_size 2"):
         patchbay.LLM(model__path=str(tiny_llama), runtime__pipeline_parallel_size=2,
-                     runtime__tensor_parallel_size=2)
-    assert caught.value.problems[0].path == "runtime.pipeline_parallel_size"
-    assert "not combined with tensor parallelism" in caught.value.problems[0].message
-    with pytest.raises(ConfigError, match="KV connectors run with one rank; runtime.pipeline_parallel_size is 2"):
-        patchbay.LLM(model__path=str(tiny_llama), runtime__pipeline_parallel_size=2,
-                     kv_connector={"name": "host_offload"})
+                     runtime__tensor_parallel_size=2, kv_connector={"name": "host_offload"})
     assert child_ranks() <= running
 
 
@@ -154,26 +149,31 @@ def test_seeded_sampling_over_two_stages_equals_one_process(pp2: patchbay.LLM, s
     assert sample(pp2) == sample(single)
 
 
-# -- failures -------------------------------------------------------------------------------------
+# -- tensor-parallel stages, and failures -----------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_a_killed_stage_ends_the_run_naming_it_and_leaves_no_process(tiny_llama: Path) -> None:
+def test_two_stages_of_two_tensor_parallel_ranks_equal_transformers_until_a_killed_rank_ends_the_run(
+        tiny_llama: Path) -> None:
+    """TP 2 x PP 2: ranks 0-1 run layers 0-1 with 4 heads each, ranks 2-3 layers 2-3; then rank 2 is killed."""
     running = child_ranks()
-    # Three stages (2, 1 and 1 layers); the middle one dies, between the two the hidden states pass through.
-    llm = patchbay.LLM(model__path=str(tiny_llama), **{**PP2, "runtime__pipeline_parallel_size": 3})
+    llm = patchbay.LLM(model__path=str(tiny_llama), **{**PP2, "runtime__tensor_parallel_size": 2})
     try:
+        assert sorted(llm.engine.model.layer_specs) == [0, 1]
+        assert {(s.num_heads, s.num_kv_heads) for s in llm.engine.model.layer_specs.values()} == {(4, 1)}
+        assert greedy(llm) == transformers_greedy(tiny_llama, PROMPTS, NUM_TOKENS)
+
         ranks = llm.engine.ranks
         assert ranks is not None
         workers = [rank.process.pid for rank in ranks.ranks]
         llm.engine.add_request(PROMPTS[1], SamplingParams(max_tokens=NUM_TOKENS))
         llm.engine.step()
-        os.kill(workers[0], signal.SIGKILL)
+        os.kill(workers[1], signal.SIGKILL)
         started = time.monotonic()
-        with pytest.raises(RankDiedError,
-                           match=rf"^pipeline stage 1 \(rank 1, pid {workers[0]}\) was killed by SIGKILL"):
+        with pytest.raises(RankDiedError, match=rf"^pipeline stage 1, tensor-parallel rank 0 \(rank 2, pid "
+                                                rf"{workers[1]}\) was killed by SIGKILL"):
             llm.engine.step()
-        print(f"the killed stage ended the run in {time.monotonic() - started:.3f} s")
+        print(f"the killed rank ended the run in {time.monotonic() - started:.3f} s")
         with pytest.raises(EngineDeadError, match="stage 1"):
             llm.engine.step()
         assert wait_until_gone(workers) == []

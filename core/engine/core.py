@@ -41,7 +41,7 @@ from patchbay.scheduling.request import Request
 from patchbay.engine.model_identity import weights_fingerprint
 from patchbay.engine.kv_sizing import KVSizing, size_kv_pool
 from patchbay.engine.memory_check import check_fits, format_bytes
-from patchbay.engine.ranks import TensorParallelRanks, check_tensor_parallel, parallel_key
+from patchbay.engine.ranks import TensorParallelRanks, check_tensor_parallel, parallel_settings
 from patchbay.engine.step_failures import EngineDeadError, describe_failure, fail_requests, replay_alone
 from patchbay.scheduling.scheduler import Scheduler
 from patchbay.worker import distributed
@@ -464,7 +464,7 @@ class Engine:
         self._check_sampling(request_id, params)
         if params.structured_output is not None and self.ranks is not None:
             raise ValueError(f"request {request_id!r}: structured_output is not supported with "
-                             f"{parallel_key(self.settings)} {self.settings.runtime.world_size}")
+                             f"{parallel_settings(self.settings)}")
         check_constraint(request_id, params, self.grammars)
 
     def _check_sampling(self, request_id: str, params: SamplingParams) -> None:
@@ -652,7 +652,7 @@ class Engine:
         if self.ranks is not None:
             # Every rank would have to replay in step; a failed rank or collective cannot be replayed at all.
             raise self.ranks.failure(exc) or EngineDeadError(
-                f"a step failed with {parallel_key(self.settings)} {self.settings.runtime.world_size}, where "
+                f"a step failed with {parallel_settings(self.settings)}, where "
                 f"steps are not replayed request by request: {describe_failure(exc, self._plugins())}") from exc
         if self.kv_connector is not None:
             # The step's loads and saves cannot be replayed per request without re-saving blocks not yet computed.

@@ -66,26 +66,24 @@ def distributed_backend(settings: Settings, device: torch.device) -> str:
     return name
 
 
-def parallel_key(settings: Settings) -> str:
-    """The setting that spreads the run over several ranks (the pipeline's when both are above 1)."""
-    return "runtime.pipeline_parallel_size" if settings.runtime.pipeline_parallel_size > 1 \
-        else "runtime.tensor_parallel_size"
+def parallel_settings(settings: Settings) -> str:
+    """The settings that spread the run over several ranks, with their values, for messages."""
+    runtime = settings.runtime
+    named = [f"runtime.{key} {getattr(runtime, key)}" for key in ("tensor_parallel_size", "pipeline_parallel_size")
+             if getattr(runtime, key) > 1]
+    return " and ".join(named)
 
 
 def check_tensor_parallel(settings: Settings, device: torch.device) -> None:
     """Settings a run over several ranks (shards or stages) cannot serve are :class:`ConfigError` naming the keys."""
     size = settings.runtime.world_size
-    key = parallel_key(settings)
     problems = []
-    if settings.runtime.tensor_parallel_size > 1 and settings.runtime.pipeline_parallel_size > 1:
-        problems.append(ConfigProblem("<run>", "runtime.pipeline_parallel_size",
-                                      "pipeline stages are not combined with tensor parallelism yet; "
-                                      f"runtime.tensor_parallel_size is {settings.runtime.tensor_parallel_size} "
-                                      "(set one of them to 1)"))
     if settings.kv_connector is not None:
         problems.append(ConfigProblem("<run>", "kv_connector", f"KV connectors run with one rank; "
-                                      f"{key} is {size}"))
+                                      f"this run has {parallel_settings(settings)}"))
     if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+        key = "runtime.pipeline_parallel_size" if settings.runtime.pipeline_parallel_size > 1 \
+            else "runtime.tensor_parallel_size"
         problems.append(ConfigProblem("<run>", key,
                                       f"{size} ranks from {device} need {(device.index or 0) + size} CUDA devices; "
                                       f"this machine has {torch.cuda.device_count()}"))
@@ -98,8 +96,8 @@ class _Rank:
     rank: int
     process: subprocess.Popen[bytes]
     connection: Connection
-    is_stage: bool
-    """The rank is a pipeline stage (of the same number), not a tensor-parallel shard."""
+    ranks_per_stage: int | None
+    """``runtime.tensor_parallel_size`` when the run has pipeline stages; ``None``: it has not."""
 
     def ended(self) -> str | None:
         """How the process ended (``None``: it runs)."""
@@ -114,9 +112,11 @@ class _Rank:
         return f"exited with status {code}" + (" (its traceback is above, on stderr)" if code else "")
 
     def describe(self) -> str:
-        if self.is_stage:
-            return f"pipeline stage {self.rank} (rank {self.rank}, pid {self.process.pid})"
-        return f"tensor-parallel rank {self.rank} (pid {self.process.pid})"
+        if self.ranks_per_stage is None:
+            return f"tensor-parallel rank {self.rank} (pid {self.process.pid})"
+        stage, shard = divmod(self.rank, self.ranks_per_stage)
+        within = f", tensor-parallel rank {shard}" if self.ranks_per_stage > 1 else ""
+        return f"pipeline stage {stage}{within} (rank {self.rank}, pid {self.process.pid})"
 
 
 class TensorParallelRanks:
@@ -154,8 +154,9 @@ class TensorParallelRanks:
                                        pass_fds=(read_fd,))
         finally:
             os.close(read_fd)
+        runtime = self.setup.settings.runtime
         started = _Rank(rank, process, Connection(write_fd, readable=False),
-                        self.setup.settings.runtime.pipeline_parallel_size > 1)
+                        runtime.tensor_parallel_size if runtime.pipeline_parallel_size > 1 else None)
         started.connection.send(self.setup)
         return started
 

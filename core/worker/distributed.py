@@ -96,22 +96,24 @@ class RankGroup:
         self.all_reduce_seconds = 0.0
         """Seconds this rank spent in :meth:`all_reduce` (waiting for the slowest rank included)."""
         self._store = store
-        group_store = dist.PrefixStore("patchbay/group", store)
-        if setup.backend == "gloo":
-            self._group: dist.ProcessGroup | None = dist.ProcessGroupGloo(group_store, rank, setup.world_size,
-                                                                          setup.timeout)
-        else:
+        if setup.backend == "nccl":
             torch.cuda.set_device(rank_device(torch.device(setup.device), rank))  # NCCL works on the current device
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = setup.timeout
-            self._group = dist.ProcessGroupNCCL(group_store, rank, setup.world_size, options)
+        self._group: dist.ProcessGroup | None = _process_group(setup, dist.PrefixStore("patchbay/group", store),
+                                                               rank, setup.world_size)
+        tensor_size = setup.settings.runtime.tensor_parallel_size
+        self._tensor_group: dist.ProcessGroup | None = None
+        """The tensor-parallel ranks of this rank's pipeline stage, when there are several stages and ranks each."""
+        if tensor_size > 1 and tensor_size < setup.world_size:
+            stage_store = dist.PrefixStore(f"patchbay/stage/{rank // tensor_size}", store)
+            self._tensor_group = _process_group(setup, stage_store, rank % tensor_size, tensor_size)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over the ranks, in place."""
-        assert self._group is not None, "the rank left the group"
+        """Sum ``tensor`` over the tensor-parallel ranks (of this rank's pipeline stage), in place."""
+        group = self._tensor_group or self._group
+        assert group is not None, "the rank left the group"
         started = time.perf_counter()
         try:
-            self._group.allreduce([tensor]).wait()
+            group.allreduce([tensor]).wait()
         except RuntimeError as exc:
             raise CollectiveError(f"all-reduce on rank {self.rank} failed: {exc}") from exc
         self.all_reduce_seconds += time.perf_counter() - started
@@ -152,6 +154,17 @@ class RankGroup:
 
     def close(self) -> None:
         """Leave the group, closing this rank's connections to the others (idempotent)."""
-        group, self._group = self._group, None
-        if group is not None:
-            group.shutdown()
+        groups = (self._tensor_group, self._group)
+        self._tensor_group = self._group = None
+        for group in groups:
+            if group is not None:
+                group.shutdown()
+
+
+def _process_group(setup: RankSetup, store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
+    """A process group of ``size`` ranks over ``store`` on the run's backend, joined as ``rank``."""
+    if setup.backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, setup.timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = setup.timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)

@@ -1,7 +1,8 @@
 """Splitting a loaded Hugging Face model's decoder layers into pipeline stages, in place.
 
-Stage ``s`` (rank ``s``) keeps a contiguous range of decoder layers; every
-other layer is replaced by a :class:`PassThroughLayer`, which returns its
+Stage ``s`` (rank ``s``, or its ``tensor_parallel_size`` ranks) keeps a
+contiguous range of decoder layers; every other layer is replaced by a
+:class:`PassThroughLayer`, which returns its
 input untouched and never calls attention, so the stage's layer specs (and
 so its KV cache) cover its own layers only.  Three hooks move the hidden
 states between stages, over the run's process group:
@@ -130,9 +131,18 @@ class PausableLink:
             self._link.broadcast(tensor, from_rank)
 
 
-def split_model(model: HFCausalLM, layout: StageLayout, stage: int, link: StageLink) -> None:
-    """Keep stage ``stage``'s decoder layers of ``model``, hook the exchanges with the other stages over ``link``
-    and report only the kept layers in its layer specs."""
+def split_model(model: HFCausalLM, layout: StageLayout, rank: int, link: StageLink, *,
+                ranks_per_stage: int = 1) -> None:
+    """Keep the decoder layers of ``rank``'s stage in ``model``, hook the exchanges with the other stages over
+    ``link`` and report only the kept layers in its layer specs.
+
+    With tensor parallelism a stage has ``ranks_per_stage`` ranks (stage
+    ``s`` is ranks ``s * ranks_per_stage`` onwards); each exchanges its
+    (all-reduced, so identical) hidden states with the rank of the same
+    tensor-parallel index in the next stage, and the last stage's first
+    rank broadcasts the final ones.
+    """
+    stage = rank // ranks_per_stage
     decoder = model.model.base_model
     layers = getattr(decoder, "layers", None)
     norm = getattr(decoder, "norm", None)
@@ -145,10 +155,10 @@ def split_model(model: HFCausalLM, layout: StageLayout, stage: int, link: StageL
         if index not in kept:
             layers[index] = PassThroughLayer(index)
     if stage > 0:
-        layers[kept.start].register_forward_pre_hook(_receiver(link, stage - 1), with_kwargs=True)
+        layers[kept.start].register_forward_pre_hook(_receiver(link, rank - ranks_per_stage), with_kwargs=True)
     if stage < layout.last_stage:
-        layers[kept.stop - 1].register_forward_hook(_sender(link, stage + 1))
-    norm.register_forward_hook(_broadcaster(link, layout.last_stage))
+        layers[kept.stop - 1].register_forward_hook(_sender(link, rank + ranks_per_stage))
+    norm.register_forward_hook(_broadcaster(link, layout.last_stage * ranks_per_stage))
     model.layer_specs = {index: spec for index, spec in model.layer_specs.items() if index in kept}
 
 
