@@ -110,6 +110,18 @@ def test_stages_must_each_hold_every_kind_of_attention_layer(tmp_path_factory: p
     assert "stage 0 (layers 0-0) would not hold every kind of attention layer" in caught.value.problems[0].message
 
 
+def test_hidden_states_of_another_stage_s_layers_cannot_be_captured_for_a_drafter(tiny_llama: Path) -> None:
+    from patchbay.worker.hf_model import AuxHiddenStates, HFCausalLM
+    from patchbay.worker.model_loader import ModelLoadError
+    from patchbay.worker.pipeline_parallel import split_model, stage_layout
+
+    model = HFCausalLM.load(tiny_llama, dtype="float32", device=torch.device("cpu"))
+    split_model(model, stage_layout(model.model.config, 2), 0, link=None)  # type: ignore[arg-type]
+    AuxHiddenStates(model, [0, 1]).remove()
+    with pytest.raises(ModelLoadError, match=r"decoder layers \[2, 3\] run on other pipeline stages"):
+        AuxHiddenStates(model, [1, 2, 3])
+
+
 # -- the same tokens over two stages --------------------------------------------------------------
 
 
