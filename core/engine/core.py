@@ -47,8 +47,8 @@ from patchbay.scheduling.scheduler import Scheduler
 from patchbay.worker import distributed
 from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
 from patchbay.worker.model_loader import resolve_model_dir
-from patchbay.worker.runner_build import RunnerSpec, build_runner, drafter_config, load_rank_model
 from patchbay.worker.pipeline_parallel import PausableLink, stage_layout
+from patchbay.worker.runner_build import RunnerSpec, build_runner, drafter_config, load_rank_model
 from patchbay.worker.tensor_parallel import shard_layout
 from patchbay.worker.tuning import LayerShapes, Tuning, tune
 

@@ -171,7 +171,7 @@ class AuxHiddenStates:
         if not isinstance(decoder_layers, nn.ModuleList) or len(decoder_layers) != num_layers:
             raise ModelLoadError(f"{type(model).__name__}: its decoder has no `layers` list of {num_layers} "
                                  "layers, so their hidden states cannot be captured")
-        from patchbay.worker.pipeline_parallel import PassThroughLayer
+        from patchbay.worker.pipeline_parallel import PassThroughLayer  # it imports this module
 
         elsewhere = sorted({index for index in layers if isinstance(decoder_layers[index], PassThroughLayer)})
         if elsewhere:
