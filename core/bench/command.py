@@ -408,9 +408,9 @@ class Bench:
 
 
 def _whole_model_cost(engine: Any) -> ModelCost:
-    """The model's cost as the machine computes it: with tensor parallelism rank 0 holds only its shard, so the
-    whole model is counted from its config (on the meta device: no memory)."""
-    if engine.settings.runtime.tensor_parallel_size == 1:
+    """The model's cost as the machine computes it: with tensor or pipeline parallelism rank 0 holds only its shard
+    or stage, so the whole model is counted from its config (on the meta device: no memory)."""
+    if engine.settings.runtime.world_size == 1:
         return ModelCost.of(engine.model.model)
     from transformers import AutoConfig, AutoModelForCausalLM
 

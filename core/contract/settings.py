@@ -96,10 +96,17 @@ class RuntimeSettings(Section):
     seed: int = 0
     tensor_parallel_size: PositiveInt = 1
     """Ranks the model is split over, one process each on this machine (attention heads and MLP columns sharded)."""
+    pipeline_parallel_size: PositiveInt = 1
+    """Pipeline stages the decoder layers are split over (contiguous layers), one process each on this machine."""
     distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend joining the ranks: ``auto`` is NCCL on CUDA, gloo on the CPU."""
     distributed_timeout: PositiveFloat = 300.0
     """Seconds a collective waits for a rank that is alive but silent before the run fails."""
+
+    @property
+    def world_size(self) -> int:
+        """Processes the run's model is spread over: tensor-parallel ranks times pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 _BYTE_SIZE = TypeAdapter(ByteSize)

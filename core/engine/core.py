@@ -41,12 +41,13 @@ from patchbay.scheduling.request import Request
 from patchbay.engine.model_identity import weights_fingerprint
 from patchbay.engine.kv_sizing import KVSizing, size_kv_pool
 from patchbay.engine.memory_check import check_fits, format_bytes
-from patchbay.engine.ranks import TensorParallelRanks, check_tensor_parallel
+from patchbay.engine.ranks import TensorParallelRanks, check_tensor_parallel, parallel_settings
 from patchbay.engine.step_failures import EngineDeadError, describe_failure, fail_requests, replay_alone
 from patchbay.scheduling.scheduler import Scheduler
 from patchbay.worker import distributed
 from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
 from patchbay.worker.model_loader import resolve_model_dir
+from patchbay.worker.pipeline_parallel import PausableLink, stage_layout
 from patchbay.worker.runner_build import RunnerSpec, build_runner, drafter_config, load_rank_model
 from patchbay.worker.tensor_parallel import shard_layout
 from patchbay.worker.tuning import LayerShapes, Tuning, tune
@@ -175,12 +176,16 @@ class Engine:
         self.ranks: TensorParallelRanks | None = None
         self.kv_sizing: KVSizing | None = None
         """How ``cache.memory: auto`` sized the KV pool (``None``: sized by ``cache.memory`` or ``num_blocks``)."""
-        """The other tensor-parallel ranks (``None``: this process runs the whole model)."""
-        if settings.runtime.tensor_parallel_size > 1:
+        """The other ranks: tensor-parallel shards or pipeline stages (``None``: this process runs the whole model)."""
+        if settings.runtime.world_size > 1:
             from transformers import AutoConfig
 
             check_tensor_parallel(settings, self.device)
-            shard_layout(AutoConfig.from_pretrained(model_dir), settings.runtime.tensor_parallel_size)
+            config = AutoConfig.from_pretrained(model_dir)
+            if settings.runtime.tensor_parallel_size > 1:
+                shard_layout(config, settings.runtime.tensor_parallel_size)
+            if settings.runtime.pipeline_parallel_size > 1:
+                stage_layout(config, settings.runtime.pipeline_parallel_size)
             self.ranks = TensorParallelRanks(settings, model_dir, device=self.device, dtype=self.dtype,
                                              tuning=self.tuning)
         self._close_ranks = weakref.finalize(self, self.ranks.close) if self.ranks is not None else None
@@ -193,8 +198,10 @@ class Engine:
     def _build(self, settings: Settings, registry: Registry, model_dir: Path) -> None:
         """Everything after the device, dtype and ranks: model, KV cache, plugins, scheduler, runner."""
         self._all_reduce = PausableAllReduce(self.ranks.group.all_reduce if self.ranks is not None else None)
+        self._link = PausableLink(self.ranks.group) if self.ranks is not None and self.ranks.group is not None \
+            else None
         loaded = load_rank_model(settings, model_dir, dtype=self.dtype, device=self.device, tuning=self.tuning,
-                                 all_reduce=self._all_reduce if self.ranks is not None else None)
+                                 all_reduce=self._all_reduce if self.ranks is not None else None, link=self._link)
         self.model = loaded.model
         self.quantized_linears = loaded.quantized_linears
         self.linear_paths = loaded.linear_paths
@@ -341,7 +348,8 @@ class Engine:
         scheduler = self.settings.scheduler
         step_tokens = min(scheduler.max_num_batched_tokens, self.max_model_len)
         try:
-            with self._all_reduce.paused():  # the other ranks are not stepping: rank 0 measures its shard alone
+            # The other ranks are not stepping: rank 0 measures its shard (or stage) alone.
+            with self._all_reduce.paused(), self._link.paused() if self._link else contextlib.nullcontext():
                 activations = step_activation_bytes(self.model, num_tokens=step_tokens,
                                                     num_rows=scheduler.max_num_seqs, device=self.device)
         except PeakUnmeasurable as exc:
@@ -349,7 +357,7 @@ class Engine:
                                              "give cache.memory (e.g. 2GiB) or cache.num_blocks")]) from exc
         self.kv_sizing = size_kv_pool(self.settings, self.groups, device=self.device, max_model_len=self.max_model_len,
                                       activation_bytes=activations, step_tokens=step_tokens,
-                                      ranks=self.settings.runtime.tensor_parallel_size)
+                                      ranks=self.settings.runtime.world_size)
         logger.info("KV cache (cache.memory auto): %s", self.kv_sizing.describe())
         return self.kv_sizing.num_blocks
 
@@ -363,7 +371,7 @@ class Engine:
         """
         settings = self.settings
         # Every rank allocates its own cache and batch; on the CPU they all share this machine's memory.
-        host_ranks = settings.runtime.tensor_parallel_size
+        host_ranks = settings.runtime.world_size
         device_ranks = host_ranks if self.device.type == "cpu" else 1
         each = f", on each of {host_ranks} ranks" if host_ranks > 1 else ""
         usable_blocks = max(1, num_blocks - 1)  # block 0 is the null block
@@ -456,7 +464,7 @@ class Engine:
         self._check_sampling(request_id, params)
         if params.structured_output is not None and self.ranks is not None:
             raise ValueError(f"request {request_id!r}: structured_output is not supported with "
-                             f"runtime.tensor_parallel_size {self.settings.runtime.tensor_parallel_size}")
+                             f"{parallel_settings(self.settings)}")
         check_constraint(request_id, params, self.grammars)
 
     def _check_sampling(self, request_id: str, params: SamplingParams) -> None:
@@ -644,7 +652,7 @@ class Engine:
         if self.ranks is not None:
             # Every rank would have to replay in step; a failed rank or collective cannot be replayed at all.
             raise self.ranks.failure(exc) or EngineDeadError(
-                f"a step failed with runtime.tensor_parallel_size {self.settings.runtime.tensor_parallel_size}, where "
+                f"a step failed with {parallel_settings(self.settings)}, where "
                 f"steps are not replayed request by request: {describe_failure(exc, self._plugins())}") from exc
         if self.kv_connector is not None:
             # The step's loads and saves cannot be replayed per request without re-saving blocks not yet computed.

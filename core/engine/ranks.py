@@ -1,4 +1,5 @@
-"""Tensor-parallel ranks 1..N-1 as child processes of the engine's process (rank 0): launch, steps, failure, teardown.
+"""Ranks 1..N-1 (tensor-parallel shards or pipeline stages) as child processes of the engine's process (rank 0):
+launch, steps, failure, teardown.
 
 Each rank runs :mod:`patchbay.worker.rank_worker`, reading rank 0's
 messages from a pipe.  A rank whose process ends makes the run fail within
@@ -48,7 +49,7 @@ EXIT_GRACE = 5.0
 
 
 class RankDiedError(EngineDeadError):
-    """A tensor-parallel rank's process ended, so the run cannot go on."""
+    """A rank's process (a tensor-parallel shard or a pipeline stage) ended, so the run cannot go on."""
 
 
 def distributed_backend(settings: Settings, device: torch.device) -> str:
@@ -65,15 +66,25 @@ def distributed_backend(settings: Settings, device: torch.device) -> str:
     return name
 
 
+def parallel_settings(settings: Settings) -> str:
+    """The settings that spread the run over several ranks, with their values, for messages."""
+    runtime = settings.runtime
+    named = [f"runtime.{key} {getattr(runtime, key)}" for key in ("tensor_parallel_size", "pipeline_parallel_size")
+             if getattr(runtime, key) > 1]
+    return " and ".join(named)
+
+
 def check_tensor_parallel(settings: Settings, device: torch.device) -> None:
-    """Settings a tensor-parallel run cannot serve are :class:`ConfigError` naming the keys."""
-    size = settings.runtime.tensor_parallel_size
+    """Settings a run over several ranks (shards or stages) cannot serve are :class:`ConfigError` naming the keys."""
+    size = settings.runtime.world_size
     problems = []
     if settings.kv_connector is not None:
         problems.append(ConfigProblem("<run>", "kv_connector", f"KV connectors run with one rank; "
-                                      f"runtime.tensor_parallel_size is {size}"))
+                                      f"this run has {parallel_settings(settings)}"))
     if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
-        problems.append(ConfigProblem("<run>", "runtime.tensor_parallel_size",
+        key = "runtime.pipeline_parallel_size" if settings.runtime.pipeline_parallel_size > 1 \
+            else "runtime.tensor_parallel_size"
+        problems.append(ConfigProblem("<run>", key,
                                       f"{size} ranks from {device} need {(device.index or 0) + size} CUDA devices; "
                                       f"this machine has {torch.cuda.device_count()}"))
     if problems:
@@ -85,6 +96,8 @@ class _Rank:
     rank: int
     process: subprocess.Popen[bytes]
     connection: Connection
+    ranks_per_stage: int | None
+    """``runtime.tensor_parallel_size`` when the run has pipeline stages; ``None``: it has not."""
 
     def ended(self) -> str | None:
         """How the process ended (``None``: it runs)."""
@@ -99,7 +112,11 @@ class _Rank:
         return f"exited with status {code}" + (" (its traceback is above, on stderr)" if code else "")
 
     def describe(self) -> str:
-        return f"tensor-parallel rank {self.rank} (pid {self.process.pid})"
+        if self.ranks_per_stage is None:
+            return f"tensor-parallel rank {self.rank} (pid {self.process.pid})"
+        stage, shard = divmod(self.rank, self.ranks_per_stage)
+        within = f", tensor-parallel rank {shard}" if self.ranks_per_stage > 1 else ""
+        return f"pipeline stage {stage}{within} (rank {self.rank}, pid {self.process.pid})"
 
 
 class TensorParallelRanks:
@@ -108,7 +125,7 @@ class TensorParallelRanks:
     def __init__(self, settings: Settings, model_dir: Path, *, device: torch.device, dtype: str,
                  tuning: Tuning | None) -> None:
         """Start ranks 1..N-1, send them the run's setup and join the process group with them."""
-        world_size = settings.runtime.tensor_parallel_size
+        world_size = settings.runtime.world_size
         timeout = settings.runtime.distributed_timeout
         self._store = dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout))
@@ -137,7 +154,9 @@ class TensorParallelRanks:
                                        pass_fds=(read_fd,))
         finally:
             os.close(read_fd)
-        started = _Rank(rank, process, Connection(write_fd, readable=False))
+        runtime = self.setup.settings.runtime
+        started = _Rank(rank, process, Connection(write_fd, readable=False),
+                        runtime.tensor_parallel_size if runtime.pipeline_parallel_size > 1 else None)
         started.connection.send(self.setup)
         return started
 

@@ -39,7 +39,7 @@ class RankSetup:
 
     @property
     def world_size(self) -> int:
-        return self.settings.runtime.tensor_parallel_size
+        return self.settings.runtime.world_size
 
     @property
     def timeout(self) -> datetime.timedelta:
@@ -59,8 +59,12 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def rank_threads(settings: Settings) -> int | None:
-    """Threads per rank: ``runtime.threads``, else the cores this process may run on shared evenly by the ranks
-    (``None``: torch's default, for a single rank)."""
+    """Threads per rank: ``runtime.threads``, else the cores this process may run on shared evenly by the
+    tensor-parallel ranks (``None``: torch's default, without tensor parallelism).
+
+    Pipeline stages are not counted: they compute one after the other, each
+    while the others wait for its hidden states, so each may use every core.
+    """
     if settings.runtime.threads is not None:
         return settings.runtime.threads
     world_size = settings.runtime.tensor_parallel_size
@@ -92,25 +96,53 @@ class RankGroup:
         self.all_reduce_seconds = 0.0
         """Seconds this rank spent in :meth:`all_reduce` (waiting for the slowest rank included)."""
         self._store = store
-        group_store = dist.PrefixStore("patchbay/group", store)
-        if setup.backend == "gloo":
-            self._group: dist.ProcessGroup | None = dist.ProcessGroupGloo(group_store, rank, setup.world_size,
-                                                                          setup.timeout)
-        else:
+        if setup.backend == "nccl":
             torch.cuda.set_device(rank_device(torch.device(setup.device), rank))  # NCCL works on the current device
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = setup.timeout
-            self._group = dist.ProcessGroupNCCL(group_store, rank, setup.world_size, options)
+        self._group: dist.ProcessGroup | None = _process_group(setup, dist.PrefixStore("patchbay/group", store),
+                                                               rank, setup.world_size)
+        tensor_size = setup.settings.runtime.tensor_parallel_size
+        self._tensor_group: dist.ProcessGroup | None = None
+        """The tensor-parallel ranks of this rank's pipeline stage, when there are several stages and ranks each."""
+        if tensor_size > 1 and tensor_size < setup.world_size:
+            stage_store = dist.PrefixStore(f"patchbay/stage/{rank // tensor_size}", store)
+            self._tensor_group = _process_group(setup, stage_store, rank % tensor_size, tensor_size)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over the ranks, in place."""
-        assert self._group is not None, "the rank left the group"
+        """Sum ``tensor`` over the tensor-parallel ranks (of this rank's pipeline stage), in place."""
+        group = self._tensor_group or self._group
+        assert group is not None, "the rank left the group"
         started = time.perf_counter()
         try:
-            self._group.allreduce([tensor]).wait()
+            group.allreduce([tensor]).wait()
         except RuntimeError as exc:
             raise CollectiveError(f"all-reduce on rank {self.rank} failed: {exc}") from exc
         self.all_reduce_seconds += time.perf_counter() - started
+
+    def send(self, tensor: torch.Tensor, to_rank: int) -> None:
+        """Send ``tensor`` to ``to_rank``, which receives it with :meth:`recv` (returns once it was taken)."""
+        assert self._group is not None, "the rank left the group"
+        try:
+            self._group.send([tensor], to_rank, 0).wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"send from rank {self.rank} to rank {to_rank} failed: {exc}") from exc
+
+    def recv(self, tensor: torch.Tensor, from_rank: int) -> None:
+        """Fill ``tensor`` (of the sent shape and dtype) with what ``from_rank`` sends."""
+        assert self._group is not None, "the rank left the group"
+        try:
+            self._group.recv([tensor], from_rank, 0).wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"receive on rank {self.rank} from rank {from_rank} failed: {exc}") from exc
+
+    def broadcast(self, tensor: torch.Tensor, from_rank: int) -> None:
+        """Overwrite ``tensor`` on every rank with ``from_rank``'s, in place."""
+        assert self._group is not None, "the rank left the group"
+        options = dist.BroadcastOptions()
+        options.rootRank = from_rank
+        try:
+            self._group.broadcast([tensor], options).wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"broadcast from rank {from_rank} on rank {self.rank} failed: {exc}") from exc
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point (a rank that died makes it raise at once)."""
@@ -122,6 +154,17 @@ class RankGroup:
 
     def close(self) -> None:
         """Leave the group, closing this rank's connections to the others (idempotent)."""
-        group, self._group = self._group, None
-        if group is not None:
-            group.shutdown()
+        groups = (self._tensor_group, self._group)
+        self._tensor_group = self._group = None
+        for group in groups:
+            if group is not None:
+                group.shutdown()
+
+
+def _process_group(setup: RankSetup, store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
+    """A process group of ``size`` ranks over ``store`` on the run's backend, joined as ``rank``."""
+    if setup.backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, setup.timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = setup.timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)

@@ -171,6 +171,12 @@ class AuxHiddenStates:
         if not isinstance(decoder_layers, nn.ModuleList) or len(decoder_layers) != num_layers:
             raise ModelLoadError(f"{type(model).__name__}: its decoder has no `layers` list of {num_layers} "
                                  "layers, so their hidden states cannot be captured")
+        from patchbay.worker.pipeline_parallel import PassThroughLayer  # it imports this module
+
+        elsewhere = sorted({index for index in layers if isinstance(decoder_layers[index], PassThroughLayer)})
+        if elsewhere:
+            raise ModelLoadError(f"decoder layers {elsewhere} run on other pipeline stages, so their hidden states "
+                                 "cannot be captured here (runtime.pipeline_parallel_size)")
         self.layers = tuple(layers)
         self._outputs: dict[int, torch.Tensor] = {}
         self._handles = [decoder_layers[index].register_forward_hook(self._keeper(index))

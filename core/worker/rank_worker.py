@@ -1,12 +1,15 @@
-"""A tensor-parallel rank other than 0, as a process of its own: ``python -m patchbay.worker.rank_worker FD RANK``.
+"""A rank other than 0 (a tensor-parallel shard or a pipeline stage), as a process of its own.
+
+``python -m patchbay.worker.rank_worker FD RANK``.
 
 The engine's process (rank 0) starts one per rank and talks to it over the
 read end of a pipe, file descriptor ``FD``: first a :class:`RankSetup`
 (settings and what rank 0 resolved), then, once rank 0 has chosen them, the
 runner's :class:`RunnerSpec`, then one pickled ``SchedulerOutput`` per
 step.  Each step runs ``execute_model`` exactly as rank 0 does, so the
-forward pass's all-reduces pair up and the persistent batches and seeded
-samplers stay identical; the outputs are dropped (rank 0's are the run's).
+forward pass's all-reduces (or the stages' sends, receives and broadcast)
+pair up and the persistent batches and seeded samplers stay identical; the
+outputs are dropped (rank 0's are the run's).
 
 The rank ends when the pipe closes (rank 0 finished or died: end of file),
 and on any error, with a traceback on stderr and exit status 1; a
@@ -41,7 +44,7 @@ def run_rank(connection: Connection, rank: int) -> None:
     try:
         torch.manual_seed(settings.runtime.seed)
         loaded = load_rank_model(settings, setup.model_dir, dtype=setup.dtype, device=device, tuning=setup.tuning,
-                                 rank=rank, all_reduce=group.all_reduce)
+                                 rank=rank, all_reduce=group.all_reduce, link=group)
         try:
             spec: RunnerSpec = connection.recv()
         except EOFError:  # rank 0 failed to build (its error says why) and closed the pipe

@@ -2,9 +2,9 @@
 
 Rank 0 checks the settings and chooses (the attention backend, the KV pool
 size, the batch sizes); it then builds its runner here from a
-:class:`RunnerSpec`, and sends the same spec to the other tensor-parallel
-ranks, which build theirs here too, so every rank holds the same plugins
-and sizes over its own shard of the model.
+:class:`RunnerSpec`, and sends the same spec to the other ranks
+(tensor-parallel shards or pipeline stages), which build theirs here too,
+so every rank holds the same plugins and sizes over its own part of the model.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from patchbay.worker.fused_projections import fuse_shared_input_projections
 from patchbay.worker.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.model_runner import ModelRunner
 from patchbay.worker.packed_linear import packing_supported
+from patchbay.worker.pipeline_parallel import StageLink, split_model, stage_layout
 from patchbay.worker.quantization import INT8_MAX_ROWS, quantize_linears
 from patchbay.worker.tensor_parallel import AllReduce, shard_layout, shard_model
 from patchbay.worker.tuning import LinearPaths, Tuning, apply_linear_paths
@@ -39,16 +40,23 @@ class LoadedModel:
 
 
 def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: torch.device, tuning: Tuning | None,
-                    rank: int = 0, all_reduce: AllReduce | None = None) -> LoadedModel:
-    """Load the model, keep ``rank``'s shard when ``runtime.tensor_parallel_size`` > 1, then speed up its linears.
+                    rank: int = 0, all_reduce: AllReduce | None = None, link: StageLink | None = None) -> LoadedModel:
+    """Load the model, keep ``rank``'s shard when ``runtime.tensor_parallel_size`` > 1 and its stage's layers when
+    ``runtime.pipeline_parallel_size`` > 1 (rank ``r`` is shard ``r % tensor_parallel_size`` of stage
+    ``r // tensor_parallel_size``), then speed up its linears.
 
-    ``all_reduce`` sums a tensor over the ranks (needed when sharded).
+    ``all_reduce`` sums a tensor over the ranks (needed when sharded);
+    ``link`` carries hidden states between the stages (needed when split).
     """
     model = HFCausalLM.load(model_dir, dtype=dtype, device=device)
-    world_size = settings.runtime.tensor_parallel_size
-    if world_size > 1:
+    tensor_size = settings.runtime.tensor_parallel_size
+    if tensor_size > 1:
         assert all_reduce is not None, "a sharded model needs the ranks' all-reduce"
-        shard_model(model, shard_layout(model.model.config, world_size), rank, all_reduce)
+        shard_model(model, shard_layout(model.model.config, tensor_size), rank % tensor_size, all_reduce)
+    num_stages = settings.runtime.pipeline_parallel_size
+    if num_stages > 1:
+        assert link is not None, "a model split into stages needs the link between them"
+        split_model(model, stage_layout(model.model.config, num_stages), rank, link, ranks_per_stage=tensor_size)
     quantized, paths = speed_up_linears(model, settings.runtime, settings.model.quantization,
                                         device=device, dtype=dtype, tuning=tuning)
     return LoadedModel(model, quantized, paths)
