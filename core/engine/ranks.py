@@ -1,11 +1,12 @@
 """Tensor-parallel ranks 1..N-1 as child processes of the engine's process (rank 0): launch, steps, failure, teardown.
 
 Each rank runs :mod:`patchbay.worker.rank_worker`, reading rank 0's
-messages from a pipe.  A rank whose process ends makes the run fail within
-moments: rank 0 checks its children before sending each step, and a
-collective with a dead peer raises at once; either way the error is a
+messages from a step channel (:mod:`patchbay.worker.step_channel`), a
+pipe.  A rank whose process ends makes the run fail within moments: rank 0
+checks its children before sending each step, and a collective with a dead
+peer raises at once; either way the error is a
 :class:`RankDiedError` naming the rank and how it ended.  The ranks end
-when rank 0 closes their pipes (:meth:`TensorParallelRanks.close`, also run
+when rank 0 ends the run (:meth:`TensorParallelRanks.close`, also run
 when the engine is collected or the interpreter exits) or when rank 0's
 process dies (its pipes and sockets close with it).
 """
@@ -37,7 +38,9 @@ from patchbay.contract.settings import (
     Settings,
 )
 from patchbay.engine.step_failures import EngineDeadError
+from patchbay.worker import step_channel
 from patchbay.worker.distributed import STORE_HOST, CollectiveError, RankGroup, RankSetup, joined_key
+from patchbay.worker.rank_worker import END_OF_RUN
 from patchbay.worker.runner_build import RunnerSpec
 from patchbay.worker.tuning import Tuning
 
@@ -81,7 +84,9 @@ def check_tensor_parallel(settings: Settings, device: torch.device) -> None:
 
 
 @dataclass
-class _Rank:
+class _ChildRank:
+    """A rank this process started on its machine, reading a pipe."""
+
     rank: int
     process: subprocess.Popen[bytes]
     connection: Connection
@@ -101,6 +106,15 @@ class _Rank:
     def describe(self) -> str:
         return f"tensor-parallel rank {self.rank} (pid {self.process.pid})"
 
+    def finish(self, deadline: float) -> None:
+        """Wait until ``deadline`` (monotonic) for the process to exit, then kill it."""
+        try:
+            self.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not exit within %g s; killing it", self.describe(), EXIT_GRACE)
+            self.process.kill()
+            self.process.wait()
+
 
 class TensorParallelRanks:
     """The run's other ranks, started and joined into the process group with this process as rank 0."""
@@ -117,29 +131,32 @@ class TensorParallelRanks:
                                                     "server": ServerSettings()})
         self.setup = RankSetup(rank_settings, model_dir, str(device), dtype, tuning, self._store.port,
                                distributed_backend(settings, device))
-        self.ranks: list[_Rank] = []
+        self.ranks: list[_ChildRank] = []
         self.group: RankGroup | None = None
         """Rank 0's membership of the process group (its ``all_reduce`` is what the sharded model calls)."""
         self._closed = False
+        self._runners_started = False
         try:
             for rank in range(1, world_size):
                 self.ranks.append(self._start(rank))
+            self._send(pickle.dumps(self.setup, protocol=pickle.HIGHEST_PROTOCOL))
             self._wait_until_joining(timeout)
             self.group = RankGroup(self.setup, 0, self._store)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, rank: int) -> _Rank:
-        read_fd, write_fd = os.pipe()
+    def _start(self, rank: int) -> _ChildRank:
+        read_fd, connection = step_channel.open_pipe()
         try:
             process = subprocess.Popen([sys.executable, "-m", "patchbay.worker.rank_worker", str(read_fd), str(rank)],
                                        pass_fds=(read_fd,))
+        except BaseException:
+            connection.close()
+            raise
         finally:
             os.close(read_fd)
-        started = _Rank(rank, process, Connection(write_fd, readable=False))
-        started.connection.send(self.setup)
-        return started
+        return _ChildRank(rank, process, connection)
 
     def _wait_until_joining(self, timeout: float) -> None:
         """Wait for every rank to reach the process group, failing as soon as one of them ends."""
@@ -164,6 +181,7 @@ class TensorParallelRanks:
             if died is not None:
                 raise died from exc
             raise
+        self._runners_started = True
 
     def send_step(self, scheduler_output: Any) -> None:
         """Hand a step to every other rank; raise :class:`RankDiedError` when one has ended."""
@@ -209,21 +227,26 @@ class TensorParallelRanks:
             time.sleep(0.02)
 
     def close(self) -> None:
-        """End the other ranks (they exit when their pipe closes; killed after a grace) and leave the group."""
+        """End the other ranks and leave the group.
+
+        Once the runners started, the ranks are told the run ended (they exit
+        0); before, their channel just closes (they exit 1: rank 0 failed).
+        Ranks this process started are killed if they outlive a grace.
+        """
         if self._closed:
             return
         self._closed = True
         for rank in self.ranks:
+            if self._runners_started:
+                try:
+                    rank.connection.send_bytes(END_OF_RUN)
+                except OSError:
+                    pass  # the rank is gone already
             rank.connection.close()
         # Leaving closes rank 0's sockets, which frees a rank blocked in a collective rank 0 will never join.
         if self.group is not None:
             self.group.close()
         deadline = time.monotonic() + EXIT_GRACE
         for rank in self.ranks:
-            try:
-                rank.process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not exit within %g s; killing it", rank.describe(), EXIT_GRACE)
-                rank.process.kill()
-                rank.process.wait()
+            rank.finish(deadline)
 

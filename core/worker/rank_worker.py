@@ -1,16 +1,21 @@
-"""A tensor-parallel rank other than 0, as a process of its own: ``python -m patchbay.worker.rank_worker FD RANK``.
+"""A tensor-parallel rank other than 0, as a process of its own.
 
-The engine's process (rank 0) starts one per rank and talks to it over the
-read end of a pipe, file descriptor ``FD``: first a :class:`RankSetup`
-(settings and what rank 0 resolved), then, once rank 0 has chosen them, the
-runner's :class:`RunnerSpec`, then one pickled ``SchedulerOutput`` per
-step.  Each step runs ``execute_model`` exactly as rank 0 does, so the
-forward pass's all-reduces pair up and the persistent batches and seeded
-samplers stay identical; the outputs are dropped (rank 0's are the run's).
+Rank 0 (the engine's process) talks to it over a step channel
+(:mod:`patchbay.worker.step_channel`): first a :class:`RankSetup` (settings
+and what rank 0 resolved), then, once rank 0 has chosen them, the runner's
+:class:`RunnerSpec`, then one pickled ``SchedulerOutput`` per step, and an
+empty message when the run ends.  Each step runs ``execute_model`` exactly
+as rank 0 does, so the forward pass's all-reduces pair up and the
+persistent batches and seeded samplers stay identical; the outputs are
+dropped (rank 0's are the run's).
 
-The rank ends when the pipe closes (rank 0 finished or died: end of file),
-and on any error, with a traceback on stderr and exit status 1; a
-collective whose peer died raises at once, so a rank never outlives the run.
+Rank 0 starts it as ``python -m patchbay.worker.rank_worker FD RANK``,
+reading a pipe at file descriptor ``FD``.
+
+The rank exits 0 when rank 0 ends the run, and 1 on any error, with a
+traceback on stderr, or when its channel closes before the end (rank 0
+died); a collective whose peer died raises at once, so a rank never
+outlives the run.
 """
 
 from __future__ import annotations
@@ -27,11 +32,27 @@ from patchbay.contract.registry import registry_for
 from patchbay.worker import distributed
 from patchbay.worker.distributed import RankSetup
 from patchbay.worker.runner_build import RunnerSpec, build_runner, load_rank_model
+from patchbay.worker.step_channel import pipe_end
+
+END_OF_RUN = b""
+"""The message rank 0 sends when the run ends normally (any step is a non-empty pickle)."""
+
+
+class RankZeroGoneError(RuntimeError):
+    """Rank 0's step channel closed before it ended the run: rank 0 failed or died."""
+
+
+def _receive(connection: Connection, rank: int) -> bytes:
+    try:
+        return connection.recv_bytes()
+    except (EOFError, ConnectionResetError):
+        raise RankZeroGoneError(f"tensor-parallel rank {rank}: rank 0 closed the step channel before ending the run "
+                                "(it failed or died; its own error says why)") from None
 
 
 def run_rank(connection: Connection, rank: int) -> None:
-    """Build this rank's runner from what rank 0 sends, then run its steps until the pipe closes."""
-    setup: RankSetup = connection.recv()
+    """Build this rank's runner from what rank 0 sends, then run its steps until rank 0 ends the run."""
+    setup: RankSetup = pickle.loads(_receive(connection, rank))
     settings = setup.settings
     threads = distributed.rank_threads(settings)
     if threads is not None:
@@ -42,19 +63,12 @@ def run_rank(connection: Connection, rank: int) -> None:
         torch.manual_seed(settings.runtime.seed)
         loaded = load_rank_model(settings, setup.model_dir, dtype=setup.dtype, device=device, tuning=setup.tuning,
                                  rank=rank, all_reduce=group.all_reduce)
-        try:
-            spec: RunnerSpec = connection.recv()
-        except EOFError:  # rank 0 failed to build (its error says why) and closed the pipe
-            return
+        spec: RunnerSpec = pickle.loads(_receive(connection, rank))
         runner = build_runner(loaded.model, settings, registry_for(settings.plugins), spec, device=device,
                               dtype=setup.dtype)
         torch.manual_seed(settings.runtime.seed)  # as rank 0 does once built: the samplers start alike
         group.barrier()
-        while True:
-            try:
-                message = connection.recv_bytes()
-            except EOFError:
-                return
+        while (message := _receive(connection, rank)) != END_OF_RUN:
             runner.execute_model(pickle.loads(message))
     finally:
         group.close()
@@ -65,8 +79,11 @@ def main(argv: list[str] | None = None) -> None:
     fd, rank = (int(arg) for arg in (argv if argv is not None else sys.argv[1:]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
     logging.basicConfig(level=logging.WARNING, format=f"patchbay rank {rank}: %(levelname)s %(name)s: %(message)s")
-    with Connection(fd, writable=False) as connection:
-        run_rank(connection, rank)
+    try:
+        with pipe_end(fd) as connection:
+            run_rank(connection, rank)
+    except RankZeroGoneError as exc:
+        sys.exit(f"patchbay: {exc}")
 
 
 if __name__ == "__main__":
