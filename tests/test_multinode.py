@@ -90,10 +90,11 @@ def alive(pids: list[int]) -> list[int]:
     return [pid for pid in pids if (fields := _stat(pid)) is not None and fields[0] != "Z"]
 
 
-def write_job(directory: Path, model: Path, *, max_tokens: int, prompts: list[list[int]]) -> None:
+def write_job(directory: Path, model: Path, *, max_tokens: int, prompts: list[list[int]], server_port: int = 0) -> None:
     """The guide's ``job.yaml``, for the tiny model: two ranks, one thread each (both "nodes" share this machine)."""
     items = "\n".join(f"    - {{prompt_token_ids: {prompt}}}" for prompt in prompts)
     (directory / "job.yaml").write_text(textwrap.dedent(f"""\
+        server: {{host: 127.0.0.1, port: {server_port}}}
         model: {{path: {model}, dtype: float32, max_model_len: 128}}
         runtime: {{tensor_parallel_size: 2, threads: 1, distributed_timeout: 60}}
         cache: {{block_size: 4, num_blocks: 64}}
@@ -107,13 +108,15 @@ def write_job(directory: Path, model: Path, *, max_tokens: int, prompts: list[li
 class Nodes:
     """The two nodes' torchrun processes, logging to files in ``directory``."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, command: str = "run") -> None:
+        """Run the documented lines, with ``patchbay serve`` instead of ``patchbay run`` if ``command`` says so."""
         port = free_port()
         env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
         self.logs = {node: directory / f"node{node}.log" for node in (0, 1)}
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
         for node, words in sorted(documented_node_commands().items()):
             with self.logs[node].open("w") as log:
+                words = [command if word == "run" else word for word in words]
                 self.processes[node] = subprocess.Popen(on_loopback(words, port), cwd=directory, env=env,
                                                         stdout=log, stderr=subprocess.STDOUT)
 
@@ -144,12 +147,12 @@ class Nodes:
 
 
 @pytest.fixture
-def launch_nodes() -> Iterator[Callable[[Path], Nodes]]:
+def launch_nodes() -> Iterator[Callable[..., Nodes]]:
     """Start both nodes in a directory; whatever is left of them is killed after the test."""
     launched: list[Nodes] = []
 
-    def launch(directory: Path) -> Nodes:
-        launched.append(Nodes(directory))
+    def launch(directory: Path, command: str = "run") -> Nodes:
+        launched.append(Nodes(directory, command))
         return launched[-1]
 
     yield launch
@@ -159,7 +162,7 @@ def launch_nodes() -> Iterator[Callable[[Path], Nodes]]:
 
 @pytest.mark.slow
 def test_the_documented_two_node_recipe_runs_one_job(tiny_llama: Path, tmp_path: Path,
-                                                     launch_nodes: Callable[[Path], Nodes]) -> None:
+                                                     launch_nodes: Callable[..., Nodes]) -> None:
     write_job(tmp_path, tiny_llama, max_tokens=NUM_TOKENS, prompts=PROMPTS)
     nodes = launch_nodes(tmp_path)
     status = {node: nodes.wait(node) for node in (0, 1)}
@@ -172,7 +175,7 @@ def test_the_documented_two_node_recipe_runs_one_job(tiny_llama: Path, tmp_path:
 
 @pytest.mark.slow
 def test_killing_node_1_fails_node_0_naming_rank_1_and_leaves_no_process(
-        tiny_llama: Path, tmp_path: Path, launch_nodes: Callable[[Path], Nodes]) -> None:
+        tiny_llama: Path, tmp_path: Path, launch_nodes: Callable[..., Nodes]) -> None:
     # One request at a time, each the longest the model allows: the job runs long after the ranks are built.
     write_job(tmp_path, tiny_llama, max_tokens=120, prompts=PROMPTS[:1] * 8)
     nodes = launch_nodes(tmp_path)
@@ -187,6 +190,33 @@ def test_killing_node_1_fails_node_0_naming_rank_1_and_leaves_no_process(
     assert nodes.wait(0, timeout=60) != 0
     print(f"node 0 ended {time.monotonic() - started:.2f} s after node 1 was killed")
     assert "patchbay: error: tensor-parallel rank 1 (launched by torchrun)" in nodes.log(0), nodes.log(0)[-3000:]
+    assert alive(both) == []
+
+
+@pytest.mark.slow
+def test_patchbay_serve_on_two_nodes_answers_and_both_end_with_node_0(tiny_llama: Path, tmp_path: Path,
+                                                                      launch_nodes: Callable[..., Nodes]) -> None:
+    import httpx
+
+    port = free_port()
+    write_job(tmp_path, tiny_llama, max_tokens=NUM_TOKENS, prompts=PROMPTS, server_port=port)
+    nodes = launch_nodes(tmp_path, "serve")
+    deadline = time.monotonic() + 90
+    while True:
+        assert nodes.processes[0].poll() is None and time.monotonic() < deadline, nodes.log(0)[-3000:]
+        try:
+            response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                                  json={"model": tiny_llama.name, "prompt": "hello world", "max_tokens": 8,
+                                        "temperature": 0.0})
+            break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 1
+    both = nodes.processes_of(0) + nodes.processes_of(1)
+    nodes.processes[0].send_signal(signal.SIGTERM)  # as Ctrl-C or a supervisor would stop node 0's torchrun
+    nodes.wait(0, timeout=60)
+    assert nodes.wait(1, timeout=60) == 0, nodes.log(1)[-3000:]
     assert alive(both) == []
 
 
