@@ -119,13 +119,9 @@ def cli_commands() -> dict[str, set[str]]:
 COMMAND = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(?:\S*/)?patchbay\s+(\S+)(?:\s+(\S+))?")
 
 
-def documented_command_lines(text: str) -> list[str]:
-    """Every ``patchbay ...`` command line the text shows.
-
-    Command lines are the lines of sh/bash/console blocks, lines after a ``$ `` prompt in
-    any block, and inline code that starts with the command (``.venv/bin/patchbay run``).
-    Environment assignments before the command are skipped.
-    """
+def shell_lines(text: str) -> list[str]:
+    """The lines of sh/bash/console blocks (without a trailing shell comment) and lines after a ``$ `` prompt
+    in any block: the command lines the text shows, whatever they run."""
     lines: list[str] = []
     for info, body in fenced_blocks(text):
         language = info.split()[0] if info else ""
@@ -134,8 +130,17 @@ def documented_command_lines(text: str) -> list[str]:
             if line.startswith("$ "):
                 lines.append(line[2:])
             elif language in ("sh", "bash", "shell", "console"):
-                lines.append(re.sub(r"\s+#.*$", "", line))  # drop a trailing shell comment
-    lines += [span.strip("`") for span in INLINE_CODE.findall(prose(text))]
+                lines.append(re.sub(r"\s+#.*$", "", line))
+    return lines
+
+
+def documented_command_lines(text: str) -> list[str]:
+    """Every ``patchbay ...`` command line the text shows.
+
+    Command lines are the :func:`shell_lines` and inline code that starts with the command
+    (``.venv/bin/patchbay run``). Environment assignments before the command are skipped.
+    """
+    lines = shell_lines(text) + [span.strip("`") for span in INLINE_CODE.findall(prose(text))]
     return [line for line in lines if COMMAND.match(line)]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -181,6 +182,22 @@ def test_greedy_tokens_over_two_ranks_equal_one_process_and_transformers(tp2: pa
     again = tp2.generate(PROMPTS, params)
     assert [output.token_ids for output in again] == expected
     assert all(output.metrics.num_cached_tokens > 0 for output in again)
+
+
+@pytest.mark.slow
+def test_runtime_master_addr_and_port_place_the_store_of_the_ranks_started_here(tiny_llama: Path,
+                                                                               single: patchbay.LLM) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    llm = patchbay.LLM(model__path=str(tiny_llama), runtime__master_addr="127.0.0.1", runtime__master_port=port,
+                       **TP2)
+    try:
+        assert llm.engine.ranks is not None
+        assert (llm.engine.ranks.setup.store_host, llm.engine.ranks.setup.store_port) == ("127.0.0.1", port)
+        assert greedy(llm, PROMPTS[:1]) == greedy(single, PROMPTS[:1])
+    finally:
+        llm.engine.close()
 
 
 @pytest.mark.slow

@@ -102,6 +102,12 @@ class RuntimeSettings(Section):
     """torch.distributed backend joining the ranks: ``auto`` is NCCL on CUDA, gloo on the CPU."""
     distributed_timeout: PositiveFloat = 300.0
     """Seconds a collective waits for a rank that is alive but silent before the run fails."""
+    master_addr: str | None = None
+    """Rank 0's address as the other ranks reach it (the store and step channel listen there); default: torchrun's
+    ``MASTER_ADDR`` under torchrun, else the loopback interface."""
+    master_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    """Port of the run's torch.distributed store; default: torchrun's ``MASTER_PORT`` under torchrun, else a free
+    port."""
 
     @property
     def world_size(self) -> int:

@@ -15,12 +15,14 @@ if TYPE_CHECKING:
     from patchbay.engine.detokenizer import IncrementalDetokenizer, StreamingText
     from patchbay.engine.outputs import Completion, RequestMetrics, RequestOutput
     from patchbay.engine.prompts import Prompt, encode_prompt
+    from patchbay.engine.ranks import run_launched_rank
     from patchbay.engine.step_failures import EngineDeadError
     from patchbay.worker.model_loader import ModelLoadError
 
 __all__ = ["AsyncLLM", "ChoiceDelta", "Completion", "Engine", "EngineDeadError", "EngineSnapshot",
            "IncrementalDetokenizer", "KVConnectorStalledError", "ModelLoadError", "Prompt", "RequestDelta",
-           "RequestMetrics", "RequestOutput", "StreamingText", "encode_prompt", "measure_machine_defaults"]
+           "RequestMetrics", "RequestOutput", "StreamingText", "encode_prompt", "measure_machine_defaults",
+           "run_launched_rank"]
 _ASYNC = "patchbay.engine.async_llm"
 _MODULE_OF = {"Engine": "patchbay.engine.core", "KVConnectorStalledError": "patchbay.engine.core",
               "ModelLoadError": "patchbay.worker.model_loader",
@@ -29,7 +31,7 @@ _MODULE_OF = {"Engine": "patchbay.engine.core", "KVConnectorStalledError": "patc
               "EngineDeadError": "patchbay.engine.step_failures",
               "RequestDelta": _ASYNC, "IncrementalDetokenizer": "patchbay.engine.detokenizer",
               "StreamingText": "patchbay.engine.detokenizer", "Prompt": "patchbay.engine.prompts",
-              "encode_prompt": "patchbay.engine.prompts"}
+              "encode_prompt": "patchbay.engine.prompts", "run_launched_rank": "patchbay.engine.ranks"}
 """Where each public name lives when it is not in :mod:`patchbay.engine.outputs`."""
 
 

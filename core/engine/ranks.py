@@ -1,14 +1,17 @@
-"""Ranks 1..N-1 (tensor-parallel shards or pipeline stages) as child processes of the engine's process (rank 0):
+"""Ranks 1..N-1 (tensor-parallel shards or pipeline stages) as seen from the engine's process (rank 0):
 launch, steps, failure, teardown.
 
 Each rank runs :mod:`patchbay.worker.rank_worker`, reading rank 0's
-messages from a pipe.  A rank whose process ends makes the run fail within
+messages from a step channel (:mod:`patchbay.worker.step_channel`): a pipe
+to a child process rank 0 started, or a TCP connection from a rank
+``torchrun`` launched.  A rank whose process ends makes the run fail within
 moments: rank 0 checks its children before sending each step, and a
 collective with a dead peer raises at once; either way the error is a
 :class:`RankDiedError` naming the rank and how it ended.  The ranks end
-when rank 0 closes their pipes (:meth:`TensorParallelRanks.close`, also run
+when rank 0 ends the run (:meth:`TensorParallelRanks.close`, also run
 when the engine is collected or the interpreter exits) or when rank 0's
-process dies (its pipes and sockets close with it).
+process dies (its pipes and sockets close with it); a rank rank 0 did not
+start is noticed ending when its connection closes.
 """
 
 from __future__ import annotations
@@ -38,7 +41,11 @@ from patchbay.contract.settings import (
     Settings,
 )
 from patchbay.engine.step_failures import EngineDeadError
+from patchbay.worker import step_channel
 from patchbay.worker.distributed import STORE_HOST, CollectiveError, RankGroup, RankSetup, joined_key
+from patchbay.worker.rank_worker import END_OF_RUN, RankZeroGoneError, run_torchrun_rank
+from patchbay.worker.step_channel import StepChannelError
+from patchbay.worker.torchrun import check_world_size, rendezvous_store, store_address, torchrun_launch
 from patchbay.worker.runner_build import RunnerSpec
 from patchbay.worker.tuning import Tuning
 
@@ -81,7 +88,8 @@ def check_tensor_parallel(settings: Settings, device: torch.device) -> None:
     if settings.kv_connector is not None:
         problems.append(ConfigProblem("<run>", "kv_connector", f"KV connectors run with one rank; "
                                       f"this run has {parallel_settings(settings)}"))
-    if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+    # Ranks torchrun launched may be on other machines, each with its own devices.
+    if device.type == "cuda" and torchrun_launch() is None and (device.index or 0) + size > torch.cuda.device_count():
         key = "runtime.pipeline_parallel_size" if settings.runtime.pipeline_parallel_size > 1 \
             else "runtime.tensor_parallel_size"
         problems.append(ConfigProblem("<run>", key,
@@ -92,7 +100,9 @@ def check_tensor_parallel(settings: Settings, device: torch.device) -> None:
 
 
 @dataclass
-class _Rank:
+class _ChildRank:
+    """A rank this process started on its machine, reading a pipe."""
+
     rank: int
     process: subprocess.Popen[bytes]
     connection: Connection
@@ -118,47 +128,107 @@ class _Rank:
         within = f", tensor-parallel rank {shard}" if self.ranks_per_stage > 1 else ""
         return f"pipeline stage {stage}{within} (rank {self.rank}, pid {self.process.pid})"
 
+    def finish(self, deadline: float) -> None:
+        """Wait until ``deadline`` (monotonic) for the process to exit, then kill it."""
+        try:
+            self.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not exit within %g s; killing it", self.describe(), EXIT_GRACE)
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass
+class _LaunchedRank:
+    """A rank torchrun started (on this machine or another), connected to this process over TCP."""
+
+    rank: int
+    connection: Connection
+
+    def ended(self) -> str | None:
+        """How the rank ended, as far as rank 0 can tell (``None``: its connection is open)."""
+        if step_channel.peer_closed(self.connection):
+            return "closed its step channel (its process ended or its machine went away)"
+        return None
+
+    def describe(self) -> str:
+        return f"tensor-parallel rank {self.rank} (launched by torchrun)"
+
+    def finish(self, deadline: float) -> None:
+        """Nothing to wait for: the rank exits once its channel closes, and its launcher waits for it."""
+
 
 class TensorParallelRanks:
-    """The run's other ranks, started and joined into the process group with this process as rank 0."""
+    """The run's other ranks, started and joined into the process group with this process as rank 0.
+
+    Rank 0 starts ranks 1..N-1 itself, unless ``torchrun`` launched this
+    process (:mod:`patchbay.worker.torchrun`): then the ranks connect to it.
+    """
 
     def __init__(self, settings: Settings, model_dir: Path, *, device: torch.device, dtype: str,
                  tuning: Tuning | None) -> None:
-        """Start ranks 1..N-1, send them the run's setup and join the process group with them."""
+        """Start (or await) ranks 1..N-1, send them the run's setup and join the process group with them."""
         world_size = settings.runtime.world_size
         timeout = settings.runtime.distributed_timeout
-        self._store = dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=timeout))
+        launch = torchrun_launch()
+        if launch is not None:
+            check_world_size(settings, launch)
+            if launch.rank != 0:
+                raise ConfigError([ConfigProblem("<environment>", "RANK", f"torchrun's rank {launch.rank} runs the "
+                                                 "rank loop (patchbay run/serve do), not an engine")])
+            store_host, store_port = store_address(settings, launch)
+            self._store = rendezvous_store(settings, launch)
+        else:
+            store_host = settings.runtime.master_addr or STORE_HOST
+            self._store = dist.TCPStore(store_host, settings.runtime.master_port or 0, world_size, is_master=True,
+                                        wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
+            store_port = self._store.port
         # The ranks build a model and a runner: the run's inputs, outputs and server (API keys) are rank 0's alone.
         rank_settings = settings.model_copy(update={"inputs": InputSettings(), "outputs": OutputSettings(),
                                                     "server": ServerSettings()})
-        self.setup = RankSetup(rank_settings, model_dir, str(device), dtype, tuning, self._store.port,
+        self.setup = RankSetup(rank_settings, model_dir, str(device), dtype, tuning, store_host, store_port,
                                distributed_backend(settings, device))
-        self.ranks: list[_Rank] = []
+        self.ranks: list[_ChildRank | _LaunchedRank] = []
         self.group: RankGroup | None = None
         """Rank 0's membership of the process group (its ``all_reduce`` is what the sharded model calls)."""
         self._closed = False
+        self._runners_started = False
         try:
-            for rank in range(1, world_size):
-                self.ranks.append(self._start(rank))
+            if launch is None:
+                for rank in range(1, world_size):
+                    self.ranks.append(self._start(rank))
+            else:
+                self.ranks = self._accept(store_host, world_size, timeout)
+            self._send(pickle.dumps(self.setup, protocol=pickle.HIGHEST_PROTOCOL))
             self._wait_until_joining(timeout)
-            self.group = RankGroup(self.setup, 0, self._store)
+            self.group = RankGroup(self.setup, 0, device, self._store)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, rank: int) -> _Rank:
-        read_fd, write_fd = os.pipe()
+    def _start(self, rank: int) -> _ChildRank:
+        read_fd, connection = step_channel.open_pipe()
         try:
             process = subprocess.Popen([sys.executable, "-m", "patchbay.worker.rank_worker", str(read_fd), str(rank)],
                                        pass_fds=(read_fd,))
+        except BaseException:
+            connection.close()
+            raise
         finally:
             os.close(read_fd)
         runtime = self.setup.settings.runtime
-        started = _Rank(rank, process, Connection(write_fd, readable=False),
-                        runtime.tensor_parallel_size if runtime.pipeline_parallel_size > 1 else None)
-        started.connection.send(self.setup)
-        return started
+        return _ChildRank(rank, process, connection,
+                          runtime.tensor_parallel_size if runtime.pipeline_parallel_size > 1 else None)
+
+    def _accept(self, host: str, world_size: int, timeout: float) -> list[_ChildRank | _LaunchedRank]:
+        listener = step_channel.StepListener(host, self._store)
+        try:
+            connected = listener.accept(set(range(1, world_size)), timeout)
+        except step_channel.StepChannelError as exc:
+            raise RankDiedError(str(exc)) from None
+        finally:
+            listener.close()
+        return [_LaunchedRank(rank, connected[rank]) for rank in sorted(connected)]
 
     def _wait_until_joining(self, timeout: float) -> None:
         """Wait for every rank to reach the process group, failing as soon as one of them ends."""
@@ -183,6 +253,7 @@ class TensorParallelRanks:
             if died is not None:
                 raise died from exc
             raise
+        self._runners_started = True
 
     def send_step(self, scheduler_output: Any) -> None:
         """Hand a step to every other rank; raise :class:`RankDiedError` when one has ended."""
@@ -228,21 +299,49 @@ class TensorParallelRanks:
             time.sleep(0.02)
 
     def close(self) -> None:
-        """End the other ranks (they exit when their pipe closes; killed after a grace) and leave the group."""
+        """End the other ranks and leave the group.
+
+        Once the runners started, the ranks are told the run ended (they exit
+        0); before, their channel just closes (they exit 1: rank 0 failed).
+        Ranks this process started are killed if they outlive a grace.
+        """
         if self._closed:
             return
         self._closed = True
         for rank in self.ranks:
+            if self._runners_started:
+                try:
+                    rank.connection.send_bytes(END_OF_RUN)
+                except OSError:
+                    pass  # the rank is gone already
             rank.connection.close()
         # Leaving closes rank 0's sockets, which frees a rank blocked in a collective rank 0 will never join.
         if self.group is not None:
             self.group.close()
         deadline = time.monotonic() + EXIT_GRACE
         for rank in self.ranks:
-            try:
-                rank.process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not exit within %g s; killing it", rank.describe(), EXIT_GRACE)
-                rank.process.kill()
-                rank.process.wait()
+            rank.finish(deadline)
+
+
+def run_launched_rank(settings: Settings) -> int | None:
+    """Run this process's rank when ``torchrun`` launched it as a rank other than 0.
+
+    Returns the process's exit status once rank 0 ends the run (0), or once
+    its channel closed early (1, the reason on stderr); ``None`` when this
+    process is to run the engine itself (rank 0, or no torchrun launch).
+    A ``WORLD_SIZE`` other than the run's ranks (``runtime.tensor_parallel_size``
+    x ``pipeline_parallel_size``) is a :class:`ConfigError` on every rank.
+    """
+    launch = torchrun_launch()
+    if launch is None:
+        return None
+    check_world_size(settings, launch)
+    if launch.rank == 0:
+        return None
+    try:
+        run_torchrun_rank(settings, launch)
+    except (RankZeroGoneError, StepChannelError) as exc:
+        print(f"patchbay: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 

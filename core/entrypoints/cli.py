@@ -165,10 +165,13 @@ def _warn_about_failures(registry: Registry) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from patchbay.engine import run_launched_rank
     from patchbay.entrypoints.run_command import run_from_settings
 
     settings = _load(args, args.config)
-    return run_from_settings(settings, config_path=args.config)
+    # Under torchrun, ranks other than 0 serve rank 0's steps instead of running the job.
+    status = run_launched_rank(settings)
+    return status if status is not None else run_from_settings(settings, config_path=args.config)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -194,10 +197,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from patchbay.engine import run_launched_rank
     from patchbay.entrypoints.serve.command import serve_from_settings
 
     settings = load_settings(args.config, overrides=args.set or [], registry=registry_for)
-    return serve_from_settings(settings)
+    status = run_launched_rank(settings)  # as in cmd_run: only rank 0 serves
+    return status if status is not None else serve_from_settings(settings)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -1,9 +1,11 @@
 """The torch.distributed process group of a tensor-parallel run, as every rank joins it.
 
 Rank 0 (the engine's process) hosts a ``TCPStore`` on the loopback
-interface; each rank posts a key in it once it is about to join, so rank 0
-can watch its children while it waits instead of blocking in the group's
-rendezvous on a rank that already died.
+interface when it starts the ranks itself (under ``torchrun`` the store is
+the launcher's, at ``runtime.master_addr``/``master_port``: see
+:mod:`patchbay.worker.torchrun`); each rank posts a key in it once it is
+about to join, so rank 0 can watch the ranks while it waits instead of
+blocking in the group's rendezvous on a rank that already died.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from patchbay.contract.settings import Settings
+from patchbay.worker.torchrun import torchrun_launch
 from patchbay.worker.tuning import Tuning
 
 STORE_HOST = "127.0.0.1"
@@ -33,6 +36,7 @@ class RankSetup:
     """Rank 0's device; rank ``r`` of a CUDA run uses the ``r``-th device after it."""
     dtype: str
     tuning: Tuning | None
+    store_host: str
     store_port: int
     backend: str
     """``gloo`` or ``nccl`` (resolved from ``runtime.distributed_backend``)."""
@@ -60,9 +64,10 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 def rank_threads(settings: Settings) -> int | None:
     """Threads per rank: ``runtime.threads``, else the cores this process may run on shared evenly by the
-    tensor-parallel ranks (``None``: torch's default, without tensor parallelism).
+    ranks on this machine (all of them, or torchrun's ``LOCAL_WORLD_SIZE``); ``None``: torch's default,
+    without tensor parallelism.
 
-    Pipeline stages are not counted: they compute one after the other, each
+    Pipeline stages alone are not counted: they compute one after the other, each
     while the others wait for its hidden states, so each may use every core.
     """
     if settings.runtime.threads is not None:
@@ -70,8 +75,10 @@ def rank_threads(settings: Settings) -> int | None:
     world_size = settings.runtime.tensor_parallel_size
     if world_size == 1:
         return None
+    launch = torchrun_launch()
+    ranks_here = launch.local_world_size if launch is not None else world_size
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // world_size)
+    return max(1, cores // ranks_here)
 
 
 class CollectiveError(RuntimeError):
@@ -86,18 +93,22 @@ class RankGroup:
     its own use of torch.distributed is left alone.
     """
 
-    def __init__(self, setup: RankSetup, rank: int, store: dist.Store | None = None) -> None:
-        """Join as ``rank``: workers connect to rank 0's store and say so; rank 0 passes the store it hosts."""
+    def __init__(self, setup: RankSetup, rank: int, device: torch.device, store: dist.Store | None = None) -> None:
+        """Join as ``rank`` (on ``device``) through ``store``, or else a new connection to the store of ``setup``.
+
+        A rank other than 0 says in the store that it is joining.
+        """
         if store is None:
-            store = dist.TCPStore(STORE_HOST, setup.store_port, setup.world_size, is_master=False,
+            store = dist.TCPStore(setup.store_host, setup.store_port, setup.world_size, is_master=False,
                                   timeout=setup.timeout)
+        if rank != 0:
             store.set(joined_key(rank), str(os.getpid()))
         self.rank = rank
         self.all_reduce_seconds = 0.0
         """Seconds this rank spent in :meth:`all_reduce` (waiting for the slowest rank included)."""
         self._store = store
         if setup.backend == "nccl":
-            torch.cuda.set_device(rank_device(torch.device(setup.device), rank))  # NCCL works on the current device
+            torch.cuda.set_device(device)  # NCCL works on the current device
         self._group: dist.ProcessGroup | None = _process_group(setup, dist.PrefixStore("patchbay/group", store),
                                                                rank, setup.world_size)
         tensor_size = setup.settings.runtime.tensor_parallel_size
