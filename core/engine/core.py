@@ -47,6 +47,7 @@ from patchbay.scheduling.scheduler import Scheduler
 from patchbay.worker import distributed
 from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
 from patchbay.worker.model_loader import resolve_model_dir
+from patchbay.worker.torchrun import torchrun_launch
 from patchbay.worker.pipeline_parallel import PausableLink, stage_layout
 from patchbay.worker.runner_build import RunnerSpec, build_runner, drafter_config, load_rank_model
 from patchbay.worker.tensor_parallel import shard_layout
@@ -83,6 +84,12 @@ def resolve_dtype(name: str, device: torch.device, tuning: Tuning | None) -> str
     if device.type == "cpu":
         return tuning.dtype if tuning is not None else "float32"
     return "bfloat16"
+
+
+def ranks_on_this_machine(settings: Settings) -> int:
+    """The run's ranks whose memory this machine holds: all of them, or torchrun's ``LOCAL_WORLD_SIZE``."""
+    launch = torchrun_launch()
+    return launch.local_world_size if launch is not None else settings.runtime.world_size
 
 
 def single_thread_max_tokens(setting: int | str, dtype: str, tuning: Tuning | None) -> int:
@@ -357,7 +364,7 @@ class Engine:
                                              "give cache.memory (e.g. 2GiB) or cache.num_blocks")]) from exc
         self.kv_sizing = size_kv_pool(self.settings, self.groups, device=self.device, max_model_len=self.max_model_len,
                                       activation_bytes=activations, step_tokens=step_tokens,
-                                      ranks=self.settings.runtime.world_size)
+                                      ranks=ranks_on_this_machine(self.settings))
         logger.info("KV cache (cache.memory auto): %s", self.kv_sizing.describe())
         return self.kv_sizing.num_blocks
 
