@@ -14,7 +14,6 @@ import logging
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from patchbay.worker import distributed
 from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.torchrun import torchrun_launch
-from patchbay.worker.pipeline_parallel import PausableLink, stage_layout
+from patchbay.worker.pipeline_parallel import stage_layout
 from patchbay.worker.runner_build import RunnerSpec, build_runner, drafter_config, load_rank_model
 from patchbay.worker.tensor_parallel import shard_layout
 from patchbay.worker.tuning import LayerShapes, Tuning, tune
@@ -121,27 +120,6 @@ def measure_machine_defaults(settings: Settings) -> Tuning:
     return tune(LayerShapes.of(getattr(config, "text_config", config)), fresh=True)
 
 
-class PausableAllReduce:
-    """The ranks' all-reduce, which rank 0 can pause while it runs a forward pass the other ranks do not."""
-
-    def __init__(self, all_reduce: Callable[[torch.Tensor], None] | None) -> None:
-        self._all_reduce = all_reduce
-        self._paused = False
-
-    def __call__(self, tensor: torch.Tensor) -> None:
-        if not self._paused and self._all_reduce is not None:
-            self._all_reduce(tensor)
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Skip the all-reduces inside the block (a memory profile: the values are wrong, the sizes are right)."""
-        self._paused = True
-        try:
-            yield
-        finally:
-            self._paused = False
-
-
 class KVConnectorStalledError(PluginError):
     """Only requests the KV connector holds remain, and none progressed within ``kv_connector.stall_timeout``."""
 
@@ -204,11 +182,12 @@ class Engine:
 
     def _build(self, settings: Settings, registry: Registry, model_dir: Path) -> None:
         """Everything after the device, dtype and ranks: model, KV cache, plugins, scheduler, runner."""
-        self._all_reduce = PausableAllReduce(self.ranks.group.all_reduce if self.ranks is not None else None)
-        self._link = PausableLink(self.ranks.group) if self.ranks is not None and self.ranks.group is not None \
-            else None
+        group = self.ranks.group if self.ranks is not None else None
+        self._collectives = distributed.PausableCollectives(group) if group is not None else None
+        """Rank 0's collectives, paused while it measures a step alone (``cache.memory: auto``)."""
+        collectives = self._collectives
         loaded = load_rank_model(settings, model_dir, dtype=self.dtype, device=self.device, tuning=self.tuning,
-                                 all_reduce=self._all_reduce if self.ranks is not None else None, link=self._link)
+                                 all_reduce=collectives.all_reduce if collectives else None, link=collectives)
         self.model = loaded.model
         self.quantized_linears = loaded.quantized_linears
         self.linear_paths = loaded.linear_paths
@@ -356,7 +335,7 @@ class Engine:
         step_tokens = min(scheduler.max_num_batched_tokens, self.max_model_len)
         try:
             # The other ranks are not stepping: rank 0 measures its shard (or stage) alone.
-            with self._all_reduce.paused(), self._link.paused() if self._link else contextlib.nullcontext():
+            with self._collectives.paused() if self._collectives else contextlib.nullcontext():
                 activations = step_activation_bytes(self.model, num_tokens=step_tokens,
                                                     num_rows=scheduler.max_num_seqs, device=self.device)
         except PeakUnmeasurable as exc:

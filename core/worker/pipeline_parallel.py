@@ -24,8 +24,7 @@ take the hidden states as their first argument and return a tensor.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -100,35 +99,6 @@ class PassThroughLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return hidden_states
-
-
-class PausableLink:
-    """A :class:`StageLink` whose exchanges rank 0 can pause while it runs a forward pass the other stages do not."""
-
-    def __init__(self, link: StageLink) -> None:
-        self._link = link
-        self._paused = False
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Skip the exchanges inside the block (a memory profile: the values are wrong, the sizes are right)."""
-        self._paused = True
-        try:
-            yield
-        finally:
-            self._paused = False
-
-    def send(self, tensor: torch.Tensor, to_rank: int) -> None:
-        if not self._paused:
-            self._link.send(tensor, to_rank)
-
-    def recv(self, tensor: torch.Tensor, from_rank: int) -> None:
-        if not self._paused:
-            self._link.recv(tensor, from_rank)
-
-    def broadcast(self, tensor: torch.Tensor, from_rank: int) -> None:
-        if not self._paused:
-            self._link.broadcast(tensor, from_rank)
 
 
 def split_model(model: HFCausalLM, layout: StageLayout, rank: int, link: StageLink, *,
