@@ -128,3 +128,24 @@ def test_greedy_tokens_are_the_same_with_the_kernel_and_with_sdpa(tiny_llama):
         outputs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
         tokens[choice] = [o.token_ids for o in outputs]
     assert tokens["paged_cpp"] == tokens["sdpa"] == transformers_greedy(tiny_llama, prompts, 16)
+
+
+def test_a_built_kernel_loads_past_a_lock_left_after_it_was_built(tmp_path, monkeypatch):
+    # A process killed while torch's builder checked an up-to-date build leaves its lock behind; the
+    # finished library must load at once, not wait on the lock.
+    monkeypatch.setattr(_cpu_kernel, "build_directory", lambda: tmp_path)
+    built = tmp_path / f"{_cpu_kernel.build_name()}.so"
+    built.write_bytes(b"")
+    old = time.time() - 60
+    os.utime(built, (old, old))
+    (tmp_path / "lock").touch()
+    imported = []
+    monkeypatch.setattr(_cpu_kernel, "_import_built", lambda path: imported.append(path) or "kernel")
+    _cpu_kernel.load_kernel.cache_clear()
+    try:
+        assert _cpu_kernel.load_kernel() == "kernel" and imported == [built]
+        # A lock taken before the library was written is a build in progress: not finished.
+        os.utime(tmp_path / "lock", (old - 60, old - 60))
+        assert not _cpu_kernel._finished(built, tmp_path / "lock")
+    finally:
+        _cpu_kernel.load_kernel.cache_clear()

@@ -187,6 +187,40 @@ def _clear_stale_lock(directory: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
+def _finished(built: Path, lock: Path) -> bool:
+    """Whether the library is complete: it exists and no build lock was taken before it was written (a lock
+    taken after it is a builder checking that nothing needs doing, or one killed while it checked)."""
+    try:
+        written = built.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    try:
+        return lock.stat().st_mtime >= written
+    except FileNotFoundError:
+        return True
+
+
+def _wait_for_other_builds(directory: Path) -> None:
+    """Wait while another process holds the folder's build lock, until it is released or found stale."""
+    lock = directory / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_SECONDS:
+            return
+        time.sleep(0.2)
+
+
+def _import_built(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @functools.cache
 def load_kernel() -> Any:
     """Build the extension (once per installation: it is cached in :func:`build_directory`) and import it."""
@@ -197,7 +231,16 @@ def load_kernel() -> Any:
         raise RuntimeError(f"cannot build the paged decode kernel: {reason}")
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
+    built = directory / f"{build_name()}.so"
+    # Built already (the folder's name pins source, flags and torch): import it without torch's builder, which
+    # takes its lock even to find nothing to do, so a process killed at that moment (a rank a test or an
+    # operator kills) left a lock every later start waited on for ever.
+    if _finished(built, directory / "lock"):
+        return _import_built(built)
+    _wait_for_other_builds(directory)
     _clear_stale_lock(directory)
+    if _finished(built, directory / "lock"):
+        return _import_built(built)
     return load_inline(
         name=build_name(),
         cpp_sources=[SOURCE],
