@@ -186,9 +186,10 @@ def test_greedy_tokens_over_two_ranks_equal_one_process_and_transformers(tp2: pa
 
 @pytest.mark.slow
 def test_preempted_requests_over_two_ranks_come_back_with_the_same_tokens(tiny_llama: Path) -> None:
-    # 11 usable blocks of 4 tokens cannot hold the three requests at once: the scheduler preempts, and every
-    # rank drops and later rebuilds the preempted request's state from the same scheduler output.
-    cramped = {**TP2, "cache__num_blocks": 12}
+    # 15 usable blocks of 4 tokens hold the longest request (52 tokens) but not the three at once (95 tokens): the
+    # scheduler preempts, and every rank drops and later rebuilds the preempted request's state from the same
+    # scheduler output.
+    cramped = {**TP2, "cache__num_blocks": 16, "model__max_model_len": 56}
     llm = patchbay.LLM(model__path=str(tiny_llama), **cramped)
     try:
         assert greedy(llm) == transformers_greedy(tiny_llama, PROMPTS, NUM_TOKENS)
