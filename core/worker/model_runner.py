@@ -163,6 +163,8 @@ class ModelRunner:
         # attention multiplies their weights of zero by them. Block 0 (the null block) pads every block table.
         # Each KV-cache group hands out its own blocks, so each keeps its own record.
         self._unzeroed = [np.ones(num_blocks, dtype=bool) for _ in self.groups] if lazy else None
+        self._checked_below = [1] * len(self.groups)
+        """Per group, every block below this id is zeroed (those the scheduler reported allocated)."""
         if lazy:
             for group in range(len(self.groups)):
                 self._zero_blocks(caches, group, [0])
@@ -174,9 +176,13 @@ class ModelRunner:
         if self._unzeroed is None:
             return
         for group, top in enumerate(highest):
-            fresh = np.flatnonzero(self._unzeroed[group][: top + 1])
+            start = self._checked_below[group]
+            if top < start:
+                continue  # no block allocated since the last step: nothing to scan on the step's path
+            fresh = start + np.flatnonzero(self._unzeroed[group][start : top + 1])
             if len(fresh):
                 self._zero_blocks(self.kv_caches, group, fresh.tolist())
+            self._checked_below[group] = top + 1
 
     def _zero_new_blocks(self, group: int, block_ids: list[int]) -> None:
         """Zero the blocks among group ``group``'s ``block_ids`` that no step was given before (CPU pools only)."""
