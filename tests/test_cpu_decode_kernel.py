@@ -22,16 +22,19 @@ pytestmark = pytest.mark.skipif(_cpu_kernel.kernel_unavailable() is not None,
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("window", [0, 37])
-def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, tolerance):
+# 16 and 64: the SIMD path (one or several registers per head); 20: the generic loops (not a register multiple).
+@pytest.mark.parametrize("head_size", [16, 64, 20])
+def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, tolerance, head_size):
     generator = torch.Generator().manual_seed(0)
-    num_reqs, heads, kv_heads, head_size, block_size, num_blocks = 7, 8, 2, 16, 4, 128
+    num_reqs, heads, kv_heads, block_size, num_blocks = 7, 8, 2, 4, 128
     key_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=generator).to(dtype)
     value_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=generator).to(dtype)
     seq_lens = torch.tensor([1, 3, 4, 5, 17, 40, 63], dtype=torch.int32)
     block_table = torch.randperm(num_blocks, generator=generator)[: num_reqs * 16].view(num_reqs, 16).to(torch.int32)
     rows = torch.tensor([6, 0, 3, 1, 5, 2, 4])  # queries sit in any row order
-    query = torch.randn(num_reqs, heads, head_size, generator=generator).to(dtype)
-    output = torch.full_like(query, float("nan"))
+    # transformers hands queries as [heads, tokens, head_size]; the kernel reads that layout through strides.
+    query = torch.randn(heads, num_reqs, head_size, generator=generator).to(dtype).transpose(0, 1)
+    output = torch.full(query.shape, float("nan"), dtype=dtype)
     scale = head_size ** -0.5
     _cpu_kernel.load_kernel().paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, rows,
                                                      scale, window, output)
@@ -99,10 +102,18 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     assert not lock.exists()
 
 
-def test_the_build_folder_is_keyed_by_source_flags_and_torch_installation(monkeypatch):
+def test_the_build_folder_is_keyed_by_source_flags_torch_installation_and_cpu(monkeypatch, tmp_path):
     name = _cpu_kernel.build_name()
     assert _cpu_kernel.build_directory().name == name
     monkeypatch.setattr(_cpu_kernel, "EXTRA_CFLAGS", (*_cpu_kernel.EXTRA_CFLAGS, "-DANOTHER"))
+    assert _cpu_kernel.build_name() != name
+    monkeypatch.undo()
+    other_cpu = tmp_path / "cpuinfo"
+    other_cpu.write_text("model name\t: Another CPU\nflags\t\t: fpu sse2 avx2\n")
+    from patchbay.worker.tuning import CpuInfo
+
+    read = CpuInfo.read.__func__
+    monkeypatch.setattr(CpuInfo, "read", classmethod(lambda cls: read(cls, other_cpu)))
     assert _cpu_kernel.build_name() != name
 
 
