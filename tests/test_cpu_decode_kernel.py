@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import patchbay
 from patchbay.plugins.attention import _cpu_kernel, torch_sdpa
+from patchbay.worker import native_build
 from patchbay.sampling_params import SamplingParams
 from tiny_models import transformers_greedy
 
@@ -94,11 +95,11 @@ def test_auto_serves_sdpa_until_the_background_build_is_ready(monkeypatch):
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     lock = tmp_path / "lock"
     lock.touch()
-    _cpu_kernel._clear_stale_lock(tmp_path)
+    native_build.clear_stale_lock(tmp_path)
     assert lock.exists()  # another process may be building right now
-    old = time.time() - _cpu_kernel.STALE_LOCK_SECONDS - 60
+    old = time.time() - native_build.STALE_LOCK_SECONDS - 60
     os.utime(lock, (old, old))
-    _cpu_kernel._clear_stale_lock(tmp_path)
+    native_build.clear_stale_lock(tmp_path)
     assert not lock.exists()
 
 
@@ -144,19 +145,19 @@ def test_greedy_tokens_are_the_same_with_the_kernel_and_with_sdpa(tiny_llama):
 def test_a_built_kernel_loads_past_a_lock_left_after_it_was_built(tmp_path, monkeypatch):
     # A process killed while torch's builder checked an up-to-date build leaves its lock behind; the
     # finished library must load at once, not wait on the lock.
-    monkeypatch.setattr(_cpu_kernel, "build_directory", lambda: tmp_path)
+    monkeypatch.setattr(native_build.NativeExtension, "build_directory", lambda self: tmp_path)
     built = tmp_path / f"{_cpu_kernel.build_name()}.so"
     built.write_bytes(b"")
     old = time.time() - 60
     os.utime(built, (old, old))
     (tmp_path / "lock").touch()
     imported = []
-    monkeypatch.setattr(_cpu_kernel, "_import_built", lambda path: imported.append(path) or "kernel")
+    monkeypatch.setattr(native_build, "import_built", lambda path: imported.append(path) or "kernel")
     _cpu_kernel.load_kernel.cache_clear()
     try:
         assert _cpu_kernel.load_kernel() == "kernel" and imported == [built]
         # A lock taken before the library was written is a build in progress: not finished.
         os.utime(tmp_path / "lock", (old - 60, old - 60))
-        assert not _cpu_kernel._finished(built, tmp_path / "lock")
+        assert not native_build.finished(built, tmp_path / "lock")
     finally:
         _cpu_kernel.load_kernel.cache_clear()

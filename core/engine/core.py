@@ -191,6 +191,7 @@ class Engine:
         self.model = loaded.model
         self.quantized_linears = loaded.quantized_linears
         self.linear_paths = loaded.linear_paths
+        self.fused_modules = loaded.fused_modules
         shape = self.model.shape
         self.max_model_len = min(
             settings.model.max_model_len or 1 << 62, shape.max_position_embeddings or 1 << 62

@@ -20,6 +20,7 @@ from patchbay.contract.settings import ConfigError, ConfigProblem, RuntimeSettin
 from patchbay.interfaces import DrafterConfig, DrafterContext, KVConnectorWorker
 from patchbay.scheduling.kv_cache_spec import group_layers
 from patchbay.scheduling.structured_output import GrammarCompilations
+from patchbay.worker.fused_ops import FusedModules, use_fused_ops
 from patchbay.worker.fused_projections import fuse_shared_input_projections
 from patchbay.worker.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.model_runner import ModelRunner
@@ -37,6 +38,7 @@ class LoadedModel:
     model: HFCausalLM
     quantized_linears: int
     linear_paths: LinearPaths
+    fused_modules: FusedModules = FusedModules()
 
 
 def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: torch.device, tuning: Tuning | None,
@@ -59,7 +61,9 @@ def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: t
         split_model(model, stage_layout(model.model.config, num_stages), rank, link, ranks_per_stage=tensor_size)
     quantized, paths = speed_up_linears(model, settings.runtime, settings.model.quantization,
                                         device=device, dtype=dtype, tuning=tuning)
-    return LoadedModel(model, quantized, paths)
+    # After the linears: the fused MLP computes gate/up through the group those paths gave it.
+    fused = use_fused_ops(model.model, device=device, dtype=dtype) if settings.runtime.fused_ops else FusedModules()
+    return LoadedModel(model, quantized, paths, fused)
 
 
 def speed_up_linears(model: HFCausalLM, runtime: RuntimeSettings, quantization: str, *, device: torch.device,

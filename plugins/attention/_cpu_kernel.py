@@ -5,36 +5,32 @@ moves every cached key and value three times (read and write for the gather,
 read for the attention) and attends padding too; this kernel reads each
 cached key and value once, in place, in one OpenMP region per layer, for
 float32 and bfloat16 caches (bfloat16 is widened to float32 as it is read; the
-arithmetic is float32).  It is compiled with ``torch.utils.cpp_extension``
-(needs a C++ compiler and ``ninja``) into patchbay's cache directory, in a
-folder keyed by the source, the flags, the torch version, the torch
-installation and the CPU, so two virtual environments never rebuild each other's copy and a cache directory
-shared by machines with other instruction sets never hands one a kernel it cannot run.  On x86 CPUs with
-AVX-512 or AVX2 and FMA, head sizes that are a multiple of the register width run a SIMD path (one register
-chunk per 16 or 8 dimensions, accumulators kept in registers); other shapes and CPUs run plain loops.
-``make`` builds it at install time (``python -m patchbay.plugins.attention._cpu_kernel``);
-elsewhere :class:`KernelBuild` builds it in a background thread while decodes
-run through SDPA.  :func:`kernel_unavailable` says why it cannot be.
+arithmetic is float32).  On x86 CPUs with AVX-512, or AVX2 and FMA, head sizes
+that are a multiple of the register width run a SIMD path (the query and the
+value accumulators held in registers, four keys' dot products reduced by one
+add tree); other shapes and CPUs run plain loops.  It is built like every
+patchbay extension (:mod:`patchbay.worker.native_build`): by ``make`` at
+install time (``python -m patchbay.plugins.attention._cpu_kernel``), elsewhere
+by :class:`KernelBuild` in a background thread while decodes run through SDPA;
+:func:`kernel_unavailable` says why it cannot be.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import logging
-import shutil
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from patchbay.worker.native_build import NATIVE_CFLAGS, BackgroundBuild, NativeExtension, build_unavailable
+
 logger = logging.getLogger(__name__)
 
-STALE_LOCK_SECONDS = 600.0
-"""A build lock older than this was left by a process killed mid-build (a build takes well under a minute)."""
-EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+EXTRA_CFLAGS = (*NATIVE_CFLAGS, "-ffast-math")
+"""The kernel's compiler flags: fast math lets the compiler vectorize its softmax's exponentials and sums."""
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -319,132 +315,43 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch:
 }
 """
 
+def extension() -> NativeExtension:
+    """The kernel as a :class:`NativeExtension` (its flags read now, so a test can change them)."""
+    return NativeExtension("patchbay_paged_decode", SOURCE, ("paged_decode_attention",), EXTRA_CFLAGS)
 
-@functools.cache
+
 def kernel_unavailable() -> str | None:
     """Why the kernel cannot be built here (``None`` when it can)."""
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        return "no C++ compiler (c++ or g++) on PATH to build the kernel"
-    if importlib.util.find_spec("ninja") is None:
-        return "the ninja package is not installed (torch builds C++ extensions with it)"
-    return None
+    return build_unavailable()
 
 
 def build_name() -> str:
-    """The extension's name: it changes with the source, the flags, the torch version, the torch installation
-    and the CPU (``-march=native`` code built on one CPU may not run on another sharing the cache directory)."""
-    import torch
-
-    from patchbay.worker.tuning import CpuInfo
-
-    cpu = CpuInfo.read()
-    key = "\0".join([SOURCE, *EXTRA_CFLAGS, torch.__version__, str(Path(torch.__file__).parent), cpu.model_name,
-                      *sorted(cpu.flags)])
-    return f"patchbay_paged_decode_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    """The extension's name: it changes with the source, the flags, the torch version and installation, and the CPU."""
+    return extension().build_name()
 
 
 def build_directory() -> Path:
     """Where this installation's kernel is built: patchbay's cache directory, one folder per :func:`build_name`."""
-    from patchbay.worker.model_loader import cache_dir
-
-    return cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}" / build_name()
-
-
-def _clear_stale_lock(directory: Path) -> None:
-    # torch's builder holds a lock file in the build folder while it compiles; a process killed mid-build
-    # leaves it behind, and every later build would wait on it forever.
-    lock = directory / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        logger.warning("removing the decode kernel's build lock %s, left %.0f s ago by a build that never finished",
-                       lock, age)
-        lock.unlink(missing_ok=True)
-
-
-def _finished(built: Path, lock: Path) -> bool:
-    """Whether the library is complete: it exists and no build lock was taken before it was written (a lock
-    taken after it is a builder checking that nothing needs doing, or one killed while it checked)."""
-    try:
-        written = built.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    try:
-        return lock.stat().st_mtime >= written
-    except FileNotFoundError:
-        return True
-
-
-def _wait_for_other_builds(directory: Path) -> None:
-    """Wait while another process holds the folder's build lock, until it is released or found stale."""
-    lock = directory / "lock"
-    while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age > STALE_LOCK_SECONDS:
-            return
-        time.sleep(0.2)
-
-
-def _import_built(path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return extension().build_directory()
 
 
 @functools.cache
 def load_kernel() -> Any:
-    """Build the extension (once per installation: it is cached in :func:`build_directory`) and import it."""
-    from torch.utils.cpp_extension import load_inline
-
+    """Build the extension (once per installation and CPU: it is cached in :func:`build_directory`) and import it."""
     reason = kernel_unavailable()
     if reason is not None:
         raise RuntimeError(f"cannot build the paged decode kernel: {reason}")
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    built = directory / f"{build_name()}.so"
-    # Built already (the folder's name pins source, flags and torch): import it without torch's builder, which
-    # takes its lock even to find nothing to do, so a process killed at that moment (a rank a test or an
-    # operator kills) left a lock every later start waited on for ever.
-    if _finished(built, directory / "lock"):
-        return _import_built(built)
-    _wait_for_other_builds(directory)
-    _clear_stale_lock(directory)
-    if _finished(built, directory / "lock"):
-        return _import_built(built)
-    return load_inline(
-        name=build_name(),
-        cpp_sources=[SOURCE],
-        functions=["paged_decode_attention"],
-        extra_cflags=list(EXTRA_CFLAGS),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        verbose=False,
-    )
+    return extension().load()
 
 
-class KernelBuild:
-    """:func:`load_kernel` in a background thread, so the first requests of a fresh install never wait on it.
-
-    :meth:`ready` returns the kernel once built and ``None`` until then (and
-    for good if the build failed: :attr:`error` says why, logged once).
-    """
+class KernelBuild(BackgroundBuild):
+    """:func:`load_kernel` in a background thread (see :class:`~patchbay.worker.native_build.BackgroundBuild`)."""
 
     _lock = threading.Lock()
     _shared: KernelBuild | None = None
 
     def __init__(self) -> None:
-        self.kernel: Any = None
-        self.error: str | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._build, name="patchbay-decode-kernel-build", daemon=True)
-        self._thread.start()
+        super().__init__(lambda: load_kernel(), "the C++ decode kernel")
 
     @classmethod
     def shared(cls) -> KernelBuild:
@@ -453,24 +360,6 @@ class KernelBuild:
             if cls._shared is None:
                 cls._shared = cls()
             return cls._shared
-
-    def _build(self) -> None:
-        try:
-            self.kernel = load_kernel()
-        except Exception as exc:
-            self.error = f"{type(exc).__name__}: {exc}"
-            logger.warning("the C++ decode kernel could not be built (decodes keep using SDPA): %s", self.error)
-        finally:
-            self._done.set()
-
-    def ready(self) -> Any:
-        """The kernel if it is built, else ``None`` (never waits)."""
-        return self.kernel if self._done.is_set() else None
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """The kernel once the build ends (``None`` if it failed or ``timeout`` passed first)."""
-        self._done.wait(timeout)
-        return self.ready()
 
 
 def main() -> int:
