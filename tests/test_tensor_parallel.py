@@ -276,6 +276,19 @@ def test_the_lm_head_s_cpu_paths_run_on_its_shard(odd_tied: Path, path: str) -> 
         torch.testing.assert_close(local[:, :489], expected, rtol=1e-4, atol=1e-4)
 
 
+
+def test_drafters_that_read_the_whole_lm_head_refuse_a_sharded_one(odd_tied: Path) -> None:
+    from patchbay.plugins.spec_decode.heads import target_parts
+    from patchbay.worker.tensor_parallel import shard_vocab
+
+    model = load_cpu(odd_tied)
+    target_parts(model.model)
+    collectives = RecordedCollectives(2)
+    shard_vocab(model, 2, 0, collectives.all_reduce, collectives.all_gather)
+    with pytest.raises(ValueError, match=r"512 of its 1001 vocabulary rows on each of 2 ranks "
+                                         r"\(runtime.tensor_parallel_size\)"):
+        target_parts(model.model)
+
 # -- the same tokens over two ranks ---------------------------------------------------------------
 
 
