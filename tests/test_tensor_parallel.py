@@ -360,6 +360,21 @@ def test_seeded_sampling_over_two_ranks_equals_one_process(tp2: patchbay.LLM, si
 
 
 @pytest.mark.slow
+def test_prompt_and_sample_logprobs_over_two_ranks_equal_one_process(tp2: patchbay.LLM, single: patchbay.LLM) -> None:
+    """Prompt logprobs score every prompt position through the LM head: each chunk's logits are gathered too."""
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0, logprobs=3, prompt_logprobs=3)
+
+    def scored(llm: patchbay.LLM) -> list[tuple[list[int], list[float]]]:
+        (output,) = llm.generate([PROMPTS[1]], params)
+        entries = [*output.prompt_logprobs[1:], *output.completions[0].logprobs]
+        return [(entry.token_ids, entry.logprobs) for entry in entries]
+
+    sharded, whole = scored(tp2), scored(single)
+    assert len(sharded) == len(PROMPTS[1]) - 1 + 3
+    assert [ids for ids, _ in sharded] == [ids for ids, _ in whole]
+    for (_, sharded_values), (_, whole_values) in zip(sharded, whole, strict=True):
+        assert sharded_values == pytest.approx(whole_values, abs=1e-4)
+@pytest.mark.slow
 def test_step_timings_split_the_all_reduces_out_of_the_forward_pass(tp2: patchbay.LLM) -> None:
     tp2.engine.reset_step_timings()
     greedy(tp2, PROMPTS[:1])
