@@ -247,7 +247,8 @@ def test_each_rank_keeps_its_share_of_the_vocabulary_and_the_shares_add_up_to_th
 
 @pytest.mark.parametrize("path", ["int8", "int4", "onednn"])
 def test_the_lm_head_s_cpu_paths_run_on_its_shard(odd_tied: Path, path: str) -> None:
-    """Rank 1 of 2 holds ids 512-1000 and 23 rows of padding: 512 rows, which int4's packing takes (1001 it would not)."""
+    """Rank 1 of 2 holds ids 512-1000 and 23 rows of padding: 512 rows, which int4's packing takes (1001 it
+    would not)."""
     from patchbay.worker.packed_linear import PackedLinear, packing_supported, use_packed_linears
     from patchbay.worker.quantization import IntegerLinear, quantize_linears
     from patchbay.worker.tensor_parallel import shard_vocab
@@ -276,6 +277,19 @@ def test_the_lm_head_s_cpu_paths_run_on_its_shard(odd_tied: Path, path: str) -> 
         torch.testing.assert_close(local[:, :489], expected, rtol=1e-4, atol=1e-4)
 
 
+
+def test_an_lm_head_of_another_width_than_the_embedding_names_the_setting_and_both_sizes(odd_tied: Path) -> None:
+    from torch import nn
+
+    from patchbay.worker.tensor_parallel import shard_vocab
+
+    model = load_cpu(odd_tied)
+    model.model.set_output_embeddings(nn.Linear(64, 1000, bias=False))
+    collectives = RecordedCollectives(2)
+    with pytest.raises(ConfigError) as caught:
+        shard_vocab(model, 2, 0, collectives.all_reduce, collectives.all_gather)
+    assert caught.value.problems[0].path == "runtime.tensor_parallel_size"
+    assert "its LM head has 1000 outputs and its embedding 1001 rows" in caught.value.problems[0].message
 
 def test_drafters_that_read_the_whole_lm_head_refuse_a_sharded_one(odd_tied: Path) -> None:
     from patchbay.plugins.spec_decode.heads import target_parts

@@ -47,7 +47,8 @@ def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: t
     ``r // tensor_parallel_size``), then speed up its linears.
 
     ``all_reduce`` sums a tensor over the ranks and ``all_gather`` concatenates
-    theirs (both needed when sharded: layers and vocabulary); ``link`` carries hidden states between the stages (needed when split).
+    theirs (both needed when sharded: layers and vocabulary); ``link`` carries
+    hidden states between the stages (needed when split).
     """
     model = HFCausalLM.load(model_dir, dtype=dtype, device=device)
     tensor_size = settings.runtime.tensor_parallel_size

@@ -147,7 +147,8 @@ class VocabShard:
 
     @property
     def stop(self) -> int:
-        """One past the last real token id of this rank's shard (the rows after it, up to ``rows_per_rank``, are padding)."""
+        """One past the last real token id of this rank's shard (its rows from there to ``rows_per_rank`` are
+        padding)."""
         return min(self.start + self.rows_per_rank, self.vocab_size)
 
     def rows_of(self, weight: torch.Tensor) -> torch.Tensor:
@@ -199,9 +200,9 @@ def shard_vocab(model: HFCausalLM, world_size: int, rank: int, all_reduce: AllRe
     embedding = model.model.get_input_embeddings()
     lm_head = model.model.get_output_embeddings()
     if not isinstance(embedding, nn.Embedding) or not isinstance(lm_head, nn.Linear):
-        raise ConfigError([ConfigProblem("<run>", KEY, f"{model.shape.architecture}: its input embedding "
-                                                       "(nn.Embedding) and LM head (nn.Linear) cannot be sharded: "
-                                                       f"found {type(embedding).__name__} and {type(lm_head).__name__}")])
+        raise ConfigError([ConfigProblem(
+            "<run>", KEY, f"{model.shape.architecture}: only an nn.Embedding input embedding and an nn.Linear LM "
+            f"head can be sharded; found {type(embedding).__name__} and {type(lm_head).__name__}")])
     vocab_size = embedding.num_embeddings
     if lm_head.out_features != vocab_size:
         raise ConfigError([ConfigProblem("<run>", KEY, f"{model.shape.architecture}: its LM head has "
