@@ -187,7 +187,8 @@ class Engine:
         """Rank 0's collectives, paused while it measures a step alone (``cache.memory: auto``)."""
         collectives = self._collectives
         loaded = load_rank_model(settings, model_dir, dtype=self.dtype, device=self.device, tuning=self.tuning,
-                                 all_reduce=collectives.all_reduce if collectives else None, link=collectives)
+                                 all_reduce=collectives.all_reduce if collectives else None,
+                                 all_gather=collectives.all_gather if collectives else None, link=collectives)
         self.model = loaded.model
         self.quantized_linears = loaded.quantized_linears
         self.linear_paths = loaded.linear_paths
@@ -690,8 +691,8 @@ class Engine:
         applying grammar bitmasks and advancing matchers, when constrained requests run), then
         ``finish`` (the scheduler's update from the output, stop checks and
         request outputs).  With tensor parallelism, ``all_reduce`` follows
-        ``forward``: rank 0's time in the forward pass's all-reduces, taken
-        out of ``forward``.
+        ``forward``: rank 0's time in the forward pass's all-reduces (and the
+        LM head's all-gather of the vocabulary's logits), taken out of ``forward``.
         """
         timings = {"schedule": self._engine_timings["schedule"]}
         for phase, seconds in self.runner.timings.items():

@@ -107,13 +107,17 @@ class RankGroup:
             store.set(joined_key(rank), str(os.getpid()))
         self.rank = rank
         self.all_reduce_seconds = 0.0
-        """Seconds this rank spent in :meth:`all_reduce` (waiting for the slowest rank included)."""
+        """Seconds this rank spent in :meth:`all_reduce` and :meth:`all_gather` (waiting for the slowest rank
+        included)."""
         self._store = store
         if setup.backend == "nccl":
             torch.cuda.set_device(device)  # NCCL works on the current device
         self._group: dist.ProcessGroup | None = _process_group(setup, dist.PrefixStore("patchbay/group", store),
                                                                rank, setup.world_size)
         tensor_size = setup.settings.runtime.tensor_parallel_size
+        self.tensor_size = tensor_size
+        """The tensor-parallel ranks of this rank's pipeline stage (those :meth:`all_reduce` and :meth:`all_gather`
+        span)."""
         self._tensor_group: dist.ProcessGroup | None = None
         """The tensor-parallel ranks of this rank's pipeline stage, when there are several stages and ranks each."""
         if tensor_size > 1 and tensor_size < setup.world_size:
@@ -130,6 +134,20 @@ class RankGroup:
         except RuntimeError as exc:
             raise CollectiveError(f"all-reduce on rank {self.rank} failed: {exc}") from exc
         self.all_reduce_seconds += time.perf_counter() - started
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The ``tensor`` of every tensor-parallel rank (of this rank's pipeline stage; one shape on all),
+        concatenated along the last dimension in rank order."""
+        group = self._tensor_group or self._group
+        assert group is not None, "the rank left the group"
+        started = time.perf_counter()
+        parts = [torch.empty_like(tensor) for _ in range(self.tensor_size)]
+        try:
+            group.allgather([parts], [tensor]).wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"all-gather on rank {self.rank} failed: {exc}") from exc
+        self.all_reduce_seconds += time.perf_counter() - started
+        return torch.cat(parts, dim=-1)
 
     def send(self, tensor: torch.Tensor, to_rank: int) -> None:
         """Send ``tensor`` to ``to_rank``, which receives it with :meth:`recv` (returns once it was taken)."""
@@ -184,8 +202,8 @@ def _process_group(setup: RankSetup, store: dist.Store, rank: int, size: int) ->
 
 
 class PausableCollectives:
-    """A :class:`RankGroup`'s all-reduce and stage exchanges, which rank 0 can pause while it runs a forward pass
-    the other ranks do not (a memory profile: the values come out wrong, the sizes right)."""
+    """A :class:`RankGroup`'s all-reduce, all-gather and stage exchanges, which rank 0 can pause while it runs a
+    forward pass the other ranks do not (a memory profile: the values come out wrong, the sizes right)."""
 
     def __init__(self, group: RankGroup) -> None:
         self._group = group
@@ -203,6 +221,11 @@ class PausableCollectives:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         if not self._paused:
             self._group.all_reduce(tensor)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._paused:  # the gathered shape, this rank's part repeated
+            return torch.cat([tensor] * self._group.tensor_size, dim=-1)
+        return self._group.all_gather(tensor)
 
     def send(self, tensor: torch.Tensor, to_rank: int) -> None:
         if not self._paused:

@@ -79,7 +79,8 @@ def run_rank(connection: Connection, rank: int, *, local_rank: int | None = None
     try:
         torch.manual_seed(settings.runtime.seed)
         loaded = load_rank_model(settings, model_dir or setup.model_dir, dtype=setup.dtype, device=device,
-                                 tuning=setup.tuning, rank=rank, all_reduce=group.all_reduce, link=group)
+                                 tuning=setup.tuning, rank=rank, all_reduce=group.all_reduce,
+                                 all_gather=group.all_gather, link=group)
         spec: RunnerSpec = pickle.loads(_receive(connection, rank))
         runner = build_runner(loaded.model, settings, registry_for(settings.plugins), spec, device=device,
                               dtype=setup.dtype)

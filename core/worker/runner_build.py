@@ -27,7 +27,7 @@ from patchbay.worker.model_runner import ModelRunner
 from patchbay.worker.packed_linear import packing_supported
 from patchbay.worker.pipeline_parallel import StageLink, split_model, stage_layout
 from patchbay.worker.quantization import INT8_MAX_ROWS, quantize_linears
-from patchbay.worker.tensor_parallel import AllReduce, shard_layout, shard_model
+from patchbay.worker.tensor_parallel import AllGather, AllReduce, shard_layout, shard_model
 from patchbay.worker.tuning import LinearPaths, Tuning, apply_linear_paths
 
 
@@ -42,19 +42,22 @@ class LoadedModel:
 
 
 def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: torch.device, tuning: Tuning | None,
-                    rank: int = 0, all_reduce: AllReduce | None = None, link: StageLink | None = None) -> LoadedModel:
+                    rank: int = 0, all_reduce: AllReduce | None = None, all_gather: AllGather | None = None,
+                    link: StageLink | None = None) -> LoadedModel:
     """Load the model, keep ``rank``'s shard when ``runtime.tensor_parallel_size`` > 1 and its stage's layers when
     ``runtime.pipeline_parallel_size`` > 1 (rank ``r`` is shard ``r % tensor_parallel_size`` of stage
     ``r // tensor_parallel_size``), then speed up its linears.
 
-    ``all_reduce`` sums a tensor over the ranks (needed when sharded);
-    ``link`` carries hidden states between the stages (needed when split).
+    ``all_reduce`` sums a tensor over the ranks and ``all_gather`` concatenates
+    theirs (both needed when sharded: layers and vocabulary); ``link`` carries
+    hidden states between the stages (needed when split).
     """
     model = HFCausalLM.load(model_dir, dtype=dtype, device=device)
     tensor_size = settings.runtime.tensor_parallel_size
     if tensor_size > 1:
-        assert all_reduce is not None, "a sharded model needs the ranks' all-reduce"
-        shard_model(model, shard_layout(model.model.config, tensor_size), rank % tensor_size, all_reduce)
+        assert all_reduce is not None and all_gather is not None, "a sharded model needs the ranks' collectives"
+        shard_model(model, shard_layout(model.model.config, tensor_size), rank % tensor_size, all_reduce,
+                    all_gather)
     num_stages = settings.runtime.pipeline_parallel_size
     if num_stages > 1:
         assert link is not None, "a model split into stages needs the link between them"
