@@ -10,6 +10,8 @@ start, so one engine per connector serves every pass.
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -168,12 +170,20 @@ def test_a_block_one_rank_cannot_load_is_recomputed_by_both(tp2_shared: patchbay
     assert loaded_tokens(tp2_shared) > before_loaded and recomputed_blocks(tp2_shared) == before_recomputed
 
 
+REDIS_URL = os.environ.get("PATCHBAY_TEST_REDIS_URL")
+
+
 @pytest.mark.slow
-def test_two_ranks_with_host_offload_each_reload_their_own_heads(tiny_llama: Path,
-                                                                 workload: Workload) -> None:
+@pytest.mark.parametrize("section", [
+    {"name": "host_offload", "options": {"namespace": "tp2-test"}},  # a store in each rank's process
+    pytest.param({"name": "redis", "options": {"url": REDIS_URL, "key_prefix": f"patchbay-tp2:{uuid.uuid4().hex}:"}},
+                 marks=pytest.mark.skipif(not REDIS_URL, reason="PATCHBAY_TEST_REDIS_URL is not set"), id="redis"),
+], ids=lambda section: section["name"])
+def test_two_ranks_with_other_connectors_each_reload_their_own_heads(tiny_llama: Path, workload: Workload,
+                                                                     section: dict) -> None:
     prompts, expected = workload
-    llm = patchbay.LLM(model__path=str(tiny_llama), runtime__tensor_parallel_size=2,
-                       kv_connector={"name": "host_offload", "options": {"namespace": "tp2-test"}}, **CRAMPED)
+    llm = patchbay.LLM(model__path=str(tiny_llama), runtime__tensor_parallel_size=2, kv_connector=section,
+                       **CRAMPED)
     try:
         assert greedy(llm, prompts) == expected
         before = loaded_tokens(llm)

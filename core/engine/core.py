@@ -44,8 +44,8 @@ from patchbay.engine.ranks import TensorParallelRanks, check_tensor_parallel, pa
 from patchbay.engine.step_failures import EngineDeadError, describe_failure, fail_requests, replay_alone
 from patchbay.scheduling.scheduler import Scheduler
 from patchbay.worker import distributed
-from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
 from patchbay.worker.kv_transfers import RankTransferReports
+from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.torchrun import torchrun_launch
 from patchbay.worker.pipeline_parallel import stage_layout
