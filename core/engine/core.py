@@ -44,11 +44,12 @@ from patchbay.engine.ranks import TensorParallelRanks, check_tensor_parallel, pa
 from patchbay.engine.step_failures import EngineDeadError, describe_failure, fail_requests, replay_alone
 from patchbay.scheduling.scheduler import Scheduler
 from patchbay.worker import distributed
+from patchbay.worker.kv_transfers import RankTransferReports
 from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.torchrun import torchrun_launch
 from patchbay.worker.pipeline_parallel import stage_layout
-from patchbay.worker.runner_build import RunnerSpec, build_runner, drafter_config, load_rank_model
+from patchbay.worker.runner_build import RunnerSpec, build_runner, drafter_config, load_rank_model, rank_shard
 from patchbay.worker.tensor_parallel import shard_layout
 from patchbay.worker.tuning import LayerShapes, Tuning, tune
 
@@ -232,12 +233,17 @@ class Engine:
             grammars=self.grammars,
         )
         spec = RunnerSpec(self.backend_name, num_blocks, max_num_reqs, self.max_model_len, max_step_tokens,
-                          single_thread_max_tokens(settings.runtime.single_thread_max_tokens, self.dtype, self.tuning))
+                          single_thread_max_tokens(settings.runtime.single_thread_max_tokens, self.dtype, self.tuning),
+                          kv_connector=self.kv_connector.config if self.kv_connector is not None else None)
         self.single_thread_max_tokens = spec.single_thread_max_tokens
+        kv_reports = None
+        if self.kv_connector is not None and self.ranks is not None:
+            assert self.ranks.group is not None
+            kv_reports = RankTransferReports(self.ranks.group, settings.runtime.world_size)
         self.runner = build_runner(
             self.model, settings, registry, spec, device=self.device, dtype=self.dtype,
             kv_connector=self.kv_connector.worker_side() if self.kv_connector is not None else None,
-            grammars=self.grammars,
+            kv_reports=kv_reports, grammars=self.grammars,
         )
         self.sampler: Sampler = self.runner.sampler
         if self.ranks is not None:
@@ -305,8 +311,10 @@ class Engine:
                 f"KV connectors support models with one KV-cache group; this model has {len(self.groups)} "
                 f"(layers with different sliding windows or shapes); remove the kv_connector section",
             )])
+        # Rank 0's shard: its scheduler side answers for every rank, its worker side saves and loads rank 0's part.
         config = KVConnectorConfig(device=self.device.type, dtype=self.dtype, role=section.role,
-                                   block_size=self.settings.cache.block_size, model_id=self._model_id(backend))
+                                   block_size=self.settings.cache.block_size, model_id=self._model_id(backend),
+                                   shard=rank_shard(self.settings.runtime, 0))
         connector_class = registry.resolve("kv_connector", section.name)
         require_serves(connector_class, f"kv_connector:{section.name}", "kv_connector.name", [config])
         options = plugin_options(connector_class, section.options, where="kv_connector.options")

@@ -85,9 +85,6 @@ def check_tensor_parallel(settings: Settings, device: torch.device) -> None:
     """Settings a run over several ranks (shards or stages) cannot serve are :class:`ConfigError` naming the keys."""
     size = settings.runtime.world_size
     problems = []
-    if settings.kv_connector is not None:
-        problems.append(ConfigProblem("<run>", "kv_connector", f"KV connectors run with one rank; "
-                                      f"this run has {parallel_settings(settings)}"))
     # Ranks torchrun launched may be on other machines, each with its own devices.
     if device.type == "cuda" and torchrun_launch() is None and (device.index or 0) + size > torch.cuda.device_count():
         key = "runtime.pipeline_parallel_size" if settings.runtime.pipeline_parallel_size > 1 \

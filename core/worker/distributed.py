@@ -106,6 +106,8 @@ class RankGroup:
         if rank != 0:
             store.set(joined_key(rank), str(os.getpid()))
         self.rank = rank
+        self.device = device
+        """This rank's device: where NCCL's collectives want their tensors."""
         self.all_reduce_seconds = 0.0
         """Seconds this rank spent in :meth:`all_reduce` and :meth:`all_gather` (waiting for the slowest rank
         included)."""
@@ -174,6 +176,29 @@ class RankGroup:
             self._group.broadcast([tensor], options).wait()
         except RuntimeError as exc:
             raise CollectiveError(f"broadcast from rank {from_rank} on rank {self.rank} failed: {exc}") from exc
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload``, in rank order (every rank of the group calls it, each with its own).
+
+        Two all-gathers: the lengths, then the payloads padded to the longest.
+        """
+        assert self._group is not None, "the rank left the group"
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        world_size = self._group.size()
+        try:
+            length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+            lengths = [torch.empty_like(length) for _ in range(world_size)]
+            self._group.allgather([lengths], [length]).wait()
+            sizes = [int(size.item()) for size in lengths]
+            padded = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)
+            if payload:
+                padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            padded = padded.to(device)
+            gathered = [torch.empty_like(padded) for _ in range(world_size)]
+            self._group.allgather([gathered], [padded]).wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"all-gather on rank {self.rank} failed: {exc}") from exc
+        return [bytes(part[:size].cpu().numpy()) for part, size in zip(gathered, sizes, strict=True)]
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point (a rank that died makes it raise at once)."""

@@ -7,7 +7,8 @@ the group's layers, logits are computed only at the positions that are
 sampled, and samples of partial (chunked) prefills are discarded.  A KV
 connector's worker side, when one is configured, loads blocks before the
 forward pass (``start_load_kv``), waits and saves per layer inside it, and
-reports finished transfers and failed loads after it.
+reports finished transfers and failed loads after it (with several ranks,
+every rank's, joined: :mod:`patchbay.worker.kv_transfers`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.worker.forward_context import ForwardContext, LayerBinding, forward_context
 from patchbay.worker.hf_model import AuxHiddenStates, HFCausalLM, torch_dtype
 from patchbay.worker.input_batch import InputBatch
+from patchbay.worker.kv_transfers import RankTransferReports, TransferReport
 from patchbay.worker.logprobs import Logprobs, PromptLogprobs
 from patchbay.worker.spec_decode import (
     LogitsLayout,
@@ -104,6 +106,7 @@ class ModelRunner:
         rejection_sampler: RejectionSampler | None = None,
         num_speculative_tokens: int = 0,
         kv_connector: KVConnectorWorker | None = None,
+        kv_reports: RankTransferReports | None = None,
         grammars: GrammarCompilations | None = None,
         single_thread_max_tokens: int = 0,
     ) -> None:
@@ -135,6 +138,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self._bindings = self._bind_layers()
         self.kv_connector = kv_connector
+        self.kv_reports = kv_reports
+        """With several ranks: joins this rank's connector reports with the other ranks' after each step."""
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_caches, split=backend.split_kv_cache)
         # Scratch index vector, sliced each step instead of allocated.
@@ -287,11 +292,14 @@ class ModelRunner:
         return output
 
     def _report_transfers(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
-        """Put the connector's finished transfers and failed loads into ``output``."""
+        """Put the connector's finished transfers and failed loads into ``output`` (every rank's, with several)."""
         assert self.kv_connector is not None
-        output.finished_sending, output.finished_recving = self.kv_connector.get_finished(
-            set(scheduler_output.finished_req_ids))
-        output.invalid_block_ids = set(self.kv_connector.get_block_ids_with_load_errors())
+        sending, recving = self.kv_connector.get_finished(set(scheduler_output.finished_req_ids))
+        report = TransferReport(set(sending), set(recving), set(self.kv_connector.get_block_ids_with_load_errors()))
+        if self.kv_reports is not None:
+            report = self.kv_reports.exchange(report)
+        output.finished_sending, output.finished_recving = report.finished_sending, report.finished_recving
+        output.invalid_block_ids = report.invalid_block_ids
 
     def _lap(self, phase: str, since: float) -> float:
         now = time.perf_counter()

@@ -8,6 +8,10 @@ empty message when the run ends.  Each step runs ``execute_model`` exactly
 as rank 0 does, so the forward pass's all-reduces (or the stages' sends,
 receives and broadcast) pair up and the persistent batches and seeded
 samplers stay identical; the outputs are dropped (rank 0's are the run's).
+With a KV connector each rank runs its own worker side over its shard, and
+the ranks exchange their transfer reports after each step
+(:mod:`patchbay.worker.kv_transfers`): that, not this rank's output, is how
+rank 0 learns of them.
 
 Two launches reach :func:`run_rank`:
 
@@ -39,7 +43,8 @@ from patchbay.contract.settings import Settings
 from patchbay.worker import distributed
 from patchbay.worker.distributed import RankSetup
 from patchbay.worker.model_loader import resolve_model_dir
-from patchbay.worker.runner_build import RunnerSpec, build_runner, load_rank_model
+from patchbay.worker.kv_transfers import RankTransferReports
+from patchbay.worker.runner_build import RunnerSpec, build_runner, kv_connector_worker, load_rank_model
 from patchbay.worker.step_channel import connect_to_rank_0, pipe_end
 from patchbay.worker.torchrun import TorchrunLaunch, launch_device, rendezvous_store
 
@@ -82,8 +87,14 @@ def run_rank(connection: Connection, rank: int, *, local_rank: int | None = None
                                  tuning=setup.tuning, rank=rank, all_reduce=group.all_reduce,
                                  all_gather=group.all_gather, link=group)
         spec: RunnerSpec = pickle.loads(_receive(connection, rank))
-        runner = build_runner(loaded.model, settings, registry_for(settings.plugins), spec, device=device,
-                              dtype=setup.dtype)
+        registry = registry_for(settings.plugins)
+        # With a connector every rank saves and loads its own shard, and joins its reports with the others' each step.
+        kv_connector = kv_reports = None
+        if spec.kv_connector is not None:
+            kv_connector = kv_connector_worker(settings, registry, spec.kv_connector, rank)
+            kv_reports = RankTransferReports(group, setup.world_size)
+        runner = build_runner(loaded.model, settings, registry, spec, device=device, dtype=setup.dtype,
+                              kv_connector=kv_connector, kv_reports=kv_reports)
         torch.manual_seed(settings.runtime.seed)  # as rank 0 does once built: the samplers start alike
         group.barrier()
         while (message := _receive(connection, rank)) != END_OF_RUN:

@@ -17,12 +17,13 @@ import torch
 from patchbay.contract.registry import Registry
 from patchbay.contract.selection import create
 from patchbay.contract.settings import ConfigError, ConfigProblem, RuntimeSettings, Settings, plugin_options
-from patchbay.interfaces import DrafterConfig, DrafterContext, KVConnectorWorker
+from patchbay.interfaces import DrafterConfig, DrafterContext, KVConnectorConfig, KVConnectorWorker, KVShard
 from patchbay.scheduling.kv_cache_spec import group_layers
 from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.worker.fused_ops import FusedModules, use_fused_ops
 from patchbay.worker.fused_projections import fuse_shared_input_projections
 from patchbay.worker.hf_model import HFCausalLM, torch_dtype
+from patchbay.worker.kv_transfers import RankTransferReports
 from patchbay.worker.model_runner import ModelRunner
 from patchbay.worker.packed_linear import packing_supported
 from patchbay.worker.pipeline_parallel import StageLink, split_model, stage_layout
@@ -111,6 +112,26 @@ class RunnerSpec:
     max_num_batched_tokens: int
     single_thread_max_tokens: int = 0
     """Steps of at most this many tokens run on one CPU thread (``runtime.single_thread_max_tokens`` resolved)."""
+    kv_connector: KVConnectorConfig | None = None
+    """Rank 0's connector config (``None``: no ``kv_connector:``); each rank's worker side gets it for its shard."""
+
+
+def rank_shard(runtime: RuntimeSettings, rank: int) -> KVShard:
+    """The part of the model rank ``rank`` holds: rank 3 with 2 tensor-parallel ranks per stage is shard 1 of stage 1."""
+    return KVShard.of_rank(rank, tensor_parallel_size=runtime.tensor_parallel_size,
+                           pipeline_parallel_size=runtime.pipeline_parallel_size)
+
+
+def kv_connector_worker(settings: Settings, registry: Registry, config: KVConnectorConfig,
+                        rank: int) -> KVConnectorWorker:
+    """Rank ``rank``'s worker side of the ``kv_connector:`` connector (rank 0 checked it serves the run),
+    configured with the rank's shard (:meth:`KVConnectorConfig.with_shard`)."""
+    section = settings.kv_connector
+    assert section is not None, "a worker side needs a kv_connector section"
+    connector_class = registry.resolve("kv_connector", section.name)
+    options = plugin_options(connector_class, section.options, where="kv_connector.options")
+    connector = connector_class(options, config=config.with_shard(rank_shard(settings.runtime, rank)))
+    return connector.worker_side()  # type: ignore[attr-defined]
 
 
 def drafter_config(settings: Settings, model: HFCausalLM, *, device: torch.device, dtype: str,
@@ -124,8 +145,12 @@ def drafter_config(settings: Settings, model: HFCausalLM, *, device: torch.devic
 
 def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec: RunnerSpec, *,
                  device: torch.device, dtype: str, kv_connector: KVConnectorWorker | None = None,
+                 kv_reports: RankTransferReports | None = None,
                  grammars: GrammarCompilations | None = None) -> ModelRunner:
-    """The runner over ``model`` with the plugins the settings name (already checked by rank 0)."""
+    """The runner over ``model`` with the plugins the settings name (already checked by rank 0).
+
+    ``kv_reports``: with several ranks, how the connector's reports are joined with the other ranks'.
+    """
     block_size = settings.cache.block_size
     groups = group_layers(model.kv_cache_specs(block_size, dtype))
     backend_class = registry.resolve("attention", spec.backend_name)
@@ -165,6 +190,7 @@ def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec
         rejection_sampler=verifier,
         num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
         kv_connector=kv_connector,
+        kv_reports=kv_reports,
         grammars=grammars,
         single_thread_max_tokens=spec.single_thread_max_tokens,
     )
