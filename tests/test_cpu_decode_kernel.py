@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 import patchbay
 from patchbay.plugins.attention import _cpu_kernel, torch_sdpa
 from patchbay.worker import native_build
+from patchbay.worker.tuning import CpuInfo
 from patchbay.sampling_params import SamplingParams
 from tiny_models import transformers_greedy
 
@@ -21,11 +24,28 @@ pytestmark = pytest.mark.skipif(_cpu_kernel.kernel_unavailable() is not None,
                                 reason=f"kernel cannot build here: {_cpu_kernel.kernel_unavailable()}")
 
 
+def kernel_variant(name: str):
+    """The kernel as built for this CPU (``native``), or limited to AVX2 (``avx2``: the SIMD path of CPUs without
+    AVX-512, built here too where the CPU has both)."""
+    if name == "native":
+        return _cpu_kernel.load_kernel()
+    if not {"avx2", "fma"} <= CpuInfo.read().flags:
+        pytest.skip("this CPU has no AVX2 and FMA")
+    return _avx2_kernel()
+
+
+@functools.cache
+def _avx2_kernel():
+    extension = _cpu_kernel.extension()
+    return dataclasses.replace(extension, cflags=(*extension.cflags, "-mno-avx512f")).load()
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("window", [0, 37])
 # 16 and 64: the SIMD path (one or several registers per head); 20: the generic loops (not a register multiple).
 @pytest.mark.parametrize("head_size", [16, 64, 20])
-def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, tolerance, head_size):
+@pytest.mark.parametrize("variant", ["native", pytest.param("avx2", marks=pytest.mark.slow)])
+def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, tolerance, head_size, variant):
     generator = torch.Generator().manual_seed(0)
     num_reqs, heads, kv_heads, block_size, num_blocks = 7, 8, 2, 4, 128
     key_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=generator).to(dtype)
@@ -37,8 +57,8 @@ def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, 
     query = torch.randn(heads, num_reqs, head_size, generator=generator).to(dtype).transpose(0, 1)
     output = torch.full(query.shape, float("nan"), dtype=dtype)
     scale = head_size ** -0.5
-    _cpu_kernel.load_kernel().paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, rows,
-                                                     scale, window, output)
+    kernel_variant(variant).paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, rows,
+                                                   scale, window, output)
     for request in range(num_reqs):
         length = int(seq_lens[request])
         blocks = block_table[request, : -(-length // block_size)].long()

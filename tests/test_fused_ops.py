@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,16 +17,34 @@ from patchbay.sampling_params import SamplingParams
 from patchbay.worker import fused_ops
 from patchbay.worker.fused_projections import fuse_shared_input_projections
 from patchbay.worker.native_build import build_unavailable
+from patchbay.worker.tuning import CpuInfo
 from tiny_models import transformers_greedy
 
 pytestmark = pytest.mark.skipif(build_unavailable() is not None, reason=f"cannot build here: {build_unavailable()}")
 
 
 class Built:
-    """A build that is done: the real kernels."""
+    """A build that is done: the kernels as built for this CPU, or limited to AVX2 (the SIMD path of CPUs
+    without AVX-512, built here too where the CPU has both)."""
+
+    def __init__(self, variant: str = "native") -> None:
+        self.variant = variant
 
     def ready(self):
-        return fused_ops.load_fused_ops()
+        if self.variant == "native":
+            return fused_ops.load_fused_ops()
+        if not {"avx2", "fma"} <= CpuInfo.read().flags:
+            pytest.skip("this CPU has no AVX2 and FMA")
+        return _avx2_ops()
+
+
+@functools.cache
+def _avx2_ops():
+    extension = fused_ops.EXTENSION
+    return dataclasses.replace(extension, cflags=(*extension.cflags, "-mno-avx512f")).load()
+
+
+VARIANTS = pytest.mark.parametrize("variant", ["native", pytest.param("avx2", marks=pytest.mark.slow)])
 
 
 class NotBuilt:
@@ -31,16 +52,17 @@ class NotBuilt:
         return None
 
 
+@VARIANTS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 is past the kernels' threading threshold
-def test_rms_norm_matches_transformers(dtype, rows):
+def test_rms_norm_matches_transformers(dtype, rows, variant):
     generator = torch.Generator().manual_seed(0)
-    norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    norm = LlamaRMSNorm(580, eps=1e-5).to(dtype)  # 580: whole registers and a tail of plain loops
     with torch.no_grad():
-        norm.weight.copy_(torch.rand(576, generator=generator) + 0.5)
-    hidden = (torch.randn(1, rows, 576, generator=generator) * 3).to(dtype)
+        norm.weight.copy_(torch.rand(580, generator=generator) + 0.5)
+    hidden = (torch.randn(1, rows, 580, generator=generator) * 3).to(dtype)
     expected = norm(hidden)
-    norm.forward = fused_ops.FusedRMSNorm(norm, Built())
+    norm.forward = fused_ops.FusedRMSNorm(norm, Built(variant))
     with torch.inference_mode():
         got = norm(hidden)
     assert got.dtype == dtype and got.shape == expected.shape
@@ -53,22 +75,23 @@ def test_rms_norm_matches_transformers(dtype, rows):
         torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
 
 
+@VARIANTS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_silu_mlp_matches_transformers(dtype, rows):
-    config = LlamaConfig(hidden_size=64, intermediate_size=1536, num_attention_heads=4, hidden_act="silu")
+def test_silu_mlp_matches_transformers(dtype, rows, variant):
+    config = LlamaConfig(hidden_size=64, intermediate_size=1540, num_attention_heads=4, hidden_act="silu")
     torch.manual_seed(0)
     mlp = LlamaMLP(config).to(dtype).eval()
     x = torch.randn(1, rows, 64).to(dtype)
     with torch.inference_mode():
         expected = mlp(x)
         gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
-        activated = torch.empty(1, rows, 1536, dtype=dtype)
-        fused_ops.load_fused_ops().silu_and_mul(gate_up, activated)
+        activated = torch.empty(1, rows, 1540, dtype=dtype)
+        Built(variant).ready().silu_and_mul(gate_up, activated)
         torch.testing.assert_close(activated, F.silu(mlp.gate_proj(x)) * mlp.up_proj(x),
                                    rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-6)
         assert fuse_shared_input_projections(mlp) == 1
-        mlp.forward = fused_ops.FusedSiluMLP(mlp, Built())
+        mlp.forward = fused_ops.FusedSiluMLP(mlp, Built(variant))
         assert mlp.forward.group is not None  # the gate/up product is the fused group's
         got = mlp(x)
     torch.testing.assert_close(got, expected, rtol=1e-5 if dtype == torch.float32 else 2e-2,

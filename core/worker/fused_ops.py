@@ -32,11 +32,11 @@ import torch
 from torch import nn
 
 from patchbay.worker.fused_projections import Member
-from patchbay.worker.native_build import NATIVE_CFLAGS, BackgroundBuild, NativeExtension, build_unavailable
+from patchbay.worker.native_build import SIMD_HELPERS, BackgroundBuild, NativeExtension, build_unavailable
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
-SOURCE = r"""
+SOURCE = SIMD_HELPERS + r"""
 #include <torch/extension.h>
 #include <omp.h>
 #include <cmath>
@@ -50,18 +50,29 @@ void rms_norm_rows(const scalar_t* x, int64_t x_row_stride, const scalar_t* weig
 #pragma omp parallel for if (rows * hidden >= kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
     const scalar_t* row = x + r * x_row_stride;
-    float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t i = 0; i < hidden; ++i) {
-      const float value = static_cast<float>(row[i]);
-      squares += value * value;
-    }
-    const float variance = squares / static_cast<float>(hidden);
-    const float inverse = 1.0f / std::sqrt(variance + eps);
     scalar_t* o = out + r * hidden;
-#pragma omp simd
-    for (int64_t i = 0; i < hidden; ++i) {
+    int64_t i = 0;
+    float squares = 0.0f;
+#ifdef PATCHBAY_SIMD
+    vfloat acc = vbroadcast(0.0f);
+    for (; i + kLanes <= hidden; i += kLanes) {
+      const vfloat value = vload(row + i);
+      acc = vfma(value, value, acc);
+    }
+    squares = vsum(acc);
+#endif
+    for (; i < hidden; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+    const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+    i = 0;
+#ifdef PATCHBAY_SIMD
+    const vfloat scale = vbroadcast(inverse);
+    for (; i + kLanes <= hidden; i += kLanes) {
       // Rounded to the input's dtype before the weight multiplies it, as transformers does.
+      const vfloat normalized = vround_as(row, vmul(vload(row + i), scale));
+      vstore(o + i, vmul(vload(weight + i), normalized));
+    }
+#endif
+    for (; i < hidden; ++i) {
       const scalar_t normalized = static_cast<scalar_t>(static_cast<float>(row[i]) * inverse);
       o[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normalized));
     }
@@ -97,10 +108,18 @@ void silu_and_mul_rows(const scalar_t* gate, const scalar_t* up, int64_t in_row_
     const scalar_t* g = gate + r * in_row_stride;
     const scalar_t* u = up + r * in_row_stride;
     scalar_t* o = out + r * width;
-#pragma omp simd
-    for (int64_t i = 0; i < width; ++i) {
-      const float value = static_cast<float>(g[i]);
+    int64_t i = 0;
+#ifdef PATCHBAY_SIMD
+    const vfloat one = vbroadcast(1.0f), minus_one = vbroadcast(-1.0f);
+    for (; i + kLanes <= width; i += kLanes) {
+      const vfloat value = vload(g + i);
       // SiLU rounded to the dtype before the product, as act_fn(gate) * up rounds it.
+      const vfloat activated = vround_as(g, vdiv(value, vadd(one, vexp(vmul(value, minus_one)))));
+      vstore(o + i, vmul(activated, vload(u + i)));
+    }
+#endif
+    for (; i < width; ++i) {
+      const float value = static_cast<float>(g[i]);
       const scalar_t activated = static_cast<scalar_t>(value / (1.0f + std::exp(-value)));
       o[i] = static_cast<scalar_t>(static_cast<float>(activated) * static_cast<float>(u[i]));
     }
@@ -125,8 +144,8 @@ void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) {
 }
 """
 
-EXTENSION = NativeExtension("patchbay_fused_ops", SOURCE, ("rms_norm", "silu_and_mul"), (*NATIVE_CFLAGS, "-ffast-math"))
-"""The kernels; fast math lets the compiler vectorize SiLU's exponential (glibc's vector ``expf``)."""
+EXTENSION = NativeExtension("patchbay_fused_ops", SOURCE, ("rms_norm", "silu_and_mul"))
+"""The kernels (SIMD registers where the CPU has AVX-512 or AVX2, plain loops elsewhere and for row tails)."""
 
 
 @functools.cache

@@ -25,22 +25,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from patchbay.worker.native_build import NATIVE_CFLAGS, BackgroundBuild, NativeExtension, build_unavailable
+from patchbay.worker.native_build import NATIVE_CFLAGS, SIMD_HELPERS, BackgroundBuild, NativeExtension, build_unavailable
 
 logger = logging.getLogger(__name__)
 
 EXTRA_CFLAGS = (*NATIVE_CFLAGS, "-ffast-math")
 """The kernel's compiler flags: fast math lets the compiler vectorize its softmax's exponentials and sums."""
 
-SOURCE = r"""
+SOURCE = SIMD_HELPERS + r"""
 #include <torch/extension.h>
 #include <omp.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
 
 // Shapes, for both paths: query [tokens, heads, head_size], any strides; output the same, contiguous;
 // key_cache, value_cache: [blocks, block_size, kv_heads, head_size]; block_table: int32 [requests, max_blocks];
@@ -130,21 +127,8 @@ void decode_attention_generic(const Problem& p, const scalar_t* q_base, const sc
   }
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// One SIMD register of floats, loaded from float32 or (widened) bfloat16.
+#ifdef PATCHBAY_SIMD
 #if defined(__AVX512F__)
-using vfloat = __m512;
-constexpr int kLanes = 16;
-static inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline vfloat vload(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-static inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
-static inline vfloat vbroadcast(float x) { return _mm512_set1_ps(x); }
-static inline float vsum(vfloat a) { return _mm512_reduce_add_ps(a); }
-static inline void vstore(float* p, vfloat a) { _mm512_storeu_ps(p, a); }
 // The sums of four registers, [sum(a), sum(b), sum(c), sum(d)]: a transposing add tree, cheaper than four sums.
 static inline __m128 vsum4(vfloat a, vfloat b, vfloat c, vfloat d) {
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -155,22 +139,6 @@ static inline __m128 vsum4(vfloat a, vfloat b, vfloat c, vfloat d) {
   return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
 }
 #else
-using vfloat = __m256;
-constexpr int kLanes = 8;
-static inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
-static inline vfloat vload(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-static inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
-static inline vfloat vbroadcast(float x) { return _mm256_set1_ps(x); }
-static inline float vsum(vfloat a) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
-}
-static inline void vstore(float* p, vfloat a) { _mm256_storeu_ps(p, a); }
 static inline __m128 vsum4(vfloat a, vfloat b, vfloat c, vfloat d) {
   const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
   const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
