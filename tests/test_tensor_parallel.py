@@ -474,6 +474,28 @@ def test_structured_output_over_two_ranks_equals_one_process_and_keeps_every_con
 
 
 @pytest.mark.slow
+def test_preempted_constrained_requests_over_two_ranks_resume_with_the_same_tokens(tiny_llama: Path,
+                                                                                  single: patchbay.LLM) -> None:
+    """A preempted request comes back as new: rank 0 rebuilds its matcher from the tokens it had generated."""
+    pytest.importorskip("xgrammar")
+    # 15 usable blocks of 4 tokens: the chunked prompt's regex request (40 + 10 tokens) and the JSON one do not
+    # fit together, so the scheduler preempts (as in the unconstrained case above).
+    llm = patchbay.LLM(model__path=str(tiny_llama), **{**TP2, "cache__num_blocks": 16, "model__max_model_len": 56})
+    try:
+        params = [SamplingParams(max_tokens=48, structured_output={"json_schema": ORDER}),
+                  SamplingParams(max_tokens=16, structured_output={"regex": REGEX}),
+                  SamplingParams(max_tokens=8, structured_output={"choice": ["yes", "no", "maybe"]})]
+        outputs = llm.generate(PROMPTS, params)
+        assert llm.engine.stats.num_preemptions > 0
+        assert completions(outputs) == completions(single.generate(PROMPTS, params))
+        json_output, regex_output, choice_output = (output.text for output in outputs)
+        jsonschema.validate(json.loads(json_output), ORDER)
+        assert re.fullmatch(REGEX, regex_output) and choice_output in ("yes", "no", "maybe")
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.slow
 def test_structured_output_with_speculative_decoding_over_two_ranks_equals_one_process(tiny_llama: Path) -> None:
     """Drafts the grammar refuses are masked out on every rank, and rank 0's matchers roll back what they tried."""
     pytest.importorskip("xgrammar")
