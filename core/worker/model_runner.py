@@ -312,7 +312,8 @@ class ModelRunner:
             scheduler_output.grammar_bitmasks = {}
             return
         clock = time.perf_counter()
-        constrained.update(scheduler_output)
+        constrained.update(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
+                           | scheduler_output.reset_req_ids, scheduler_output.scheduled_new_reqs)
         scheduler_output.grammar_bitmasks = constrained.fill_step(
             self._sampling_req_ids(scheduler_output, constrained.matchers),
             scheduler_output.scheduled_spec_decode_tokens) if constrained.matchers else {}
@@ -362,7 +363,7 @@ class ModelRunner:
             batch.add_request(request)
             self.prompt_logprobs.forget(request.req_id)
         if self.constrained is not None and scheduler_output.grammar_bitmasks is None:
-            self.constrained.update(scheduler_output)  # with several ranks, fill_grammar_bitmasks did
+            self.constrained.update(dropped, scheduler_output.scheduled_new_reqs)  # ranks: fill_grammar_bitmasks did
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True

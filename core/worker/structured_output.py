@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from patchbay.interfaces import GrammarMatcher
-from patchbay.scheduling.scheduler_output import SchedulerOutput
+from patchbay.scheduling.scheduler_output import NewRequestData
 from patchbay.scheduling.structured_output import GrammarCompilations
 
 
@@ -134,12 +134,12 @@ class ConstrainedDecoding:
             rows.extend(range(row, row + num_rows))
         apply_token_bitmask(logits, bitmask, rows)
 
-    def update(self, scheduler_output: SchedulerOutput) -> None:
-        """Apply a step's changes to the matchers: drop those of the requests it drops, start those of its new ones."""
-        dropped = scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids | scheduler_output.reset_req_ids
+    def update(self, dropped: Iterable[str], new_requests: Iterable[NewRequestData]) -> None:
+        """Apply a step's changes to the matchers: drop those of the requests it drops (finished, preempted,
+        reset), then start those of its new and resumed requests."""
         for req_id in dropped:
             self.remove(req_id)
-        for request in scheduler_output.scheduled_new_reqs:
+        for request in new_requests:
             if request.grammar is not None:
                 self.add(request.req_id, request.grammar, request.output_token_ids,
                          request.sampling_params.structured_output.field_path)
