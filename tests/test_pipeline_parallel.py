@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_tensor_parallel import NUM_TOKENS, PROMPTS, greedy, rank_processes, wait_until_gone
+from test_tensor_parallel import (
+    NUM_TOKENS,
+    PROMPTS,
+    check_structured_batch,
+    completions,
+    greedy,
+    rank_processes,
+    structured_batch,
+    wait_until_gone,
+)
 from tiny_models import transformers_greedy
 
 import patchbay
@@ -155,6 +164,22 @@ def test_seeded_sampling_over_two_stages_equals_one_process(pp2: patchbay.LLM, s
         return [[c.token_ids for c in output.completions] for output in llm.generate(prompts, params)]
 
     assert sample(pp2) == sample(single)
+
+
+@pytest.mark.slow
+def test_structured_output_over_two_stages_equals_one_process_with_llguidance(tiny_llama: Path) -> None:
+    """Every stage samples, so every stage masks: with rank 0's rows, whichever backend filled them."""
+    pytest.importorskip("llguidance")
+    grammar = {"structured_output__backend": "llguidance", "structured_output__options": {"any_whitespace": False}}
+    llm = patchbay.LLM(model__path=str(tiny_llama), **PP2, **grammar)
+    try:
+        reference = patchbay.LLM(model__path=str(tiny_llama), **ONE_STAGE, **grammar)
+        prompts, params = structured_batch()
+        outputs = llm.generate(prompts, params)
+        assert completions(outputs) == completions(reference.generate(prompts, params))
+        check_structured_batch(outputs, params)
+    finally:
+        llm.engine.close()
 
 
 # -- tensor-parallel stages, and failures -----------------------------------------------------------

@@ -458,9 +458,6 @@ class Engine:
             raise ValueError(f"a request id must be a string, got {type(request_id).__name__} {request_id!r}")
         check_request(request_id, prompt_token_ids, params, self.limits)
         self._check_sampling(request_id, params)
-        if params.structured_output is not None and self.ranks is not None:
-            raise ValueError(f"request {request_id!r}: structured_output is not supported with "
-                             f"{parallel_settings(self.settings)}")
         check_constraint(request_id, params, self.grammars)
 
     def _check_sampling(self, request_id: str, params: SamplingParams) -> None:
@@ -584,6 +581,8 @@ class Engine:
         self._engine_timings["schedule"] += scheduled - started
         failed: dict[str, str] = {}
         if self.ranks is not None:
+            # Rank 0's matchers fill the step's grammar bitmasks; they travel with the step to every rank.
+            self.runner.fill_grammar_bitmasks(scheduler_output)
             self.ranks.send_step(scheduler_output)  # raises RankDiedError once a rank has ended
         try:
             runner_output = self.runner.execute_model(scheduler_output)

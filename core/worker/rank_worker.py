@@ -8,6 +8,9 @@ empty message when the run ends.  Each step runs ``execute_model`` exactly
 as rank 0 does, so the forward pass's all-reduces (or the stages' sends,
 receives and broadcast) pair up and the persistent batches and seeded
 samplers stay identical; the outputs are dropped (rank 0's are the run's).
+Structured output needs no grammar here: each step carries the token
+bitmask rows rank 0's matchers filled (``SchedulerOutput.grammar_bitmasks``),
+which this rank applies to its logits as rank 0 does.
 With a KV connector each rank runs its own worker side over its shard, and
 the ranks exchange their transfer reports after each step
 (:mod:`patchbay.worker.kv_transfers`): that, not this rank's output, is how
