@@ -156,8 +156,19 @@ def test_bfloat16_runs_and_agrees_with_transformers_in_bfloat16(tiny_llama):
     prompts = _prompts(6, seed=4)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     expected = transformers_greedy(tiny_llama, prompts, 4, dtype=torch.bfloat16)
-    # bf16 rounding differs between a paged batch and transformers' own path; the first token must agree.
-    assert [o.token_ids[0] for o in outputs] == [e[0] for e in expected]
+    # bf16 rounding differs between a paged batch and transformers' own path; the first token must agree, unless
+    # transformers' own logits put ours within one bf16 unit in the last place of its choice (a tie at bf16).
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
+    for prompt, output, want in zip(prompts, outputs, expected, strict=True):
+        if output.token_ids[0] == want[0]:
+            continue
+        with torch.inference_mode():
+            logits = reference(torch.tensor([prompt])).logits[0, -1].float()
+        top = logits[want[0]]
+        assert logits[output.token_ids[0]] >= top - torch.finfo(torch.bfloat16).eps * top.abs(), \
+            f"first token {output.token_ids[0]} is not a bf16 tie with transformers' {want[0]}"
 
 
 def test_the_default_backend_is_chosen_by_capability(llm, tiny_llama):
