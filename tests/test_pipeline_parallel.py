@@ -73,11 +73,15 @@ def test_stages_take_contiguous_layers_the_first_ones_one_more_when_they_do_not_
     assert [len(StageLayout(3, 3).layer_range(s)) for s in range(3)] == [1, 1, 1]
 
 
-def test_stages_share_the_cores_only_with_tensor_parallel_ranks() -> None:
+def test_stages_share_the_cores_like_tensor_parallel_ranks() -> None:
     from patchbay.worker.distributed import rank_threads
 
-    # Stages compute one after another: each may use every core.
-    assert rank_threads(load_settings(overrides=["runtime.pipeline_parallel_size=2"])) is None
+    # Batches in flight on every stage: the stages compute at the same time, so they share the cores.
+    cores = len(os.sched_getaffinity(0))
+    assert rank_threads(load_settings(overrides=["runtime.pipeline_parallel_size=2"])) == max(1, cores // 2)
+    assert rank_threads(load_settings(overrides=["runtime.pipeline_parallel_size=2",
+                                                 "runtime.tensor_parallel_size=2"])) == max(1, cores // 4)
+    assert rank_threads(load_settings(overrides=["runtime.pipeline_parallel_size=2", "runtime.threads=3"])) == 3
 
 
 def test_more_stages_than_layers_and_kv_connectors_are_refused_before_any_rank_starts(tiny_llama: Path) -> None:

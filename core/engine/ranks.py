@@ -43,6 +43,7 @@ from patchbay.contract.settings import (
 from patchbay.engine.step_failures import EngineDeadError
 from patchbay.worker import step_channel
 from patchbay.worker.distributed import STORE_HOST, CollectiveError, RankGroup, RankSetup, joined_key
+from patchbay.worker.pipeline_parallel import last_stage_rank
 from patchbay.worker.rank_worker import END_OF_RUN, RankZeroGoneError, run_torchrun_rank
 from patchbay.worker.step_channel import StepChannelError
 from patchbay.worker.torchrun import check_world_size, rendezvous_store, store_address, torchrun_launch
@@ -88,6 +89,12 @@ def check_tensor_parallel(settings: Settings, device: torch.device) -> None:
     if settings.kv_connector is not None:
         problems.append(ConfigProblem("<run>", "kv_connector", f"KV connectors run with one rank; "
                                       f"this run has {parallel_settings(settings)}"))
+    if settings.speculative is not None and settings.runtime.pipeline_parallel_size > 1:
+        # Drafts are proposed from the last stage's samples, and a batch in flight has none yet.
+        problems.append(ConfigProblem("<run>", "speculative", f"speculative decoding runs without pipeline stages; "
+                                      f"this run has runtime.pipeline_parallel_size "
+                                      f"{settings.runtime.pipeline_parallel_size} (remove the speculative section "
+                                      "or use runtime.pipeline_parallel_size 1)"))
     # Ranks torchrun launched may be on other machines, each with its own devices.
     if device.type == "cuda" and torchrun_launch() is None and (device.index or 0) + size > torch.cuda.device_count():
         key = "runtime.pipeline_parallel_size" if settings.runtime.pipeline_parallel_size > 1 \
@@ -258,6 +265,20 @@ class TensorParallelRanks:
     def send_step(self, scheduler_output: Any) -> None:
         """Hand a step to every other rank; raise :class:`RankDiedError` when one has ended."""
         self._send(pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def receive_output(self) -> Any:
+        """The last pipeline stage's output of the oldest step it has not returned yet (waiting for it); raise
+        :class:`RankDiedError` when a rank ended."""
+        assert self.group is not None
+        runtime = self.setup.settings.runtime
+        try:
+            return self.group.recv_object(last_stage_rank(runtime.pipeline_parallel_size,
+                                                          runtime.tensor_parallel_size))
+        except Exception as exc:
+            died = self.failure(exc, "while rank 0 waited for a step's output")
+            if died is not None:
+                raise died from exc
+            raise
 
     def _send(self, payload: bytes) -> None:
         self.check_alive()

@@ -12,6 +12,20 @@ before the forward pass, so those tokens count as computed at once; an
 asynchronous one parks the request (``WAITING_FOR_REMOTE_KVS``) until the
 runner reports it in ``finished_recving``.  Blocks that failed to load are
 recomputed, never trusted.
+
+With ``overlap_batches`` (pipeline parallelism) the engine schedules the
+next batch before the earlier ones' outputs are back, keeping several in
+flight (one per stage).  A request scheduled in a batch whose output has
+not come back is *in flight*: it is not scheduled again until that output
+is applied, whether it decodes (its next token is not known yet) or
+prefills (its next chunk waits too: ``num_computed_tokens`` advances only
+when an output comes back, so chunks of one prompt never overlap, while
+different requests' batches do).  Outputs must be applied in the order the
+batches were scheduled.  A request preempted, finished or aborted while in
+flight has its late output ignored, and a preempted one is admitted again
+only once that output is back.  Cached requests then carry the tokens
+sampled since they last ran (``CachedRequestData.new_token_ids``): only the
+last stage samples, the others learn the tokens this way.
 """
 
 from __future__ import annotations
@@ -82,6 +96,7 @@ class Scheduler:
         kv_connector: KVConnectorScheduler | None = None,
         kv_connector_role: str = "both",
         grammars: GrammarCompilations | None = None,
+        overlap_batches: bool = False,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -132,6 +147,13 @@ class Scheduler:
         """Finished requests whose blocks stay allocated until the connector is done: ``sending`` and/or ``recving``."""
         self._reset_req_ids: set[str] = set()
         """Running requests rolled back after a load error: sent to the runner as new at their next step."""
+        self.overlap_batches = overlap_batches
+        """Batches may be scheduled before earlier ones' outputs are applied (see the module docstring)."""
+        self._in_flight: dict[str, Request] = {}
+        """With ``overlap_batches``: requests of batches whose output is not applied yet, by id (the object
+        tells a request apart from a later one that reuses its id)."""
+        self._num_tokens_sent: dict[str, int] = {}
+        """With ``overlap_batches``: per request, its tokens the runners were told of (prompt and outputs)."""
 
     # -- requests in and out -----------------------------------------------
 
@@ -215,6 +237,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
+            if request.request_id in self._in_flight:
+                index += 1
+                continue  # its output is not back: its next tokens are not known yet
             num_new = min(
                 request.num_tokens_with_spec - request.num_computed_tokens,
                 token_budget,
@@ -243,6 +268,10 @@ class Scheduler:
                 cached.req_ids.append(request.request_id)
                 cached.new_block_ids.append(new_block_ids if any(new_block_ids) else None)
                 cached.num_computed_tokens.append(request.num_computed_tokens)
+                if self.overlap_batches:
+                    sent = self._num_tokens_sent.get(request.request_id, request.num_tokens)
+                    cached.new_token_ids.append(request.all_token_ids[sent:])
+                    self._num_tokens_sent[request.request_id] = request.num_tokens
             num_scheduled[request.request_id] = num_new
             token_budget -= num_new
             index += 1
@@ -252,7 +281,7 @@ class Scheduler:
             token_budget = self._schedule_waiting(token_budget, num_scheduled, new_reqs)
 
         if not num_scheduled and not self.running and self.waiting and not self._loading \
-                and not self._grammar_futures():
+                and not self._in_flight and not self._grammar_futures():
             # The pool check at construction makes this unreachable; fail loudly rather than spin.
             head = self.waiting[0]
             raise RuntimeError(
@@ -273,7 +302,14 @@ class Scheduler:
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(list(num_scheduled))
         self._finished_req_ids = set()
+        if self.overlap_batches:
+            self._in_flight.update((request_id, self.requests[request_id]) for request_id in num_scheduled)
         return output
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests scheduled in batches whose output is not applied yet (0 without ``overlap_batches``)."""
+        return len(self._in_flight)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -289,8 +325,10 @@ class Scheduler:
             else set()
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
+            if self.overlap_batches and self._in_flight.pop(request_id, None) is not request:
+                continue  # finished or aborted while in flight (and maybe its id reused since)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # finished or aborted since it was scheduled
+                continue  # finished, aborted or preempted since it was scheduled
             if request_id in rolled_back:
                 continue  # it ran on KV that failed to load: this step's work and sample are void
             row = rows.get(request_id)
@@ -348,6 +386,9 @@ class Scheduler:
             request = self.waiting[0]
             request_id = request.request_id
             num_external = 0
+            if request_id in self._in_flight:
+                skipped.append(self.waiting.popleft())  # preempted while in flight: its output comes back first
+                continue
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(request):
                 if not request.is_finished:
                     skipped.append(self.waiting.popleft())  # still compiling
@@ -405,6 +446,8 @@ class Scheduler:
         return token_budget
 
     def _new_request_data(self, request: Request) -> NewRequestData:
+        if self.overlap_batches:
+            self._num_tokens_sent[request.request_id] = request.num_tokens
         return NewRequestData(
             req_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -645,6 +688,7 @@ class Scheduler:
         self._loading.pop(request_id, None)
         self._loaded.discard(request_id)
         self._reset_req_ids.discard(request_id)
+        self._num_tokens_sent.pop(request_id, None)
         if pending:
             self._held[request_id] = (request, pending)
         else:

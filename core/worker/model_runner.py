@@ -8,6 +8,11 @@ sampled, and samples of partial (chunked) prefills are discarded.  A KV
 connector's worker side, when one is configured, loads blocks before the
 forward pass (``start_load_kv``), waits and saves per layer inside it, and
 reports finished transfers and failed loads after it.
+
+A runner of a pipeline stage other than the last (``samples=False``) runs
+its layers and hands the hidden states on (the model's hooks send them);
+it computes no logits and samples nothing: its persistent batch learns the
+sampled tokens from the scheduler's ``CachedRequestData.new_token_ids``.
 """
 
 from __future__ import annotations
@@ -106,8 +111,11 @@ class ModelRunner:
         kv_connector: KVConnectorWorker | None = None,
         grammars: GrammarCompilations | None = None,
         single_thread_max_tokens: int = 0,
+        samples: bool = True,
     ) -> None:
         self.model = model
+        self.samples = samples
+        """Whether this runner computes logits and samples (``False``: a pipeline stage before the last)."""
         self.single_thread_max_tokens = single_thread_max_tokens
         """Steps of at most this many tokens run on one thread: a sleeping OpenMP thread's wake-up, paid once
         per parallel product, costs more than a second core gains on a few-row product (measured by the
@@ -242,6 +250,13 @@ class ModelRunner:
             connector.start_load_kv(scheduler_output.kv_connector_metadata)
         with forward_context(ForwardContext(self._bindings, step.group_metadata, connector)):
             hidden_states = self.model.hidden_states(step.input_ids, step.positions)
+        if not self.samples:
+            # An earlier pipeline stage: its hidden states are on their way to the next stage (the hooks sent them).
+            self.batch.num_computed_tokens[step.rows] = step.seq_lens
+            self._lap("forward", clock)
+            self.num_steps += 1
+            return ModelRunnerOutput(req_ids=[self.batch.req_ids[row] for row in step.rows],
+                                     sampled_token_ids=[[] for _ in step.rows])
         if connector is not None:
             connector.wait_for_save()
         sample_rows = step.rows[step.complete]
@@ -315,6 +330,13 @@ class ModelRunner:
                 self.constrained.add(request.req_id, request.grammar, request.output_token_ids,
                                      request.sampling_params.structured_output.field_path)
         cached = scheduler_output.scheduled_cached_reqs
+        if cached.new_token_ids and not self.samples:
+            # 2 tokens known, [7, 9] sampled since: token_ids[row, 2:4] = [7, 9], num_tokens[row] = 4
+            for req_id, token_ids in zip(cached.req_ids, cached.new_token_ids, strict=True):
+                row = batch.req_id_to_index[req_id]
+                start = batch.num_tokens[row]
+                batch.token_ids[row, start : start + len(token_ids)] = token_ids
+                batch.num_tokens[row] = start + len(token_ids)
         for req_id, new_block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
         ):

@@ -5,9 +5,11 @@ Rank 0 (the engine's process) talks to it over a step channel
 and what rank 0 resolved), then, once rank 0 has chosen them, the runner's
 :class:`RunnerSpec`, then one pickled ``SchedulerOutput`` per step, and an
 empty message when the run ends.  Each step runs ``execute_model`` exactly
-as rank 0 does, so the forward pass's all-reduces (or the stages' sends,
-receives and broadcast) pair up and the persistent batches and seeded
-samplers stay identical; the outputs are dropped (rank 0's are the run's).
+as rank 0 does, so the forward pass's all-reduces (or the stages' sends and
+receives) pair up and the persistent batches and seeded samplers stay
+identical.  A tensor-parallel rank's outputs are dropped (rank 0's are the
+run's); with pipeline stages, the last stage's first rank sends each step's
+output to rank 0 (it is the only stage that samples) as soon as it has it.
 
 Two launches reach :func:`run_rank`:
 
@@ -39,6 +41,7 @@ from patchbay.contract.settings import Settings
 from patchbay.worker import distributed
 from patchbay.worker.distributed import RankSetup
 from patchbay.worker.model_loader import resolve_model_dir
+from patchbay.worker.pipeline_parallel import last_stage_rank
 from patchbay.worker.runner_build import RunnerSpec, build_runner, load_rank_model
 from patchbay.worker.step_channel import connect_to_rank_0, pipe_end
 from patchbay.worker.torchrun import TorchrunLaunch, launch_device, rendezvous_store
@@ -82,11 +85,17 @@ def run_rank(connection: Connection, rank: int, *, local_rank: int | None = None
                                  tuning=setup.tuning, rank=rank, all_reduce=group.all_reduce, link=group)
         spec: RunnerSpec = pickle.loads(_receive(connection, rank))
         runner = build_runner(loaded.model, settings, registry_for(settings.plugins), spec, device=device,
-                              dtype=setup.dtype)
+                              dtype=setup.dtype, rank=rank)
         torch.manual_seed(settings.runtime.seed)  # as rank 0 does once built: the samplers start alike
+        runtime = settings.runtime
+        sends_outputs = runtime.pipeline_parallel_size > 1 and rank == last_stage_rank(
+            runtime.pipeline_parallel_size, runtime.tensor_parallel_size)
         group.barrier()
         while (message := _receive(connection, rank)) != END_OF_RUN:
-            runner.execute_model(pickle.loads(message))
+            scheduler_output = pickle.loads(message)
+            output = runner.execute_model(scheduler_output)
+            if sends_outputs and not scheduler_output.is_empty:
+                group.send_object(output, 0)
     finally:
         group.close()
 

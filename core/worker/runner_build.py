@@ -24,7 +24,7 @@ from patchbay.worker.fused_projections import fuse_shared_input_projections
 from patchbay.worker.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.model_runner import ModelRunner
 from patchbay.worker.packed_linear import packing_supported
-from patchbay.worker.pipeline_parallel import StageLink, split_model, stage_layout
+from patchbay.worker.pipeline_parallel import StageLink, samples_on, split_model, stage_layout
 from patchbay.worker.quantization import INT8_MAX_ROWS, quantize_linears
 from patchbay.worker.tensor_parallel import AllReduce, shard_layout, shard_model
 from patchbay.worker.tuning import LinearPaths, Tuning, apply_linear_paths
@@ -117,8 +117,9 @@ def drafter_config(settings: Settings, model: HFCausalLM, *, device: torch.devic
 
 def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec: RunnerSpec, *,
                  device: torch.device, dtype: str, kv_connector: KVConnectorWorker | None = None,
-                 grammars: GrammarCompilations | None = None) -> ModelRunner:
-    """The runner over ``model`` with the plugins the settings name (already checked by rank 0)."""
+                 grammars: GrammarCompilations | None = None, rank: int = 0) -> ModelRunner:
+    """The runner over ``model`` (``rank``'s part of it) with the plugins the settings name (already checked by
+    rank 0); only the last pipeline stage's runners sample."""
     block_size = settings.cache.block_size
     groups = group_layers(model.kv_cache_specs(block_size, dtype))
     backend_class = registry.resolve("attention", spec.backend_name)
@@ -160,4 +161,5 @@ def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec
         kv_connector=kv_connector,
         grammars=grammars,
         single_thread_max_tokens=spec.single_thread_max_tokens,
+        samples=samples_on(rank, settings.runtime.pipeline_parallel_size, settings.runtime.tensor_parallel_size),
     )
