@@ -1,4 +1,5 @@
-"""Pipeline parallelism on gloo: stages as processes, each with its own layers and KV cache, equal tokens, failures.
+"""Pipeline parallelism on gloo: stages as processes, each with its own layers and KV cache, batches in flight on
+every stage at once, equal tokens, failures.
 
 Multi-process cases are slow (each stage is a Python process that loads
 torch and the model); one two-stage engine is shared by the cases that can.
@@ -95,6 +96,11 @@ def test_more_stages_than_layers_and_kv_connectors_are_refused_before_any_rank_s
                                           "runtime.tensor_parallel_size 2 and runtime.pipeline_parallel_size 2"):
         patchbay.LLM(model__path=str(tiny_llama), runtime__pipeline_parallel_size=2,
                      runtime__tensor_parallel_size=2, kv_connector={"name": "host_offload"})
+    with pytest.raises(ConfigError) as caught:
+        patchbay.LLM(model__path=str(tiny_llama), runtime__pipeline_parallel_size=2,
+                     speculative={"method": "ngram", "num_speculative_tokens": 2})
+    assert [problem.path for problem in caught.value.problems] == ["speculative"]
+    assert "runtime.pipeline_parallel_size 2" in caught.value.problems[0].message
     assert child_ranks() <= running
 
 
@@ -151,13 +157,53 @@ def test_greedy_tokens_over_two_stages_equal_one_process_and_transformers(pp2: p
     again = pp2.generate(PROMPTS, params)
     assert [output.token_ids for output in again] == expected
     assert all(output.metrics.num_cached_tokens > 0 for output in again)
+    # Overlapped, not lockstep: a second batch started on stage 0 while the first was still in the pipeline.
+    assert pp2.engine.stats.max_batches_in_flight == 2
+    assert pp2.engine.stats.num_overlapped_batches > 0
+
+
+@pytest.mark.slow
+def test_stage_0_starts_the_next_batch_before_the_last_stage_returns_the_first(pp2: patchbay.LLM,
+                                                                               single: patchbay.LLM) -> None:
+    engine = pp2.engine
+    params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, temperature=0.0)
+    prompts = [[token + 200 for token in prompt] for prompt in PROMPTS]  # not in the prefix cache yet
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    stats = engine.stats
+    steps, overlapped = stats.num_steps, stats.num_overlapped_batches
+    # Budget 16: the first batch is prompt 0 and a chunk of prompt 1; the second, prompt 2 (prompt 1 is in flight).
+    assert engine.step() == []
+    assert stats.num_steps == steps  # the first batch is in the pipeline: no output applied yet
+    assert engine.step() == []  # stage 0 runs the second batch, then (the pipeline full) takes the first's output
+    assert (stats.num_steps - steps, stats.num_overlapped_batches - overlapped) == (1, 1)
+    engine.abort([ids[2]])  # its batch is in flight: the late output is dropped
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((output.request_id, output) for output in engine.step())
+    assert finished[ids[2]].finish_reason == "abort"
+    assert [finished[request_id].token_ids for request_id in ids[:2]] == greedy(single, prompts[:2])
+
+
+@pytest.mark.slow
+def test_requests_preempted_over_two_stages_come_back_with_the_same_tokens(tiny_llama: Path) -> None:
+    # 15 usable blocks of 4 tokens hold the longest request (52 tokens) but not the three at once (95 tokens):
+    # requests are preempted, some while their batch is on the second stage.
+    llm = patchbay.LLM(model__path=str(tiny_llama), **{**PP2, "cache__num_blocks": 16, "model__max_model_len": 56})
+    try:
+        assert greedy(llm) == transformers_greedy(tiny_llama, PROMPTS, NUM_TOKENS)
+        assert llm.engine.stats.num_preemptions > 0
+        assert llm.engine.stats.num_overlapped_batches > 0
+    finally:
+        llm.engine.close()
 
 
 @pytest.mark.slow
 def test_seeded_sampling_over_two_stages_equals_one_process(pp2: patchbay.LLM, single: patchbay.LLM) -> None:
+    # Batches differ with overlap (a request in flight sits a batch out): seeded requests draw the same anyway.
     params = [SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.9, seed=7),
-              SamplingParams(max_tokens=NUM_TOKENS, temperature=0.8, top_k=20, seed=8, n=2)]
-    prompts = PROMPTS[:2]
+              SamplingParams(max_tokens=NUM_TOKENS, temperature=0.8, top_k=20, seed=8, n=2),
+              SamplingParams(max_tokens=NUM_TOKENS, temperature=1.2, min_p=0.05, seed=9, logprobs=2)]
+    prompts = PROMPTS
 
     def sample(llm: patchbay.LLM) -> list[list[list[int]]]:
         return [[c.token_ids for c in output.completions] for output in llm.generate(prompts, params)]
@@ -178,6 +224,7 @@ def test_two_stages_of_two_tensor_parallel_ranks_equal_transformers_until_a_kill
         assert sorted(llm.engine.model.layer_specs) == [0, 1]
         assert {(s.num_heads, s.num_kv_heads) for s in llm.engine.model.layer_specs.values()} == {(4, 1)}
         assert greedy(llm) == transformers_greedy(tiny_llama, PROMPTS, NUM_TOKENS)
+        assert llm.engine.stats.max_batches_in_flight == 2
 
         ranks = llm.engine.ranks
         assert ranks is not None
