@@ -193,16 +193,6 @@ class RankGroup:
         self.recv(payload, from_rank, OUTPUT_TAG)
         return pickle.loads(payload.cpu().numpy().tobytes())
 
-    def broadcast(self, tensor: torch.Tensor, from_rank: int) -> None:
-        """Overwrite ``tensor`` on every rank with ``from_rank``'s, in place."""
-        assert self._group is not None, "the rank left the group"
-        options = dist.BroadcastOptions()
-        options.rootRank = from_rank
-        try:
-            self._group.broadcast([tensor], options).wait()
-        except RuntimeError as exc:
-            raise CollectiveError(f"broadcast from rank {from_rank} on rank {self.rank} failed: {exc}") from exc
-
     def barrier(self) -> None:
         """Wait until every rank reaches this point (a rank that died makes it raise at once)."""
         assert self._group is not None, "the rank left the group"
@@ -258,7 +248,3 @@ class PausableCollectives:
     def recv(self, tensor: torch.Tensor, from_rank: int) -> None:
         if not self._paused:
             self._group.recv(tensor, from_rank)
-
-    def broadcast(self, tensor: torch.Tensor, from_rank: int) -> None:
-        if not self._paused:
-            self._group.broadcast(tensor, from_rank)
