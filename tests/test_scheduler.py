@@ -197,14 +197,14 @@ def make_scheduler(
     max_model_len: int = 64,
     chunked_prefill: bool = True,
     num_speculative_tokens: int = 0,
-    overlap_batches: bool = False,
+    max_batches_in_flight: int = 1,
 ) -> Scheduler:
     if groups is None:
         groups = [KVCacheGroup(KVCacheSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8), ["layers.0"])]
     manager = KVCacheManager(groups, num_blocks, prefix_caching)
     return Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      max_model_len=max_model_len, block_size=BLOCK_SIZE, chunked_prefill=chunked_prefill,
-                     num_speculative_tokens=num_speculative_tokens, overlap_batches=overlap_batches)
+                     num_speculative_tokens=num_speculative_tokens, max_batches_in_flight=max_batches_in_flight)
 
 
 def make_request(request_id: str, prompt: list[int], eos_token_id: int | None = None, arrival_time: float = 0.0,
@@ -661,7 +661,7 @@ def add_workload(scheduler: Scheduler) -> None:
 @pytest.mark.parametrize("depth", [2, 3])
 def test_overlapped_batches_produce_the_reference_outputs_with_one_batch_in_flight_per_stage(depth):
     # A budget of 16 tokens spreads the six prompts over several batches, so three stages find three to run.
-    scheduler = make_scheduler(num_blocks=1000, max_num_batched_tokens=16, overlap_batches=True)
+    scheduler = make_scheduler(num_blocks=1000, max_num_batched_tokens=16, max_batches_in_flight=depth)
     add_workload(scheduler)
     run = run_pipelined(scheduler, FakeRunner(scheduler.kv_cache_manager), depth)
     assert run.result.outputs == expected_workload_outputs()
@@ -671,7 +671,7 @@ def test_overlapped_batches_produce_the_reference_outputs_with_one_batch_in_flig
 
 
 def test_a_prompt_s_next_chunk_waits_for_the_output_of_its_previous_one():
-    scheduler = make_scheduler(max_num_batched_tokens=8, overlap_batches=True)
+    scheduler = make_scheduler(max_num_batched_tokens=8, max_batches_in_flight=2)
     scheduler.add_request(make_request("long", list(range(20)), max_tokens=2))
     first = scheduler.schedule()
     assert first.num_scheduled_tokens == {"long": 8}
@@ -686,7 +686,7 @@ def test_a_prompt_s_next_chunk_waits_for_the_output_of_its_previous_one():
 def test_requests_preempted_in_flight_come_back_with_the_same_tokens(depth):
     # 17 blocks hold one max_model_len request: running requests are preempted, some while their batch is in flight
     # (with three stages, the step after a preemption may come before that batch's output).
-    scheduler = make_scheduler(num_blocks=17, max_num_batched_tokens=16, overlap_batches=True)
+    scheduler = make_scheduler(num_blocks=17, max_num_batched_tokens=16, max_batches_in_flight=depth)
     add_workload(scheduler)
     run = run_pipelined(scheduler, FakeRunner(scheduler.kv_cache_manager), depth)
     assert run.preempted_in_flight, "the pool was meant to preempt a request whose batch is in flight"
@@ -695,7 +695,7 @@ def test_requests_preempted_in_flight_come_back_with_the_same_tokens(depth):
 
 
 def test_an_aborted_request_s_late_output_never_reaches_a_new_request_with_its_id():
-    scheduler = make_scheduler(overlap_batches=True)
+    scheduler = make_scheduler(max_batches_in_flight=2)
     runner = FakeRunner(scheduler.kv_cache_manager)
     scheduler.add_request(make_request("r", [5, 6, 7], max_tokens=3))
     stale = scheduler.schedule()
@@ -712,7 +712,7 @@ def test_an_aborted_request_s_late_output_never_reaches_a_new_request_with_its_i
 
 
 def test_a_request_preempted_in_flight_is_admitted_again_only_once_its_late_output_is_dropped():
-    scheduler = make_scheduler(num_blocks=17, overlap_batches=True)  # 16 usable blocks of 4 tokens, a budget of 32
+    scheduler = make_scheduler(num_blocks=17, max_batches_in_flight=3)  # 16 usable blocks of 4 tokens, a budget of 32
     runner = FakeRunner(scheduler.kv_cache_manager)
     scheduler.add_request(make_request("a", list(range(32)), max_tokens=4))
     first = scheduler.schedule()
@@ -734,3 +734,16 @@ def test_a_request_preempted_in_flight_is_admitted_again_only_once_its_late_outp
     result = run_to_completion(scheduler, runner)
     assert result.outputs["x"] == reference_output(list(range(50, 82)), SamplingParams(max_tokens=4),
                                                        weighted_sum_token, 64)
+
+
+def test_each_overlapped_batch_takes_its_share_of_the_requests_so_the_next_finds_some_not_in_flight():
+    scheduler = make_scheduler(max_batches_in_flight=2)
+    prompts = {f"r{index}": [index + 1, index + 2] for index in range(16)}
+    for request_id, prompt in prompts.items():
+        scheduler.add_request(make_request(request_id, prompt, max_tokens=6))
+    run = run_pipelined(scheduler, FakeRunner(scheduler.kv_cache_manager), depth=2)
+    # 16 requests of 6 steps each (one prefill, five decodes) in two groups of 8 taking turns, not one batch of 16.
+    assert [len(step.num_scheduled_tokens) for step in run.result.steps if not step.is_empty] == [8] * 12
+    assert run.result.outputs == {request_id: reference_output(prompt, SamplingParams(max_tokens=6),
+                                                               weighted_sum_token, 64)
+                                  for request_id, prompt in prompts.items()}

@@ -241,7 +241,7 @@ class Engine:
             kv_connector=self.kv_connector.scheduler_side() if self.kv_connector is not None else None,
             kv_connector_role=settings.kv_connector.role if settings.kv_connector is not None else "both",
             grammars=self.grammars,
-            overlap_batches=settings.runtime.pipeline_parallel_size > 1,
+            max_batches_in_flight=settings.runtime.pipeline_parallel_size,
         )
         spec = RunnerSpec(self.backend_name, num_blocks, max_num_reqs, self.max_model_len, max_step_tokens,
                           single_thread_max_tokens(settings.runtime.single_thread_max_tokens, self.dtype, self.tuning))
