@@ -629,7 +629,10 @@ class Engine:
                 return self._apply_output(scheduler_output, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]), {})
         # The pipeline is full, or every running request is in flight: take the oldest batch's output.
         scheduler_output = self._batches.popleft()
-        return self._apply_output(scheduler_output, self.ranks.receive_output(), {})
+        waited = time.perf_counter()
+        runner_output = self.ranks.receive_output()
+        self._engine_timings["wait"] += time.perf_counter() - waited
+        return self._apply_output(scheduler_output, runner_output, {})
 
     def _apply_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                       failed: dict[str, str]) -> list[RequestOutput]:
@@ -746,7 +749,10 @@ class Engine:
         ``finish`` (the scheduler's update from the output, stop checks and
         request outputs).  With tensor parallelism, ``all_reduce`` follows
         ``forward``: rank 0's time in the forward pass's all-reduces, taken
-        out of ``forward``.
+        out of ``forward``.  With pipeline stages the runner's phases are
+        the first stage's (it samples nothing), and ``wait`` comes before
+        ``finish``: rank 0's time waiting for the last stage's outputs
+        (the pipeline's bubbles as rank 0 sees them).
         """
         timings = {"schedule": self._engine_timings["schedule"]}
         for phase, seconds in self.runner.timings.items():
@@ -755,6 +761,8 @@ class Engine:
                 timings.update(forward=seconds - all_reduce, all_reduce=all_reduce)
             else:
                 timings[phase] = seconds
+        if self.settings.runtime.pipeline_parallel_size > 1:
+            timings["wait"] = self._engine_timings["wait"]
         timings["finish"] = self._engine_timings["finish"]
         return timings
 
