@@ -185,6 +185,18 @@ def test_stage_0_starts_the_next_batch_before_the_last_stage_returns_the_first(p
 
 
 @pytest.mark.slow
+def test_three_stages_keep_three_batches_in_flight_and_equal_one_process(tiny_llama: Path,
+                                                                          single: patchbay.LLM) -> None:
+    """Layers 0-1, 2 and 3: the middle stage receives and sends, the last one returns the outputs to rank 0."""
+    llm = patchbay.LLM(model__path=str(tiny_llama), **{**PP2, "runtime__pipeline_parallel_size": 3})
+    try:
+        assert greedy(llm) == greedy(single)
+        assert llm.engine.stats.max_batches_in_flight == 3  # three requests: a batch of one each, on every stage
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.slow
 def test_requests_preempted_over_two_stages_come_back_with_the_same_tokens(tiny_llama: Path) -> None:
     # 15 usable blocks of 4 tokens hold the longest request (52 tokens) but not the three at once (95 tokens):
     # requests are preempted, some while their batch is on the second stage.
