@@ -72,6 +72,26 @@ def test_stages_take_contiguous_layers_the_first_ones_one_more_when_they_do_not_
     assert [list(StageLayout(30, 4).layer_range(s)) for s in range(4)] == \
         [list(range(0, 8)), list(range(8, 16)), list(range(16, 23)), list(range(23, 30))]
     assert [len(StageLayout(3, 3).layer_range(s)) for s in range(3)] == [1, 1, 1]
+    # runtime.pipeline_layer_partition: the last stage, which also computes the logits, may take fewer.
+    assert [list(StageLayout(30, 2, (19, 11)).layer_range(s)) for s in range(2)] == [list(range(19)),
+                                                                                    list(range(19, 30))]
+
+
+def test_a_layer_partition_must_give_every_stage_layers_adding_up_to_the_model_s(tiny_llama: Path) -> None:
+    from transformers import AutoConfig
+
+    from patchbay.worker.pipeline_parallel import stage_layout
+
+    config = AutoConfig.from_pretrained(tiny_llama)
+    assert stage_layout(config, 2, [3, 1]).layer_range(1) == range(3, 4)
+    with pytest.raises(ConfigError) as caught:
+        stage_layout(config, 2, [2, 1])
+    assert caught.value.problems[0].path == "runtime.pipeline_layer_partition"
+    assert "add up to LlamaForCausalLM's 4 decoder layers" in caught.value.problems[0].message
+    with pytest.raises(ConfigError, match="pipeline_layer_partition gives 2 stages' layers"):
+        load_settings(overrides=["runtime.pipeline_parallel_size=3", "runtime.pipeline_layer_partition=3,1"])
+    assert load_settings(overrides=["runtime.pipeline_parallel_size=2", "runtime.pipeline_layer_partition=3,1"]
+                         ).runtime.pipeline_layer_partition == [3, 1]
 
 
 def test_stages_share_the_cores_like_tensor_parallel_ranks() -> None:
@@ -187,9 +207,12 @@ def test_stage_0_starts_the_next_batch_before_the_last_stage_returns_the_first(p
 @pytest.mark.slow
 def test_three_stages_keep_three_batches_in_flight_and_equal_one_process(tiny_llama: Path,
                                                                           single: patchbay.LLM) -> None:
-    """Layers 0-1, 2 and 3: the middle stage receives and sends, the last one returns the outputs to rank 0."""
-    llm = patchbay.LLM(model__path=str(tiny_llama), **{**PP2, "runtime__pipeline_parallel_size": 3})
+    """Layers 0, 1-2 and 3 (a partition of its own): the middle stage receives and sends, the last one returns
+    the outputs to rank 0."""
+    llm = patchbay.LLM(model__path=str(tiny_llama), **{**PP2, "runtime__pipeline_parallel_size": 3,
+                                                        "runtime__pipeline_layer_partition": [1, 2, 1]})
     try:
+        assert sorted(llm.engine.model.layer_specs) == [0]
         assert greedy(llm) == greedy(single)
         assert llm.engine.stats.max_batches_in_flight == 3  # three requests: a batch of one each, on every stage
     finally:

@@ -183,7 +183,7 @@ class Engine:
             if settings.runtime.tensor_parallel_size > 1:
                 shard_layout(config, settings.runtime.tensor_parallel_size)
             if settings.runtime.pipeline_parallel_size > 1:
-                stage_layout(config, settings.runtime.pipeline_parallel_size)
+                stage_layout(config, settings.runtime.pipeline_parallel_size, settings.runtime.pipeline_layer_partition)
             self.ranks = TensorParallelRanks(settings, model_dir, device=self.device, dtype=self.dtype,
                                              tuning=self.tuning)
         self._close_ranks = weakref.finalize(self, self.ranks.close) if self.ranks is not None else None

@@ -37,6 +37,7 @@ from patchbay.scheduling.kv_cache_spec import group_layers
 from patchbay.worker.hf_model import HFCausalLM
 
 KEY = "runtime.pipeline_parallel_size"
+PARTITION_KEY = "runtime.pipeline_layer_partition"
 
 PIPELINED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 """transformers ``model_type`` values whose decoder layers take and return a hidden-states tensor."""
@@ -54,14 +55,19 @@ class StageLink(Protocol):
 
 @dataclass(frozen=True)
 class StageLayout:
-    """How ``num_layers`` decoder layers split into ``num_stages`` contiguous stages (earlier stages take the extra
-    layers when the count does not divide)."""
+    """How ``num_layers`` decoder layers split into ``num_stages`` contiguous stages: ``sizes`` layers each, or
+    evenly (earlier stages take the extra layers when the count does not divide)."""
 
     num_layers: int
     num_stages: int
+    sizes: tuple[int, ...] | None = None
+    """Layers per stage (``runtime.pipeline_layer_partition``); ``None``: an even split."""
 
     def layer_range(self, stage: int) -> range:
         """The decoder layers stage ``stage`` runs."""
+        if self.sizes is not None:
+            start = sum(self.sizes[:stage])
+            return range(start, start + self.sizes[stage])
         share, extra = divmod(self.num_layers, self.num_stages)
         start = stage * share + min(stage, extra)
         return range(start, start + share + (stage < extra))
@@ -71,11 +77,14 @@ class StageLayout:
         return self.num_stages - 1
 
 
-def stage_layout(config: Any, num_stages: int) -> StageLayout:
-    """The layout of ``config`` (a transformers config) over ``num_stages`` stages.
+def stage_layout(config: Any, num_stages: int, partition: list[int] | None = None) -> StageLayout:
+    """The layout of ``config`` (a transformers config) over ``num_stages`` stages, ``partition[s]`` layers to
+    stage ``s`` when given.
 
     Raises :class:`ConfigError` naming ``runtime.pipeline_parallel_size``
-    when the model has fewer layers than stages or is not a supported type.
+    when the model has fewer layers than stages or is not a supported type,
+    and ``runtime.pipeline_layer_partition`` when the partition does not
+    add up to the model's layers.
     """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
@@ -88,7 +97,12 @@ def stage_layout(config: Any, num_stages: int) -> StageLayout:
                         f"{num_stages} stages (each stage needs at least one)")
     if problems:
         raise ConfigError([ConfigProblem("<run>", KEY, problem) for problem in problems])
-    return StageLayout(config.num_hidden_layers, num_stages)
+    if partition is not None and (len(partition) != num_stages or sum(partition) != config.num_hidden_layers
+                                  or min(partition) < 1):
+        raise ConfigError([ConfigProblem(
+            "<run>", PARTITION_KEY, f"{','.join(map(str, partition))} must give each of the {num_stages} stages at "
+            f"least one layer and add up to {architecture}'s {config.num_hidden_layers} decoder layers")])
+    return StageLayout(config.num_hidden_layers, num_stages, tuple(partition) if partition is not None else None)
 
 
 class PassThroughLayer(nn.Module):

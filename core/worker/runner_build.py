@@ -56,7 +56,8 @@ def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: t
     num_stages = settings.runtime.pipeline_parallel_size
     if num_stages > 1:
         assert link is not None, "a model split into stages needs the link between them"
-        split_model(model, stage_layout(model.model.config, num_stages), rank, link, ranks_per_stage=tensor_size)
+        layout = stage_layout(model.model.config, num_stages, settings.runtime.pipeline_layer_partition)
+        split_model(model, layout, rank, link, ranks_per_stage=tensor_size)
     quantized, paths = speed_up_linears(model, settings.runtime, settings.model.quantization,
                                         device=device, dtype=dtype, tuning=tuning)
     return LoadedModel(model, quantized, paths)
