@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -13,6 +15,8 @@ import torch.nn.functional as F
 
 import patchbay
 from patchbay.plugins.attention import _cpu_kernel, torch_sdpa
+from patchbay.worker import native_build
+from patchbay.worker.tuning import CpuInfo
 from patchbay.sampling_params import SamplingParams
 from tiny_models import transformers_greedy
 
@@ -20,21 +24,41 @@ pytestmark = pytest.mark.skipif(_cpu_kernel.kernel_unavailable() is not None,
                                 reason=f"kernel cannot build here: {_cpu_kernel.kernel_unavailable()}")
 
 
+def kernel_variant(name: str):
+    """The kernel as built for this CPU (``native``), or limited to AVX2 (``avx2``: the SIMD path of CPUs without
+    AVX-512, built here too where the CPU has both)."""
+    if name == "native":
+        return _cpu_kernel.load_kernel()
+    if not {"avx2", "fma"} <= CpuInfo.read().flags:
+        pytest.skip("this CPU has no AVX2 and FMA")
+    return _avx2_kernel()
+
+
+@functools.cache
+def _avx2_kernel():
+    extension = _cpu_kernel.extension()
+    return dataclasses.replace(extension, cflags=(*extension.cflags, "-mno-avx512f")).load()
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("window", [0, 37])
-def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, tolerance):
+# 16 and 64: the SIMD path (one or several registers per head); 20: the generic loops (not a register multiple).
+@pytest.mark.parametrize("head_size", [16, 64, 20])
+@pytest.mark.parametrize("variant", ["native", pytest.param("avx2", marks=pytest.mark.slow)])
+def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, tolerance, head_size, variant):
     generator = torch.Generator().manual_seed(0)
-    num_reqs, heads, kv_heads, head_size, block_size, num_blocks = 7, 8, 2, 16, 4, 128
+    num_reqs, heads, kv_heads, block_size, num_blocks = 7, 8, 2, 4, 128
     key_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=generator).to(dtype)
     value_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=generator).to(dtype)
     seq_lens = torch.tensor([1, 3, 4, 5, 17, 40, 63], dtype=torch.int32)
     block_table = torch.randperm(num_blocks, generator=generator)[: num_reqs * 16].view(num_reqs, 16).to(torch.int32)
     rows = torch.tensor([6, 0, 3, 1, 5, 2, 4])  # queries sit in any row order
-    query = torch.randn(num_reqs, heads, head_size, generator=generator).to(dtype)
-    output = torch.full_like(query, float("nan"))
+    # transformers hands queries as [heads, tokens, head_size]; the kernel reads that layout through strides.
+    query = torch.randn(heads, num_reqs, head_size, generator=generator).to(dtype).transpose(0, 1)
+    output = torch.full(query.shape, float("nan"), dtype=dtype)
     scale = head_size ** -0.5
-    _cpu_kernel.load_kernel().paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, rows,
-                                                     scale, window, output)
+    kernel_variant(variant).paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, rows,
+                                                   scale, window, output)
     for request in range(num_reqs):
         length = int(seq_lens[request])
         blocks = block_table[request, : -(-length // block_size)].long()
@@ -91,18 +115,26 @@ def test_auto_serves_sdpa_until_the_background_build_is_ready(monkeypatch):
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     lock = tmp_path / "lock"
     lock.touch()
-    _cpu_kernel._clear_stale_lock(tmp_path)
+    native_build.clear_stale_lock(tmp_path)
     assert lock.exists()  # another process may be building right now
-    old = time.time() - _cpu_kernel.STALE_LOCK_SECONDS - 60
+    old = time.time() - native_build.STALE_LOCK_SECONDS - 60
     os.utime(lock, (old, old))
-    _cpu_kernel._clear_stale_lock(tmp_path)
+    native_build.clear_stale_lock(tmp_path)
     assert not lock.exists()
 
 
-def test_the_build_folder_is_keyed_by_source_flags_and_torch_installation(monkeypatch):
+def test_the_build_folder_is_keyed_by_source_flags_torch_installation_and_cpu(monkeypatch, tmp_path):
     name = _cpu_kernel.build_name()
     assert _cpu_kernel.build_directory().name == name
     monkeypatch.setattr(_cpu_kernel, "EXTRA_CFLAGS", (*_cpu_kernel.EXTRA_CFLAGS, "-DANOTHER"))
+    assert _cpu_kernel.build_name() != name
+    monkeypatch.undo()
+    other_cpu = tmp_path / "cpuinfo"
+    other_cpu.write_text("model name\t: Another CPU\nflags\t\t: fpu sse2 avx2\n")
+    from patchbay.worker.tuning import CpuInfo
+
+    read = CpuInfo.read.__func__
+    monkeypatch.setattr(CpuInfo, "read", classmethod(lambda cls: read(cls, other_cpu)))
     assert _cpu_kernel.build_name() != name
 
 
@@ -133,19 +165,19 @@ def test_greedy_tokens_are_the_same_with_the_kernel_and_with_sdpa(tiny_llama):
 def test_a_built_kernel_loads_past_a_lock_left_after_it_was_built(tmp_path, monkeypatch):
     # A process killed while torch's builder checked an up-to-date build leaves its lock behind; the
     # finished library must load at once, not wait on the lock.
-    monkeypatch.setattr(_cpu_kernel, "build_directory", lambda: tmp_path)
+    monkeypatch.setattr(native_build.NativeExtension, "build_directory", lambda self: tmp_path)
     built = tmp_path / f"{_cpu_kernel.build_name()}.so"
     built.write_bytes(b"")
     old = time.time() - 60
     os.utime(built, (old, old))
     (tmp_path / "lock").touch()
     imported = []
-    monkeypatch.setattr(_cpu_kernel, "_import_built", lambda path: imported.append(path) or "kernel")
+    monkeypatch.setattr(native_build, "import_built", lambda path: imported.append(path) or "kernel")
     _cpu_kernel.load_kernel.cache_clear()
     try:
         assert _cpu_kernel.load_kernel() == "kernel" and imported == [built]
         # A lock taken before the library was written is a build in progress: not finished.
         os.utime(tmp_path / "lock", (old - 60, old - 60))
-        assert not _cpu_kernel._finished(built, tmp_path / "lock")
+        assert not native_build.finished(built, tmp_path / "lock")
     finally:
         _cpu_kernel.load_kernel.cache_clear()

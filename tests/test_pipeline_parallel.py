@@ -105,17 +105,13 @@ def test_stages_share_the_cores_like_tensor_parallel_ranks() -> None:
     assert rank_threads(load_settings(overrides=["runtime.pipeline_parallel_size=2", "runtime.threads=3"])) == 3
 
 
-def test_more_stages_than_layers_and_kv_connectors_are_refused_before_any_rank_starts(tiny_llama: Path) -> None:
+def test_more_stages_than_layers_and_speculative_decoding_are_refused_before_any_rank_starts(tiny_llama: Path) -> None:
     running = child_ranks()
     with pytest.raises(ConfigError) as caught:
         patchbay.LLM(model__path=str(tiny_llama), runtime__pipeline_parallel_size=5)
     problem = caught.value.problems[0]
     assert problem.path == "runtime.pipeline_parallel_size"
     assert "4 decoder layers, fewer than the 5 stages" in problem.message
-    with pytest.raises(ConfigError, match="KV connectors run with one rank; this run has "
-                                          "runtime.tensor_parallel_size 2 and runtime.pipeline_parallel_size 2"):
-        patchbay.LLM(model__path=str(tiny_llama), runtime__pipeline_parallel_size=2,
-                     runtime__tensor_parallel_size=2, kv_connector={"name": "host_offload"})
     with pytest.raises(ConfigError) as caught:
         patchbay.LLM(model__path=str(tiny_llama), runtime__pipeline_parallel_size=2,
                      speculative={"method": "ngram", "num_speculative_tokens": 2})
@@ -252,12 +248,14 @@ def test_seeded_sampling_over_two_stages_equals_one_process(pp2: patchbay.LLM, s
 @pytest.mark.slow
 def test_two_stages_of_two_tensor_parallel_ranks_equal_transformers_until_a_killed_rank_ends_the_run(
         tiny_llama: Path) -> None:
-    """TP 2 x PP 2: ranks 0-1 run layers 0-1 with 4 heads each, ranks 2-3 layers 2-3; then rank 2 is killed."""
+    """TP 2 x PP 2: ranks 0-1 run layers 0-1 with 4 heads and half the vocabulary each, ranks 2-3 layers 2-3; then
+    rank 2 is killed."""
     running = child_ranks()
     llm = patchbay.LLM(model__path=str(tiny_llama), **{**PP2, "runtime__tensor_parallel_size": 2})
     try:
         assert sorted(llm.engine.model.layer_specs) == [0, 1]
         assert {(s.num_heads, s.num_kv_heads) for s in llm.engine.model.layer_specs.values()} == {(4, 1)}
+        assert llm.engine.model.model.get_input_embeddings().weight.shape[0] == 49152 // 2  # the stage's shard
         assert greedy(llm) == transformers_greedy(tiny_llama, PROMPTS, NUM_TOKENS)
         assert llm.engine.stats.max_batches_in_flight == 2
 

@@ -15,8 +15,10 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+import torch
 from tiny_models import build_tiny_model, transformers_greedy
 
 import patchbay
@@ -24,6 +26,9 @@ from patchbay import SamplingParams
 from patchbay.contract.settings import ConfigError, load_settings
 from patchbay.engine import EngineDeadError
 from patchbay.engine.ranks import RankDiedError
+
+if TYPE_CHECKING:
+    from patchbay.worker.hf_model import HFCausalLM
 
 PROMPTS = [
     list(range(10, 17)),
@@ -70,6 +75,12 @@ def greedy(llm: patchbay.LLM, prompts: list[list[int]] = PROMPTS) -> list[list[i
 def single(tiny_llama: Path) -> patchbay.LLM:
     """The tiny GQA Llama (8 heads, 2 KV heads) in this process alone."""
     return patchbay.LLM(model__path=str(tiny_llama), **{**TP2, "runtime__tensor_parallel_size": 1})
+
+
+@pytest.fixture(scope="module")
+def odd_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with a 1,001-token vocabulary (no rank count divides it) tied to its LM head."""
+    return build_tiny_model(tmp_path_factory.mktemp("odd-tied"), "llama-odd-vocab-tied")
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +142,7 @@ def test_kv_heads_fewer_than_ranks_are_replicated_to_the_ranks_that_read_them() 
     assert [layout.kv_head_range(rank) for rank in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
 
 
-def test_unsupported_architectures_and_kv_connectors_are_refused_before_any_rank_starts(tiny_llama: Path) -> None:
+def test_unsupported_architectures_are_refused_before_any_rank_starts(tiny_llama: Path) -> None:
     from transformers import Qwen3Config
 
     from patchbay.worker.tensor_parallel import shard_layout
@@ -142,9 +153,6 @@ def test_unsupported_architectures_and_kv_connectors_are_refused_before_any_rank
     with pytest.raises(ConfigError) as caught:
         patchbay.LLM(model__path=str(tiny_llama), runtime__tensor_parallel_size=3)
     assert "8 attention heads, not divisible by 3 ranks" in str(caught.value)
-    with pytest.raises(ConfigError, match="KV connectors run with one rank"):
-        patchbay.LLM(model__path=str(tiny_llama), runtime__tensor_parallel_size=2,
-                     kv_connector={"name": "host_offload"})
     with pytest.raises(ConfigError, match="runtime.distributed_backend"):
         patchbay.LLM(model__path=str(tiny_llama), runtime__tensor_parallel_size=2, runtime__device="cpu",
                      runtime__distributed_backend="nccl")
@@ -159,6 +167,139 @@ def test_a_build_that_fails_after_the_ranks_started_leaves_none_behind(tiny_llam
     assert set(rank_processes()) <= running
 
 
+# -- the vocabulary, sharded in this process ------------------------------------------------------
+
+
+def test_a_vocabulary_that_does_not_divide_is_padded_to_equal_shards_of_whole_16_rows() -> None:
+    from patchbay.worker.tensor_parallel import VocabShard
+
+    shards = [VocabShard(1001, 3, rank) for rank in range(3)]
+    assert {shard.rows_per_rank for shard in shards} == {336}  # 334 rounded up to 16s
+    assert [(shard.start, shard.stop) for shard in shards] == [(0, 336), (336, 672), (672, 1001)]
+    assert VocabShard(49152, 3, 2).rows_per_rank == 16384  # SmolLM2 over three ranks: no padding
+    # More ranks than 16-row shards: the last holds padding only.
+    assert [(s.start, s.stop) for s in (VocabShard(20, 2, rank) for rank in range(2))] == [(0, 16), (16, 20)]
+
+
+class RecordedCollectives:
+    """Stand-ins for one rank's collectives when the ranks are built one after another in this process: the
+    embedding's all-reduce leaves the rank's partial sum, the all-gather records the rank's logits slice."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.gathered: list[torch.Tensor] = []
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.gathered.append(tensor.clone())
+        return torch.cat([tensor] * self.world_size, dim=-1)
+
+
+def load_cpu(model_dir: Path) -> HFCausalLM:
+    from patchbay.worker.hf_model import HFCausalLM
+
+    return HFCausalLM.load(model_dir, dtype="float32", device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("model_fixture", "world_size"), [("tiny_llama", 2), ("odd_tied", 2), ("odd_tied", 3)])
+def test_each_rank_keeps_its_share_of_the_vocabulary_and_the_shares_add_up_to_the_whole(
+        request: pytest.FixtureRequest, model_fixture: str, world_size: int) -> None:
+    from patchbay.worker.tensor_parallel import shard_vocab
+
+    model_dir: Path = request.getfixturevalue(model_fixture)
+    whole = load_cpu(model_dir)
+    vocab_size, hidden_size = whole.shape.vocab_size, whole.shape.hidden_size
+    tied = whole.model.get_output_embeddings().weight is whole.model.get_input_embeddings().weight
+    whole_parameters = sum(parameter.numel() for parameter in whole.model.parameters())
+    ids = torch.tensor([0, 5, vocab_size // 2, vocab_size // 2 + 1, vocab_size - 1])
+    hidden = torch.randn(3, hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected_embeddings = whole.model.get_input_embeddings()(ids)
+        expected_logits = whole.logits(hidden)
+
+    embeddings = torch.zeros_like(expected_embeddings)
+    collectives = RecordedCollectives(world_size)
+    for rank in range(world_size):
+        model = load_cpu(model_dir)
+        shard = shard_vocab(model, world_size, rank, collectives.all_reduce, collectives.all_gather)
+        embedding, lm_head = model.model.get_input_embeddings(), model.model.get_output_embeddings()
+        # Memory: 1/T of the rows (and under 16 rows of padding), once for a tied head; the whole rows are gone.
+        assert embedding.weight.shape == lm_head.weight.shape == (shard.rows_per_rank, hidden_size)
+        assert shard.rows_per_rank - vocab_size / world_size < 16
+        assert (lm_head.weight is embedding.weight) == tied
+        dropped_rows = (vocab_size - shard.rows_per_rank) * (1 if tied else 2)
+        assert sum(parameter.numel() for parameter in model.model.parameters()) == \
+            whole_parameters - dropped_rows * hidden_size
+        with torch.inference_mode():
+            embeddings += embedding(ids)
+            assert model.logits(hidden).shape == (3, vocab_size)  # the padding is cut off
+    assert torch.equal(embeddings, expected_embeddings)  # one rank's row, zeros from the others
+    gathered = torch.cat(collectives.gathered, dim=-1)
+    assert gathered.shape == (3, world_size * shard.rows_per_rank)
+    torch.testing.assert_close(gathered[:, :vocab_size], expected_logits, rtol=1e-5, atol=1e-5)
+    assert torch.all(gathered[:, vocab_size:] == 0)  # padding rows are zeros, never sampled
+
+
+@pytest.mark.parametrize("path", ["int8", "int4", "onednn"])
+def test_the_lm_head_s_cpu_paths_run_on_its_shard(odd_tied: Path, path: str) -> None:
+    """Rank 1 of 2 holds ids 512-1000 and 23 rows of padding: 512 rows, which int4's packing takes (1001 it
+    would not)."""
+    from patchbay.worker.packed_linear import PackedLinear, packing_supported, use_packed_linears
+    from patchbay.worker.quantization import IntegerLinear, quantize_linears
+    from patchbay.worker.tensor_parallel import shard_vocab
+
+    if path == "onednn" and not packing_supported(torch.float32):
+        pytest.skip("this torch build or CPU cannot pack float32 weights with oneDNN")
+    whole, model = load_cpu(odd_tied), load_cpu(odd_tied)
+    collectives = RecordedCollectives(2)
+    shard = shard_vocab(model, 2, 1, collectives.all_reduce, collectives.all_gather)
+    for each in (whole, model):
+        if path == "onednn":
+            use_packed_linears(each.model)
+        else:
+            quantize_linears(each.model, path)
+    lm_head_forward = vars(model.model.get_output_embeddings())["forward"]
+    assert isinstance(lm_head_forward, PackedLinear if path == "onednn" else IntegerLinear)
+    hidden = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))  # few rows: the integer product runs
+    with torch.inference_mode():
+        model.logits(hidden)
+        expected = whole.logits(hidden)[:, shard.start:shard.stop]
+    (local,) = collectives.gathered
+    assert torch.all(local[:, shard.stop - shard.start:] == 0)
+    if path == "int4":  # the whole head (1001 rows) stays float: compare with it loosely
+        assert torch.linalg.vector_norm(local[:, :489] - expected) < 0.1 * torch.linalg.vector_norm(expected)
+    else:
+        torch.testing.assert_close(local[:, :489], expected, rtol=1e-4, atol=1e-4)
+
+
+
+def test_an_lm_head_of_another_width_than_the_embedding_names_the_setting_and_both_sizes(odd_tied: Path) -> None:
+    from torch import nn
+
+    from patchbay.worker.tensor_parallel import shard_vocab
+
+    model = load_cpu(odd_tied)
+    model.model.set_output_embeddings(nn.Linear(64, 1000, bias=False))
+    collectives = RecordedCollectives(2)
+    with pytest.raises(ConfigError) as caught:
+        shard_vocab(model, 2, 0, collectives.all_reduce, collectives.all_gather)
+    assert caught.value.problems[0].path == "runtime.tensor_parallel_size"
+    assert "its LM head has 1000 outputs and its embedding 1001 rows" in caught.value.problems[0].message
+
+def test_drafters_that_read_the_whole_lm_head_refuse_a_sharded_one(odd_tied: Path) -> None:
+    from patchbay.plugins.spec_decode.heads import target_parts
+    from patchbay.worker.tensor_parallel import shard_vocab
+
+    model = load_cpu(odd_tied)
+    target_parts(model.model)
+    collectives = RecordedCollectives(2)
+    shard_vocab(model, 2, 0, collectives.all_reduce, collectives.all_gather)
+    with pytest.raises(ValueError, match=r"512 of its 1001 vocabulary rows on each of 2 ranks "
+                                         r"\(runtime.tensor_parallel_size\)"):
+        target_parts(model.model)
+
 # -- the same tokens over two ranks ---------------------------------------------------------------
 
 
@@ -168,6 +309,9 @@ def test_each_rank_holds_its_heads_and_their_kv_cache_only(tp2: patchbay.LLM, si
     assert (spec.num_heads, spec.num_kv_heads) == (4, 1)
     assert [g.spec.num_kv_heads for g in tp2.engine.groups] == [1]
     assert [g.spec.num_kv_heads for g in single.engine.groups] == [2]
+    # ... and half the vocabulary's rows of the embedding and of the (untied) LM head.
+    assert tp2.engine.model.model.get_input_embeddings().weight.shape[0] == 49152 // 2
+    assert tp2.engine.model.model.get_output_embeddings().out_features == 49152 // 2
 
 
 @pytest.mark.slow
@@ -227,6 +371,21 @@ def test_seeded_sampling_over_two_ranks_equals_one_process(tp2: patchbay.LLM, si
 
 
 @pytest.mark.slow
+def test_prompt_and_sample_logprobs_over_two_ranks_equal_one_process(tp2: patchbay.LLM, single: patchbay.LLM) -> None:
+    """Prompt logprobs score every prompt position through the LM head: each chunk's logits are gathered too."""
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0, logprobs=3, prompt_logprobs=3)
+
+    def scored(llm: patchbay.LLM) -> list[tuple[list[int], list[float]]]:
+        (output,) = llm.generate([PROMPTS[1]], params)
+        entries = [*output.prompt_logprobs[1:], *output.completions[0].logprobs]
+        return [(entry.token_ids, entry.logprobs) for entry in entries]
+
+    sharded, whole = scored(tp2), scored(single)
+    assert len(sharded) == len(PROMPTS[1]) - 1 + 3
+    assert [ids for ids, _ in sharded] == [ids for ids, _ in whole]
+    for (_, sharded_values), (_, whole_values) in zip(sharded, whole, strict=True):
+        assert sharded_values == pytest.approx(whole_values, abs=1e-4)
+@pytest.mark.slow
 def test_step_timings_split_the_all_reduces_out_of_the_forward_pass(tp2: patchbay.LLM) -> None:
     tp2.engine.reset_step_timings()
     greedy(tp2, PROMPTS[:1])
@@ -249,6 +408,7 @@ def test_structured_output_requests_are_refused_over_two_ranks(tp2: patchbay.LLM
 @pytest.mark.parametrize("architecture", [
     "mistral-window",      # 4 heads, 1 KV head (replicated on both ranks), a 20-token sliding window
     "qwen2-mixed-window",  # 4 heads, 2 KV heads; q/k/v biases sharded with their rows; two KV-cache groups
+    "llama-odd-vocab-tied",  # 4 heads, 2 KV heads; 1,001 tokens in 512-row shards, one shared by the tied LM head
 ])
 def test_other_architectures_over_two_ranks_equal_transformers(tmp_path_factory: pytest.TempPathFactory,
                                                                 architecture: str) -> None:
@@ -256,7 +416,10 @@ def test_other_architectures_over_two_ranks_equal_transformers(tmp_path_factory:
     llm = patchbay.LLM(model__path=str(model_dir), **TP2)
     try:
         assert {(spec.num_heads, spec.num_kv_heads) for spec in llm.engine.model.layer_specs.values()} == {(2, 1)}
-        assert greedy(llm) == transformers_greedy(model_dir, PROMPTS, NUM_TOKENS)
+        vocab_size = llm.engine.model.shape.vocab_size
+        # Ids from both ranks' halves of the vocabulary, its last included (not 0: transformers_greedy pads with it).
+        prompts = [*PROMPTS, [vocab_size - 1, 3, vocab_size // 2, vocab_size // 2 - 1, 7, vocab_size - 2]]
+        assert greedy(llm, prompts) == transformers_greedy(model_dir, prompts, NUM_TOKENS)
     finally:
         llm.engine.close()
 

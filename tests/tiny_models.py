@@ -16,6 +16,9 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         max_window_layers=4, layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])),
     "qwen3-head128": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=128)),
     "mistral-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=20)),
+    # A vocabulary no rank count divides (ids past 1000 of the tokenizer never come out), tied to the LM head.
+    "llama-odd-vocab-tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=1001,
+                                                 tie_word_embeddings=True)),
 }
 
 
@@ -30,11 +33,11 @@ def build_tiny_model(directory: Path, architecture: str) -> Path:
 
     config_class, extra = ARCHITECTURES[architecture]
     tokenizer = AutoTokenizer.from_pretrained(convert_gguf(bundled_gguf()))
-    config = getattr(transformers, config_class)(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **extra,
-    )
+    config = getattr(transformers, config_class)(**{
+        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "max_position_embeddings": 512, "initializer_range": 0.2, "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, **extra,
+    })
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory)

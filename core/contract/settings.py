@@ -90,6 +90,10 @@ class RuntimeSettings(Section):
     fastest for the run's dtype."""
     fuse_projections: bool = True
     """Compute the q/k/v projections (and gate/up) of each layer as one matrix product."""
+    fused_ops: bool = True
+    """Run Llama-style RMS norms and SiLU MLPs (Llama, Mistral, Qwen2) through patchbay's C++ kernels on CPU
+    float32 and bfloat16, one pass per row instead of transformers' chain of small ops (built at install, or in
+    the background while transformers' own ops serve)."""
     single_thread_max_tokens: NonNegativeInt | Literal["auto"] = "auto"
     """Steps of at most this many tokens run on one CPU thread (0: never); ``auto``: as the machine's
     tuning measured for the run's dtype, 0 without a tuning."""

@@ -53,11 +53,12 @@ from patchbay.engine.step_failures import EngineDeadError, describe_failure, fai
 from patchbay.scheduling.scheduler import Scheduler
 from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from patchbay.worker import distributed
+from patchbay.worker.kv_transfers import RankTransferReports
 from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.torchrun import torchrun_launch
 from patchbay.worker.pipeline_parallel import stage_layout
-from patchbay.worker.runner_build import RunnerSpec, build_runner, drafter_config, load_rank_model
+from patchbay.worker.runner_build import RunnerSpec, build_runner, drafter_config, load_rank_model, rank_shard
 from patchbay.worker.tensor_parallel import shard_layout
 from patchbay.worker.tuning import LayerShapes, Tuning, tune
 
@@ -200,10 +201,12 @@ class Engine:
         """Rank 0's collectives, paused while it measures a step alone (``cache.memory: auto``)."""
         collectives = self._collectives
         loaded = load_rank_model(settings, model_dir, dtype=self.dtype, device=self.device, tuning=self.tuning,
-                                 all_reduce=collectives.all_reduce if collectives else None, link=collectives)
+                                 all_reduce=collectives.all_reduce if collectives else None,
+                                 all_gather=collectives.all_gather if collectives else None, link=collectives)
         self.model = loaded.model
         self.quantized_linears = loaded.quantized_linears
         self.linear_paths = loaded.linear_paths
+        self.fused_modules = loaded.fused_modules
         shape = self.model.shape
         self.max_model_len = min(
             settings.model.max_model_len or 1 << 62, shape.max_position_embeddings or 1 << 62
@@ -241,15 +244,20 @@ class Engine:
             kv_connector=self.kv_connector.scheduler_side() if self.kv_connector is not None else None,
             kv_connector_role=settings.kv_connector.role if settings.kv_connector is not None else "both",
             grammars=self.grammars,
-            max_batches_in_flight=settings.runtime.pipeline_parallel_size,
+            max_batches_in_flight=self.pipeline_depth,
         )
         spec = RunnerSpec(self.backend_name, num_blocks, max_num_reqs, self.max_model_len, max_step_tokens,
-                          single_thread_max_tokens(settings.runtime.single_thread_max_tokens, self.dtype, self.tuning))
+                          single_thread_max_tokens(settings.runtime.single_thread_max_tokens, self.dtype, self.tuning),
+                          kv_connector=self.kv_connector.config if self.kv_connector is not None else None)
         self.single_thread_max_tokens = spec.single_thread_max_tokens
+        kv_reports = None
+        if self.kv_connector is not None and self.ranks is not None:
+            assert self.ranks.group is not None
+            kv_reports = RankTransferReports(self.ranks.group, settings.runtime.world_size)
         self.runner = build_runner(
             self.model, settings, registry, spec, device=self.device, dtype=self.dtype,
             kv_connector=self.kv_connector.worker_side() if self.kv_connector is not None else None,
-            grammars=self.grammars,
+            kv_reports=kv_reports, grammars=self.grammars,
         )
         self.sampler: Sampler = self.runner.sampler
         if self.ranks is not None:
@@ -308,6 +316,12 @@ class Engine:
                        "speculative.rejection_sampler",
                        [SamplerConfig(device=self.device.type, dtype=self.dtype, role="verify")])
 
+    @property
+    def pipeline_depth(self) -> int:
+        """Batches in flight at once: one per pipeline stage; 1 with one stage, or with a KV connector (every rank
+        joins its transfer reports with the others' after each batch, so the stages go in lockstep)."""
+        return self.settings.runtime.pipeline_parallel_size if self.settings.kv_connector is None else 1
+
     def _kv_connector(self, registry: Registry, backend: type) -> KVConnector | None:
         """The connector of ``kv_connector:``, checked against the run; ``None`` without that section."""
         section = self.settings.kv_connector
@@ -319,8 +333,10 @@ class Engine:
                 f"KV connectors support models with one KV-cache group; this model has {len(self.groups)} "
                 f"(layers with different sliding windows or shapes); remove the kv_connector section",
             )])
+        # Rank 0's shard: its scheduler side answers for every rank, its worker side saves and loads rank 0's part.
         config = KVConnectorConfig(device=self.device.type, dtype=self.dtype, role=section.role,
-                                   block_size=self.settings.cache.block_size, model_id=self._model_id(backend))
+                                   block_size=self.settings.cache.block_size, model_id=self._model_id(backend),
+                                   shard=rank_shard(self.settings.runtime, 0))
         connector_class = registry.resolve("kv_connector", section.name)
         require_serves(connector_class, f"kv_connector:{section.name}", "kv_connector.name", [config])
         options = plugin_options(connector_class, section.options, where="kv_connector.options")
@@ -606,16 +622,19 @@ class Engine:
         the later stages.
         """
         assert self.ranks is not None
-        depth = self.settings.runtime.pipeline_parallel_size
+        depth = self.pipeline_depth
         if len(self._batches) < depth:
             started = time.perf_counter()
             scheduler_output = self.scheduler.schedule()
             self.stats.num_preemptions += len(scheduler_output.preempted_req_ids)
             self._engine_timings["schedule"] += time.perf_counter() - started
+            own_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             if not scheduler_output.is_empty or _tells_runner(scheduler_output) or not self._batches:
                 self.ranks.send_step(scheduler_output)  # raises RankDiedError once a rank has ended
                 try:
-                    self.runner.execute_model(scheduler_output)  # the first stage's layers; nothing sampled here
+                    # The first stage's layers; nothing sampled here.  An empty step's output still holds the
+                    # ranks' joined KV transfer reports, when a connector runs.
+                    own_output = self.runner.execute_model(scheduler_output)
                 except Exception as exc:
                     self._replay_failed_step(scheduler_output, exc)  # raises: steps are not replayed with ranks
             if not scheduler_output.is_empty:
@@ -626,7 +645,7 @@ class Engine:
                 if len(self._batches) < depth:
                     return []
             elif not self._batches:
-                return self._apply_output(scheduler_output, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]), {})
+                return self._apply_output(scheduler_output, own_output, {})
         # The pipeline is full, or every running request is in flight: take the oldest batch's output.
         scheduler_output = self._batches.popleft()
         waited = time.perf_counter()
@@ -748,11 +767,12 @@ class Engine:
         applying grammar bitmasks and advancing matchers, when constrained requests run), then
         ``finish`` (the scheduler's update from the output, stop checks and
         request outputs).  With tensor parallelism, ``all_reduce`` follows
-        ``forward``: rank 0's time in the forward pass's all-reduces, taken
-        out of ``forward``.  With pipeline stages the runner's phases are
-        the first stage's (it samples nothing), and ``wait`` comes before
-        ``finish``: rank 0's time waiting for the last stage's outputs
-        (the pipeline's bubbles as rank 0 sees them).
+        ``forward``: rank 0's time in the forward pass's all-reduces (and the
+        LM head's all-gather of the vocabulary's logits), taken out of ``forward``.
+        With pipeline stages the runner's phases are the first stage's (it
+        samples nothing), and ``wait`` comes before ``finish``: rank 0's time
+        waiting for the last stage's outputs (the pipeline's bubbles as rank 0
+        sees them).
         """
         timings = {"schedule": self._engine_timings["schedule"]}
         for phase, seconds in self.runner.timings.items():

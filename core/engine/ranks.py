@@ -86,9 +86,6 @@ def check_tensor_parallel(settings: Settings, device: torch.device) -> None:
     """Settings a run over several ranks (shards or stages) cannot serve are :class:`ConfigError` naming the keys."""
     size = settings.runtime.world_size
     problems = []
-    if settings.kv_connector is not None:
-        problems.append(ConfigProblem("<run>", "kv_connector", f"KV connectors run with one rank; "
-                                      f"this run has {parallel_settings(settings)}"))
     if settings.speculative is not None and settings.runtime.pipeline_parallel_size > 1:
         # Drafts are proposed from the last stage's samples, and a batch in flight has none yet.
         problems.append(ConfigProblem("<run>", "speculative", f"speculative decoding runs without pipeline stages; "

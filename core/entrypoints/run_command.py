@@ -145,6 +145,9 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
         lines.append(f"linears:             {paths.packed} packed for oneDNN, {paths.fused_groups} fused projection "
                      f"groups, {paths.row_split} row-split, {engine.quantized_linears} quantized; steps of up to "
                      f"{engine.single_thread_max_tokens} tokens on one thread")
+    fused = getattr(engine, "fused_modules", None)
+    if fused is not None:
+        lines.append(f"fused kernels:       {fused.norms} RMS norms, {fused.mlps} SiLU MLPs")
     if getattr(engine, "kv_connector", None) is not None:
         kv = engine.scheduler.kv_connector_stats
         lines.append(f"kv connector:        {kv.num_loaded_tokens} tokens loaded, {kv.num_recomputed_blocks} blocks "

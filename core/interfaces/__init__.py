@@ -26,6 +26,7 @@ from patchbay.interfaces.kv_connector import (
     KVConnectorMetadata,
     KVConnectorScheduler,
     KVConnectorWorker,
+    KVShard,
     RequestView,
 )
 from patchbay.interfaces.sampler import (
@@ -52,7 +53,7 @@ __all__ = [
     "SAMPLING_PARAMS", "AttentionBackend", "AttentionCapabilities", "AttentionConfig", "AttentionImpl",
     "AttentionLayerSpec", "AttentionMetadataBuilder", "Capabilities", "CommonAttentionMetadata", "DraftBatch",
     "DraftProposals", "DraftStep", "Drafter", "DrafterCapabilities", "DrafterConfig", "DrafterContext", "KVConnector", "KVConnectorCapabilities",
-    "KVConnectorConfig", "KVConnectorMetadata", "KVConnectorScheduler", "KVConnectorWorker", "NoOptions", "Plugin",
+    "KVConnectorConfig", "KVConnectorMetadata", "KVConnectorScheduler", "KVConnectorWorker", "KVShard", "NoOptions", "Plugin",
     "RejectionSampler", "RequestView", "Sampler", "SamplerBase", "SamplerCapabilities", "SamplerConfig",
     "SamplerOutput", "SamplingMetadata", "ServingConfig", "SpecDecodeMetadata",
     "GrammarCompileError", "GrammarMatcher", "StructuredOutputBackend", "StructuredOutputCapabilities",

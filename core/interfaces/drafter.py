@@ -120,7 +120,11 @@ class DrafterContext:
     """What a drafter may use of the run, given once to :meth:`Drafter.load`."""
 
     model: Any
-    """The target transformers model (``get_input_embeddings()``, ``get_output_embeddings()``, its config)."""
+    """The target transformers model (``get_input_embeddings()``, ``get_output_embeddings()``, its config).
+
+    With ``runtime.tensor_parallel_size`` above 1 the embedding and LM head weights hold this rank's rows of the
+    vocabulary only (their ``vocab_shard`` attribute says which); calling the modules, which every rank does in
+    step, still gives whole-vocabulary embeddings and logits."""
     attention_backend: Any
     """The run's :class:`~patchbay.interfaces.AttentionBackend`: a drafter with its own attention layers makes
     their implementations (and sizes their caches with ``kv_cache_shape``) through it."""

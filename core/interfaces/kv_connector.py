@@ -8,13 +8,20 @@ between the paged cache and the connector's store around the forward pass:
 ``get_finished`` to report asynchronous transfers that completed.  The
 order of the calls for one request, step by step, is in
 docs/plugin-guide.md ("The KV-connector protocol").
+
+With tensor or pipeline parallelism the scheduler side runs on rank 0 only
+and every rank runs a worker side over its own part of the cache (its KV
+heads, its stage's layers), configured with its :class:`KVShard`; the
+per-rank ``model_id`` keeps the ranks' entries apart, and the runner joins
+the ranks' reports (a transfer is finished once every rank reported it,
+and a block failed to load if it failed on any rank).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from patchbay.interfaces.base import Capabilities, Plugin, ServingConfig
@@ -25,14 +32,103 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class KVShard:
+    """Which part of the model's KV cache one rank's worker side holds.
+
+    Rank ``r`` of a run with ``T`` tensor-parallel ranks per stage is shard
+    ``r % T`` of pipeline stage ``r // T``: it holds its shard's KV heads
+    (``T`` > 1) of its stage's layers (more than one stage).  The default,
+    ``KVShard()``, is the whole model in one process.
+    """
+
+    tensor_parallel_rank: int = 0
+    """This rank's position among the tensor-parallel ranks of its stage, from 0."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel ranks per stage (``runtime.tensor_parallel_size``)."""
+    pipeline_stage: int = 0
+    """This rank's pipeline stage, from 0."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (``runtime.pipeline_parallel_size``)."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
+            raise ValueError(f"tensor-parallel rank {self.tensor_parallel_rank} of {self.tensor_parallel_size}: "
+                             "expected a size of at least 1 and 0 <= rank < size")
+        if self.pipeline_parallel_size < 1 or not 0 <= self.pipeline_stage < self.pipeline_parallel_size:
+            raise ValueError(f"pipeline stage {self.pipeline_stage} of {self.pipeline_parallel_size}: "
+                             "expected a size of at least 1 and 0 <= stage < size")
+
+    @classmethod
+    def of_rank(cls, rank: int, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> KVShard:
+        """The shard of global rank ``rank``: 2 ranks per stage, rank 3 -> tensor-parallel rank 1 of stage 1."""
+        stage, shard = divmod(rank, tensor_parallel_size)
+        return cls(shard, tensor_parallel_size, stage, pipeline_parallel_size)
+
+    @property
+    def rank(self) -> int:
+        """The global rank holding this shard (``stage * tensor_parallel_size + tensor_parallel_rank``)."""
+        return self.pipeline_stage * self.tensor_parallel_size + self.tensor_parallel_rank
+
+    @property
+    def is_whole(self) -> bool:
+        """Whether this is the whole model (one rank, no tensor or pipeline parallelism)."""
+        return self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1
+
+    @property
+    def name(self) -> str:
+        """A short, key-safe name saying the layout and the position: ``tp1of2``, ``pp0of2``, ``tp1of2-pp0of2``;
+        ``""`` for the whole model."""
+        parts = []
+        if self.tensor_parallel_size > 1:
+            parts.append(f"tp{self.tensor_parallel_rank}of{self.tensor_parallel_size}")
+        if self.pipeline_parallel_size > 1:
+            parts.append(f"pp{self.pipeline_stage}of{self.pipeline_parallel_size}")
+        return "-".join(parts)
+
+    def siblings(self) -> tuple[KVShard, ...]:
+        """Every shard of this layout, in rank order (this one among them)."""
+        return tuple(KVShard.of_rank(rank, tensor_parallel_size=self.tensor_parallel_size,
+                                     pipeline_parallel_size=self.pipeline_parallel_size)
+                     for rank in range(self.tensor_parallel_size * self.pipeline_parallel_size))
+
+
+def _shard_suffix(shard: KVShard) -> str:
+    return f"@{shard.name}" if not shard.is_whole else ""
+
+
+@dataclass(frozen=True)
 class KVConnectorConfig(ServingConfig):
-    """What a run asks of its connector."""
+    """What a run asks of its connector (on rank 0, and, with several ranks, of each rank's worker side)."""
 
     role: Literal["both", "producer", "consumer"] = "both"
     """``producer`` only saves, ``consumer`` only loads, ``both`` does both."""
     block_size: int = 16
     model_id: str = ""
-    """Identity of model and KV layout; entries of another identity are never loaded."""
+    """Identity of the model, its KV layout and this rank's shard; entries of another identity are never loaded.
+
+    For the whole model it is the engine's model identity; for a shard
+    (:attr:`shard`) that identity followed by ``@`` and :attr:`KVShard.name`
+    (``...-float32-2x1x16x1x64@tp1of2``), so a connector that keys and checks
+    its entries by ``model_id`` keeps each rank's heads apart, and never
+    loads entries saved with another sharding.  Build the config of another
+    shard with :meth:`with_shard`.
+    """
+    shard: KVShard = field(default_factory=KVShard)
+    """The part of the model this worker side holds (the scheduler side, on rank 0, has rank 0's)."""
+
+    def __post_init__(self) -> None:
+        suffix = _shard_suffix(self.shard)
+        if suffix and not self.model_id.endswith(suffix):  # a shard's identity always names the shard
+            object.__setattr__(self, "model_id", self.model_id + suffix)
+
+    def with_shard(self, shard: KVShard) -> KVConnectorConfig:
+        """This run's config as the worker side of ``shard`` gets it: the same settings, that shard's ``model_id``.
+
+        The scheduler side uses it to name another rank's entries (to check
+        that every rank holds a block before promising to load it).
+        """
+        base = self.model_id.removesuffix(_shard_suffix(self.shard))
+        return replace(self, shard=shard, model_id=base + _shard_suffix(shard))
 
 
 @dataclass(frozen=True)
@@ -71,7 +167,13 @@ class KVConnectorMetadata:
 
 
 class KVConnectorScheduler(ABC):
-    """The scheduler-side role of a connector."""
+    """The scheduler-side role of a connector.
+
+    With several ranks it runs on rank 0 alone (configured with rank 0's
+    shard), and its metadata goes to every rank's worker side: promise a
+    load only of blocks every rank can load (a block one rank cannot load is
+    recomputed on all of them).
+    """
 
     @abstractmethod
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
@@ -109,16 +211,28 @@ class KVConnectorScheduler(ABC):
         ``kv_connector.stall_timeout`` seconds, the run fails naming the
         connector and the request.  Return ``False`` when there is nothing to
         save (a prompt shorter than a block, every block already stored).
+        With several ranks every rank's worker side must report it: the
+        blocks are freed once all of them did.
         """
         return False
 
 
 class KVConnectorWorker(ABC):
-    """The worker-side role of a connector."""
+    """The worker-side role of a connector.
+
+    With several ranks each rank has its own, over its own part of the cache,
+    and all of them see the same calls with the same metadata in the same
+    order; each saves and loads its own shard's entries (under its
+    :attr:`KVConnectorConfig.model_id`), never another rank's.
+    """
 
     @abstractmethod
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], split: Any) -> None:
         """Receive every layer's KV-cache tensor by layer name.
+
+        On a rank of a sharded run these are the rank's own: its KV heads
+        (tensor parallelism) of its stage's layers (pipeline parallelism),
+        as its :attr:`KVConnectorConfig.shard` says.
 
         ``split`` is the backend's :meth:`AttentionBackend.split_kv_cache`,
         which gives key and value views of a layer's tensor.
@@ -149,12 +263,20 @@ class KVConnectorWorker(ABC):
 
         Called after every step, also steps that run nothing while the
         connector holds requests.  ``finished_request_ids``: the requests that
-        finished in the previous step.
+        finished in the previous step.  With several ranks each rank reports
+        its own transfers, each request once: the runner counts a request
+        finished when every rank has reported it (not necessarily in the
+        same step).
         """
         return set(), set()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose load failed since the last call; the runner recomputes them."""
+        """Blocks whose load failed since the last call; the runner recomputes them.
+
+        With several ranks the runner recomputes the union of every rank's
+        failed blocks on every rank, so report only this rank's failures;
+        a block another rank failed to load is recomputed here too.
+        """
         return set()
 
 

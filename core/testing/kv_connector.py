@@ -18,6 +18,13 @@ the engine on a tiny model: a run without it, a cold run and a warm run
 prompts that hit each other's blocks inside one step and a prompt too short
 to save anything.
 
+Tensor parallelism: two worker sides configured as ranks 0 and 1 of 2
+(:class:`patchbay.interfaces.KVShard`), sharing one store, save different
+data for the same blocks, following rank 0's scheduler side as a sharded
+run does; each must load back its own data, a worker side of another
+sharding must load neither, and an entry one rank lost is that rank's load
+error alone.
+
 Every test runs twice: with the connector's default options (as an operator
 who writes only ``name:`` gets it) and, for a connector with a ``path``
 option, with ``path`` pointed at a fresh temporary directory.  Options for
@@ -38,6 +45,7 @@ block as a load error and leave it untouched.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -48,7 +56,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 
-from patchbay.interfaces import KVConnector, KVConnectorConfig, KVConnectorMetadata
+from patchbay.interfaces import KVConnector, KVConnectorConfig, KVConnectorMetadata, KVShard
 from patchbay.scheduling.request import hash_block_tokens
 from patchbay.testing.kinds import KVConnectorBaseSuite
 from patchbay.testing.suite import skip_not_declared
@@ -134,6 +142,61 @@ class Side:
                     f"as sent within {timeout_s} s")
 
 
+class RankedSides:
+    """The ranks of one sharded run: rank 0's scheduler side plans, every rank's worker side runs each step.
+
+    Each worker gets its own copy of the step's metadata (as each rank
+    unpickles its own); a transfer is finished once every rank reported it.
+    """
+
+    def __init__(self, sides: list[Side]) -> None:
+        self.sides = sides
+        self.scheduler = sides[0].scheduler
+
+    def step(self, scheduled: Sequence[str], before_load: Callable[[KVConnectorMetadata], None] | None = None) -> None:
+        """One engine step on every rank: rank 0 builds the message, each rank loads, (forward pass), saves."""
+        metadata = self.scheduler.build_connector_meta(list(scheduled))
+        if before_load is not None:
+            before_load(metadata)
+        for side in self.sides:
+            worker = side.worker
+            worker.start_load_kv(copy.deepcopy(metadata))
+            for layer_name in side.caches:
+                worker.wait_for_layer_load(layer_name)
+            worker.wait_for_save()
+
+    def compute_and_finish(self, request: SuiteRequest, block_ids: list[int], timeout_s: float = 30.0) -> None:
+        """As :meth:`Side.compute_and_finish`, on every rank at once."""
+        num_external, _ = self.scheduler.get_num_new_matched_tokens(request, 0)
+        self.scheduler.update_state_after_alloc(request, block_ids, num_external)
+        self.step([request.request_id])
+        request.num_computed_tokens = len(request.prompt_token_ids)
+        self.step([request.request_id])
+        held = self.scheduler.request_finished(request, block_ids)
+        self.step([])
+        if held:
+            self.wait_sent(request.request_id, timeout_s)
+        for side in self.sides:
+            flush = getattr(side.worker, "flush", None)
+            if callable(flush):
+                flush()
+
+    def wait_sent(self, request_id: str, timeout_s: float) -> None:
+        """Step until every rank's worker side has reported ``request_id`` as sent."""
+        waiting = set(range(len(self.sides)))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for rank in sorted(waiting):
+                if request_id in self.sides[rank].worker.get_finished(set())[0]:
+                    waiting.discard(rank)
+            if not waiting:
+                return
+            self.step([])
+            time.sleep(0.01)
+        pytest.fail(f"request_finished held {request_id!r}'s blocks but the worker sides of ranks {sorted(waiting)} "
+                    f"never reported it as sent within {timeout_s} s (with several ranks, each must)")
+
+
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The suite's cache layout: ``[2, num_blocks, block_size, kv_heads, head_size]``."""
     return kv_cache[0], kv_cache[1]
@@ -173,17 +236,19 @@ class KVConnectorSuite(KVConnectorBaseSuite):
 
     @pytest.fixture
     def make_side(self, available: type[KVConnector], connector_options: dict[str, Any], model_id: str):
-        """``make_side(role, caches)``: a new connector instance (same options) with both roles."""
+        """``make_side(role, random=False, shard=None)``: a new connector instance (same options) with both roles,
+        over zeroed (or seeded random) caches, as the worker side of ``shard`` (default: the whole model)."""
         import torch
 
-        def make(role: str = "both", *, random: bool = False) -> Side:
+        def make(role: str = "both", *, random: bool = False, shard: KVShard | None = None) -> Side:
             if role not in available.capabilities.roles:
                 skip_not_declared(f"role {role!r} not supported")
             options = available.Options.model_validate(connector_options)
+            shard = shard if shard is not None else KVShard()
             config = KVConnectorConfig(device="cpu", dtype="float32", role=role, block_size=self.block_size,
-                                       model_id=model_id)
+                                       model_id=model_id).with_shard(shard)
             shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
-            generator = torch.Generator().manual_seed(SEED)
+            generator = torch.Generator().manual_seed(SEED + shard.rank)  # each rank's heads hold other values
             caches = {f"model.layers.{layer}.self_attn": (torch.randn(shape, generator=generator) if random
                                                           else torch.zeros(shape))
                       for layer in range(self.num_layers)}
@@ -365,6 +430,94 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         stats = getattr(consumer.worker, "stats", None)
         if isinstance(stats, dict):
             assert stats.get("load_errors", 0) >= 1, f"stats do not count the load error: {stats}"
+
+    # -- tensor parallelism --------------------------------------------------------------------------
+
+    def ranks(self, make_side, *, random: bool = False, size: int = 2) -> RankedSides:
+        """The ``size`` tensor-parallel ranks of one run, sharing the store."""
+        return RankedSides([make_side("both", random=random,
+                                      shard=KVShard(tensor_parallel_rank=rank, tensor_parallel_size=size))
+                            for rank in range(size)])
+
+    def produce_sharded(self, make_side, prompt: list[int], block_ids: list[int]) -> RankedSides:
+        """Two ranks compute and finish one request, each saving its own heads' (different) data."""
+        producers = self.ranks(make_side, random=True)
+        producers.compute_and_finish(SuiteRequest("produced", prompt, self.block_size), block_ids)
+        stats = getattr(producers.sides[0].connector, "stats", None)
+        if isinstance(stats, dict) and stats.get("unreachable"):
+            pytest.skip(f"the store is unreachable with these options (stats: {stats})")
+        return producers
+
+    def test_tensor_parallel_ranks_each_load_their_own_heads(self, make_side) -> None:
+        import torch
+
+        prompt = self.prompt(3 * self.block_size + 1)
+        producers = self.produce_sharded(make_side, prompt, [5, 2, 9, 7])
+        first_layer = next(iter(producers.sides[0].caches))
+        assert not torch.equal(producers.sides[0].caches[first_layer][:, 5], producers.sides[1].caches[first_layer][:, 5])
+        consumers = self.ranks(make_side)
+        request = SuiteRequest("consumed", list(prompt), self.block_size)
+        num_tokens, _ = consumers.scheduler.get_num_new_matched_tokens(request, 0)
+        assert num_tokens == 3 * self.block_size, (
+            f"rank 0's scheduler side found {num_tokens} tokens; expected the 3 blocks both ranks saved")
+        target_ids = [3, 8, 1, 11]
+        consumers.scheduler.update_state_after_alloc(request, target_ids, num_tokens)
+        consumers.step([request.request_id])
+        others = sorted(set(range(self.num_blocks)) - set(target_ids[:3]))
+        for rank, (producer, consumer) in enumerate(zip(producers.sides, consumers.sides, strict=True)):
+            errors = consumer.worker.get_block_ids_with_load_errors()
+            assert errors == set(), f"rank {rank} reported load errors {errors}"
+            try:
+                self.assert_blocks_equal(producer, [5, 2, 9], consumer, target_ids[:3])
+            except AssertionError as exc:
+                raise AssertionError(f"rank {rank} did not load back its own heads' data: {exc}") from None
+            self.assert_untouched(consumer, others, "no load was planned for it")
+
+    def test_entries_of_another_sharding_are_never_loaded(self, make_side) -> None:
+        prompt = self.prompt(3 * self.block_size + 1)
+        self.produce_sharded(make_side, prompt, [5, 2, 9, 7])
+        request = SuiteRequest("resharded", list(prompt), self.block_size)
+        # The whole model in one process: the store holds two ranks' halves of each block, none of it its own.
+        whole = make_side("both")
+        assert whole.scheduler.get_num_new_matched_tokens(request, 0)[0] == 0, (
+            "a one-process run found blocks that only a tensor-parallel run saved")
+        # Rank 0 of 2 plans the load; a worker side of another sharding runs it: it must not load the ranks' data.
+        planner = self.ranks(make_side)
+        num_tokens, _ = planner.scheduler.get_num_new_matched_tokens(request, 0)
+        assert num_tokens == 3 * self.block_size
+        target_ids = [3, 8, 1, 11]
+        planner.scheduler.update_state_after_alloc(request, target_ids, num_tokens)
+        metadata = planner.scheduler.build_connector_meta([request.request_id])
+        for shard in (KVShard(), KVShard(tensor_parallel_rank=1, tensor_parallel_size=4)):
+            other = make_side("both", shard=shard)
+            other.worker.start_load_kv(copy.deepcopy(metadata))
+            for layer_name in other.caches:
+                other.worker.wait_for_layer_load(layer_name)
+            other.worker.wait_for_save()
+            errors = other.worker.get_block_ids_with_load_errors()
+            assert errors == set(target_ids[:3]), (
+                f"a worker side of shard {shard.name or 'whole model'} was sent another sharding's loads: expected "
+                f"load errors for blocks {target_ids[:3]}, got {errors}")
+            self.assert_untouched(other, range(self.num_blocks), "its entries are another sharding's")
+
+    def test_an_entry_one_rank_lost_is_that_ranks_load_error(self, make_side) -> None:
+        prompt = self.prompt(3 * self.block_size + 1)
+        producers = self.produce_sharded(make_side, prompt, [5, 2, 9, 7])
+        consumers = self.ranks(make_side)
+        request = SuiteRequest("half-lost", list(prompt), self.block_size)
+        num_tokens, _ = consumers.scheduler.get_num_new_matched_tokens(request, 0)
+        assert num_tokens == 3 * self.block_size
+        target_ids = [3, 8, 1, 11]
+        consumers.scheduler.update_state_after_alloc(request, target_ids, num_tokens)
+        # After the plan, rank 1's entry of the second block goes (eviction, another process).
+        consumers.step([request.request_id], before_load=lambda _: self.corrupt_entry(
+            consumers.sides[1].connector, request.block_hashes[1], "missing"))
+        rank0, rank1 = consumers.sides
+        assert rank0.worker.get_block_ids_with_load_errors() == set(), "rank 0's entries were all there"
+        self.assert_blocks_equal(producers.sides[0], [5, 2, 9], rank0, target_ids[:3])
+        errors = rank1.worker.get_block_ids_with_load_errors()
+        assert 8 in errors and errors <= {3, 8, 1}, f"rank 1 lost block 8's entry: expected it among {errors}"
+        self.assert_untouched(rank1, [8], "rank 1's entry was missing")
 
     # -- the real engine ---------------------------------------------------------------------------
 

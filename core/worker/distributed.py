@@ -111,6 +111,8 @@ class RankGroup:
         if rank != 0:
             store.set(joined_key(rank), str(os.getpid()))
         self.rank = rank
+        self.device = device
+        """This rank's device: where NCCL's collectives want their tensors."""
         self._device = device if setup.backend == "nccl" else torch.device("cpu")
         """Where point-to-point tensors live: NCCL moves CUDA tensors only."""
         self._pending_sends: deque[tuple[dist.Work, torch.Tensor]] = deque()
@@ -119,13 +121,17 @@ class RankGroup:
         """A send older than this many has surely been received: with at most ``pipeline_parallel_size``
         batches in flight (two sends each, at most), its batch's output is back on rank 0."""
         self.all_reduce_seconds = 0.0
-        """Seconds this rank spent in :meth:`all_reduce` (waiting for the slowest rank included)."""
+        """Seconds this rank spent in :meth:`all_reduce` and :meth:`all_gather` (waiting for the slowest rank
+        included)."""
         self._store = store
         if setup.backend == "nccl":
             torch.cuda.set_device(device)  # NCCL works on the current device
         self._group: dist.ProcessGroup | None = _process_group(setup, dist.PrefixStore("patchbay/group", store),
                                                                rank, setup.world_size)
         tensor_size = setup.settings.runtime.tensor_parallel_size
+        self.tensor_size = tensor_size
+        """The tensor-parallel ranks of this rank's pipeline stage (those :meth:`all_reduce` and :meth:`all_gather`
+        span)."""
         self._tensor_group: dist.ProcessGroup | None = None
         """The tensor-parallel ranks of this rank's pipeline stage, when there are several stages and ranks each."""
         if tensor_size > 1 and tensor_size < setup.world_size:
@@ -142,6 +148,20 @@ class RankGroup:
         except RuntimeError as exc:
             raise CollectiveError(f"all-reduce on rank {self.rank} failed: {exc}") from exc
         self.all_reduce_seconds += time.perf_counter() - started
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The ``tensor`` of every tensor-parallel rank (of this rank's pipeline stage; one shape on all),
+        concatenated along the last dimension in rank order."""
+        group = self._tensor_group or self._group
+        assert group is not None, "the rank left the group"
+        started = time.perf_counter()
+        parts = [torch.empty_like(tensor) for _ in range(self.tensor_size)]
+        try:
+            group.allgather([parts], [tensor]).wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"all-gather on rank {self.rank} failed: {exc}") from exc
+        self.all_reduce_seconds += time.perf_counter() - started
+        return torch.cat(parts, dim=-1)
 
     def send(self, tensor: torch.Tensor, to_rank: int, tag: int = HIDDEN_STATES_TAG) -> None:
         """Start sending ``tensor`` to ``to_rank``, which receives it with :meth:`recv`; returns at once.
@@ -193,6 +213,29 @@ class RankGroup:
         self.recv(payload, from_rank, OUTPUT_TAG)
         return pickle.loads(payload.cpu().numpy().tobytes())
 
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload``, in rank order (every rank of the group calls it, each with its own).
+
+        Two all-gathers: the lengths, then the payloads padded to the longest.
+        """
+        assert self._group is not None, "the rank left the group"
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        world_size = self._group.size()
+        try:
+            length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+            lengths = [torch.empty_like(length) for _ in range(world_size)]
+            self._group.allgather([lengths], [length]).wait()
+            sizes = [int(size.item()) for size in lengths]
+            padded = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)
+            if payload:
+                padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            padded = padded.to(device)
+            gathered = [torch.empty_like(padded) for _ in range(world_size)]
+            self._group.allgather([gathered], [padded]).wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"all-gather on rank {self.rank} failed: {exc}") from exc
+        return [bytes(part[:size].cpu().numpy()) for part, size in zip(gathered, sizes, strict=True)]
+
     def barrier(self) -> None:
         """Wait until every rank reaches this point (a rank that died makes it raise at once)."""
         assert self._group is not None, "the rank left the group"
@@ -221,8 +264,8 @@ def _process_group(setup: RankSetup, store: dist.Store, rank: int, size: int) ->
 
 
 class PausableCollectives:
-    """A :class:`RankGroup`'s all-reduce and stage exchanges, which rank 0 can pause while it runs a forward pass
-    the other ranks do not (a memory profile: the values come out wrong, the sizes right)."""
+    """A :class:`RankGroup`'s all-reduce, all-gather and stage exchanges, which rank 0 can pause while it runs a
+    forward pass the other ranks do not (a memory profile: the values come out wrong, the sizes right)."""
 
     def __init__(self, group: RankGroup) -> None:
         self._group = group
@@ -240,6 +283,11 @@ class PausableCollectives:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         if not self._paused:
             self._group.all_reduce(tensor)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._paused:  # the gathered shape, this rank's part repeated
+            return torch.cat([tensor] * self._group.tensor_size, dim=-1)
+        return self._group.all_gather(tensor)
 
     def send(self, tensor: torch.Tensor, to_rank: int) -> None:
         if not self._paused:

@@ -140,7 +140,8 @@ class HFCausalLM:
 
     @torch.inference_mode()
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[rows, vocab]`` of the given hidden states."""
+        """float32 logits ``[rows, vocab]`` of the given hidden states (with the vocabulary sharded over
+        tensor-parallel ranks, the LM head's hook gathers every rank's slice: call it on all ranks alike)."""
         logits = self._lm_head(hidden_states).float()
         if self._final_soft_cap:
             logits = torch.tanh(logits / self._final_soft_cap) * self._final_soft_cap

@@ -7,7 +7,8 @@ the group's layers, logits are computed only at the positions that are
 sampled, and samples of partial (chunked) prefills are discarded.  A KV
 connector's worker side, when one is configured, loads blocks before the
 forward pass (``start_load_kv``), waits and saves per layer inside it, and
-reports finished transfers and failed loads after it.
+reports finished transfers and failed loads after it (with several ranks,
+every rank's, joined: :mod:`patchbay.worker.kv_transfers`).
 
 A runner of a pipeline stage other than the last (``samples=False``) runs
 its layers and hands the hidden states on (the model's hooks send them);
@@ -45,6 +46,7 @@ from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.worker.forward_context import ForwardContext, LayerBinding, forward_context
 from patchbay.worker.hf_model import AuxHiddenStates, HFCausalLM, torch_dtype
 from patchbay.worker.input_batch import InputBatch
+from patchbay.worker.kv_transfers import RankTransferReports, TransferReport
 from patchbay.worker.logprobs import Logprobs, PromptLogprobs
 from patchbay.worker.spec_decode import (
     LogitsLayout,
@@ -109,6 +111,7 @@ class ModelRunner:
         rejection_sampler: RejectionSampler | None = None,
         num_speculative_tokens: int = 0,
         kv_connector: KVConnectorWorker | None = None,
+        kv_reports: RankTransferReports | None = None,
         grammars: GrammarCompilations | None = None,
         single_thread_max_tokens: int = 0,
         samples: bool = True,
@@ -143,6 +146,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self._bindings = self._bind_layers()
         self.kv_connector = kv_connector
+        self.kv_reports = kv_reports
+        """With several ranks: joins this rank's connector reports with the other ranks' after each step."""
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_caches, split=backend.split_kv_cache)
         # Scratch index vector, sliced each step instead of allocated.
@@ -250,15 +255,18 @@ class ModelRunner:
             connector.start_load_kv(scheduler_output.kv_connector_metadata)
         with forward_context(ForwardContext(self._bindings, step.group_metadata, connector)):
             hidden_states = self.model.hidden_states(step.input_ids, step.positions)
+        if connector is not None:
+            connector.wait_for_save()
         if not self.samples:
             # An earlier pipeline stage: its hidden states are on their way to the next stage (the hooks sent them).
             self.batch.num_computed_tokens[step.rows] = step.seq_lens
+            output = ModelRunnerOutput(req_ids=[self.batch.req_ids[row] for row in step.rows],
+                                       sampled_token_ids=[[] for _ in step.rows])
+            if connector is not None:  # every rank joins the transfer reports, after every step
+                self._report_transfers(scheduler_output, output)
             self._lap("forward", clock)
             self.num_steps += 1
-            return ModelRunnerOutput(req_ids=[self.batch.req_ids[row] for row in step.rows],
-                                     sampled_token_ids=[[] for _ in step.rows])
-        if connector is not None:
-            connector.wait_for_save()
+            return output
         sample_rows = step.rows[step.complete]
         logits = None
         if len(sample_rows):
@@ -302,11 +310,14 @@ class ModelRunner:
         return output
 
     def _report_transfers(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
-        """Put the connector's finished transfers and failed loads into ``output``."""
+        """Put the connector's finished transfers and failed loads into ``output`` (every rank's, with several)."""
         assert self.kv_connector is not None
-        output.finished_sending, output.finished_recving = self.kv_connector.get_finished(
-            set(scheduler_output.finished_req_ids))
-        output.invalid_block_ids = set(self.kv_connector.get_block_ids_with_load_errors())
+        sending, recving = self.kv_connector.get_finished(set(scheduler_output.finished_req_ids))
+        report = TransferReport(set(sending), set(recving), set(self.kv_connector.get_block_ids_with_load_errors()))
+        if self.kv_reports is not None:
+            report = self.kv_reports.exchange(report)
+        output.finished_sending, output.finished_recving = report.finished_sending, report.finished_recving
+        output.invalid_block_ids = report.invalid_block_ids
 
     def _lap(self, phase: str, since: float) -> float:
         now = time.perf_counter()

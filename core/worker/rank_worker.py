@@ -10,6 +10,10 @@ receives) pair up and the persistent batches and seeded samplers stay
 identical.  A tensor-parallel rank's outputs are dropped (rank 0's are the
 run's); with pipeline stages, the last stage's first rank sends each step's
 output to rank 0 (it is the only stage that samples) as soon as it has it.
+With a KV connector each rank runs its own worker side over its shard, and
+the ranks exchange their transfer reports after each step
+(:mod:`patchbay.worker.kv_transfers`): that, not this rank's output, is how
+rank 0 learns of them.
 
 Two launches reach :func:`run_rank`:
 
@@ -41,8 +45,9 @@ from patchbay.contract.settings import Settings
 from patchbay.worker import distributed
 from patchbay.worker.distributed import RankSetup
 from patchbay.worker.model_loader import resolve_model_dir
+from patchbay.worker.kv_transfers import RankTransferReports
 from patchbay.worker.pipeline_parallel import last_stage_rank
-from patchbay.worker.runner_build import RunnerSpec, build_runner, load_rank_model
+from patchbay.worker.runner_build import RunnerSpec, build_runner, kv_connector_worker, load_rank_model
 from patchbay.worker.step_channel import connect_to_rank_0, pipe_end
 from patchbay.worker.torchrun import TorchrunLaunch, launch_device, rendezvous_store
 
@@ -82,10 +87,17 @@ def run_rank(connection: Connection, rank: int, *, local_rank: int | None = None
     try:
         torch.manual_seed(settings.runtime.seed)
         loaded = load_rank_model(settings, model_dir or setup.model_dir, dtype=setup.dtype, device=device,
-                                 tuning=setup.tuning, rank=rank, all_reduce=group.all_reduce, link=group)
+                                 tuning=setup.tuning, rank=rank, all_reduce=group.all_reduce,
+                                 all_gather=group.all_gather, link=group)
         spec: RunnerSpec = pickle.loads(_receive(connection, rank))
-        runner = build_runner(loaded.model, settings, registry_for(settings.plugins), spec, device=device,
-                              dtype=setup.dtype, rank=rank)
+        registry = registry_for(settings.plugins)
+        # With a connector every rank saves and loads its own shard, and joins its reports with the others' each step.
+        kv_connector = kv_reports = None
+        if spec.kv_connector is not None:
+            kv_connector = kv_connector_worker(settings, registry, spec.kv_connector, rank)
+            kv_reports = RankTransferReports(group, setup.world_size)
+        runner = build_runner(loaded.model, settings, registry, spec, device=device, dtype=setup.dtype,
+                              kv_connector=kv_connector, kv_reports=kv_reports, rank=rank)
         torch.manual_seed(settings.runtime.seed)  # as rank 0 does once built: the samplers start alike
         runtime = settings.runtime
         sends_outputs = runtime.pipeline_parallel_size > 1 and rank == last_stage_rank(

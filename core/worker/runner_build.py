@@ -17,16 +17,18 @@ import torch
 from patchbay.contract.registry import Registry
 from patchbay.contract.selection import create
 from patchbay.contract.settings import ConfigError, ConfigProblem, RuntimeSettings, Settings, plugin_options
-from patchbay.interfaces import DrafterConfig, DrafterContext, KVConnectorWorker
+from patchbay.interfaces import DrafterConfig, DrafterContext, KVConnectorConfig, KVConnectorWorker, KVShard
 from patchbay.scheduling.kv_cache_spec import group_layers
 from patchbay.scheduling.structured_output import GrammarCompilations
+from patchbay.worker.fused_ops import FusedModules, use_fused_ops
 from patchbay.worker.fused_projections import fuse_shared_input_projections
 from patchbay.worker.hf_model import HFCausalLM, torch_dtype
+from patchbay.worker.kv_transfers import RankTransferReports
 from patchbay.worker.model_runner import ModelRunner
 from patchbay.worker.packed_linear import packing_supported
 from patchbay.worker.pipeline_parallel import StageLink, samples_on, split_model, stage_layout
 from patchbay.worker.quantization import INT8_MAX_ROWS, quantize_linears
-from patchbay.worker.tensor_parallel import AllReduce, shard_layout, shard_model
+from patchbay.worker.tensor_parallel import AllGather, AllReduce, shard_layout, shard_model
 from patchbay.worker.tuning import LinearPaths, Tuning, apply_linear_paths
 
 
@@ -37,22 +39,26 @@ class LoadedModel:
     model: HFCausalLM
     quantized_linears: int
     linear_paths: LinearPaths
+    fused_modules: FusedModules = FusedModules()
 
 
 def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: torch.device, tuning: Tuning | None,
-                    rank: int = 0, all_reduce: AllReduce | None = None, link: StageLink | None = None) -> LoadedModel:
+                    rank: int = 0, all_reduce: AllReduce | None = None, all_gather: AllGather | None = None,
+                    link: StageLink | None = None) -> LoadedModel:
     """Load the model, keep ``rank``'s shard when ``runtime.tensor_parallel_size`` > 1 and its stage's layers when
     ``runtime.pipeline_parallel_size`` > 1 (rank ``r`` is shard ``r % tensor_parallel_size`` of stage
     ``r // tensor_parallel_size``), then speed up its linears.
 
-    ``all_reduce`` sums a tensor over the ranks (needed when sharded);
-    ``link`` carries hidden states between the stages (needed when split).
+    ``all_reduce`` sums a tensor over the ranks and ``all_gather`` concatenates
+    theirs (both needed when sharded: layers and vocabulary); ``link`` carries
+    hidden states between the stages (needed when split).
     """
     model = HFCausalLM.load(model_dir, dtype=dtype, device=device)
     tensor_size = settings.runtime.tensor_parallel_size
     if tensor_size > 1:
-        assert all_reduce is not None, "a sharded model needs the ranks' all-reduce"
-        shard_model(model, shard_layout(model.model.config, tensor_size), rank % tensor_size, all_reduce)
+        assert all_reduce is not None and all_gather is not None, "a sharded model needs the ranks' collectives"
+        shard_model(model, shard_layout(model.model.config, tensor_size), rank % tensor_size, all_reduce,
+                    all_gather)
     num_stages = settings.runtime.pipeline_parallel_size
     if num_stages > 1:
         assert link is not None, "a model split into stages needs the link between them"
@@ -60,7 +66,9 @@ def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: t
         split_model(model, layout, rank, link, ranks_per_stage=tensor_size)
     quantized, paths = speed_up_linears(model, settings.runtime, settings.model.quantization,
                                         device=device, dtype=dtype, tuning=tuning)
-    return LoadedModel(model, quantized, paths)
+    # After the linears: the fused MLP computes gate/up through the group those paths gave it.
+    fused = use_fused_ops(model.model, device=device, dtype=dtype) if settings.runtime.fused_ops else FusedModules()
+    return LoadedModel(model, quantized, paths, fused)
 
 
 def speed_up_linears(model: HFCausalLM, runtime: RuntimeSettings, quantization: str, *, device: torch.device,
@@ -105,6 +113,26 @@ class RunnerSpec:
     max_num_batched_tokens: int
     single_thread_max_tokens: int = 0
     """Steps of at most this many tokens run on one CPU thread (``runtime.single_thread_max_tokens`` resolved)."""
+    kv_connector: KVConnectorConfig | None = None
+    """Rank 0's connector config (``None``: no ``kv_connector:``); each rank's worker side gets it for its shard."""
+
+
+def rank_shard(runtime: RuntimeSettings, rank: int) -> KVShard:
+    """The part of the model rank ``rank`` holds: rank 3 with 2 tensor-parallel ranks per stage is shard 1 of stage 1."""
+    return KVShard.of_rank(rank, tensor_parallel_size=runtime.tensor_parallel_size,
+                           pipeline_parallel_size=runtime.pipeline_parallel_size)
+
+
+def kv_connector_worker(settings: Settings, registry: Registry, config: KVConnectorConfig,
+                        rank: int) -> KVConnectorWorker:
+    """Rank ``rank``'s worker side of the ``kv_connector:`` connector (rank 0 checked it serves the run),
+    configured with the rank's shard (:meth:`KVConnectorConfig.with_shard`)."""
+    section = settings.kv_connector
+    assert section is not None, "a worker side needs a kv_connector section"
+    connector_class = registry.resolve("kv_connector", section.name)
+    options = plugin_options(connector_class, section.options, where="kv_connector.options")
+    connector = connector_class(options, config=config.with_shard(rank_shard(settings.runtime, rank)))
+    return connector.worker_side()  # type: ignore[attr-defined]
 
 
 def drafter_config(settings: Settings, model: HFCausalLM, *, device: torch.device, dtype: str,
@@ -118,9 +146,13 @@ def drafter_config(settings: Settings, model: HFCausalLM, *, device: torch.devic
 
 def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec: RunnerSpec, *,
                  device: torch.device, dtype: str, kv_connector: KVConnectorWorker | None = None,
+                 kv_reports: RankTransferReports | None = None,
                  grammars: GrammarCompilations | None = None, rank: int = 0) -> ModelRunner:
     """The runner over ``model`` (``rank``'s part of it) with the plugins the settings name (already checked by
-    rank 0); only the last pipeline stage's runners sample."""
+    rank 0); only the last pipeline stage's runners sample.
+
+    ``kv_reports``: with several ranks, how the connector's reports are joined with the other ranks'.
+    """
     block_size = settings.cache.block_size
     groups = group_layers(model.kv_cache_specs(block_size, dtype))
     backend_class = registry.resolve("attention", spec.backend_name)
@@ -160,6 +192,7 @@ def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec
         rejection_sampler=verifier,
         num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
         kv_connector=kv_connector,
+        kv_reports=kv_reports,
         grammars=grammars,
         single_thread_max_tokens=spec.single_thread_max_tokens,
         samples=samples_on(rank, settings.runtime.pipeline_parallel_size, settings.runtime.tensor_parallel_size),

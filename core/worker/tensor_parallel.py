@@ -8,8 +8,19 @@ rank's slice of the intermediate features, and ``o_proj`` and ``down_proj``
 keep the matching input columns; a forward hook on each of those two sums
 their partial outputs over the ranks (one all-reduce each, two per layer).
 transformers' attention reshapes with ``-1`` heads, so the narrower
-projections need nothing else.  Embeddings, norms and the LM head stay
-replicated, so every rank computes the same full logits.
+projections need nothing else.
+
+The vocabulary is sharded too (:func:`shard_vocab`): each rank keeps rows
+``[start, stop)`` of the input embedding and of the LM head, the vocabulary
+padded with zero rows to :attr:`VocabShard.rows_per_rank` per rank (a
+multiple of 16, for the integer and packed CPU kernels) when it does not
+divide.  The embedding looks up the ids of its shard, zeroes the rows of the
+others and sums the partial embeddings over the ranks (one all-reduce per
+step: it cannot be folded into the first layer's, whose input norm needs the
+whole embedding); the LM head computes its slice of the logits and a forward
+hook gathers the slices from every rank and cuts the padding off, so every
+rank still samples from the same full logits.  A tied LM head (SmolLM2) shares
+the embedding's shard, sharded once.  Norms stay replicated.
 
 Sharding runs before the CPU linear paths (fused projections, oneDNN
 packing, quantization), which then work on the shards as on any linear.
@@ -23,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from patchbay.contract.settings import ConfigError, ConfigProblem
@@ -103,10 +115,55 @@ def shard_layout(config: Any, world_size: int) -> ShardLayout:
 
 AllReduce = Callable[[torch.Tensor], None]
 """Sums a tensor over the ranks, in place."""
+AllGather = Callable[[torch.Tensor], torch.Tensor]
+"""Every rank's tensor (all of one shape), concatenated along the last dimension in rank order."""
+
+VOCAB_ROW_MULTIPLE = 16
+"""Each rank's vocabulary rows are padded to a multiple of this: int4 packing needs output rows in multiples of 16."""
 
 
-def shard_model(model: HFCausalLM, layout: ShardLayout, rank: int, all_reduce: AllReduce) -> None:
-    """Keep ``rank``'s shard of every decoder layer of ``model`` and report per-rank head counts in its layer specs."""
+@dataclass(frozen=True)
+class VocabShard:
+    """Which rows of a ``vocab_size``-row embedding or LM head one of ``world_size`` ranks keeps.
+
+    With ``vocab_size`` 1001 over 2 ranks: 512 rows each, rank 0 holds ids 0-511,
+    rank 1 ids 512-1000 and 23 zero rows of padding, never produced as tokens.
+    """
+
+    vocab_size: int
+    world_size: int
+    rank: int
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Rows every rank holds, padding included: the vocabulary's share, rounded up to :data:`VOCAB_ROW_MULTIPLE`."""
+        share = -(-self.vocab_size // self.world_size)
+        return -(-share // VOCAB_ROW_MULTIPLE) * VOCAB_ROW_MULTIPLE
+
+    @property
+    def start(self) -> int:
+        """The first token id of this rank's shard."""
+        return min(self.rank * self.rows_per_rank, self.vocab_size)
+
+    @property
+    def stop(self) -> int:
+        """One past the last real token id of this rank's shard (its rows from there to ``rows_per_rank`` are
+        padding)."""
+        return min(self.start + self.rows_per_rank, self.vocab_size)
+
+    def rows_of(self, weight: torch.Tensor) -> torch.Tensor:
+        """This shard's rows of ``weight`` (``[vocab_size, ...]``), zero-padded to ``rows_per_rank`` rows, as a copy."""
+        kept = weight[self.start : self.stop]
+        padding = self.rows_per_rank - kept.shape[0]
+        if padding == 0:
+            return kept.clone()
+        return torch.cat([kept, kept.new_zeros(padding, *kept.shape[1:])])
+
+
+def shard_model(model: HFCausalLM, layout: ShardLayout, rank: int, all_reduce: AllReduce,
+                all_gather: AllGather) -> None:
+    """Keep ``rank``'s shard of every decoder layer and of the vocabulary (:func:`shard_vocab`) of ``model`` and
+    report per-rank head counts in its layer specs."""
     layers = getattr(model.model.base_model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ConfigError([ConfigProblem("<run>", KEY, f"{model.shape.architecture}: its decoder has no `layers` list")])
@@ -129,6 +186,72 @@ def shard_model(model: HFCausalLM, layout: ShardLayout, rank: int, all_reduce: A
         index: dataclasses.replace(spec, num_heads=layout.heads_per_rank, num_kv_heads=layout.kv_heads_per_rank)
         for index, spec in model.layer_specs.items()
     }
+    shard_vocab(model, layout.world_size, rank, all_reduce, all_gather)
+
+
+def shard_vocab(model: HFCausalLM, world_size: int, rank: int, all_reduce: AllReduce,
+                all_gather: AllGather) -> VocabShard:
+    """Keep ``rank``'s rows of ``model``'s input embedding and LM head (one shared shard when they are tied).
+
+    The embedding's lookups then give the rows of this shard's ids (zeros for the others) summed over the
+    ranks by ``all_reduce``; the LM head's outputs are gathered from the ranks by ``all_gather`` and cut to the
+    model's vocabulary, so both still return what the whole vocabulary would.  Returns this rank's shard.
+    """
+    embedding = model.model.get_input_embeddings()
+    lm_head = model.model.get_output_embeddings()
+    if not isinstance(embedding, nn.Embedding) or not isinstance(lm_head, nn.Linear):
+        raise ConfigError([ConfigProblem(
+            "<run>", KEY, f"{model.shape.architecture}: only an nn.Embedding input embedding and an nn.Linear LM "
+            f"head can be sharded; found {type(embedding).__name__} and {type(lm_head).__name__}")])
+    vocab_size = embedding.num_embeddings
+    if lm_head.out_features != vocab_size:
+        raise ConfigError([ConfigProblem("<run>", KEY, f"{model.shape.architecture}: its LM head has "
+                                                       f"{lm_head.out_features} outputs and its embedding "
+                                                       f"{vocab_size} rows; a sharded vocabulary needs them equal")])
+    shard = VocabShard(vocab_size, world_size, rank)
+    tied = lm_head.weight is embedding.weight
+    with torch.no_grad():
+        embedding.weight = nn.Parameter(shard.rows_of(embedding.weight), requires_grad=False)
+        if tied:
+            lm_head.weight = embedding.weight
+        else:
+            lm_head.weight = nn.Parameter(shard.rows_of(lm_head.weight), requires_grad=False)
+        if lm_head.bias is not None:
+            lm_head.bias = nn.Parameter(shard.rows_of(lm_head.bias), requires_grad=False)
+    embedding.num_embeddings = lm_head.out_features = shard.rows_per_rank
+    embedding.forward = VocabParallelLookup(embedding, shard, all_reduce)  # type: ignore[method-assign]
+    lm_head.register_forward_hook(_gatherer(all_gather, vocab_size))
+    embedding.vocab_shard = lm_head.vocab_shard = shard
+    return shard
+
+
+class VocabParallelLookup:
+    """The forward of an ``nn.Embedding`` that holds one :class:`VocabShard`: whole-vocabulary embeddings.
+
+    Ids ``[3, 700]`` with rank 0 holding 0-511 and rank 1 512-1000: rank 0 looks up local rows ``[3, 0]`` and
+    zeroes the second, rank 1 looks up ``[0, 188]`` and zeroes the first; the all-reduce adds the two.
+    """
+
+    def __init__(self, embedding: nn.Embedding, shard: VocabShard, all_reduce: AllReduce) -> None:
+        self.embedding = embedding
+        self.shard = shard
+        self.all_reduce = all_reduce
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local_ids = input_ids - self.shard.start
+        elsewhere = (local_ids < 0) | (local_ids >= self.shard.stop - self.shard.start)
+        rows = F.embedding(local_ids.masked_fill(elsewhere, 0), self.embedding.weight)
+        rows = rows.masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        self.all_reduce(rows)
+        return rows
+
+
+def _gatherer(all_gather: AllGather, vocab_size: int) -> Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]:
+    def gather_logits(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        logits = all_gather(output.contiguous())
+        return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size].contiguous()
+
+    return gather_logits
 
 
 def _reducer(all_reduce: AllReduce) -> Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]:

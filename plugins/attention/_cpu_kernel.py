@@ -5,128 +5,263 @@ moves every cached key and value three times (read and write for the gather,
 read for the attention) and attends padding too; this kernel reads each
 cached key and value once, in place, in one OpenMP region per layer, for
 float32 and bfloat16 caches (bfloat16 is widened to float32 as it is read; the
-arithmetic is float32).  It is compiled with ``torch.utils.cpp_extension``
-(needs a C++ compiler and ``ninja``) into patchbay's cache directory, in a
-folder keyed by the source, the flags, the torch version and the torch
-installation, so two virtual environments never rebuild each other's copy.
-``make`` builds it at install time (``python -m patchbay.plugins.attention._cpu_kernel``);
-elsewhere :class:`KernelBuild` builds it in a background thread while decodes
-run through SDPA.  :func:`kernel_unavailable` says why it cannot be.
+arithmetic is float32).  On x86 CPUs with AVX-512, or AVX2 and FMA, head sizes
+that are a multiple of the register width run a SIMD path (the query and the
+value accumulators held in registers, four keys' dot products reduced by one
+add tree); other shapes and CPUs run plain loops.  It is built like every
+patchbay extension (:mod:`patchbay.worker.native_build`): by ``make`` at
+install time (``python -m patchbay.plugins.attention._cpu_kernel``), elsewhere
+by :class:`KernelBuild` in a background thread while decodes run through SDPA;
+:func:`kernel_unavailable` says why it cannot be.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import logging
-import shutil
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from patchbay.worker.native_build import NATIVE_CFLAGS, SIMD_HELPERS, BackgroundBuild, NativeExtension, build_unavailable
+
 logger = logging.getLogger(__name__)
 
-STALE_LOCK_SECONDS = 600.0
-"""A build lock older than this was left by a process killed mid-build (a build takes well under a minute)."""
-EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+EXTRA_CFLAGS = (*NATIVE_CFLAGS, "-ffast-math")
+"""The kernel's compiler flags: fast math lets the compiler vectorize its softmax's exponentials and sums."""
 
-SOURCE = r"""
+SOURCE = SIMD_HELPERS + r"""
 #include <torch/extension.h>
 #include <omp.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-// query, output: [tokens, heads, head_size]; key_cache, value_cache: [blocks, block_size, kv_heads, head_size];
-// block_table: int32 [requests, max_blocks]; seq_lens: int32 [requests], keys per request (the new one
-// included); rows: int64 [requests], each request's query row; window: 0, or the sliding window.
-template <typename scalar_t>
-void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                      const torch::Tensor& block_table, const torch::Tensor& seq_lens, const torch::Tensor& rows,
-                      double scale, int64_t window, torch::Tensor& output) {
-  const int64_t requests = rows.size(0);
-  const int64_t heads = query.size(1), head_size = query.size(2);
-  const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
-  const int64_t group = heads / kv_heads, max_blocks = block_table.size(1);
-  const scalar_t* q_base = query.data_ptr<scalar_t>();
-  const scalar_t* k_base = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_base = value_cache.data_ptr<scalar_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t* row_of = rows.data_ptr<int64_t>();
-  scalar_t* out_base = output.data_ptr<scalar_t>();
-  const int64_t token_stride = kv_heads * head_size, block_stride = block_size * token_stride;
-  const float fscale = static_cast<float>(scale);
+// Shapes, for both paths: query [tokens, heads, head_size], any strides; output the same, contiguous;
+// key_cache, value_cache: [blocks, block_size, kv_heads, head_size]; block_table: int32 [requests, max_blocks];
+// seq_lens: int32 [requests], keys per request (the new one included); rows: int64 [requests], each request's
+// query row; window: 0, or the sliding window.
+struct Problem {
+  int64_t requests, heads, head_size, block_size, kv_heads, group, max_blocks;
+  int64_t q_token_stride, q_head_stride, token_stride, block_stride, window;
+  const int32_t* table;
+  const int32_t* lens;
+  const int64_t* row_of;
+  float scale;
 
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-  for (int64_t r = 0; r < requests; ++r) {
-    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      const int64_t seq_len = lens[r];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
-      const int64_t n = seq_len - first;
-      const scalar_t* q_in = q_base + (row_of[r] * heads + kvh * group) * head_size;
-      scalar_t* out = out_base + (row_of[r] * heads + kvh * group) * head_size;
-      const int32_t* blocks = table + r * max_blocks;
-      std::vector<float> q(q_in, q_in + group * head_size);  // the query heads of this KV head, as float32
-      // Pass 1: every score of the query heads sharing this KV head, block by block (keys read once).
-      std::vector<float> scores(group * n);
-      for (int64_t pos = first; pos < seq_len;) {
-        const int64_t block = pos / block_size, offset = pos % block_size;
-        const int64_t count = std::min(block_size - offset, seq_len - pos);
-        const scalar_t* k = k_base + blocks[block] * block_stride + offset * token_stride + kvh * head_size;
-        for (int64_t j = 0; j < count; ++j, k += token_stride) {
-          for (int64_t g = 0; g < group; ++g) {
-            const float* __restrict qg = q.data() + g * head_size;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_size; ++d) dot += qg[d] * static_cast<float>(k[d]);
-            scores[g * n + pos - first + j] = dot * fscale;
-          }
-        }
-        pos += count;
-      }
-      // Softmax per query head: scores are finite (nothing is masked), so fast math is safe.
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * n;
-        float top = sg[0];
-        for (int64_t i = 1; i < n; ++i) top = std::max(top, sg[i]);
-        float total = 0.0f;
+  Problem(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& block_table,
+          const torch::Tensor& seq_lens, const torch::Tensor& rows, double scale_, int64_t window_)
+      : requests(rows.size(0)), heads(query.size(1)), head_size(query.size(2)), block_size(key_cache.size(1)),
+        kv_heads(key_cache.size(2)), group(query.size(1) / key_cache.size(2)), max_blocks(block_table.size(1)),
+        q_token_stride(query.stride(0)), q_head_stride(query.stride(1)),
+        token_stride(key_cache.size(2) * key_cache.size(3)),
+        block_stride(key_cache.size(1) * key_cache.size(2) * key_cache.size(3)), window(window_),
+        table(block_table.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()),
+        row_of(rows.data_ptr<int64_t>()), scale(static_cast<float>(scale_)) {}
+
+  int64_t first_key(int64_t r) const { return window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0; }
+};
+
+// Softmax in place over each query head's n scores; they are finite (nothing is masked), so fast math is safe.
+static void softmax_rows(float* scores, int64_t group, int64_t n) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * n;
+    float top = sg[0];
+    for (int64_t i = 1; i < n; ++i) top = std::max(top, sg[i]);
+    float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-        for (int64_t i = 0; i < n; ++i) {
-          sg[i] = std::exp(sg[i] - top);
-          total += sg[i];
-        }
-        const float inverse = 1.0f / total;
-        for (int64_t i = 0; i < n; ++i) sg[i] *= inverse;
-      }
-      // Pass 2: the weighted sum of values, block by block (values read once), in a local accumulator.
-      std::vector<float> sums(group * head_size, 0.0f);
-      for (int64_t pos = first; pos < seq_len;) {
-        const int64_t block = pos / block_size, offset = pos % block_size;
-        const int64_t count = std::min(block_size - offset, seq_len - pos);
-        const scalar_t* v = v_base + blocks[block] * block_stride + offset * token_stride + kvh * head_size;
-        for (int64_t j = 0; j < count; ++j, v += token_stride) {
-          for (int64_t g = 0; g < group; ++g) {
-            const float weight = scores[g * n + pos - first + j];
-            float* __restrict o = sums.data() + g * head_size;
-            const scalar_t* __restrict vv = v;
+    for (int64_t i = 0; i < n; ++i) {
+      sg[i] = std::exp(sg[i] - top);
+      total += sg[i];
+    }
+    const float inverse = 1.0f / total;
 #pragma omp simd
-            for (int64_t d = 0; d < head_size; ++d) o[d] += weight * static_cast<float>(vv[d]);
-          }
-        }
-        pos += count;
+    for (int64_t i = 0; i < n; ++i) sg[i] *= inverse;
+  }
+}
+
+// Any head size, any CPU: scalar loops the compiler vectorizes as it can.
+template <typename scalar_t>
+void decode_attention_generic(const Problem& p, const scalar_t* q_base, const scalar_t* k_base,
+                              const scalar_t* v_base, scalar_t* out_base) {
+  const int64_t hs = p.head_size;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t r = 0; r < p.requests; ++r) {
+    for (int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
+      const int64_t seq_len = p.lens[r], first = p.first_key(r), n = seq_len - first;
+      const int32_t* blocks = p.table + r * p.max_blocks;
+      std::vector<float> q(p.group * hs);
+      for (int64_t g = 0; g < p.group; ++g) {
+        const scalar_t* qg = q_base + p.row_of[r] * p.q_token_stride + (kvh * p.group + g) * p.q_head_stride;
+        for (int64_t d = 0; d < hs; ++d) q[g * hs + d] = static_cast<float>(qg[d]) * p.scale;
       }
-      for (int64_t i = 0; i < group * head_size; ++i) out[i] = static_cast<scalar_t>(sums[i]);
+      std::vector<float> scores(p.group * n);
+      for (int64_t pos = first; pos < seq_len; ++pos) {
+        const scalar_t* k = k_base + blocks[pos / p.block_size] * p.block_stride
+                            + (pos % p.block_size) * p.token_stride + kvh * hs;
+        for (int64_t g = 0; g < p.group; ++g) {
+          const float* __restrict qg = q.data() + g * hs;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < hs; ++d) dot += qg[d] * static_cast<float>(k[d]);
+          scores[g * n + pos - first] = dot;
+        }
+      }
+      softmax_rows(scores.data(), p.group, n);
+      std::vector<float> sums(p.group * hs, 0.0f);
+      for (int64_t pos = first; pos < seq_len; ++pos) {
+        const scalar_t* __restrict v = v_base + blocks[pos / p.block_size] * p.block_stride
+                                       + (pos % p.block_size) * p.token_stride + kvh * hs;
+        for (int64_t g = 0; g < p.group; ++g) {
+          const float weight = scores[g * n + pos - first];
+          float* __restrict o = sums.data() + g * hs;
+#pragma omp simd
+          for (int64_t d = 0; d < hs; ++d) o[d] += weight * static_cast<float>(v[d]);
+        }
+      }
+      scalar_t* out = out_base + (p.row_of[r] * p.heads + kvh * p.group) * hs;
+      for (int64_t i = 0; i < p.group * hs; ++i) out[i] = static_cast<scalar_t>(sums[i]);
     }
   }
 }
 
-// query, output: [tokens, heads, head_size]; key_cache, value_cache: [blocks, block_size, kv_heads, head_size],
-// all float32 or all bfloat16; block_table: int32 [requests, max_blocks]; seq_lens: int32 [requests], keys per
-// request (the new one included); rows: int64 [requests], each request's query row; window: 0, or the window.
+#ifdef PATCHBAY_SIMD
+#if defined(__AVX512F__)
+// The sums of four registers, [sum(a), sum(b), sum(c), sum(d)]: a transposing add tree, cheaper than four sums.
+static inline __m128 vsum4(vfloat a, vfloat b, vfloat c, vfloat d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 lanes = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(lanes),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+}
+#else
+static inline __m128 vsum4(vfloat a, vfloat b, vfloat c, vfloat d) {
+  const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+  const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+  const __m256 lanes = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
+  return _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+}
+#endif
+
+// Head size = kChunks registers.  Per (request, KV head) task and per query head of its group, the query's
+// registers stay loaded while keys stream past (one dot product per key, reduced once), then the value
+// accumulators stay in registers while values stream past.  The task's keys and values (a few KiB per
+// request) stay in L1/L2 between query heads, so memory sees each of them about once.
+template <int kChunks, typename scalar_t>
+void decode_attention_simd(const Problem& p, const scalar_t* q_base, const scalar_t* k_base,
+                           const scalar_t* v_base, scalar_t* out_base) {
+  const int64_t hs = p.head_size;
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+    std::vector<float> q(hs);
+    alignas(64) float sums[kChunks * kLanes];
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t r = 0; r < p.requests; ++r) {
+      for (int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
+        const int64_t seq_len = p.lens[r], first = p.first_key(r), n = seq_len - first;
+        const int32_t* blocks = p.table + r * p.max_blocks;
+        scores.resize(p.group * n);
+        for (int64_t g = 0; g < p.group; ++g) {
+          const scalar_t* qg = q_base + p.row_of[r] * p.q_token_stride + (kvh * p.group + g) * p.q_head_stride;
+          for (int64_t d = 0; d < hs; ++d) q[d] = static_cast<float>(qg[d]) * p.scale;
+          vfloat qv[kChunks];
+          for (int c = 0; c < kChunks; ++c) qv[c] = vload(q.data() + c * kLanes);
+          float* sg = scores.data() + g * n;
+          for (int64_t pos = first; pos < seq_len;) {
+            const int64_t offset = pos % p.block_size;
+            const int64_t count = std::min(p.block_size - offset, seq_len - pos);
+            const scalar_t* k = k_base + blocks[pos / p.block_size] * p.block_stride + offset * p.token_stride
+                                + kvh * hs;
+            int64_t j = 0;
+            for (; j + 4 <= count; j += 4, k += 4 * p.token_stride) {
+              const scalar_t* k1 = k + p.token_stride;
+              const scalar_t* k2 = k1 + p.token_stride;
+              const scalar_t* k3 = k2 + p.token_stride;
+              vfloat a0 = vmul(qv[0], vload(k)), a1 = vmul(qv[0], vload(k1));
+              vfloat a2 = vmul(qv[0], vload(k2)), a3 = vmul(qv[0], vload(k3));
+              for (int c = 1; c < kChunks; ++c) {
+                a0 = vfma(qv[c], vload(k + c * kLanes), a0);
+                a1 = vfma(qv[c], vload(k1 + c * kLanes), a1);
+                a2 = vfma(qv[c], vload(k2 + c * kLanes), a2);
+                a3 = vfma(qv[c], vload(k3 + c * kLanes), a3);
+              }
+              _mm_storeu_ps(sg + pos - first + j, vsum4(a0, a1, a2, a3));
+            }
+            for (; j < count; ++j, k += p.token_stride) {
+              vfloat acc = vmul(qv[0], vload(k));
+              for (int c = 1; c < kChunks; ++c) acc = vfma(qv[c], vload(k + c * kLanes), acc);
+              sg[pos - first + j] = vsum(acc);
+            }
+            pos += count;
+          }
+        }
+        softmax_rows(scores.data(), p.group, n);
+        for (int64_t g = 0; g < p.group; ++g) {
+          const float* sg = scores.data() + g * n;
+          vfloat acc[kChunks];
+          for (int c = 0; c < kChunks; ++c) acc[c] = vbroadcast(0.0f);
+          for (int64_t pos = first; pos < seq_len;) {
+            const int64_t offset = pos % p.block_size;
+            const int64_t count = std::min(p.block_size - offset, seq_len - pos);
+            const scalar_t* v = v_base + blocks[pos / p.block_size] * p.block_stride + offset * p.token_stride
+                                + kvh * hs;
+            for (int64_t j = 0; j < count; ++j, v += p.token_stride) {
+              const vfloat weight = vbroadcast(sg[pos - first + j]);
+              for (int c = 0; c < kChunks; ++c) acc[c] = vfma(weight, vload(v + c * kLanes), acc[c]);
+            }
+            pos += count;
+          }
+          for (int c = 0; c < kChunks; ++c) vstore(sums + c * kLanes, acc[c]);
+          scalar_t* out = out_base + (p.row_of[r] * p.heads + kvh * p.group + g) * hs;
+          for (int64_t d = 0; d < hs; ++d) out[d] = static_cast<scalar_t>(sums[d]);
+        }
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+bool decode_attention_fast(const Problem& p, const scalar_t* q, const scalar_t* k, const scalar_t* v,
+                           scalar_t* out) {
+  if (p.head_size % kLanes != 0) return false;
+  switch (p.head_size / kLanes) {
+    case 1: decode_attention_simd<1>(p, q, k, v, out); return true;
+    case 2: decode_attention_simd<2>(p, q, k, v, out); return true;
+    case 3: decode_attention_simd<3>(p, q, k, v, out); return true;
+    case 4: decode_attention_simd<4>(p, q, k, v, out); return true;
+    case 5: decode_attention_simd<5>(p, q, k, v, out); return true;
+    case 6: decode_attention_simd<6>(p, q, k, v, out); return true;
+    case 8: decode_attention_simd<8>(p, q, k, v, out); return true;
+    case 16: decode_attention_simd<16>(p, q, k, v, out); return true;
+    default: return false;
+  }
+}
+#else
+template <typename scalar_t>
+bool decode_attention_fast(const Problem&, const scalar_t*, const scalar_t*, const scalar_t*, scalar_t*) {
+  return false;
+}
+#endif
+
+template <typename scalar_t>
+void decode_attention(const Problem& p, const torch::Tensor& query, const torch::Tensor& key_cache,
+                      const torch::Tensor& value_cache, torch::Tensor& output) {
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v = value_cache.data_ptr<scalar_t>();
+  scalar_t* out = output.data_ptr<scalar_t>();
+  if (!decode_attention_fast<scalar_t>(p, q, k, v, out)) decode_attention_generic<scalar_t>(p, q, k, v, out);
+}
+
+// query: [tokens, heads, head_size] with unit stride along head_size; output: the same shape, contiguous;
+// key_cache, value_cache: [blocks, block_size, kv_heads, head_size], contiguous; all float32 or all bfloat16;
+// block_table: int32 [requests, max_blocks]; seq_lens: int32 [requests], keys per request (the new one
+// included); rows: int64 [requests], each request's query row; window: 0, or the window.
 void paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                             torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor rows,
                             double scale, int64_t window, torch::Tensor output) {
@@ -136,138 +271,55 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch:
               "paged_decode_attention runs on float32 or bfloat16, one dtype for query, caches and output");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32
               && rows.scalar_type() == torch::kInt64, "int32 block table and lengths, int64 rows expected");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && query.is_contiguous()
-              && output.is_contiguous() && block_table.is_contiguous(), "contiguous tensors expected");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && query.stride(2) == 1
+              && output.is_contiguous() && block_table.is_contiguous(),
+              "contiguous caches, block table and output, and a query with unit stride along head_size expected");
+  const Problem problem(query, key_cache, block_table, seq_lens, rows, scale, window);
   if (dtype == torch::kFloat32) {
-    decode_attention<float>(query, key_cache, value_cache, block_table, seq_lens, rows, scale, window, output);
+    decode_attention<float>(problem, query, key_cache, value_cache, output);
   } else {
-    decode_attention<at::BFloat16>(query, key_cache, value_cache, block_table, seq_lens, rows, scale, window,
-                                   output);
+    decode_attention<at::BFloat16>(problem, query, key_cache, value_cache, output);
   }
 }
 """
 
+def extension() -> NativeExtension:
+    """The kernel as a :class:`NativeExtension` (its flags read now, so a test can change them)."""
+    return NativeExtension("patchbay_paged_decode", SOURCE, ("paged_decode_attention",), EXTRA_CFLAGS)
 
-@functools.cache
+
 def kernel_unavailable() -> str | None:
     """Why the kernel cannot be built here (``None`` when it can)."""
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        return "no C++ compiler (c++ or g++) on PATH to build the kernel"
-    if importlib.util.find_spec("ninja") is None:
-        return "the ninja package is not installed (torch builds C++ extensions with it)"
-    return None
+    return build_unavailable()
 
 
 def build_name() -> str:
-    """The extension's name: it changes with the source, the flags, the torch version and the torch installation."""
-    import torch
-
-    key = "\0".join([SOURCE, *EXTRA_CFLAGS, torch.__version__, str(Path(torch.__file__).parent)])
-    return f"patchbay_paged_decode_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    """The extension's name: it changes with the source, the flags, the torch version and installation, and the CPU."""
+    return extension().build_name()
 
 
 def build_directory() -> Path:
     """Where this installation's kernel is built: patchbay's cache directory, one folder per :func:`build_name`."""
-    from patchbay.worker.model_loader import cache_dir
-
-    return cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}" / build_name()
-
-
-def _clear_stale_lock(directory: Path) -> None:
-    # torch's builder holds a lock file in the build folder while it compiles; a process killed mid-build
-    # leaves it behind, and every later build would wait on it forever.
-    lock = directory / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        logger.warning("removing the decode kernel's build lock %s, left %.0f s ago by a build that never finished",
-                       lock, age)
-        lock.unlink(missing_ok=True)
-
-
-def _finished(built: Path, lock: Path) -> bool:
-    """Whether the library is complete: it exists and no build lock was taken before it was written (a lock
-    taken after it is a builder checking that nothing needs doing, or one killed while it checked)."""
-    try:
-        written = built.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    try:
-        return lock.stat().st_mtime >= written
-    except FileNotFoundError:
-        return True
-
-
-def _wait_for_other_builds(directory: Path) -> None:
-    """Wait while another process holds the folder's build lock, until it is released or found stale."""
-    lock = directory / "lock"
-    while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age > STALE_LOCK_SECONDS:
-            return
-        time.sleep(0.2)
-
-
-def _import_built(path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return extension().build_directory()
 
 
 @functools.cache
 def load_kernel() -> Any:
-    """Build the extension (once per installation: it is cached in :func:`build_directory`) and import it."""
-    from torch.utils.cpp_extension import load_inline
-
+    """Build the extension (once per installation and CPU: it is cached in :func:`build_directory`) and import it."""
     reason = kernel_unavailable()
     if reason is not None:
         raise RuntimeError(f"cannot build the paged decode kernel: {reason}")
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    built = directory / f"{build_name()}.so"
-    # Built already (the folder's name pins source, flags and torch): import it without torch's builder, which
-    # takes its lock even to find nothing to do, so a process killed at that moment (a rank a test or an
-    # operator kills) left a lock every later start waited on for ever.
-    if _finished(built, directory / "lock"):
-        return _import_built(built)
-    _wait_for_other_builds(directory)
-    _clear_stale_lock(directory)
-    if _finished(built, directory / "lock"):
-        return _import_built(built)
-    return load_inline(
-        name=build_name(),
-        cpp_sources=[SOURCE],
-        functions=["paged_decode_attention"],
-        extra_cflags=list(EXTRA_CFLAGS),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        verbose=False,
-    )
+    return extension().load()
 
 
-class KernelBuild:
-    """:func:`load_kernel` in a background thread, so the first requests of a fresh install never wait on it.
-
-    :meth:`ready` returns the kernel once built and ``None`` until then (and
-    for good if the build failed: :attr:`error` says why, logged once).
-    """
+class KernelBuild(BackgroundBuild):
+    """:func:`load_kernel` in a background thread (see :class:`~patchbay.worker.native_build.BackgroundBuild`)."""
 
     _lock = threading.Lock()
     _shared: KernelBuild | None = None
 
     def __init__(self) -> None:
-        self.kernel: Any = None
-        self.error: str | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._build, name="patchbay-decode-kernel-build", daemon=True)
-        self._thread.start()
+        super().__init__(lambda: load_kernel(), "the C++ decode kernel")
 
     @classmethod
     def shared(cls) -> KernelBuild:
@@ -276,24 +328,6 @@ class KernelBuild:
             if cls._shared is None:
                 cls._shared = cls()
             return cls._shared
-
-    def _build(self) -> None:
-        try:
-            self.kernel = load_kernel()
-        except Exception as exc:
-            self.error = f"{type(exc).__name__}: {exc}"
-            logger.warning("the C++ decode kernel could not be built (decodes keep using SDPA): %s", self.error)
-        finally:
-            self._done.set()
-
-    def ready(self) -> Any:
-        """The kernel if it is built, else ``None`` (never waits)."""
-        return self.kernel if self._done.is_set() else None
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """The kernel once the build ends (``None`` if it failed or ``timeout`` passed first)."""
-        self._done.wait(timeout)
-        return self.ready()
 
 
 def main() -> int:

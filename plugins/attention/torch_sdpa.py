@@ -289,8 +289,8 @@ class TorchSDPAImpl(AttentionImpl):
         kernel = None
         if query.device.type == "cpu" and query.dtype == key_cache.dtype and query.dtype in KERNEL_DTYPES:
             kernel = self.decode_kernel.get()
-            query = query.contiguous() if kernel is not None else query
-        output = torch.empty_like(query)
+            query = query.contiguous() if kernel is not None and query.stride(-1) != 1 else query
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         output[metadata.num_actual_tokens:].zero_()
         for batch in plan.short_batches:
             if kernel is not None and batch.block_table is not None:

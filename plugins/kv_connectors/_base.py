@@ -13,6 +13,12 @@ Scheduler side -> worker side, each step, ``KVConnectorMetadata.payload``::
 
 Plain lists, strings and ints, so the payload can cross a process boundary as JSON.
 
+Ranks: each rank's worker side keys its entries by its own shard's model
+identity (``KVConnectorConfig.model_id`` names the shard), so the ranks of
+a sharded run share a store without sharing an entry, and an entry saved
+with another sharding is never found.  The scheduler side (rank 0) plans
+for every rank: see :meth:`StoreConnector.lookup_namespaces`.
+
 Saves: a scheduled request's full *prompt* blocks are saved once they are
 computed (block ``i`` when ``(i + 1) * block_size <= num_computed_tokens``),
 if the store lacks them; a finished request's remaining ones are saved the
@@ -134,7 +140,24 @@ class StoreConnector(KVConnector):
         return getattr(self.options, "on_unreachable", "recompute")
 
     def key(self, block_hash_hex: str) -> str:
+        """This rank's key of a block: its namespace names the model identity of the rank's shard."""
         return f"{self.namespace}/{block_hash_hex}"
+
+    def lookup_namespaces(self) -> list[str]:
+        """The namespaces whose entries the scheduler side requires for a block, in rank order.
+
+        With several ranks and a store they all reach (``cross_process``), a
+        block counts as stored only when every rank's entry is there, so a
+        load is promised only where every rank can load its part.  A store
+        of this process alone (host memory) shows rank 0 its own entries
+        only; another rank that lacks one reports a load error and every
+        rank recomputes the block.
+        """
+        config = self.config
+        if config.shard.is_whole or not self.capabilities.cross_process:
+            return [self.namespace]
+        return [store_namespace(config.with_shard(shard).model_id, config.block_size, config.dtype)
+                for shard in config.shard.siblings()]
 
     def count(self, name: str, amount: int = 1) -> None:
         with self._stats_lock:
@@ -182,6 +205,7 @@ class StoreScheduler(KVConnectorScheduler):
         self.block_size = connector.config.block_size
         self.store = connector.open_store()
         self.stats = connector.stats
+        self.namespaces = connector.lookup_namespaces()
         self._requests: dict[str, _RequestState] = {}
         self._last_answer: dict[str, tuple[int, int]] = {}
         self._loads: list[list[Any]] = []
@@ -189,6 +213,23 @@ class StoreScheduler(KVConnectorScheduler):
         self._holds: list[str] = []
 
     # -- lookups ----------------------------------------------------------------------------
+
+    def _stored(self, hashes: Sequence[str]) -> list[bool]:
+        """Whether each block (by hash hex) is stored for every rank the lookups answer for."""
+        if len(self.namespaces) == 1:
+            return self.store.present([self.connector.key(block_hash) for block_hash in hashes])
+        found = self.store.present([f"{namespace}/{block_hash}" for block_hash in hashes
+                                    for namespace in self.namespaces])
+        per_block = len(self.namespaces)
+        # 2 ranks: [a0, a1, b0, b1] -> [a0 and a1, b0 and b1]
+        return [all(found[index * per_block:(index + 1) * per_block]) for index in range(len(hashes))]
+
+    def _count_stored(self, hashes: Sequence[str]) -> int:
+        """How many of the blocks, from the first, are stored (see :meth:`_stored`)."""
+        if len(self.namespaces) == 1:
+            return self.store.count_present([self.connector.key(block_hash) for block_hash in hashes])
+        stored = self._stored(hashes)
+        return stored.index(False) if False in stored else len(stored)
 
     def _loadable_blocks(self, request: RequestView) -> int:
         # Never the last prompt token: its logits give the first output token.  5 tokens, block 2 -> 2 blocks.
@@ -198,12 +239,11 @@ class StoreScheduler(KVConnectorScheduler):
         if self.connector.config.role == "producer":
             return 0, False
         first = num_computed_tokens // self.block_size
-        candidates = request.block_hashes[first:self._loadable_blocks(request)]
-        keys = [self.connector.key(block_hash.hex()) for block_hash in candidates]
-        if not keys:
+        candidates = [block_hash.hex() for block_hash in request.block_hashes[first:self._loadable_blocks(request)]]
+        if not candidates:
             return 0, False
         try:
-            hits = self.store.count_present(keys)
+            hits = self._count_stored(candidates)
         except StoreUnreachable as exc:
             self.connector.unreachable(exc, "prompts are computed instead of loaded")
             return 0, False
@@ -249,7 +289,7 @@ class StoreScheduler(KVConnectorScheduler):
             return 0
         hashes = [request.block_hashes[index].hex() for index in candidates]
         try:
-            stored = self.store.present([self.connector.key(block_hash) for block_hash in hashes])
+            stored = self._stored(hashes)
         except StoreUnreachable as exc:
             self.connector.count("store_errors", len(hashes))
             self.connector.count("dropped_saves", len(hashes))

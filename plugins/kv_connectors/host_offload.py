@@ -4,7 +4,10 @@ Each computed prompt block is copied to a process-wide store in host memory,
 keyed by model identity and block hash; a later request with the same
 prefix loads the blocks back instead of computing them.  Connectors with the
 same ``namespace`` in one process share a store, so a second engine (or the
-same one after its paged cache evicted the blocks) reuses them.
+same one after its paged cache evicted the blocks) reuses them.  Over
+several ranks each rank keeps its own heads and layers in its own process;
+rank 0 sees only its own store, so a block another rank no longer holds is
+that rank's load error, and every rank recomputes it.
 
 YAML::
 

@@ -8,6 +8,9 @@ a shared ``path`` only lets in entries of runners that hold the same key;
 entry files get the usual mode of new files (the umask), so a consumer
 running as another user can read them.
 where the model identity is a hash of the model id, block size and dtype.
+Over several ranks the model id names the rank's shard, so each rank
+writes its heads and layers to a directory of its own, and rank 0 plans a
+load only when every rank's file is there.
 Each file is written to a temporary name in its final directory and renamed
 over the target (``os.replace``), so a reader sees a whole entry or none;
 readers still check the header and its HMAC (another writer, a full disk, a

@@ -74,6 +74,12 @@ def target_parts(model: nn.Module) -> TargetParts:
     lm_head = model.get_output_embeddings()
     if lm_head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (lm head); drafters project through it")
+    shard = getattr(lm_head, "vocab_shard", None)
+    if shard is not None:  # patchbay.worker.tensor_parallel.VocabShard
+        raise ValueError(f"{type(model).__name__}'s embedding and lm head hold {shard.rows_per_rank} of its "
+                         f"{shard.vocab_size} vocabulary rows on each of {shard.world_size} ranks "
+                         "(runtime.tensor_parallel_size); drafters read their whole weights: use one rank "
+                         "or n-gram drafting")
     num_heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
     return TargetParts(

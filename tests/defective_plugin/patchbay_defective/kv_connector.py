@@ -88,8 +88,8 @@ class ZeroSavingWorker(InMemoryWorker):
     def wait_for_save(self):
         if self.connector.options.path is not None:
             return super().wait_for_save()
-        for request_id, store_key, block_id in self._saves:
-            self.connector.store[store_key] = {
+        for request_id, block_hash, block_id in self._saves:
+            self.connector.store[self.connector.key(block_hash)] = {
                 layer: (torch.zeros_like(keys[block_id]), torch.zeros_like(values[block_id]))
                 for layer, keys, values in self._layers()
             }

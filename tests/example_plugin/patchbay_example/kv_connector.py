@@ -13,6 +13,11 @@ Timeline of one reuse::
                            get_finished reports A, the runner frees A's blocks
     request B arrives   -> scheduler side finds B's leading block hashes in the store,
                            the worker copies them into B's blocks (start_load_kv)
+
+The scheduler side sends block *hashes*, never store keys: with tensor or
+pipeline parallelism every rank's worker side turns them into keys of its
+own ``model_id`` (which names its shard), so each rank saves and loads its
+own heads and layers only.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from patchbay.interfaces import (
 )
 
 StoreKey = tuple[str, int, bytes]
-"""(model id, block size, block hash): entries of another model or layout are never found."""
+"""(model id, block size, block hash): entries of another model, layout or shard are never found."""
 StoreEntry = dict[str, tuple[torch.Tensor, torch.Tensor]]
 """Layer name -> (keys, values) of one block, on the CPU."""
 
@@ -100,8 +105,10 @@ class InMemoryScheduler(KVConnectorScheduler):
     def __init__(self, connector: InMemoryKVConnector) -> None:
         self.connector = connector
         self.block_size = connector.config.block_size
-        self._loads: list[tuple[StoreKey, int]] = []
-        self._saves: list[tuple[str, StoreKey, int]] = []
+        self._loads: list[tuple[bytes, int]] = []
+        """(block hash, block id) to load this step."""
+        self._saves: list[tuple[str, bytes, int]] = []
+        """(request id, block hash, block id) to save this step."""
 
     def _hit_tokens(self, request: RequestView) -> int:
         """Tokens covered by the request's leading blocks found in the store, keeping the last prompt token."""
@@ -125,8 +132,7 @@ class InMemoryScheduler(KVConnectorScheduler):
         end = self._hit_tokens(request)
         start = end - num_external_tokens
         for logical_block in range(start // self.block_size, -(-end // self.block_size)):
-            block_hash = request.block_hashes[logical_block]
-            self._loads.append((self.connector.key(block_hash), block_ids[logical_block]))
+            self._loads.append((bytes(request.block_hashes[logical_block]), block_ids[logical_block]))
 
     def build_connector_meta(self, scheduled_request_ids: Sequence[str]) -> KVConnectorMetadata:
         metadata = KVConnectorMetadata(payload={"load": self._loads, "save": self._saves})
@@ -138,7 +144,7 @@ class InMemoryScheduler(KVConnectorScheduler):
             return False
         computed_blocks = min(len(request.block_hashes), request.num_computed_tokens // self.block_size)
         saves = [
-            (request.request_id, self.connector.key(request.block_hashes[index]), block_ids[index])
+            (request.request_id, bytes(request.block_hashes[index]), block_ids[index])
             for index in range(computed_blocks)
             if self.connector.key(request.block_hashes[index]) not in self.connector.store
         ]
@@ -153,7 +159,7 @@ class InMemoryWorker(KVConnectorWorker):
         self.connector = connector
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._saves: list[tuple[str, StoreKey, int]] = []
+        self._saves: list[tuple[str, bytes, int]] = []
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
 
@@ -171,8 +177,8 @@ class InMemoryWorker(KVConnectorWorker):
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         payload = metadata.payload or {}
         store = self.connector.store
-        for store_key, block_id in payload.get("load", []):
-            entry = store.get(store_key)
+        for block_hash, block_id in payload.get("load", []):
+            entry = store.get(self.connector.key(block_hash))  # this rank's own entry
             if entry is None:  # evicted since the scheduler looked; the runner recomputes the block
                 self._load_errors.add(block_id)
                 continue
@@ -185,7 +191,8 @@ class InMemoryWorker(KVConnectorWorker):
     def wait_for_save(self) -> None:
         store = self.connector.store
         capacity = self.connector.options.capacity_blocks
-        for request_id, store_key, block_id in self._saves:
+        for request_id, block_hash, block_id in self._saves:
+            store_key = self.connector.key(block_hash)
             store[store_key] = {
                 layer_name: (key_cache[block_id].to("cpu", copy=True), value_cache[block_id].to("cpu", copy=True))
                 for layer_name, key_cache, value_cache in self._layers()
