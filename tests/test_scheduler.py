@@ -198,13 +198,15 @@ def make_scheduler(
     chunked_prefill: bool = True,
     num_speculative_tokens: int = 0,
     max_batches_in_flight: int = 1,
+    pipelined: bool = False,
 ) -> Scheduler:
     if groups is None:
         groups = [KVCacheGroup(KVCacheSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8), ["layers.0"])]
     manager = KVCacheManager(groups, num_blocks, prefix_caching)
     return Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      max_model_len=max_model_len, block_size=BLOCK_SIZE, chunked_prefill=chunked_prefill,
-                     num_speculative_tokens=num_speculative_tokens, max_batches_in_flight=max_batches_in_flight)
+                     num_speculative_tokens=num_speculative_tokens, max_batches_in_flight=max_batches_in_flight,
+                     pipelined=pipelined)
 
 
 def make_request(request_id: str, prompt: list[int], eos_token_id: int | None = None, arrival_time: float = 0.0,
@@ -658,10 +660,12 @@ def add_workload(scheduler: Scheduler) -> None:
         scheduler.add_request(Request(request_id, prompt, params, None, float(arrival), block_size=BLOCK_SIZE))
 
 
-@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_overlapped_batches_produce_the_reference_outputs_with_one_batch_in_flight_per_stage(depth):
     # A budget of 16 tokens spreads the six prompts over several batches, so three stages find three to run.
-    scheduler = make_scheduler(num_blocks=1000, max_num_batched_tokens=16, max_batches_in_flight=depth)
+    # Depth 1: stages in lockstep (a KV connector's), whose first stages still learn the tokens from the scheduler.
+    scheduler = make_scheduler(num_blocks=1000, max_num_batched_tokens=16, max_batches_in_flight=depth,
+                               pipelined=True)
     add_workload(scheduler)
     run = run_pipelined(scheduler, FakeRunner(scheduler.kv_cache_manager), depth)
     assert run.result.outputs == expected_workload_outputs()

@@ -245,6 +245,7 @@ class Engine:
             kv_connector_role=settings.kv_connector.role if settings.kv_connector is not None else "both",
             grammars=self.grammars,
             max_batches_in_flight=self.pipeline_depth,
+            pipelined=settings.runtime.pipeline_parallel_size > 1,
         )
         spec = RunnerSpec(self.backend_name, num_blocks, max_num_reqs, self.max_model_len, max_step_tokens,
                           single_thread_max_tokens(settings.runtime.single_thread_max_tokens, self.dtype, self.tuning),

@@ -15,7 +15,8 @@ recomputed, never trusted.
 
 With ``max_batches_in_flight`` above 1 (pipeline parallelism: one per
 stage) the engine schedules the next batch before the earlier ones'
-outputs are back.  A request scheduled in a batch whose output has
+outputs are back (``pipelined`` asks for the same bookkeeping with one
+batch in flight: stages in lockstep).  A request scheduled in a batch whose output has
 not come back is *in flight*: it is not scheduled again until that output
 is applied, whether it decodes (its next token is not known yet) or
 prefills (its next chunk waits too: ``num_computed_tokens`` advances only
@@ -103,6 +104,7 @@ class Scheduler:
         kv_connector_role: str = "both",
         grammars: GrammarCompilations | None = None,
         max_batches_in_flight: int = 1,
+        pipelined: bool = False,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -154,8 +156,10 @@ class Scheduler:
         self._reset_req_ids: set[str] = set()
         """Running requests rolled back after a load error: sent to the runner as new at their next step."""
         self.max_batches_in_flight = max_batches_in_flight
-        self.overlapped = max_batches_in_flight > 1
-        """Batches may be scheduled before earlier ones' outputs are applied (see the module docstring)."""
+        self.overlapped = pipelined or max_batches_in_flight > 1
+        """Batches go through pipeline stages: they may be scheduled before earlier ones' outputs are applied, and
+        cached requests carry their new tokens (see the module docstring); ``pipelined`` asks for the tokens even
+        with one batch in flight."""
         self._in_flight: dict[str, Request] = {}
         """With overlapped batches: requests of batches whose output is not applied yet, by id (the object
         tells a request apart from a later one that reuses its id)."""
