@@ -671,7 +671,11 @@ class Engine:
         now = time.monotonic()
         logprobs_by_id = dict(zip(runner_output.req_ids, runner_output.logprobs or [], strict=False))
         sampled_by_id = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
+        verified_elsewhere = not self.runner.samples  # the last pipeline stage's runner counted them, not ours
         for request_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            if verified_elsewhere and sampled_by_id.get(request_id):
+                self.spec_stats.record(len(drafts), len(sampled_by_id[request_id]) - 1,
+                                       self.scheduler.num_speculative_tokens)
             output = self._outputs.get(request_id)
             if output is not None and sampled_by_id.get(request_id):
                 output.metrics.num_draft_tokens += len(drafts)

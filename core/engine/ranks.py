@@ -86,12 +86,6 @@ def check_tensor_parallel(settings: Settings, device: torch.device) -> None:
     """Settings a run over several ranks (shards or stages) cannot serve are :class:`ConfigError` naming the keys."""
     size = settings.runtime.world_size
     problems = []
-    if settings.speculative is not None and settings.runtime.pipeline_parallel_size > 1:
-        # Drafts are proposed from the last stage's samples, and a batch in flight has none yet.
-        problems.append(ConfigProblem("<run>", "speculative", f"speculative decoding runs without pipeline stages; "
-                                      f"this run has runtime.pipeline_parallel_size "
-                                      f"{settings.runtime.pipeline_parallel_size} (remove the speculative section "
-                                      "or use runtime.pipeline_parallel_size 1)"))
     # Ranks torchrun launched may be on other machines, each with its own devices.
     if device.type == "cuda" and torchrun_launch() is None and (device.index or 0) + size > torch.cuda.device_count():
         key = "runtime.pipeline_parallel_size" if settings.runtime.pipeline_parallel_size > 1 \
