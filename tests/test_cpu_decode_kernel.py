@@ -18,6 +18,7 @@ from patchbay.plugins.attention import _cpu_kernel, torch_sdpa
 from patchbay.worker import native_build
 from patchbay.worker.tuning import CpuInfo
 from patchbay.sampling_params import SamplingParams
+from patchbay.testing.attention import AttentionCase, check_attention, make_batch
 from tiny_models import transformers_greedy
 
 pytestmark = pytest.mark.skipif(_cpu_kernel.kernel_unavailable() is not None,
@@ -58,7 +59,7 @@ def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, 
     output = torch.full(query.shape, float("nan"), dtype=dtype)
     scale = head_size ** -0.5
     kernel_variant(variant).paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, rows,
-                                                   scale, window, output)
+                                                   torch.arange(num_reqs), scale, window, output)
     for request in range(num_reqs):
         length = int(seq_lens[request])
         blocks = block_table[request, : -(-length // block_size)].long()
@@ -181,3 +182,25 @@ def test_a_built_kernel_loads_past_a_lock_left_after_it_was_built(tmp_path, monk
         assert not native_build.finished(built, tmp_path / "lock")
     finally:
         _cpu_kernel.load_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("case", [
+    # decodes, a 4-token draft, a prefill chunk after cached tokens, a fresh prefill, one longer than the kernel takes
+    AttentionCase(num_computed=(40, 7, 0, 20, 0), num_new=(1, 4, 33, 17, torch_sdpa.KERNEL_MAX_QUERY_LEN + 5),
+                  num_heads=8, num_kv_heads=2),
+    AttentionCase(num_computed=(30, 0, 12), num_new=(1, 40, 9), sliding_window=16, num_heads=4, num_kv_heads=4),
+    AttentionCase(num_computed=(25, 0), num_new=(1, 20), dtype="bfloat16", num_heads=6, num_kv_heads=2),
+], ids=["mixed", "window", "bf16"])
+def test_the_kernel_attends_every_token_of_short_queries_like_the_dense_oracle(case):
+    # paged_cpp: the kernel takes every request of up to KERNEL_MAX_QUERY_LEN tokens, SDPA the longer ones.
+    options = torch_sdpa.TorchSDPABackend.Options(decode_kernel="paged_cpp")
+    check_attention(torch_sdpa.TorchSDPABackend, torch_sdpa.TorchSDPAMetadataBuilder, case, options=options)
+
+
+def test_the_plan_gives_the_kernel_each_token_with_its_own_causal_length():
+    case = AttentionCase(num_computed=(5, 0, 3), num_new=(1, 3, torch_sdpa.KERNEL_MAX_QUERY_LEN + 1))
+    batch = make_batch(torch_sdpa.TorchSDPABackend, case, "cpu", 0)
+    plan = torch_sdpa.TorchSDPAMetadataBuilder(block_size=16).build(batch.common).plan
+    queries = plan.kernel_queries
+    assert queries.rows.tolist() == [0, 1, 2, 3]  # the long third request is SDPA's
+    assert queries.seq_lens.tolist() == [6, 1, 2, 3] and queries.table_rows.tolist() == [0, 1, 1, 1]

@@ -137,6 +137,31 @@ def test_greedy_tokens_match_transformers_with_the_kernels_on(tiny_llama):
     llm = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32", runtime__fused_ops=True)
     config = llm.engine.model.model.config
     assert llm.engine.fused_modules == fused_ops.FusedModules(norms=2 * config.num_hidden_layers + 1,
-                                                              mlps=config.num_hidden_layers)
+                                                              mlps=config.num_hidden_layers,
+                                                              attentions=config.num_hidden_layers)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 12)
+
+
+@VARIANTS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 36])  # 36: halves of 18, past whole registers: the plain loops
+def test_rotary_matches_transformers(dtype, head_size, variant):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    generator = torch.Generator().manual_seed(0)
+    tokens, q_heads, kv_heads = 5, 6, 2
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size, generator=generator).to(dtype)
+    angles = torch.rand(tokens, head_size // 2, generator=generator) * 40
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype)[None], emb.sin().to(dtype)[None]  # [1, tokens, head_size] as transformers has
+    query = torch.empty(tokens, q_heads, head_size, dtype=dtype)
+    key = torch.empty(tokens, kv_heads, head_size, dtype=dtype)
+    q_rows = qkv[:, : q_heads * head_size]
+    k_rows = qkv[:, q_heads * head_size: (q_heads + kv_heads) * head_size]  # views with the fused row stride
+    Built(variant).ready().rotary(q_rows, k_rows, cos, sin, query, key)
+    q = qkv[:, : q_heads * head_size].view(1, tokens, q_heads, head_size).transpose(1, 2)
+    k = qkv[:, q_heads * head_size: (q_heads + kv_heads) * head_size].view(1, tokens, kv_heads, head_size)
+    expected_q, expected_k = apply_rotary_pos_emb(q, k.transpose(1, 2), cos, sin)
+    # The same roundings in the same order: equal, not close.
+    assert torch.equal(query, expected_q[0].transpose(0, 1)) and torch.equal(key, expected_k[0].transpose(0, 1))

@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_tensor_parallel import NUM_TOKENS, PROMPTS, greedy, rank_processes, wait_until_gone
+from test_tensor_parallel import (
+    NUM_TOKENS,
+    PROMPTS,
+    check_structured_batch,
+    completions,
+    greedy,
+    rank_processes,
+    structured_batch,
+    wait_until_gone,
+)
 from tiny_models import transformers_greedy
 
 import patchbay
@@ -253,6 +262,27 @@ def test_seeded_sampling_over_two_stages_equals_one_process(pp2: patchbay.LLM, s
         return [[c.token_ids for c in output.completions] for output in llm.generate(prompts, params)]
 
     assert sample(pp2) == sample(single)
+
+
+@pytest.mark.slow
+def test_structured_output_over_two_stages_equals_one_process_with_llguidance(tiny_llama: Path) -> None:
+    """The last stage masks with the rows rank 0 filled, its matchers fed the tokens that came back with the batches."""
+    pytest.importorskip("llguidance")
+    grammar = {"structured_output__backend": "llguidance", "structured_output__options": {"any_whitespace": False}}
+    # A pool that holds every request: a preempted seeded request restarts its generator when it resumes (in one
+    # process too), so its tokens depend on when it was preempted, and overlapped batches, which admit requests
+    # while others are in flight, preempt at other times than one process.
+    roomy = {"cache__num_blocks": 400}
+    llm = patchbay.LLM(model__path=str(tiny_llama), **{**PP2, **roomy}, **grammar)
+    try:
+        reference = patchbay.LLM(model__path=str(tiny_llama), **{**ONE_STAGE, **roomy}, **grammar)
+        prompts, params = structured_batch()
+        outputs = llm.generate(prompts, params)
+        assert completions(outputs) == completions(reference.generate(prompts, params))
+        check_structured_batch(outputs, params)
+        assert llm.engine.stats.num_preemptions == 0 and llm.engine.stats.num_overlapped_batches > 0
+    finally:
+        llm.engine.close()
 
 
 # -- tensor-parallel stages, and failures -----------------------------------------------------------

@@ -3,6 +3,7 @@ built-in backends, the bitmask arithmetic, the scheduler's wait for grammars and
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -21,11 +22,16 @@ from patchbay.scheduling.kv_cache_manager import KVCacheManager
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup, KVCacheSpec
 from patchbay.scheduling.request import Request, RequestStatus
 from patchbay.scheduling.scheduler import Scheduler
-from patchbay.scheduling.scheduler_output import ModelRunnerOutput
+from patchbay.scheduling.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.testing import StructuredOutputSuite
 from patchbay.testing.structured_output import allowed_tokens, bundled_tokenizer
-from patchbay.worker.structured_output import ConstrainedDecoding, apply_token_bitmask
+from patchbay.worker.structured_output import ConstrainedDecoding, apply_request_bitmasks, apply_token_bitmask
 
 
 class TestXGrammarConformance(StructuredOutputSuite):
@@ -272,6 +278,50 @@ def test_draft_rows_are_masked_in_turn_and_the_matcher_rolled_back(xgrammar_comp
     (message,) = constrained.take_failed().values()
     assert message.startswith("structured_output backend 'xgrammar' (structured_output.regex) rejected token")
     assert "digits" not in constrained.matchers
+
+
+def test_rows_filled_for_the_other_ranks_mask_as_the_runner_s_own_rows_do(xgrammar_compilations):
+    """Over several ranks rank 0 fills rows per request before the step; applied, they equal one process's mask."""
+    grammars = xgrammar_compilations
+    encode = bundled_tokenizer().encode
+    params = StructuredOutputParams(regex="[0-9]{3}-[a-z]{2}")
+    grammar = grammars.submit(params).result(timeout=30)
+    one, two, x = (encode(text)[0] for text in ("1", "2", "x"))
+    in_step, ahead = ConstrainedDecoding(grammars), ConstrainedDecoding(grammars)
+    for constrained in (in_step, ahead):
+        constrained.add("digits", grammar, [one], params.field_path)
+        constrained.add("fresh", grammar, [], params.field_path)
+    vocab_size = grammars.backend.vocab_size
+    # Rows: "free" (unconstrained), then "digits" with drafts [2, x, 2] (x is refused) + bonus, then "fresh".
+    req_ids, drafts, first_rows = ["free", "digits", "fresh"], [[], [two, x, two], []], np.array([0, 1, 5])
+    expected = torch.randn(6, vocab_size)
+    shipped = expected.clone()
+    in_step.mask(expected, req_ids, drafts, first_rows)
+    filled = ahead.fill_step(req_ids, {"digits": [two, x, two]})
+    assert sorted(filled) == ["digits", "fresh"]
+    assert filled["digits"].shape == (2, grammars.backend.bitmask_width), "no rows after the refused draft"
+    apply_request_bitmasks(shipped, filled, req_ids, first_rows)
+    assert torch.equal(shipped, expected)
+    # Filling rolled the drafts back, as masking does: both accept the same real tokens.
+    for constrained in (in_step, ahead):
+        constrained.advance(["digits"], [[two, two]])
+        assert constrained.take_failed() == {}
+
+
+def test_the_step_the_other_ranks_get_carries_no_grammar_and_leaves_rank_0_s_intact():
+    unpicklable = threading.Lock()  # as a backend's compiled grammar may be
+    constrained = NewRequestData("c", [1, 2], [], SamplingParams(structured_output={"regex": "a"}), ([1],), 0,
+                                 grammar=unpicklable)
+    free = NewRequestData("f", [3], [], SamplingParams(), ([2],), 0)
+    step = SchedulerOutput([constrained, free], CachedRequestData(), {"c": 2, "f": 1}, 3,
+                           grammar_bitmasks={"c": np.ones((1, 2), dtype=np.int32)})
+    sent = pickle.loads(pickle.dumps(step.without_grammars()))
+    assert [request.grammar for request in sent.scheduled_new_reqs] == [None, None]
+    assert sent.scheduled_new_reqs[1] == free and sent.num_scheduled_tokens == step.num_scheduled_tokens
+    assert np.array_equal(sent.grammar_bitmasks["c"], step.grammar_bitmasks["c"])
+    assert step.scheduled_new_reqs[0].grammar is unpicklable, "rank 0's own step keeps its grammars"
+    plain = SchedulerOutput([free], CachedRequestData(), {"f": 1}, 1)
+    assert plain.without_grammars() is plain, "no copy when no request has a grammar"
 
 
 def test_a_resumed_request_gets_a_rebuilt_matcher(xgrammar_compilations):

@@ -6,7 +6,9 @@ torch and the model); an engine is reused across the cases that can share it.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import jsonschema
 import pytest
 import torch
 from tiny_models import build_tiny_model, transformers_greedy
@@ -25,7 +28,9 @@ import patchbay
 from patchbay import SamplingParams
 from patchbay.contract.settings import ConfigError, load_settings
 from patchbay.engine import EngineDeadError
+from patchbay.engine.outputs import RequestOutput
 from patchbay.engine.ranks import RankDiedError
+from patchbay.testing.structured_output import bundled_tokenizer
 
 if TYPE_CHECKING:
     from patchbay.worker.hf_model import HFCausalLM
@@ -37,7 +42,9 @@ PROMPTS = [
 ]
 NUM_TOKENS = 12
 TP2 = dict(runtime__tensor_parallel_size=2, scheduler__max_num_batched_tokens=16, cache__block_size=4,
-           cache__num_blocks=64, model__max_model_len=128)
+           cache__num_blocks=64, model__max_model_len=128,
+           # Compact JSON: a random model given any whitespace may never close its object.
+           structured_output__options={"any_whitespace": False})
 
 
 def rank_processes() -> list[int]:
@@ -69,6 +76,63 @@ def wait_until_gone(pids: list[int], limit: float = 30.0) -> list[int]:
 def greedy(llm: patchbay.LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, temperature=0.0)
     return [output.token_ids for output in llm.generate(prompts, params)]
+
+
+def completions(outputs: list[RequestOutput]) -> list[list[list[int]]]:
+    """Every completion's tokens, by request."""
+    return [[completion.token_ids for completion in output.completions] for output in outputs]
+
+
+def structured_batch() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Choice, regex and JSON-schema constraints, greedy and seeded, among unconstrained requests, and one
+    constraint that cannot compile.  The regex's text is in the prompts too, so that ngram drafts find matches."""
+    digits = bundled_tokenizer().encode("123-456-789-ab 123-456-", add_special_tokens=False)
+    prompts = [PROMPTS[0], PROMPTS[1], digits * 2, PROMPTS[2]]
+    constraints = [{"choice": ["yes", "no", "maybe"]}, {"regex": REGEX}, {"json_schema": ORDER}]
+    batch: list[tuple[list[int], SamplingParams]] = []
+    for index, constraint in enumerate(constraints):
+        for prompt in prompts[index : index + 2]:  # the chunked prompt and the drafting one get constraints
+            batch.append((prompt, SamplingParams(max_tokens=64, structured_output=constraint)))
+            batch.append((prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=10 + index, n=2,
+                                                 structured_output=constraint)))
+    batch += [(prompt, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, temperature=0.0))
+              for prompt in (PROMPTS[0], digits)]
+    batch.append((PROMPTS[2], SamplingParams(max_tokens=8, structured_output={"regex": "(("})))
+    return [prompt for prompt, _ in batch], [param for _, param in batch]
+
+
+REGEX = r"([0-9]{3}-){2}[a-z]{2}"
+ORDER = {
+    "type": "object",
+    "properties": {"item": {"enum": ["tea", "coffee", "juice"]}, "iced": {"type": "boolean"},
+                   "size": {"enum": [1, 2, 3]}},
+    "required": ["item", "iced", "size"],
+    "additionalProperties": False,
+}
+
+
+def check_structured_batch(outputs: list[RequestOutput], params: list[SamplingParams]) -> None:
+    """Every constrained completion ended where its constraint may end and satisfies it; the bad one failed alone."""
+    *outputs, failed = outputs
+    checked = 0
+    for output, param in zip(outputs, params, strict=False):
+        constraint = param.structured_output
+        if constraint is None:
+            assert output.finish_reason == "length"
+            continue
+        for completion in output.completions:
+            text = completion.text
+            assert completion.finish_reason == "stop", (text, constraint)
+            if constraint.choice is not None:
+                assert text in constraint.choice
+            elif constraint.regex is not None:
+                assert re.fullmatch(constraint.regex, text), (text, constraint.regex)
+            else:
+                jsonschema.validate(json.loads(text), constraint.json_schema)
+            checked += 1
+    assert checked == 18
+    assert failed.finish_reason == "error" and failed.token_ids == []
+    assert "cannot compile structured_output.regex" in failed.stop_reason
 
 
 @pytest.fixture(scope="module")
@@ -396,12 +460,63 @@ def test_step_timings_split_the_all_reduces_out_of_the_forward_pass(tp2: patchba
 
 
 @pytest.mark.slow
-def test_structured_output_requests_are_refused_over_two_ranks(tp2: patchbay.LLM) -> None:
-    from patchbay.interfaces.structured_output import StructuredOutputParams
+def test_structured_output_over_two_ranks_equals_one_process_and_keeps_every_constraint(
+        tp2: patchbay.LLM, single: patchbay.LLM) -> None:
+    """Rank 0's matchers fill the bitmasks; both ranks mask alike, so greedy and seeded samples equal one process's."""
+    pytest.importorskip("xgrammar")
+    prompts, params = structured_batch()
+    outputs = tp2.generate(prompts, params)
+    assert completions(outputs) == completions(single.generate(prompts, params))
+    check_structured_batch(outputs, params)
+    # The unconstrained neighbours come out as they do alone.
+    free = [index for index, param in enumerate(params) if param.structured_output is None]
+    assert [outputs[index].token_ids for index in free] == greedy(tp2, [prompts[index] for index in free])
 
-    params = SamplingParams(max_tokens=4, structured_output=StructuredOutputParams(choice=["yes", "no"]))
-    with pytest.raises(ValueError, match="runtime.tensor_parallel_size 2"):
-        tp2.generate([PROMPTS[0]], params)
+
+@pytest.mark.slow
+def test_preempted_constrained_requests_over_two_ranks_resume_with_the_same_tokens(tiny_llama: Path,
+                                                                                  single: patchbay.LLM) -> None:
+    """A preempted request comes back as new: rank 0 rebuilds its matcher from the tokens it had generated."""
+    pytest.importorskip("xgrammar")
+    # 15 usable blocks of 4 tokens: the chunked prompt's regex request (40 + 10 tokens) and the JSON one do not
+    # fit together, so the scheduler preempts (as in the unconstrained case above).
+    llm = patchbay.LLM(model__path=str(tiny_llama), **{**TP2, "cache__num_blocks": 16, "model__max_model_len": 56})
+    try:
+        params = [SamplingParams(max_tokens=48, structured_output={"json_schema": ORDER}),
+                  SamplingParams(max_tokens=16, structured_output={"regex": REGEX}),
+                  SamplingParams(max_tokens=8, structured_output={"choice": ["yes", "no", "maybe"]})]
+        outputs = llm.generate(PROMPTS, params)
+        assert llm.engine.stats.num_preemptions > 0
+        assert completions(outputs) == completions(single.generate(PROMPTS, params))
+        json_output, regex_output, choice_output = (output.text for output in outputs)
+        jsonschema.validate(json.loads(json_output), ORDER)
+        assert re.fullmatch(REGEX, regex_output) and choice_output in ("yes", "no", "maybe")
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.slow
+def test_structured_output_with_speculative_decoding_over_two_ranks_equals_one_process(tiny_llama: Path) -> None:
+    """Drafts the grammar refuses are masked out on every rank, and rank 0's matchers roll back what they tried."""
+    pytest.importorskip("xgrammar")
+    speculative = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative, **TP2)
+    try:
+        reference = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative,
+                                 **{**TP2, "runtime__tensor_parallel_size": 1})
+        prompts, params = structured_batch()
+        # Seeded drafts' samples depend on the step's token budget, so on when each grammar is ready: compile
+        # them beforehand in both, and both schedule alike.
+        for engine in (llm.engine, reference.engine):
+            for param in params[:-1]:
+                if param.structured_output is not None:
+                    engine.grammars.submit(param.structured_output).result(timeout=60)
+        outputs = llm.generate(prompts, params)
+        assert completions(outputs) == completions(reference.generate(prompts, params))
+        check_structured_batch(outputs, params)
+        assert llm.spec_stats.num_draft_tokens > 0, "the prompts were meant to give ngram matches"
+    finally:
+        llm.engine.close()
 
 
 @pytest.mark.slow

@@ -47,13 +47,19 @@ def build_tiny_model(directory: Path, architecture: str) -> Path:
 
 def transformers_greedy(model_dir: Path, prompts: list[list[int]], num_tokens: int,
                         dtype: torch.dtype = torch.float32) -> list[list[int]]:
-    """What transformers' own ``generate`` produces for each prompt alone, greedily, exactly ``num_tokens`` long."""
+    """What transformers' own ``generate`` produces for each prompt alone, greedily, exactly ``num_tokens`` long.
+
+    As patchbay's ``ignore_eos``: the end-of-sequence token may be chosen and generation goes on past it
+    (``min_new_tokens`` would forbid choosing it). Every prompt position is attended, token 0 included
+    (``generate`` would otherwise mask the positions holding its pad token).
+    """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
     with torch.inference_mode():
         return [
-            model.generate(torch.tensor([p]), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                           do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+            model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=num_tokens, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
             for p in prompts
         ]

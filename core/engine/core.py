@@ -481,9 +481,6 @@ class Engine:
             raise ValueError(f"a request id must be a string, got {type(request_id).__name__} {request_id!r}")
         check_request(request_id, prompt_token_ids, params, self.limits)
         self._check_sampling(request_id, params)
-        if params.structured_output is not None and self.ranks is not None:
-            raise ValueError(f"request {request_id!r}: structured_output is not supported with "
-                             f"{parallel_settings(self.settings)}")
         check_constraint(request_id, params, self.grammars)
 
     def _check_sampling(self, request_id: str, params: SamplingParams) -> None:
@@ -607,6 +604,8 @@ class Engine:
         self._engine_timings["schedule"] += scheduled - started
         failed: dict[str, str] = {}
         if self.ranks is not None:
+            # Rank 0's matchers fill the step's grammar bitmasks; they travel with the step to every rank.
+            self.runner.fill_grammar_bitmasks(scheduler_output)
             self.ranks.send_step(scheduler_output)  # raises RankDiedError once a rank has ended
         try:
             runner_output = self.runner.execute_model(scheduler_output)
@@ -631,6 +630,8 @@ class Engine:
             self._engine_timings["schedule"] += time.perf_counter() - started
             own_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             if not scheduler_output.is_empty or _tells_runner(scheduler_output) or not self._batches:
+                # Rank 0's matchers fill the step's grammar bitmasks; they travel with the step to every rank.
+                self.runner.fill_grammar_bitmasks(scheduler_output)
                 self.ranks.send_step(scheduler_output)  # raises RankDiedError once a rank has ended
                 try:
                     # The first stage's layers; nothing sampled here.  An empty step's output still holds the
@@ -652,6 +653,8 @@ class Engine:
         waited = time.perf_counter()
         runner_output = self.ranks.receive_output()
         self._engine_timings["wait"] += time.perf_counter() - waited
+        if self.runner.constrained is not None:  # rank 0's matchers accept the samples: theirs are the failures
+            runner_output.failed.update(self.runner.constrained.take_failed())
         return self._apply_output(scheduler_output, runner_output, {})
 
     def _apply_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,

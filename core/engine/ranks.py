@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +40,7 @@ from patchbay.contract.settings import (
     Settings,
 )
 from patchbay.engine.step_failures import EngineDeadError
+from patchbay.scheduling.scheduler_output import SchedulerOutput
 from patchbay.worker import step_channel
 from patchbay.worker.distributed import STORE_HOST, CollectiveError, RankGroup, RankSetup, joined_key
 from patchbay.worker.pipeline_parallel import last_stage_rank
@@ -253,9 +253,13 @@ class TensorParallelRanks:
             raise
         self._runners_started = True
 
-    def send_step(self, scheduler_output: Any) -> None:
-        """Hand a step to every other rank; raise :class:`RankDiedError` when one has ended."""
-        self._send(pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL))
+    def send_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Hand a step to every other rank; raise :class:`RankDiedError` when one has ended.
+
+        Compiled grammars stay here (they need not pickle): the step carries
+        rank 0's bitmask rows (``grammar_bitmasks``) instead.
+        """
+        self._send(pickle.dumps(scheduler_output.without_grammars(), protocol=pickle.HIGHEST_PROTOCOL))
 
     def receive_output(self) -> Any:
         """The last pipeline stage's output of the oldest step it has not returned yet (waiting for it); raise

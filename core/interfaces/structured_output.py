@@ -10,7 +10,10 @@ before each sampling it asks the matcher to fill the request's row of a shared
 token bitmask (one row per logits row, every draft position included), masks
 the logits of constrained rows only, and advances the matcher by the tokens
 accepted.  Draft positions are filled by accepting each draft in turn and
-rolling back afterwards.
+rolling back afterwards.  Over several ranks (tensor-parallel shards,
+pipeline stages) only rank 0 builds the backend, compiles and keeps
+matchers; the rows they fill travel to the other ranks with each step, so
+grammars and matchers never need to pickle.
 
 The bitmask format is the one xgrammar and llguidance share: a numpy
 ``int32`` array of shape ``[rows, ceil(vocab_size / 32)]``; token ``t`` is

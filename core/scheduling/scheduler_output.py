@@ -9,7 +9,7 @@ its requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 BlockIds = tuple[list[int], ...]
@@ -73,16 +73,32 @@ class SchedulerOutput:
     """Requests whose KV failed to load: the runner drops their state; they are in ``scheduled_new_reqs``
     again, with ``num_computed_tokens`` rolled back to the first block that failed."""
     kv_connector_metadata: Any = None
+    """What the KV connector's scheduler side built for its worker side this step (``None``: no connector)."""
     highest_block_ids: tuple[int, ...] = ()
     """Per KV-cache group, the highest block id allocated so far (empty: not told). Blocks above the previous
     step's figure are new this step, possibly for a request that only waits on a KV connector's load: a
     runner that leaves its pool unwritten zeroes them before anything (the connector's load included)
     writes to them."""
-    """What the KV connector's scheduler side built for its worker side this step (``None``: no connector)."""
+    grammar_bitmasks: dict[str, Any] | None = None
+    """With several ranks: the structured-output token bitmask rows rank 0 filled for this step, by request
+    (numpy int32 ``[rows, ceil(vocab_size / 32)]``: one row per draft position, then the bonus row; fewer
+    after a draft the grammar refuses), which every rank applies alike.  ``None``: one process, whose runner
+    fills and applies them itself."""
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    def without_grammars(self) -> SchedulerOutput:
+        """This step as the other ranks get it: new requests without their compiled grammars.
+
+        Grammars are rank 0's (they need not pickle); the other ranks use
+        ``grammar_bitmasks`` instead.  ``self`` when no new request has one.
+        """
+        if all(request.grammar is None for request in self.scheduled_new_reqs):
+            return self
+        return replace(self, scheduled_new_reqs=[replace(request, grammar=None) if request.grammar is not None
+                                                 else request for request in self.scheduled_new_reqs])
 
 
 @dataclass

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from patchbay.worker.fused_projections import Member
-from patchbay.worker.native_build import SIMD_HELPERS, BackgroundBuild, NativeExtension, build_unavailable
+from patchbay.worker.native_build import NATIVE_CFLAGS, SIMD_HELPERS, BackgroundBuild, NativeExtension, build_unavailable
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -126,6 +127,87 @@ void silu_and_mul_rows(const scalar_t* gate, const scalar_t* up, int64_t in_row_
   }
 }
 
+template <typename scalar_t>
+void rotate_heads(const scalar_t* in, int64_t in_row_stride, const scalar_t* cos, const scalar_t* sin,
+                  int64_t angle_stride, scalar_t* out, int64_t rows, int64_t heads, int64_t head_size) {
+  const int64_t half = head_size / 2;
+#pragma omp parallel for if (rows * heads * head_size >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* c = cos + r * angle_stride;
+    const scalar_t* s = sin + r * angle_stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      const scalar_t* x = in + r * in_row_stride + h * head_size;
+      scalar_t* o = out + (r * heads + h) * head_size;
+      int64_t i = 0;
+#ifdef PATCHBAY_SIMD
+      if (half % kLanes == 0) {
+        // Both halves at once: o[i] = x[i] cos[i] - x[i + half] sin[i], o[i + half] = x[i + half] cos[i + half]
+        // + x[i] sin[i + half]; each product and the sum rounded to the dtype, as transformers' ops round them.
+        for (; i < half; i += kLanes) {
+          const vfloat low = vload(x + i), high = vload(x + half + i);
+          const vfloat out_low = vround_as(x, vadd(vround_as(x, vmul(low, vload(c + i))),
+                                                   vround_as(x, vmul(vmul(high, vbroadcast(-1.0f)), vload(s + i)))));
+          const vfloat out_high = vround_as(x, vadd(vround_as(x, vmul(high, vload(c + half + i))),
+                                                    vround_as(x, vmul(low, vload(s + half + i)))));
+          vstore(o + i, out_low);
+          vstore(o + half + i, out_high);
+        }
+      }
+#endif
+      for (; i < half; ++i) {
+        const float low = static_cast<float>(x[i]), high = static_cast<float>(x[half + i]);
+        const scalar_t a = static_cast<scalar_t>(low * static_cast<float>(c[i]));
+        const scalar_t b = static_cast<scalar_t>(-high * static_cast<float>(s[i]));
+        o[i] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
+        const scalar_t d = static_cast<scalar_t>(high * static_cast<float>(c[half + i]));
+        const scalar_t e = static_cast<scalar_t>(low * static_cast<float>(s[half + i]));
+        o[half + i] = static_cast<scalar_t>(static_cast<float>(d) + static_cast<float>(e));
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+void rotate(const torch::Tensor& in, const torch::Tensor& cos, const torch::Tensor& sin, int64_t angle_stride,
+            torch::Tensor& out) {
+  const int64_t rows = out.size(0), heads = out.size(1), head_size = out.size(2);
+  rotate_heads<scalar_t>(in.data_ptr<scalar_t>(), rows > 1 ? in.stride(0) : heads * head_size,
+                         cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), angle_stride, out.data_ptr<scalar_t>(),
+                         rows, heads, head_size);
+}
+
+// query, key: [rows, heads x head_size] with unit stride along the features (views of a fused q/k/v product do);
+// cos, sin: [rows, head_size] (any leading shape) with unit stride along head_size; q_out: [rows, q_heads,
+// head_size], k_out: [rows, kv_heads, head_size], contiguous: the queries and keys rotated as transformers'
+// apply_rotary_pos_emb rotates them.
+void rotary(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin, torch::Tensor q_out,
+            torch::Tensor k_out) {
+  const int64_t rows = q_out.size(0), head_size = q_out.size(2);
+  TORCH_CHECK(query.dim() == 2 && key.dim() == 2 && query.stride(1) == 1 && key.stride(1) == 1
+              && query.size(0) == rows && key.size(0) == rows && k_out.size(0) == rows
+              && query.size(1) == q_out.size(1) * head_size && key.size(1) == k_out.size(1) * head_size
+              && k_out.size(2) == head_size && head_size % 2 == 0 && q_out.is_contiguous() && k_out.is_contiguous(),
+              "rotary: [rows, heads x head_size] queries and keys with unit feature stride, contiguous outputs");
+  TORCH_CHECK(cos.size(-1) == head_size && sin.size(-1) == head_size && cos.stride(-1) == 1 && sin.stride(-1) == 1
+              && cos.numel() == rows * head_size && sin.numel() == rows * head_size,
+              "rotary: [rows, head_size] angles with unit stride along head_size");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(key.scalar_type() == dtype && cos.scalar_type() == dtype && sin.scalar_type() == dtype
+              && q_out.scalar_type() == dtype && k_out.scalar_type() == dtype,
+              "rotary: one dtype for queries, keys, angles and outputs");
+  const auto cos_rows = cos.reshape({rows, head_size}), sin_rows = sin.reshape({rows, head_size});
+  const int64_t angle_stride = rows > 1 ? cos_rows.stride(0) : head_size;
+  TORCH_CHECK(rows <= 1 || sin_rows.stride(0) == angle_stride, "rotary: cos and sin with the same row stride");
+  if (dtype == torch::kFloat32) {
+    rotate<float>(query, cos_rows, sin_rows, angle_stride, q_out);
+    rotate<float>(key, cos_rows, sin_rows, angle_stride, k_out);
+  } else {
+    TORCH_CHECK(dtype == torch::kBFloat16, "rotary runs on float32 or bfloat16");
+    rotate<at::BFloat16>(query, cos_rows, sin_rows, angle_stride, q_out);
+    rotate<at::BFloat16>(key, cos_rows, sin_rows, angle_stride, k_out);
+  }
+}
+
 // gate_up: [rows, 2 * width], gate then up (the fused gate/up product); out: [rows, width], contiguous.
 void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) {
   const int64_t width = out.size(-1);
@@ -144,8 +226,10 @@ void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) {
 }
 """
 
-EXTENSION = NativeExtension("patchbay_fused_ops", SOURCE, ("rms_norm", "silu_and_mul"))
-"""The kernels (SIMD registers where the CPU has AVX-512 or AVX2, plain loops elsewhere and for row tails)."""
+EXTENSION = NativeExtension("patchbay_fused_ops", SOURCE, ("rms_norm", "silu_and_mul", "rotary"),
+                            (*NATIVE_CFLAGS, "-ffp-contract=off"))
+"""The kernels (SIMD registers where the CPU has AVX-512 or AVX2, plain loops elsewhere and for row tails),
+built with no multiply-add contraction, so each product and sum rounds where transformers' ops round it."""
 
 
 @functools.cache
@@ -172,10 +256,25 @@ class FusedOpsBuild(BackgroundBuild):
             return cls._shared
 
 
-def _reference_sources() -> tuple[str, str]:
+@functools.cache
+def _reference_sources() -> tuple[str, str, str]:
     from transformers.models.llama import modeling_llama
 
-    return inspect.getsource(modeling_llama.LlamaRMSNorm.forward), inspect.getsource(modeling_llama.LlamaMLP.forward)
+    return (inspect.getsource(modeling_llama.LlamaRMSNorm.forward), inspect.getsource(modeling_llama.LlamaMLP.forward),
+            inspect.getsource(modeling_llama.apply_rotary_pos_emb))
+
+
+@functools.cache
+def _attention_sources() -> frozenset[str]:
+    """Sources of the attention ``forward`` methods known to project, rotate with ``apply_rotary_pos_emb`` and
+    call the attention interface as Llama's does (Qwen2's and Mistral's also pass a ``sliding_window``, which
+    patchbay's interface reads from the layer's spec instead)."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
+    from transformers.models.qwen2 import modeling_qwen2
+
+    return frozenset(inspect.getsource(cls.forward) for cls in (
+        modeling_llama.LlamaAttention, modeling_qwen2.Qwen2Attention, modeling_mistral.MistralAttention))
 
 
 @functools.cache
@@ -183,6 +282,16 @@ def _same_forward(cls: type, reference: int) -> bool:
     try:
         return inspect.getsource(cls.forward) == _reference_sources()[reference]
     except (OSError, TypeError):
+        return False
+
+
+@functools.cache
+def _llama_style_attention(cls: type) -> bool:
+    try:
+        module = sys.modules[cls.__module__]
+        return (inspect.getsource(cls.forward) in _attention_sources()
+                and inspect.getsource(module.apply_rotary_pos_emb) == _reference_sources()[2])
+    except (OSError, TypeError, AttributeError, KeyError):
         return False
 
 
@@ -196,6 +305,12 @@ def is_llama_silu_mlp(module: nn.Module) -> bool:
     act = getattr(module, "act_fn", None)
     return (_same_forward(type(module), 1) and isinstance(act, nn.Module)
             and type(act).__name__ in ("SiLU", "SiLUActivation"))
+
+
+def is_llama_style_attention(module: nn.Module) -> bool:
+    """Whether ``module``'s class is Llama's, Qwen2's or Mistral's attention (the same ``forward`` source, and
+    its module's ``apply_rotary_pos_emb`` the same as Llama's)."""
+    return _llama_style_attention(type(module))
 
 
 class FusedRMSNorm:
@@ -241,12 +356,53 @@ class FusedSiluMLP:
         return module.down_proj(activated)
 
 
+class FusedRopeAttention:
+    """The ``forward`` of one Llama-style attention: the q/k/v products (one, where they are fused), one kernel
+    rotating the queries and keys out of them, patchbay's attention, the output projection (its own ``forward`` until the kernel is
+    built, or for inputs it does not take)."""
+
+    def __init__(self, module: nn.Module, build: BackgroundBuild) -> None:
+        self.module = module
+        self.build = build
+        query = vars(module.q_proj).get("forward")
+        self.group = query.group if isinstance(query, Member) else None
+        self.head_size = int(module.head_dim)
+
+    def __call__(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        ops = self.build.ready()
+        module = self.module
+        cos, sin = position_embeddings
+        if (ops is None or kwargs.get("cache") is not None or cos.dtype != hidden_states.dtype
+                or sin.dtype != hidden_states.dtype):
+            return type(module).forward(module, hidden_states, position_embeddings, attention_mask, **kwargs)
+        from patchbay.worker.hf_model import patchbay_attention
+
+        tokens = hidden_states.numel() // hidden_states.shape[-1]
+        if self.group is not None:
+            q_size, k_size, _ = self.group.sizes
+            qkv = self.group.product(hidden_states, self.group.weight, self.group.bias).reshape(tokens, -1)
+            q_rows, k_rows, v_rows = qkv[:, :q_size], qkv[:, q_size:q_size + k_size], qkv[:, q_size + k_size:]
+        else:
+            q_rows, k_rows, v_rows = (projection(hidden_states).reshape(tokens, -1)
+                                      for projection in (module.q_proj, module.k_proj, module.v_proj))
+        query = torch.empty(tokens, q_rows.shape[1] // self.head_size, self.head_size, dtype=q_rows.dtype)
+        key = torch.empty(tokens, k_rows.shape[1] // self.head_size, self.head_size, dtype=k_rows.dtype)
+        ops.rotary(q_rows, k_rows, cos, sin, query, key)
+        value = v_rows.reshape(tokens, -1, self.head_size)
+        # transformers' layout, [1, heads, tokens, head_size], as views: the attention reads them through strides.
+        output, _ = patchbay_attention(module, query.transpose(0, 1)[None], key.transpose(0, 1)[None],
+                                       value.transpose(0, 1)[None], attention_mask, scaling=module.scaling)
+        return module.o_proj(output.reshape(*hidden_states.shape[:-1], -1)), None
+
+
 @dataclass(frozen=True)
 class FusedModules:
     """How many of a model's modules run through the fused kernels."""
 
     norms: int = 0
     mlps: int = 0
+    attentions: int = 0
 
 
 def use_fused_ops(model: nn.Module, *, device: torch.device, dtype: str,
@@ -259,7 +415,7 @@ def use_fused_ops(model: nn.Module, *, device: torch.device, dtype: str,
     if device.type != "cpu" or getattr(torch, dtype) not in FUSED_DTYPES or build_unavailable() is not None:
         return FusedModules()
     build = build or FusedOpsBuild.shared()
-    norms = mlps = 0
+    norms = mlps = attentions = 0
     for module in model.modules():
         if "forward" in vars(module):  # another path owns this module's forward already
             continue
@@ -269,7 +425,10 @@ def use_fused_ops(model: nn.Module, *, device: torch.device, dtype: str,
         elif is_llama_silu_mlp(module) and module.gate_proj.out_features == module.up_proj.out_features:
             module.forward = FusedSiluMLP(module, build)  # type: ignore[method-assign]
             mlps += 1
-    return FusedModules(norms, mlps)
+        elif is_llama_style_attention(module):
+            module.forward = FusedRopeAttention(module, build)  # type: ignore[method-assign]
+            attentions += 1
+    return FusedModules(norms, mlps, attentions)
 
 
 def main() -> int:

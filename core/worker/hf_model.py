@@ -31,7 +31,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _patchbay_attention(
+def patchbay_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -41,7 +41,10 @@ def _patchbay_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    # transformers hands [1, heads, tokens, head_size]; backends take [tokens, heads, head_size].
+    """transformers' attention-interface function for ``attn_implementation="patchbay"``: layer ``module``'s
+    queries, keys and values (``[1, heads, tokens, head_size]``, any strides) through the step's backend over
+    the paged cache; returns ``([1, tokens, heads, head_size], None)``."""
+    # Backends take [tokens, heads, head_size]: transposed views of what transformers hands.
     context = current_forward_context()
     binding = context.layers[module.layer_idx]
     metadata = context.group_metadata[binding.group]
@@ -64,7 +67,7 @@ def register_attention_function() -> None:
     """Make ``attn_implementation="patchbay"`` known to transformers (idempotent)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _patchbay_attention)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, patchbay_attention)
 
 
 @dataclass(frozen=True)

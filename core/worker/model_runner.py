@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,7 @@ from patchbay.worker.spec_decode import (
     may_draft,
     verify,
 )
-from patchbay.worker.structured_output import ConstrainedDecoding
+from patchbay.worker.structured_output import ConstrainedDecoding, apply_request_bitmasks
 
 
 @dataclass
@@ -276,7 +277,12 @@ class ModelRunner:
         clock = self._lap("forward", clock)
         constrained = self.constrained if self.constrained is not None and self.constrained.matchers else None
         sample_req_ids = [self.batch.req_ids[row] for row in sample_rows]
-        if constrained is not None and logits is not None:
+        shipped = scheduler_output.grammar_bitmasks
+        if shipped and logits is not None:  # several ranks: every rank applies rank 0's rows alike
+            layout = step.layout
+            apply_request_bitmasks(logits, shipped, sample_req_ids, layout.bonus_indices - layout.num_drafts)
+            clock = self._lap("structure", clock)
+        elif constrained is not None and logits is not None and shipped is None:
             layout = step.layout
             constrained.mask(logits, sample_req_ids, step.drafts, layout.bonus_indices - layout.num_drafts)
             clock = self._lap("structure", clock)
@@ -309,6 +315,52 @@ class ModelRunner:
         self.num_steps += 1
         return output
 
+    def fill_grammar_bitmasks(self, scheduler_output: SchedulerOutput) -> None:
+        """Rank 0, before it hands a step to the other ranks: fill the step's structured-output bitmask rows.
+
+        Applies the step's request changes to the matchers first (the step's
+        own update then leaves them alone), and puts the rows of every
+        constrained request that samples in the step into
+        ``scheduler_output.grammar_bitmasks`` (empty when none does), for all
+        ranks to apply alike.  Runs without ranks only in tests: one process
+        fills its rows inside the step instead.
+        """
+        constrained = self.constrained
+        if constrained is None:
+            scheduler_output.grammar_bitmasks = {}
+            return
+        clock = time.perf_counter()
+        constrained.update(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
+                           | scheduler_output.reset_req_ids, scheduler_output.scheduled_new_reqs)
+        cached = scheduler_output.scheduled_cached_reqs
+        if not self.samples and cached.new_token_ids:
+            # A first pipeline stage samples nothing: its matchers accept the tokens the last stage sampled.
+            constrained.advance(cached.req_ids, cached.new_token_ids)
+        scheduler_output.grammar_bitmasks = constrained.fill_step(
+            self._sampling_req_ids(scheduler_output, constrained.matchers),
+            scheduler_output.scheduled_spec_decode_tokens) if constrained.matchers else {}
+        self._lap("structure", clock)
+
+    def _sampling_req_ids(self, scheduler_output: SchedulerOutput, among: Container[str]) -> list[str]:
+        """The requests among ``among`` that sample in the step: all their known tokens are in the cache after it.
+
+        Read before the step updates the batch (the test of ``StepInputs.complete``): a new request
+        knows its tokens; one already in the batch has the batch's count.
+        """
+        scheduled = scheduler_output.num_scheduled_tokens
+        sampling = [request.req_id for request in scheduler_output.scheduled_new_reqs
+                    if request.req_id in among and request.num_computed_tokens + scheduled.get(request.req_id, 0)
+                    >= len(request.prompt_token_ids) + len(request.output_token_ids)]
+        cached = scheduler_output.scheduled_cached_reqs
+        index = self.batch.req_id_to_index
+        # A stage that samples nothing learns the sampled tokens with the step (new_token_ids), not yet applied.
+        unseen = [len(tokens) for tokens in cached.new_token_ids] if not self.samples and cached.new_token_ids \
+            else [0] * len(cached.req_ids)
+        for req_id, num_computed, num_unseen in zip(cached.req_ids, cached.num_computed_tokens, unseen, strict=True):
+            if req_id in among and num_computed + scheduled[req_id] >= self.batch.num_tokens[index[req_id]] + num_unseen:
+                sampling.append(req_id)
+        return sampling
+
     def _report_transfers(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
         """Put the connector's finished transfers and failed loads into ``output`` (every rank's, with several)."""
         assert self.kv_connector is not None
@@ -330,16 +382,13 @@ class ModelRunner:
         for req_id in dropped:
             batch.remove_request(req_id)
             self.prompt_logprobs.forget(req_id)
-            if self.constrained is not None:
-                self.constrained.remove(req_id)
         for request in scheduler_output.scheduled_new_reqs:
             for group, block_ids in enumerate(request.block_ids):
                 self._zero_new_blocks(group, block_ids)
             batch.add_request(request)
             self.prompt_logprobs.forget(request.req_id)
-            if request.grammar is not None and self.constrained is not None:
-                self.constrained.add(request.req_id, request.grammar, request.output_token_ids,
-                                     request.sampling_params.structured_output.field_path)
+        if self.constrained is not None and scheduler_output.grammar_bitmasks is None:
+            self.constrained.update(dropped, scheduler_output.scheduled_new_reqs)  # ranks: fill_grammar_bitmasks did
         cached = scheduler_output.scheduled_cached_reqs
         if cached.new_token_ids and not self.samples:
             # 2 tokens known, [7, 9] sampled since: token_ids[row, 2:4] = [7, 9], num_tokens[row] = 4

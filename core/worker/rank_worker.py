@@ -10,6 +10,9 @@ receives) pair up and the persistent batches and seeded samplers stay
 identical.  A tensor-parallel rank's outputs are dropped (rank 0's are the
 run's); with pipeline stages, the last stage's first rank sends each step's
 output to rank 0 (it is the only stage that samples) as soon as it has it.
+Structured output needs no grammar here: each step carries the token
+bitmask rows rank 0's matchers filled (``SchedulerOutput.grammar_bitmasks``),
+which this rank applies to its logits as rank 0 does.
 With a KV connector each rank runs its own worker side over its shard, and
 the ranks exchange their transfer reports after each step
 (:mod:`patchbay.worker.kv_transfers`): that, not this rank's output, is how

@@ -11,17 +11,29 @@ Matchers are keyed by request id, so row moves in the persistent batch do
 not concern them.  A request that comes back as new (after preemption or a
 KV load error) gets a fresh matcher advanced by the tokens it generated
 before: the state is rebuilt, never advanced twice.
+
+Over several ranks (tensor-parallel shards, pipeline stages) the matchers
+live on rank 0 alone, the one source of truth: before it hands a step to
+the other ranks, rank 0 fills each constrained request's rows
+(:meth:`ConstrainedDecoding.fill_step`) and the rows travel inside the
+step's ``SchedulerOutput`` (``grammar_bitmasks``); every rank, rank 0
+included, masks its logits with those same rows
+(:func:`apply_request_bitmasks`), so the seeded samplers draw the same
+tokens everywhere.  Only rank 0 advances the matchers, after sampling, as
+one process does.  The other ranks never see a compiled grammar or a
+matcher, so a backend needs nothing (no pickling) to serve several ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from patchbay.interfaces import GrammarMatcher
+from patchbay.scheduling.scheduler_output import NewRequestData
 from patchbay.scheduling.structured_output import GrammarCompilations
 
 
@@ -33,9 +45,34 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: Sequenc
     """
     if not len(rows):
         return
+    _mask_rows(logits, bitmask[np.asarray(rows)], rows)
+
+
+def apply_request_bitmasks(logits: torch.Tensor, bitmasks: Mapping[str, np.ndarray], req_ids: Sequence[str],
+                           first_rows: np.ndarray) -> None:
+    """Mask ``logits`` with bitmask rows filled per request (rank 0's ``SchedulerOutput.grammar_bitmasks``).
+
+    Request ``req_ids[i]`` owns logits rows ``first_rows[i] ..``; its bitmask
+    ``bitmasks[req_id]`` (``[k, words]``, ``k`` at most its drafts + 1) masks
+    the first ``k`` of them.  Requests without one are left as they are:
+    ``{"a": 2 rows}``, ``req_ids ["b", "a"]``, ``first_rows [0, 1]`` mask rows 1 and 2.
+    """
+    rows: list[int] = []
+    words: list[np.ndarray] = []
+    for req_id, first_row in zip(req_ids, first_rows.tolist(), strict=True):
+        bitmask = bitmasks.get(req_id)
+        if bitmask is not None:
+            rows.extend(range(first_row, first_row + len(bitmask)))
+            words.append(bitmask)
+    if rows:
+        _mask_rows(logits, np.concatenate(words), rows)
+
+
+def _mask_rows(logits: torch.Tensor, words_by_row: np.ndarray, rows: Sequence[int]) -> None:
+    """Mask logits row ``rows[i]`` by bitmask row ``words_by_row[i]`` (int32 ``[len(rows), words]``), in place."""
     with torch.inference_mode():  # the model's logits are inference tensors
         index = torch.as_tensor(np.asarray(rows, dtype=np.int64), device=logits.device)
-        words = torch.from_numpy(bitmask[np.asarray(rows)]).to(logits.device)
+        words = torch.from_numpy(words_by_row).to(logits.device)
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
         # [rows, words] -> [rows, words, 32] bits -> [rows, words * 32] allowed flags, one per token id.
         allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, : logits.shape[-1]].bool()
@@ -92,22 +129,63 @@ class ConstrainedDecoding:
             matcher = matchers.get(req_id)
             if matcher is None:
                 continue
-            request_drafts = drafts[index] if drafts else ()
             row = int(first_rows[index])
-            num_accepted = 0
-            try:
-                for position in range(len(request_drafts) + 1):
-                    matcher.fill_bitmask(bitmask, row + position)
-                    rows.append(row + position)
-                    if position == len(request_drafts) or matcher.accept_tokens([request_drafts[position]]) != 1:
-                        break
-                    num_accepted += 1
-                    if matcher.is_terminated():
-                        break  # a draft stop token: what follows it is dropped
-                matcher.rollback(num_accepted)
-            except Exception as exc:
-                self._fail(req_id, f"failed to fill its token bitmask: {type(exc).__name__}: {exc}")
+            num_rows = self._fill_rows(req_id, matcher, drafts[index] if drafts else (), bitmask, row)
+            rows.extend(range(row, row + num_rows))
         apply_token_bitmask(logits, bitmask, rows)
+
+    def update(self, dropped: Iterable[str], new_requests: Iterable[NewRequestData]) -> None:
+        """Apply a step's changes to the matchers: drop those of the requests it drops (finished, preempted,
+        reset), then start those of its new and resumed requests."""
+        for req_id in dropped:
+            self.remove(req_id)
+        for request in new_requests:
+            if request.grammar is not None:
+                self.add(request.req_id, request.grammar, request.output_token_ids,
+                         request.sampling_params.structured_output.field_path)
+
+    def fill_step(self, req_ids: Iterable[str], drafts: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:
+        """The bitmask rows of the constrained requests among ``req_ids``, by request (for the other ranks).
+
+        Each request gets one row per draft of ``drafts[req_id]`` and its bonus
+        row, fewer when a draft is refused or is a stop token (as :meth:`mask`
+        fills them): ``[rows, bitmask_width]`` int32.  A request whose backend
+        fails gets none and is reported by :meth:`take_failed`.
+        """
+        filled: dict[str, np.ndarray] = {}
+        for req_id in req_ids:
+            matcher = self.matchers.get(req_id)
+            if matcher is None:
+                continue
+            request_drafts = drafts.get(req_id, ())
+            bitmask = np.empty((len(request_drafts) + 1, self.grammars.backend.bitmask_width), dtype=np.int32)
+            num_rows = self._fill_rows(req_id, matcher, request_drafts, bitmask, 0)
+            if num_rows:
+                filled[req_id] = bitmask[:num_rows]
+        return filled
+
+    def _fill_rows(self, req_id: str, matcher: GrammarMatcher, drafts: Sequence[int], bitmask: np.ndarray,
+                   row: int) -> int:
+        """Fill ``bitmask`` rows ``row ..`` for one request: its next token, then after each draft in turn.
+
+        Returns how many rows were filled (0 when the backend raised: the request is failed).  The drafts
+        the matcher accepted to fill the later rows are rolled back.
+        """
+        num_rows = num_accepted = 0
+        try:
+            for position in range(len(drafts) + 1):
+                matcher.fill_bitmask(bitmask, row + position)
+                num_rows += 1
+                if position == len(drafts) or matcher.accept_tokens([drafts[position]]) != 1:
+                    break
+                num_accepted += 1
+                if matcher.is_terminated():
+                    break  # a draft stop token: what follows it is dropped
+            matcher.rollback(num_accepted)
+        except Exception as exc:
+            self._fail(req_id, f"failed to fill its token bitmask: {type(exc).__name__}: {exc}")
+            return 0
+        return num_rows
 
     def advance(self, req_ids: Sequence[str], new_tokens: Sequence[Sequence[int]]) -> None:
         """Accept each sampling request's new tokens (accepted drafts and the sampled one)."""

@@ -1,4 +1,7 @@
-"""A C++ kernel for single-token (decode) attention straight over the paged cache, built once per install.
+"""A C++ kernel for attention of single query tokens straight over the paged cache, built once per install.
+
+Each query token (a decode's, a draft's, or one of a short prefill's, whose
+keys the step has already written) attends the keys up to itself on its own.
 
 Gathering each request's blocks into a padded tensor and running SDPA over it
 moves every cached key and value three times (read and write for the gather,
@@ -41,25 +44,29 @@ SOURCE = SIMD_HELPERS + r"""
 
 // Shapes, for both paths: query [tokens, heads, head_size], any strides; output the same, contiguous;
 // key_cache, value_cache: [blocks, block_size, kv_heads, head_size]; block_table: int32 [requests, max_blocks];
-// seq_lens: int32 [requests], keys per request (the new one included); rows: int64 [requests], each request's
-// query row; window: 0, or the sliding window.
+// then per query (a decode's one token, or each token of a short prefill or a draft): seq_lens: int32, the keys
+// it attends (itself included); rows: int64, its query row; table_rows: int64, its request's block-table row;
+// window: 0, or the sliding window.
 struct Problem {
   int64_t requests, heads, head_size, block_size, kv_heads, group, max_blocks;
   int64_t q_token_stride, q_head_stride, token_stride, block_stride, window;
   const int32_t* table;
   const int32_t* lens;
   const int64_t* row_of;
+  const int64_t* table_row_of;
   float scale;
 
   Problem(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& block_table,
-          const torch::Tensor& seq_lens, const torch::Tensor& rows, double scale_, int64_t window_)
+          const torch::Tensor& seq_lens, const torch::Tensor& rows, const torch::Tensor& table_rows, double scale_,
+          int64_t window_)
       : requests(rows.size(0)), heads(query.size(1)), head_size(query.size(2)), block_size(key_cache.size(1)),
         kv_heads(key_cache.size(2)), group(query.size(1) / key_cache.size(2)), max_blocks(block_table.size(1)),
         q_token_stride(query.stride(0)), q_head_stride(query.stride(1)),
         token_stride(key_cache.size(2) * key_cache.size(3)),
         block_stride(key_cache.size(1) * key_cache.size(2) * key_cache.size(3)), window(window_),
         table(block_table.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()),
-        row_of(rows.data_ptr<int64_t>()), scale(static_cast<float>(scale_)) {}
+        row_of(rows.data_ptr<int64_t>()), table_row_of(table_rows.data_ptr<int64_t>()),
+        scale(static_cast<float>(scale_)) {}
 
   int64_t first_key(int64_t r) const { return window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0; }
 };
@@ -91,7 +98,7 @@ void decode_attention_generic(const Problem& p, const scalar_t* q_base, const sc
   for (int64_t r = 0; r < p.requests; ++r) {
     for (int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
       const int64_t seq_len = p.lens[r], first = p.first_key(r), n = seq_len - first;
-      const int32_t* blocks = p.table + r * p.max_blocks;
+      const int32_t* blocks = p.table + p.table_row_of[r] * p.max_blocks;
       std::vector<float> q(p.group * hs);
       for (int64_t g = 0; g < p.group; ++g) {
         const scalar_t* qg = q_base + p.row_of[r] * p.q_token_stride + (kvh * p.group + g) * p.q_head_stride;
@@ -164,7 +171,7 @@ void decode_attention_simd(const Problem& p, const scalar_t* q_base, const scala
     for (int64_t r = 0; r < p.requests; ++r) {
       for (int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
         const int64_t seq_len = p.lens[r], first = p.first_key(r), n = seq_len - first;
-        const int32_t* blocks = p.table + r * p.max_blocks;
+        const int32_t* blocks = p.table + p.table_row_of[r] * p.max_blocks;
         scores.resize(p.group * n);
         for (int64_t g = 0; g < p.group; ++g) {
           const scalar_t* qg = q_base + p.row_of[r] * p.q_token_stride + (kvh * p.group + g) * p.q_head_stride;
@@ -260,21 +267,26 @@ void decode_attention(const Problem& p, const torch::Tensor& query, const torch:
 
 // query: [tokens, heads, head_size] with unit stride along head_size; output: the same shape, contiguous;
 // key_cache, value_cache: [blocks, block_size, kv_heads, head_size], contiguous; all float32 or all bfloat16;
-// block_table: int32 [requests, max_blocks]; seq_lens: int32 [requests], keys per request (the new one
-// included); rows: int64 [requests], each request's query row; window: 0, or the window.
+// block_table: int32 [requests, max_blocks]; per query: seq_lens int32 (keys it attends, itself included), rows
+// int64 (its query row), table_rows int64 (its request's block-table row); window: 0, or the window.
 void paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                             torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor rows,
-                            double scale, int64_t window, torch::Tensor output) {
+                            torch::Tensor table_rows, double scale, int64_t window, torch::Tensor output) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && key_cache.scalar_type() == dtype
               && value_cache.scalar_type() == dtype && output.scalar_type() == dtype,
               "paged_decode_attention runs on float32 or bfloat16, one dtype for query, caches and output");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32
-              && rows.scalar_type() == torch::kInt64, "int32 block table and lengths, int64 rows expected");
+              && rows.scalar_type() == torch::kInt64 && table_rows.scalar_type() == torch::kInt64,
+              "int32 block table and lengths, int64 rows and table rows expected");
+  TORCH_CHECK(seq_lens.numel() == rows.numel() && table_rows.numel() == rows.numel(),
+              "one length, one row and one table row per query expected");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && query.stride(2) == 1
-              && output.is_contiguous() && block_table.is_contiguous(),
-              "contiguous caches, block table and output, and a query with unit stride along head_size expected");
-  const Problem problem(query, key_cache, block_table, seq_lens, rows, scale, window);
+              && output.is_contiguous() && block_table.is_contiguous() && seq_lens.is_contiguous()
+              && rows.is_contiguous() && table_rows.is_contiguous(),
+              "contiguous caches, block table, per-query arrays and output, and a query with unit stride along "
+              "head_size expected");
+  const Problem problem(query, key_cache, block_table, seq_lens, rows, table_rows, scale, window);
   if (dtype == torch::kFloat32) {
     decode_attention<float>(problem, query, key_cache, value_cache, output);
   } else {

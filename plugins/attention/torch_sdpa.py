@@ -46,6 +46,11 @@ logger = logging.getLogger(__name__)
 SHORT_QUERY_LEN = 16
 """Requests with at most this many new tokens are batched with others of the same query length."""
 
+KERNEL_MAX_QUERY_LEN = 256
+"""With the C++ kernel (CPU), requests of up to this many new tokens (decodes, drafts, short prefills) have
+every token attended by the kernel, all in one call per layer; longer prefills go to SDPA, whose tiled
+products scale better with the length (the kernel reads a request's keys once per query token)."""
+
 
 @dataclass
 class ShortQueryBatch:
@@ -59,10 +64,22 @@ class ShortQueryBatch:
     num_blocks: int
     mask: torch.Tensor
     """bool ``[batch, 1, query_len, num_blocks * block_size]``: which gathered keys each query sees."""
-    block_table: torch.Tensor | None = None
-    """Single-token batches: int32 ``[batch, max_blocks]``, the requests' rows of the block table (for the kernel)."""
-    seq_lens: torch.Tensor | None = None
-    """Single-token batches: int32 ``[batch]``, keys per request including the new one (for the kernel)."""
+
+
+@dataclass
+class KernelQueries:
+    """Every query token of the requests with at most :data:`KERNEL_MAX_QUERY_LEN` new tokens, for the C++
+    kernel, which attends each token on its own straight over the paged cache (the step's keys are written
+    first, so a token of a prefill sees the ones before it)."""
+
+    block_table: torch.Tensor
+    """int32 ``[requests, max_blocks]``: the step's block table."""
+    seq_lens: torch.Tensor
+    """int32 ``[queries]``: the keys each query attends (itself included)."""
+    rows: torch.Tensor
+    """int64 ``[queries]``: each query's row."""
+    table_rows: torch.Tensor
+    """int64 ``[queries]``: each query's request, its row of :attr:`block_table`."""
 
 
 @dataclass
@@ -86,6 +103,9 @@ class SDPAPlan:
     sliding_window: int | None
     short_batches: list[ShortQueryBatch]
     long_queries: list[LongQuery]
+    kernel_queries: KernelQueries | None = None
+    """The same requests' tokens for the C++ kernel where it runs (CPU), up to :data:`KERNEL_MAX_QUERY_LEN`
+    tokens per request: with the kernel, short batches and long queries it covers are not attended by SDPA."""
 
 
 @dataclass
@@ -130,11 +150,30 @@ def _short_batch(metadata: PagedAttentionMetadata, requests: list[int], query_le
     mask = key_positions <= query_positions[:, :, None]
     if sliding_window is not None:
         mask &= key_positions > query_positions[:, :, None] - sliding_window
-    batch = ShortQueryBatch(query_len, rows, block_ids, last_block - first_block, mask[:, None])
-    if query_len == 1:
-        batch.block_table = metadata.block_table.index_select(0, request_index).to(torch.int32)
-        batch.seq_lens = torch.tensor([metadata.seq_lens[r] for r in requests], dtype=torch.int32, device=device)
-    return batch
+    return ShortQueryBatch(query_len, rows, block_ids, last_block - first_block, mask[:, None])
+
+
+def _kernel_queries(metadata: PagedAttentionMetadata) -> KernelQueries | None:
+    """The tokens of the requests the kernel takes (``None`` when there are none, or off the CPU)."""
+    if metadata.block_table.device.type != "cpu":
+        return None
+    query_lens = torch.tensor(metadata.query_lens, dtype=torch.long)
+    requests = torch.nonzero((query_lens > 0) & (query_lens <= KERNEL_MAX_QUERY_LEN)).flatten()
+    if len(requests) == 0:
+        return None
+    lens = query_lens[requests]
+    table_rows = torch.repeat_interleave(requests, lens)
+    # Each token's offset within its request's query: a running count restarted at every request.
+    firsts = torch.cumsum(lens, 0) - lens
+    offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(firsts, lens)
+    starts = torch.tensor(metadata.query_starts[:-1], dtype=torch.long)[requests]
+    contexts = torch.tensor(metadata.context_lens, dtype=torch.long)[requests]
+    return KernelQueries(
+        block_table=metadata.block_table.to(torch.int32).contiguous(),
+        seq_lens=(torch.repeat_interleave(contexts, lens) + offsets + 1).to(torch.int32),
+        rows=torch.repeat_interleave(starts, lens) + offsets,
+        table_rows=table_rows,
+    )
 
 
 def _long_query(metadata: PagedAttentionMetadata, request: int, sliding_window: int | None) -> LongQuery:
@@ -175,7 +214,7 @@ def plan_step(metadata: PagedAttentionMetadata, sliding_window: int | None) -> S
         for query_len, requests in sorted(by_query_len.items())
         for run in _split_by_padding(requests, num_blocks)
     ]
-    return SDPAPlan(sliding_window, short_batches, long_queries)
+    return SDPAPlan(sliding_window, short_batches, long_queries, _kernel_queries(metadata))
 
 
 class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
@@ -292,14 +331,19 @@ class TorchSDPAImpl(AttentionImpl):
             query = query.contiguous() if kernel is not None and query.stride(-1) != 1 else query
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         output[metadata.num_actual_tokens:].zero_()
+        covered = 0  # requests of up to this many new tokens were attended by the kernel
+        if kernel is not None and plan.kernel_queries is not None:
+            queries = plan.kernel_queries
+            kernel.paged_decode_attention(query, key_cache, value_cache, queries.block_table, queries.seq_lens,
+                                          queries.rows, queries.table_rows, self.layer.scale,
+                                          self.layer.sliding_window or 0, output)
+            covered = KERNEL_MAX_QUERY_LEN
         for batch in plan.short_batches:
-            if kernel is not None and batch.block_table is not None:
-                kernel.paged_decode_attention(query, key_cache, value_cache, batch.block_table, batch.seq_lens,
-                                              batch.rows, self.layer.scale, self.layer.sliding_window or 0, output)
-            else:
+            if batch.query_len > covered:
                 self._short(query, key_cache, value_cache, batch, output)
         for long_query in plan.long_queries:
-            self._long(query, key, value, key_cache, value_cache, long_query, output)
+            if long_query.query_end - long_query.query_start > covered:
+                self._long(query, key, value, key_cache, value_cache, long_query, output)
         return output
 
     def _plan(self, metadata: SDPAMetadata | PagedAttentionMetadata | CommonAttentionMetadata) -> SDPAPlan:
