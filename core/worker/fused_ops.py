@@ -386,6 +386,9 @@ class FusedRopeAttention:
         else:
             q_rows, k_rows, v_rows = (projection(hidden_states).reshape(tokens, -1)
                                       for projection in (module.q_proj, module.k_proj, module.v_proj))
+        # The kernel reads rows of features; a product may hand them in another layout (row-split's is
+        # feature-major).
+        q_rows, k_rows = (rows if rows.stride(-1) == 1 else rows.contiguous() for rows in (q_rows, k_rows))
         query = torch.empty(tokens, q_rows.shape[1] // self.head_size, self.head_size, dtype=q_rows.dtype)
         key = torch.empty(tokens, k_rows.shape[1] // self.head_size, self.head_size, dtype=k_rows.dtype)
         ops.rotary(q_rows, k_rows, cos, sin, query, key)
