@@ -9,6 +9,7 @@ every token's KV where the runner expects it.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -196,13 +197,16 @@ def make_scheduler(
     max_model_len: int = 64,
     chunked_prefill: bool = True,
     num_speculative_tokens: int = 0,
+    max_batches_in_flight: int = 1,
+    pipelined: bool = False,
 ) -> Scheduler:
     if groups is None:
         groups = [KVCacheGroup(KVCacheSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8), ["layers.0"])]
     manager = KVCacheManager(groups, num_blocks, prefix_caching)
     return Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      max_model_len=max_model_len, block_size=BLOCK_SIZE, chunked_prefill=chunked_prefill,
-                     num_speculative_tokens=num_speculative_tokens)
+                     num_speculative_tokens=num_speculative_tokens, max_batches_in_flight=max_batches_in_flight,
+                     pipelined=pipelined)
 
 
 def make_request(request_id: str, prompt: list[int], eos_token_id: int | None = None, arrival_time: float = 0.0,
@@ -585,3 +589,165 @@ def test_pool_that_cannot_hold_one_max_model_len_request_is_rejected():
     message = str(error.value)
     for needle in ("model.max_model_len=64", "needs 16 blocks", "15 usable blocks", "cache.num_blocks", "cache.memory"):
         assert needle in message
+
+
+# -- overlapped batches (pipeline parallelism) --------------------------------------
+
+
+@dataclass
+class PipelinedRun:
+    result: RunResult
+    max_in_flight: int = 0
+    """The most batches scheduled whose outputs were not applied yet."""
+    preempted_in_flight: set[str] = field(default_factory=set)
+    """Requests preempted while a batch holding them was in flight."""
+
+
+def run_pipelined(scheduler: Scheduler, runner: FakeRunner, depth: int, max_steps: int = 4000) -> PipelinedRun:
+    """Drive the scheduler as the engine does with ``depth`` pipeline stages: schedule while fewer than ``depth``
+    batches are in flight, else apply the oldest batch's output.
+
+    The fake runner plays the last stage and runs each batch as soon as it is scheduled (stages take batches in
+    order); its output is applied only when the batch leaves the queue.  A mirror of a first stage's
+    persistent batch follows the scheduler outputs alone (``new_token_ids``) and must hold the tokens the last
+    stage sampled whenever a request runs.
+    """
+    run = PipelinedRun(RunResult({}, {}, [], []))
+    in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+    first_stage: dict[str, list[int]] = {}
+
+    def apply(output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        for update in scheduler.update_from_output(output, runner_output):
+            run.result.updates.append(update)
+            run.result.outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+            if update.finish_reason:
+                run.result.finish_reasons[update.request_id] = update.finish_reason
+
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests() and not in_flight:
+            return run
+        if len(in_flight) < depth:
+            flying = {request_id for batch, _ in in_flight for request_id in batch.num_scheduled_tokens}
+            output = scheduler.schedule()
+            check_step(scheduler, output)
+            assert not flying & set(output.num_scheduled_tokens), "a request in flight was scheduled again"
+            run.preempted_in_flight |= flying & output.preempted_req_ids
+            run.result.steps.append(output)
+            for request_id in output.finished_req_ids | output.preempted_req_ids:
+                first_stage.pop(request_id, None)
+            for new in output.scheduled_new_reqs:
+                first_stage[new.req_id] = list(new.all_token_ids)
+            cached = output.scheduled_cached_reqs
+            for request_id, token_ids in zip(cached.req_ids, cached.new_token_ids, strict=True):
+                first_stage[request_id] += token_ids
+            for request_id in cached.req_ids:
+                assert first_stage[request_id] == runner.states[request_id].token_ids, request_id
+            runner_output = runner.execute(output)
+            if not output.is_empty:
+                in_flight.append((output, runner_output))
+                run.max_in_flight = max(run.max_in_flight, len(in_flight))
+                if len(in_flight) < depth:
+                    continue
+            elif not in_flight:
+                apply(output, runner_output)
+                continue
+        apply(*in_flight.popleft())
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+def add_workload(scheduler: Scheduler) -> None:
+    for arrival, (request_id, prompt, params) in enumerate(workload()):
+        scheduler.add_request(Request(request_id, prompt, params, None, float(arrival), block_size=BLOCK_SIZE))
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_overlapped_batches_produce_the_reference_outputs_with_one_batch_in_flight_per_stage(depth):
+    # A budget of 16 tokens spreads the six prompts over several batches, so three stages find three to run.
+    # Depth 1: stages in lockstep (a KV connector's), whose first stages still learn the tokens from the scheduler.
+    scheduler = make_scheduler(num_blocks=1000, max_num_batched_tokens=16, max_batches_in_flight=depth,
+                               pipelined=True)
+    add_workload(scheduler)
+    run = run_pipelined(scheduler, FakeRunner(scheduler.kv_cache_manager), depth)
+    assert run.result.outputs == expected_workload_outputs()
+    assert run.max_in_flight == depth
+    assert scheduler.num_in_flight == 0
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks - 1
+
+
+def test_a_prompt_s_next_chunk_waits_for_the_output_of_its_previous_one():
+    scheduler = make_scheduler(max_num_batched_tokens=8, max_batches_in_flight=2)
+    scheduler.add_request(make_request("long", list(range(20)), max_tokens=2))
+    first = scheduler.schedule()
+    assert first.num_scheduled_tokens == {"long": 8}
+    assert scheduler.schedule().is_empty  # its next chunk needs the first one's output
+    scheduler.add_request(make_request("short", [1, 2, 3], max_tokens=2))
+    assert scheduler.schedule().num_scheduled_tokens == {"short": 3}  # another request's batch overlaps
+    scheduler.update_from_output(first, ModelRunnerOutput(["long"], [[]]))
+    assert scheduler.schedule().num_scheduled_tokens == {"long": 8}
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_requests_preempted_in_flight_come_back_with_the_same_tokens(depth):
+    # 17 blocks hold one max_model_len request: running requests are preempted, some while their batch is in flight
+    # (with three stages, the step after a preemption may come before that batch's output).
+    scheduler = make_scheduler(num_blocks=17, max_num_batched_tokens=16, max_batches_in_flight=depth)
+    add_workload(scheduler)
+    run = run_pipelined(scheduler, FakeRunner(scheduler.kv_cache_manager), depth)
+    assert run.preempted_in_flight, "the pool was meant to preempt a request whose batch is in flight"
+    assert run.result.outputs == expected_workload_outputs()
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks - 1
+
+
+def test_an_aborted_request_s_late_output_never_reaches_a_new_request_with_its_id():
+    scheduler = make_scheduler(max_batches_in_flight=2)
+    runner = FakeRunner(scheduler.kv_cache_manager)
+    scheduler.add_request(make_request("r", [5, 6, 7], max_tokens=3))
+    stale = scheduler.schedule()
+    stale_output = runner.execute(stale)
+    scheduler.abort_requests(["r"])
+    scheduler.add_request(make_request("r", [9, 8, 7, 6], max_tokens=3))
+    waiting = scheduler.schedule()
+    assert waiting.is_empty and waiting.finished_req_ids == {"r"}  # the new "r" waits for the old one's batch
+    runner.execute(waiting)  # empty, but it tells the runners to drop the old "r"
+    assert scheduler.update_from_output(stale, stale_output) == []
+    run = run_pipelined(scheduler, runner, depth=2)
+    assert run.result.outputs == {"r": reference_output([9, 8, 7, 6], SamplingParams(max_tokens=3),
+                                                        weighted_sum_token, 64)}
+
+
+def test_a_request_preempted_in_flight_is_admitted_again_only_once_its_late_output_is_dropped():
+    scheduler = make_scheduler(num_blocks=17, max_batches_in_flight=3)  # 16 usable blocks of 4 tokens, a budget of 32
+    runner = FakeRunner(scheduler.kv_cache_manager)
+    scheduler.add_request(make_request("a", list(range(32)), max_tokens=4))
+    first = scheduler.schedule()
+    first_output = runner.execute(first)
+    scheduler.add_request(make_request("x", list(range(50, 82)), arrival_time=1.0, max_tokens=4))
+    second = scheduler.schedule()
+    assert second.num_scheduled_tokens == {"x": 32}  # "a" is in flight; "x" takes the last 8 blocks
+    second_output = runner.execute(second)
+    scheduler.update_from_output(first, first_output)
+    third = scheduler.schedule()  # "a" needs a ninth block for its next token: "x", in flight, is preempted
+    assert third.preempted_req_ids == {"x"} and third.num_scheduled_tokens == {"a": 1}
+    third_output = runner.execute(third)
+    scheduler.abort_requests(["a"])  # the pool is free again: only its late output holds "x" back
+    fourth = scheduler.schedule()
+    assert fourth.is_empty and fourth.finished_req_ids == {"a"}
+    runner.execute(fourth)
+    assert scheduler.update_from_output(second, second_output) == []  # the late output of a preempted request
+    assert scheduler.update_from_output(third, third_output) == []  # and of an aborted one
+    result = run_to_completion(scheduler, runner)
+    assert result.outputs["x"] == reference_output(list(range(50, 82)), SamplingParams(max_tokens=4),
+                                                       weighted_sum_token, 64)
+
+
+def test_each_overlapped_batch_takes_its_share_of_the_requests_so_the_next_finds_some_not_in_flight():
+    scheduler = make_scheduler(max_batches_in_flight=2)
+    prompts = {f"r{index}": [index + 1, index + 2] for index in range(16)}
+    for request_id, prompt in prompts.items():
+        scheduler.add_request(make_request(request_id, prompt, max_tokens=6))
+    run = run_pipelined(scheduler, FakeRunner(scheduler.kv_cache_manager), depth=2)
+    # 16 requests of 6 steps each (one prefill, five decodes) in two groups of 8 taking turns, not one batch of 16.
+    assert [len(step.num_scheduled_tokens) for step in run.result.steps if not step.is_empty] == [8] * 12
+    assert run.result.outputs == {request_id: reference_output(prompt, SamplingParams(max_tokens=6),
+                                                               weighted_sum_token, 64)
+                                  for request_id, prompt in prompts.items()}

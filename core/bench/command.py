@@ -68,6 +68,10 @@ class BenchOptions:
     gguf: Path | None = None
     tensor_parallel_size: int = 1
     """``runtime.tensor_parallel_size`` of every patchbay engine."""
+    pipeline_parallel_size: int = 1
+    """``runtime.pipeline_parallel_size`` of every patchbay engine."""
+    pipeline_layer_partition: list[int] | None = None
+    """``runtime.pipeline_layer_partition`` of every patchbay engine (``None``: an even split)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks every patchbay engine is split over (runtime.tensor_parallel_size); the step "
                              "breakdown then shows the share of step time spent in all-reduce")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="pipeline stages every patchbay engine is split over (runtime.pipeline_parallel_size)")
+    parser.add_argument("--pipeline-layer-partition", type=int, nargs="+", metavar="LAYERS",
+                        help="decoder layers of each stage (runtime.pipeline_layer_partition; default: an even split)")
     parser.add_argument("--num-requests", type=int, default=64, help="requests of the throughput workload")
     parser.add_argument("--prompt-range", type=int, nargs=2, default=(16, 512), metavar=("MIN", "MAX"),
                         help="prompt lengths of the throughput workload")
@@ -121,7 +129,9 @@ def options_from(args: argparse.Namespace) -> BenchOptions:
                         args.out, args.seed, dtypes=list(dict.fromkeys(args.dtypes)),
                         quantizations=list(dict.fromkeys(args.quantizations)), vllm_python=args.vllm_python,
                         vllm_dtypes=list(dict.fromkeys(args.vllm_dtypes)), llamacpp_python=args.llamacpp_python,
-                        gguf=args.gguf, tensor_parallel_size=args.tensor_parallel_size)
+                        gguf=args.gguf, tensor_parallel_size=args.tensor_parallel_size,
+                        pipeline_parallel_size=args.pipeline_parallel_size,
+                        pipeline_layer_partition=args.pipeline_layer_partition)
 
 
 class Bench:
@@ -141,6 +151,10 @@ class Bench:
             overrides["runtime__threads"] = options.threads
         if options.tensor_parallel_size != 1:
             overrides["runtime__tensor_parallel_size"] = options.tensor_parallel_size
+        if options.pipeline_parallel_size != 1:
+            overrides["runtime__pipeline_parallel_size"] = options.pipeline_parallel_size
+        if options.pipeline_layer_partition is not None:
+            overrides["runtime__pipeline_layer_partition"] = options.pipeline_layer_partition
         if options.dtypes:
             overrides["model__dtype"] = options.dtypes[0]
         self.overrides = overrides

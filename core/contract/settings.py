@@ -102,6 +102,9 @@ class RuntimeSettings(Section):
     """Ranks the model is split over, one process each on this machine (attention heads and MLP columns sharded)."""
     pipeline_parallel_size: PositiveInt = 1
     """Pipeline stages the decoder layers are split over (contiguous layers), one process each on this machine."""
+    pipeline_layer_partition: Annotated[list[PositiveInt] | None, NoDecode] = None
+    """Decoder layers of each pipeline stage, in stage order (e.g. ``19,11``: the last stage also computes the
+    logits); default: an even split, the first stages one more when it does not divide."""
     distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend joining the ranks: ``auto`` is NCCL on CUDA, gloo on the CPU."""
     distributed_timeout: PositiveFloat = 300.0
@@ -112,6 +115,17 @@ class RuntimeSettings(Section):
     master_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     """Port of the run's torch.distributed store; default: torchrun's ``MASTER_PORT`` under torchrun, else a free
     port."""
+
+    _partition = field_validator("pipeline_layer_partition", mode="before")(
+        lambda value: _split_names(value) if isinstance(value, str) else value)
+
+    @model_validator(mode="after")
+    def _one_partition_per_stage(self) -> RuntimeSettings:
+        partition = self.pipeline_layer_partition
+        if partition is not None and len(partition) != self.pipeline_parallel_size:
+            raise ValueError(f"pipeline_layer_partition gives {len(partition)} stages' layers "
+                             f"({','.join(map(str, partition))}); pipeline_parallel_size is {self.pipeline_parallel_size}")
+        return self
 
     @property
     def world_size(self) -> int:

@@ -3,6 +3,14 @@
 One step: the scheduler decides, the runner executes, the scheduler
 advances the requests, and the engine turns the news into
 :class:`RequestOutput` updates (detokenising only where stop strings need it).
+
+With pipeline stages (``runtime.pipeline_parallel_size`` > 1) a step is
+vLLM's step with a batch queue: while fewer than one batch per stage is in
+flight, the engine schedules another, runs the first stage's layers on it
+(whose hidden states go on to the next stage without waiting) and returns;
+otherwise (or when nothing new could be scheduled) it waits for the oldest
+batch's output from the last stage and applies it, so outputs are applied
+in the order the batches were scheduled.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import itertools
 import logging
 import time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +51,7 @@ from patchbay.engine.memory_check import check_fits, format_bytes
 from patchbay.engine.ranks import TensorParallelRanks, check_tensor_parallel, parallel_settings
 from patchbay.engine.step_failures import EngineDeadError, describe_failure, fail_requests, replay_alone
 from patchbay.scheduling.scheduler import Scheduler
+from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from patchbay.worker import distributed
 from patchbay.worker.kv_transfers import RankTransferReports
 from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
@@ -133,6 +142,10 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    max_batches_in_flight: int = 0
+    """With pipeline stages: the most batches scheduled at once whose outputs were not back (1: lockstep)."""
+    num_overlapped_batches: int = 0
+    """With pipeline stages: batches whose first stage ran while an earlier batch's output was not back."""
 
 
 class Engine:
@@ -171,7 +184,7 @@ class Engine:
             if settings.runtime.tensor_parallel_size > 1:
                 shard_layout(config, settings.runtime.tensor_parallel_size)
             if settings.runtime.pipeline_parallel_size > 1:
-                stage_layout(config, settings.runtime.pipeline_parallel_size)
+                stage_layout(config, settings.runtime.pipeline_parallel_size, settings.runtime.pipeline_layer_partition)
             self.ranks = TensorParallelRanks(settings, model_dir, device=self.device, dtype=self.dtype,
                                              tuning=self.tuning)
         self._close_ranks = weakref.finalize(self, self.ranks.close) if self.ranks is not None else None
@@ -231,6 +244,8 @@ class Engine:
             kv_connector=self.kv_connector.scheduler_side() if self.kv_connector is not None else None,
             kv_connector_role=settings.kv_connector.role if settings.kv_connector is not None else "both",
             grammars=self.grammars,
+            max_batches_in_flight=self.pipeline_depth,
+            pipelined=settings.runtime.pipeline_parallel_size > 1,
         )
         spec = RunnerSpec(self.backend_name, num_blocks, max_num_reqs, self.max_model_len, max_step_tokens,
                           single_thread_max_tokens(settings.runtime.single_thread_max_tokens, self.dtype, self.tuning),
@@ -259,6 +274,8 @@ class Engine:
         """Requests with n > 1: their sequence ids and the sequences finished so far."""
         self._group_of: dict[str, str] = {}
         self._aborted: list[str] = []
+        self._batches: deque[SchedulerOutput] = deque()
+        """With pipeline stages: the batches in flight (scheduled, their outputs not back), oldest first."""
         self._dead: str | None = None
         """Why the engine stopped for good (an error that may have corrupted its state); ``None`` while it runs."""
         self.limits = AdmissionLimits(shape.vocab_size, self.max_model_len,
@@ -299,6 +316,12 @@ class Engine:
         require_serves(registry.resolve("sampler", spec.rejection_sampler), f"sampler:{spec.rejection_sampler}",
                        "speculative.rejection_sampler",
                        [SamplerConfig(device=self.device.type, dtype=self.dtype, role="verify")])
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Batches in flight at once: one per pipeline stage; 1 with one stage, or with a KV connector (every rank
+        joins its transfer reports with the others' after each batch, so the stages go in lockstep)."""
+        return self.settings.runtime.pipeline_parallel_size if self.settings.kv_connector is None else 1
 
     def _kv_connector(self, registry: Registry, backend: type) -> KVConnector | None:
         """The connector of ``kv_connector:``, checked against the run; ``None`` without that section."""
@@ -514,7 +537,7 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         """Whether a :meth:`step` still has work or outputs (aborted requests are returned by the next step)."""
         self._require_alive()
-        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted) or bool(self._batches)
 
     def close(self) -> None:
         """Release what outlives a step: the other tensor-parallel ranks' processes (idempotent; no-op for one rank).
@@ -564,7 +587,7 @@ class Engine:
         """
         self._require_alive()
         try:
-            return self._step()
+            return self._pipelined_step() if self.settings.runtime.pipeline_parallel_size > 1 else self._step()
         except BaseException as exc:
             self._dead = describe_failure(exc, self._plugins()) if not isinstance(exc, EngineDeadError) else str(exc)
             logger.error("engine stopped: %s", self._dead)
@@ -588,6 +611,55 @@ class Engine:
             runner_output = self.runner.execute_model(scheduler_output)
         except Exception as exc:
             runner_output, failed = self._replay_failed_step(scheduler_output, exc)
+        return self._apply_output(scheduler_output, runner_output, failed)
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """One step with pipeline stages: schedule another batch and start it, or apply the oldest one's output.
+
+        Returns without outputs after starting a batch while fewer than
+        ``pipeline_parallel_size`` are in flight: the next call schedules
+        the next batch (from requests not in flight) while this one is in
+        the later stages.
+        """
+        assert self.ranks is not None
+        depth = self.pipeline_depth
+        if len(self._batches) < depth:
+            started = time.perf_counter()
+            scheduler_output = self.scheduler.schedule()
+            self.stats.num_preemptions += len(scheduler_output.preempted_req_ids)
+            self._engine_timings["schedule"] += time.perf_counter() - started
+            own_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            if not scheduler_output.is_empty or _tells_runner(scheduler_output) or not self._batches:
+                # Rank 0's matchers fill the step's grammar bitmasks; they travel with the step to every rank.
+                self.runner.fill_grammar_bitmasks(scheduler_output)
+                self.ranks.send_step(scheduler_output)  # raises RankDiedError once a rank has ended
+                try:
+                    # The first stage's layers; nothing sampled here.  An empty step's output still holds the
+                    # ranks' joined KV transfer reports, when a connector runs.
+                    own_output = self.runner.execute_model(scheduler_output)
+                except Exception as exc:
+                    self._replay_failed_step(scheduler_output, exc)  # raises: steps are not replayed with ranks
+            if not scheduler_output.is_empty:
+                if self._batches:
+                    self.stats.num_overlapped_batches += 1
+                self._batches.append(scheduler_output)
+                self.stats.max_batches_in_flight = max(self.stats.max_batches_in_flight, len(self._batches))
+                if len(self._batches) < depth:
+                    return []
+            elif not self._batches:
+                return self._apply_output(scheduler_output, own_output, {})
+        # The pipeline is full, or every running request is in flight: take the oldest batch's output.
+        scheduler_output = self._batches.popleft()
+        waited = time.perf_counter()
+        runner_output = self.ranks.receive_output()
+        self._engine_timings["wait"] += time.perf_counter() - waited
+        if self.runner.constrained is not None:  # rank 0's matchers accept the samples: theirs are the failures
+            runner_output.failed.update(self.runner.constrained.take_failed())
+        return self._apply_output(scheduler_output, runner_output, {})
+
+    def _apply_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                      failed: dict[str, str]) -> list[RequestOutput]:
+        """Advance the scheduler by one batch's output and turn it into request outputs; the finished ones."""
         ran = time.perf_counter()
         now = time.monotonic()
         errored = []
@@ -602,7 +674,11 @@ class Engine:
         now = time.monotonic()
         logprobs_by_id = dict(zip(runner_output.req_ids, runner_output.logprobs or [], strict=False))
         sampled_by_id = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
+        verified_elsewhere = not self.runner.samples  # the last pipeline stage's runner counted them, not ours
         for request_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            if verified_elsewhere and sampled_by_id.get(request_id):
+                self.spec_stats.record(len(drafts), len(sampled_by_id[request_id]) - 1,
+                                       self.scheduler.num_speculative_tokens)
             output = self._outputs.get(request_id)
             if output is not None and sampled_by_id.get(request_id):
                 output.metrics.num_draft_tokens += len(drafts)
@@ -642,7 +718,8 @@ class Engine:
         self._check_liveness(scheduler_output.is_empty and not finished)
         return finished
 
-    def _replay_failed_step(self, scheduler_output: Any, exc: Exception) -> tuple[Any, dict[str, str]]:
+    def _replay_failed_step(self, scheduler_output: SchedulerOutput,
+                            exc: Exception) -> tuple[ModelRunnerOutput, dict[str, str]]:
         """Replay a step whose runner raised request by request; fail (and free) the requests that raise alone."""
         if self.ranks is not None:
             # Every rank would have to replay in step; a failed rank or collective cannot be replayed at all.
@@ -700,6 +777,10 @@ class Engine:
         request outputs).  With tensor parallelism, ``all_reduce`` follows
         ``forward``: rank 0's time in the forward pass's all-reduces (and the
         LM head's all-gather of the vocabulary's logits), taken out of ``forward``.
+        With pipeline stages the runner's phases are the first stage's (it
+        samples nothing), and ``wait`` comes before ``finish``: rank 0's time
+        waiting for the last stage's outputs (the pipeline's bubbles as rank 0
+        sees them).
         """
         timings = {"schedule": self._engine_timings["schedule"]}
         for phase, seconds in self.runner.timings.items():
@@ -708,6 +789,8 @@ class Engine:
                 timings.update(forward=seconds - all_reduce, all_reduce=all_reduce)
             else:
                 timings[phase] = seconds
+        if self.settings.runtime.pipeline_parallel_size > 1:
+            timings["wait"] = self._engine_timings["wait"]
         timings["finish"] = self._engine_timings["finish"]
         return timings
 
@@ -743,3 +826,9 @@ class Engine:
         stop, index = found
         output.text = text[:index]
         return stop
+
+
+def _tells_runner(scheduler_output: SchedulerOutput) -> bool:
+    """Whether an empty batch still carries news for the runners' persistent batches (rows to drop)."""
+    return bool(scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
+                or scheduler_output.reset_req_ids)

@@ -43,6 +43,7 @@ from patchbay.engine.step_failures import EngineDeadError
 from patchbay.scheduling.scheduler_output import SchedulerOutput
 from patchbay.worker import step_channel
 from patchbay.worker.distributed import STORE_HOST, CollectiveError, RankGroup, RankSetup, joined_key
+from patchbay.worker.pipeline_parallel import last_stage_rank
 from patchbay.worker.rank_worker import END_OF_RUN, RankZeroGoneError, run_torchrun_rank
 from patchbay.worker.step_channel import StepChannelError
 from patchbay.worker.torchrun import check_world_size, rendezvous_store, store_address, torchrun_launch
@@ -259,6 +260,20 @@ class TensorParallelRanks:
         rank 0's bitmask rows (``grammar_bitmasks``) instead.
         """
         self._send(pickle.dumps(scheduler_output.without_grammars(), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def receive_output(self) -> Any:
+        """The last pipeline stage's output of the oldest step it has not returned yet (waiting for it); raise
+        :class:`RankDiedError` when a rank ended."""
+        assert self.group is not None
+        runtime = self.setup.settings.runtime
+        try:
+            return self.group.recv_object(last_stage_rank(runtime.pipeline_parallel_size,
+                                                          runtime.tensor_parallel_size))
+        except Exception as exc:
+            died = self.failure(exc, "while rank 0 waited for a step's output")
+            if died is not None:
+                raise died from exc
+            raise
 
     def _send(self, payload: bytes) -> None:
         self.check_alive()

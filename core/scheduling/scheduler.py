@@ -12,6 +12,27 @@ before the forward pass, so those tokens count as computed at once; an
 asynchronous one parks the request (``WAITING_FOR_REMOTE_KVS``) until the
 runner reports it in ``finished_recving``.  Blocks that failed to load are
 recomputed, never trusted.
+
+With ``max_batches_in_flight`` above 1 (pipeline parallelism: one per
+stage) the engine schedules the next batch before the earlier ones'
+outputs are back (``pipelined`` asks for the same bookkeeping with one
+batch in flight: stages in lockstep).  A request scheduled in a batch whose output has
+not come back is *in flight*: it is not scheduled again until that output
+is applied, whether it decodes (its next token is not known yet) or
+prefills (its next chunk waits too: ``num_computed_tokens`` advances only
+when an output comes back, so chunks of one prompt never overlap, while
+different requests' batches do).  Outputs must be applied in the order the
+batches were scheduled.  A request preempted, finished or aborted while in
+flight has its late output ignored, and a preempted one is admitted again
+only once that output is back.  Cached requests then carry the tokens
+sampled since they last ran (``CachedRequestData.new_token_ids``): only the
+last stage samples, the others learn the tokens this way.  A batch then
+takes at most its share of the unfinished requests (their number divided
+by ``max_batches_in_flight``, rounded up), so that the next batches find
+requests that are not in flight: 16 decoding requests over 2 stages run as
+two batches of 8 in turn, not one of 16 and an empty one (vLLM's v0
+pipeline kept a scheduler per stage, with the requests spread among them,
+for the same reason).
 """
 
 from __future__ import annotations
@@ -82,6 +103,8 @@ class Scheduler:
         kv_connector: KVConnectorScheduler | None = None,
         kv_connector_role: str = "both",
         grammars: GrammarCompilations | None = None,
+        max_batches_in_flight: int = 1,
+        pipelined: bool = False,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -132,6 +155,16 @@ class Scheduler:
         """Finished requests whose blocks stay allocated until the connector is done: ``sending`` and/or ``recving``."""
         self._reset_req_ids: set[str] = set()
         """Running requests rolled back after a load error: sent to the runner as new at their next step."""
+        self.max_batches_in_flight = max_batches_in_flight
+        self.overlapped = pipelined or max_batches_in_flight > 1
+        """Batches go through pipeline stages: they may be scheduled before earlier ones' outputs are applied, and
+        cached requests carry their new tokens (see the module docstring); ``pipelined`` asks for the tokens even
+        with one batch in flight."""
+        self._in_flight: dict[str, Request] = {}
+        """With overlapped batches: requests of batches whose output is not applied yet, by id (the object
+        tells a request apart from a later one that reuses its id)."""
+        self._num_tokens_sent: dict[str, int] = {}
+        """With overlapped batches: per request, its tokens the runners were told of (prompt and outputs)."""
 
     # -- requests in and out -----------------------------------------------
 
@@ -211,10 +244,17 @@ class Scheduler:
         preempted: set[str] = set()
         reset: set[str] = set()
         self._wait_for_grammars_if_idle()
+        seats = self.max_num_seqs
+        """Requests this batch may take: with overlapped batches, its share of the unfinished ones."""
+        if self.overlapped:
+            seats = max(1, -(-(len(self.running) + len(self.waiting)) // self.max_batches_in_flight))
 
         index = 0
-        while index < len(self.running) and token_budget > 0:
+        while index < len(self.running) and token_budget > 0 and len(num_scheduled) < seats:
             request = self.running[index]
+            if request.request_id in self._in_flight:
+                index += 1
+                continue  # its output is not back: its next tokens are not known yet
             num_new = min(
                 request.num_tokens_with_spec - request.num_computed_tokens,
                 token_budget,
@@ -243,16 +283,20 @@ class Scheduler:
                 cached.req_ids.append(request.request_id)
                 cached.new_block_ids.append(new_block_ids if any(new_block_ids) else None)
                 cached.num_computed_tokens.append(request.num_computed_tokens)
+                if self.overlapped:
+                    sent = self._num_tokens_sent.get(request.request_id, request.num_tokens)
+                    cached.new_token_ids.append(request.all_token_ids[sent:])
+                    self._num_tokens_sent[request.request_id] = request.num_tokens
             num_scheduled[request.request_id] = num_new
             token_budget -= num_new
             index += 1
 
         # A step that preempted admits no one: the freed blocks go to running requests first.
         if not preempted:
-            token_budget = self._schedule_waiting(token_budget, num_scheduled, new_reqs)
+            token_budget = self._schedule_waiting(token_budget, num_scheduled, new_reqs, seats)
 
         if not num_scheduled and not self.running and self.waiting and not self._loading \
-                and not self._grammar_futures():
+                and not self._in_flight and not self._grammar_futures():
             # The pool check at construction makes this unreachable; fail loudly rather than spin.
             head = self.waiting[0]
             raise RuntimeError(
@@ -273,7 +317,14 @@ class Scheduler:
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(list(num_scheduled))
         self._finished_req_ids = set()
+        if self.overlapped:
+            self._in_flight.update((request_id, self.requests[request_id]) for request_id in num_scheduled)
         return output
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests scheduled in batches whose output is not applied yet (0 without overlapped batches)."""
+        return len(self._in_flight)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -289,8 +340,10 @@ class Scheduler:
             else set()
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
+            if self.overlapped and self._in_flight.pop(request_id, None) is not request:
+                continue  # finished or aborted while in flight (and maybe its id reused since)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # finished or aborted since it was scheduled
+                continue  # finished, aborted or preempted since it was scheduled
             if request_id in rolled_back:
                 continue  # it ran on KV that failed to load: this step's work and sample are void
             row = rows.get(request_id)
@@ -340,14 +393,19 @@ class Scheduler:
                 return None
 
     def _schedule_waiting(
-        self, token_budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]
+        self, token_budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData], seats: int
     ) -> int:
-        """Admit waiting requests in arrival order while budget, seats and blocks last; returns the budget left."""
+        """Admit waiting requests in arrival order while budget, seats (``max_num_seqs`` running, ``seats`` in this
+        batch) and blocks last; returns the budget left."""
         skipped: list[Request] = []
-        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs \
+                and len(num_scheduled) < seats:
             request = self.waiting[0]
             request_id = request.request_id
             num_external = 0
+            if request_id in self._in_flight:
+                skipped.append(self.waiting.popleft())  # preempted while in flight: its output comes back first
+                continue
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(request):
                 if not request.is_finished:
                     skipped.append(self.waiting.popleft())  # still compiling
@@ -405,6 +463,8 @@ class Scheduler:
         return token_budget
 
     def _new_request_data(self, request: Request) -> NewRequestData:
+        if self.overlapped:
+            self._num_tokens_sent[request.request_id] = request.num_tokens
         return NewRequestData(
             req_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -645,6 +705,7 @@ class Scheduler:
         self._loading.pop(request_id, None)
         self._loaded.discard(request_id)
         self._reset_req_ids.discard(request_id)
+        self._num_tokens_sent.pop(request_id, None)
         if pending:
             self._held[request_id] = (request, pending)
         else:

@@ -49,6 +49,9 @@ class CachedRequestData:
     """Blocks appended to each request's block table this step (``None``: none)."""
     num_computed_tokens: list[int] = field(default_factory=list)
     """Tokens in the cache before this step, as the scheduler counts them (drafts rejected last step excluded)."""
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    """With overlapped batches (pipeline parallelism): per request, the tokens sampled since the runners last saw
+    it, for the stages that do not sample (empty list: not told; the last stage appends its own samples)."""
 
 
 @dataclass

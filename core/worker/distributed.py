@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import pickle
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,10 @@ from patchbay.worker.torchrun import torchrun_launch
 from patchbay.worker.tuning import Tuning
 
 STORE_HOST = "127.0.0.1"
+HIDDEN_STATES_TAG = 0
+"""The point-to-point tag of hidden states passed from one pipeline stage to the next."""
+OUTPUT_TAG = 1
+"""The tag of the last pipeline stage's step outputs, sent to rank 0."""
 
 
 @dataclass(frozen=True)
@@ -69,12 +75,11 @@ def rank_threads(settings: Settings) -> int | None:
     ranks on this machine (all of them, or torchrun's ``LOCAL_WORLD_SIZE``); ``None``: torch's default,
     without tensor parallelism.
 
-    Pipeline stages alone are not counted: they compute one after the other, each
-    while the others wait for its hidden states, so each may use every core.
+    Pipeline stages count too: with batches in flight on every stage, they compute at the same time.
     """
     if settings.runtime.threads is not None:
         return settings.runtime.threads
-    world_size = settings.runtime.tensor_parallel_size
+    world_size = settings.runtime.world_size
     if world_size == 1:
         return None
     launch = torchrun_launch()
@@ -108,6 +113,13 @@ class RankGroup:
         self.rank = rank
         self.device = device
         """This rank's device: where NCCL's collectives want their tensors."""
+        self._device = device if setup.backend == "nccl" else torch.device("cpu")
+        """Where point-to-point tensors live: NCCL moves CUDA tensors only."""
+        self._pending_sends: deque[tuple[dist.Work, torch.Tensor]] = deque()
+        """Sends started and not yet waited for, oldest first, each with its tensor (kept alive until sent)."""
+        self._max_pending_sends = 2 * setup.settings.runtime.pipeline_parallel_size
+        """A send older than this many has surely been received: with at most ``pipeline_parallel_size``
+        batches in flight (two sends each, at most), its batch's output is back on rank 0."""
         self.all_reduce_seconds = 0.0
         """Seconds this rank spent in :meth:`all_reduce` and :meth:`all_gather` (waiting for the slowest rank
         included)."""
@@ -151,31 +163,55 @@ class RankGroup:
         self.all_reduce_seconds += time.perf_counter() - started
         return torch.cat(parts, dim=-1)
 
-    def send(self, tensor: torch.Tensor, to_rank: int) -> None:
-        """Send ``tensor`` to ``to_rank``, which receives it with :meth:`recv` (returns once it was taken)."""
+    def send(self, tensor: torch.Tensor, to_rank: int, tag: int = HIDDEN_STATES_TAG) -> None:
+        """Start sending ``tensor`` to ``to_rank``, which receives it with :meth:`recv`; returns at once.
+
+        The group keeps ``tensor`` until the send completes (do not write to
+        it after); sends to one rank with one tag arrive in order.
+        """
         assert self._group is not None, "the rank left the group"
+        while len(self._pending_sends) >= self._max_pending_sends:
+            self._wait_for_oldest_send()
         try:
-            self._group.send([tensor], to_rank, 0).wait()
+            work = self._group.send([tensor], to_rank, tag)
         except RuntimeError as exc:
             raise CollectiveError(f"send from rank {self.rank} to rank {to_rank} failed: {exc}") from exc
+        self._pending_sends.append((work, tensor))
 
-    def recv(self, tensor: torch.Tensor, from_rank: int) -> None:
+    def _wait_for_oldest_send(self) -> None:
+        work, _ = self._pending_sends.popleft()
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"a send from rank {self.rank} failed: {exc}") from exc
+
+    def flush_sends(self) -> None:
+        """Wait until every send started has completed."""
+        while self._pending_sends:
+            self._wait_for_oldest_send()
+
+    def recv(self, tensor: torch.Tensor, from_rank: int, tag: int = HIDDEN_STATES_TAG) -> None:
         """Fill ``tensor`` (of the sent shape and dtype) with what ``from_rank`` sends."""
         assert self._group is not None, "the rank left the group"
         try:
-            self._group.recv([tensor], from_rank, 0).wait()
+            self._group.recv([tensor], from_rank, tag).wait()
         except RuntimeError as exc:
             raise CollectiveError(f"receive on rank {self.rank} from rank {from_rank} failed: {exc}") from exc
 
-    def broadcast(self, tensor: torch.Tensor, from_rank: int) -> None:
-        """Overwrite ``tensor`` on every rank with ``from_rank``'s, in place."""
-        assert self._group is not None, "the rank left the group"
-        options = dist.BroadcastOptions()
-        options.rootRank = from_rank
-        try:
-            self._group.broadcast([tensor], options).wait()
-        except RuntimeError as exc:
-            raise CollectiveError(f"broadcast from rank {from_rank} on rank {self.rank} failed: {exc}") from exc
+    def send_object(self, value: object, to_rank: int) -> None:
+        """Start sending a picklable ``value`` to ``to_rank`` (its size, then its bytes), which takes it with
+        :meth:`recv_object`; returns at once."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        self.send(torch.tensor([payload.numel()], dtype=torch.int64, device=self._device), to_rank, OUTPUT_TAG)
+        self.send(payload.to(self._device), to_rank, OUTPUT_TAG)
+
+    def recv_object(self, from_rank: int) -> object:
+        """The next value ``from_rank`` sent with :meth:`send_object` (waits for it)."""
+        size = torch.empty(1, dtype=torch.int64, device=self._device)
+        self.recv(size, from_rank, OUTPUT_TAG)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self._device)
+        self.recv(payload, from_rank, OUTPUT_TAG)
+        return pickle.loads(payload.cpu().numpy().tobytes())
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         """Every rank's ``payload``, in rank order (every rank of the group calls it, each with its own).
@@ -212,6 +248,7 @@ class RankGroup:
         """Leave the group, closing this rank's connections to the others (idempotent)."""
         groups = (self._tensor_group, self._group)
         self._tensor_group = self._group = None
+        self._pending_sends.clear()
         for group in groups:
             if group is not None:
                 group.shutdown()
@@ -259,7 +296,3 @@ class PausableCollectives:
     def recv(self, tensor: torch.Tensor, from_rank: int) -> None:
         if not self._paused:
             self._group.recv(tensor, from_rank)
-
-    def broadcast(self, tensor: torch.Tensor, from_rank: int) -> None:
-        if not self._paused:
-            self._group.broadcast(tensor, from_rank)

@@ -9,6 +9,11 @@ connector's worker side, when one is configured, loads blocks before the
 forward pass (``start_load_kv``), waits and saves per layer inside it, and
 reports finished transfers and failed loads after it (with several ranks,
 every rank's, joined: :mod:`patchbay.worker.kv_transfers`).
+
+A runner of a pipeline stage other than the last (``samples=False``) runs
+its layers and hands the hidden states on (the model's hooks send them);
+it computes no logits and samples nothing: its persistent batch learns the
+sampled tokens from the scheduler's ``CachedRequestData.new_token_ids``.
 """
 
 from __future__ import annotations
@@ -110,8 +115,11 @@ class ModelRunner:
         kv_reports: RankTransferReports | None = None,
         grammars: GrammarCompilations | None = None,
         single_thread_max_tokens: int = 0,
+        samples: bool = True,
     ) -> None:
         self.model = model
+        self.samples = samples
+        """Whether this runner computes logits and samples (``False``: a pipeline stage before the last)."""
         self.single_thread_max_tokens = single_thread_max_tokens
         """Steps of at most this many tokens run on one thread: a sleeping OpenMP thread's wake-up, paid once
         per parallel product, costs more than a second core gains on a few-row product (measured by the
@@ -250,6 +258,16 @@ class ModelRunner:
             hidden_states = self.model.hidden_states(step.input_ids, step.positions)
         if connector is not None:
             connector.wait_for_save()
+        if not self.samples:
+            # An earlier pipeline stage: its hidden states are on their way to the next stage (the hooks sent them).
+            self.batch.num_computed_tokens[step.rows] = step.seq_lens
+            output = ModelRunnerOutput(req_ids=[self.batch.req_ids[row] for row in step.rows],
+                                       sampled_token_ids=[[] for _ in step.rows])
+            if connector is not None:  # every rank joins the transfer reports, after every step
+                self._report_transfers(scheduler_output, output)
+            self._lap("forward", clock)
+            self.num_steps += 1
+            return output
         sample_rows = step.rows[step.complete]
         logits = None
         if len(sample_rows):
@@ -314,6 +332,10 @@ class ModelRunner:
         clock = time.perf_counter()
         constrained.update(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
                            | scheduler_output.reset_req_ids, scheduler_output.scheduled_new_reqs)
+        cached = scheduler_output.scheduled_cached_reqs
+        if not self.samples and cached.new_token_ids:
+            # A first pipeline stage samples nothing: its matchers accept the tokens the last stage sampled.
+            constrained.advance(cached.req_ids, cached.new_token_ids)
         scheduler_output.grammar_bitmasks = constrained.fill_step(
             self._sampling_req_ids(scheduler_output, constrained.matchers),
             scheduler_output.scheduled_spec_decode_tokens) if constrained.matchers else {}
@@ -331,8 +353,11 @@ class ModelRunner:
                     >= len(request.prompt_token_ids) + len(request.output_token_ids)]
         cached = scheduler_output.scheduled_cached_reqs
         index = self.batch.req_id_to_index
-        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
-            if req_id in among and num_computed + scheduled[req_id] >= self.batch.num_tokens[index[req_id]]:
+        # A stage that samples nothing learns the sampled tokens with the step (new_token_ids), not yet applied.
+        unseen = [len(tokens) for tokens in cached.new_token_ids] if not self.samples and cached.new_token_ids \
+            else [0] * len(cached.req_ids)
+        for req_id, num_computed, num_unseen in zip(cached.req_ids, cached.num_computed_tokens, unseen, strict=True):
+            if req_id in among and num_computed + scheduled[req_id] >= self.batch.num_tokens[index[req_id]] + num_unseen:
                 sampling.append(req_id)
         return sampling
 
@@ -365,6 +390,13 @@ class ModelRunner:
         if self.constrained is not None and scheduler_output.grammar_bitmasks is None:
             self.constrained.update(dropped, scheduler_output.scheduled_new_reqs)  # ranks: fill_grammar_bitmasks did
         cached = scheduler_output.scheduled_cached_reqs
+        if cached.new_token_ids and not self.samples:
+            # 2 tokens known, [7, 9] sampled since: token_ids[row, 2:4] = [7, 9], num_tokens[row] = 4
+            for req_id, token_ids in zip(cached.req_ids, cached.new_token_ids, strict=True):
+                row = batch.req_id_to_index[req_id]
+                start = batch.num_tokens[row]
+                batch.token_ids[row, start : start + len(token_ids)] = token_ids
+                batch.num_tokens[row] = start + len(token_ids)
         for req_id, new_block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
         ):

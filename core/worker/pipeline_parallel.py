@@ -4,22 +4,23 @@ Stage ``s`` (rank ``s``, or its ``tensor_parallel_size`` ranks) keeps a
 contiguous range of decoder layers; every other layer is replaced by a
 :class:`PassThroughLayer`, which returns its
 input untouched and never calls attention, so the stage's layer specs (and
-so its KV cache) cover its own layers only.  Three hooks move the hidden
+so its KV cache) cover its own layers only.  Two hooks move the hidden
 states between stages, over the run's process group:
 
 * a forward pre-hook on the stage's first layer replaces its input with the
   hidden states stage ``s - 1`` sends (stages after the first);
-* a forward hook on its last layer sends their output to stage ``s + 1``
-  (stages before the last);
-* a forward hook on the final norm broadcasts the last stage's output to
-  every stage, so all of them compute the same logits and sample the same
-  tokens: their persistent batches and seeded samplers stay in step, as
-  tensor-parallel ranks' do.
+* a forward hook on its last layer starts sending their output to stage
+  ``s + 1`` (stages before the last) and lets the stage go on at once, so
+  stage ``s`` can compute the next batch while stage ``s + 1`` computes
+  this one.
 
-Every stage runs the whole forward pass of each step (embeddings, rotary
-tables, the final norm and LM head are cheap next to the layers), which
-keeps the model's own code unchanged.  transformers (5.x) decoder layers
-take the hidden states as their first argument and return a tensor.
+Every stage runs the model's whole forward pass (embeddings, rotary tables
+and the final norm are cheap next to the layers), which keeps the model's
+own code unchanged; only the last stage's runner computes logits and
+samples, and its first rank sends the step's output to rank 0 (the
+engine), which hands the sampled tokens to the other stages with their
+next batch.  transformers (5.x) decoder layers take the hidden states as
+their first argument and return a tensor.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from patchbay.scheduling.kv_cache_spec import group_layers
 from patchbay.worker.hf_model import HFCausalLM
 
 KEY = "runtime.pipeline_parallel_size"
+PARTITION_KEY = "runtime.pipeline_layer_partition"
 
 PIPELINED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 """transformers ``model_type`` values whose decoder layers take and return a hidden-states tensor."""
@@ -44,23 +46,28 @@ PIPELINED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 class StageLink(Protocol):
     """What the stages exchange hidden states over (a :class:`~patchbay.worker.distributed.RankGroup`)."""
 
-    def send(self, tensor: torch.Tensor, to_rank: int) -> None: ...
+    def send(self, tensor: torch.Tensor, to_rank: int) -> None:
+        """Start sending ``tensor`` (which the link keeps until sent); returns at once."""
 
-    def recv(self, tensor: torch.Tensor, from_rank: int) -> None: ...
-
-    def broadcast(self, tensor: torch.Tensor, from_rank: int) -> None: ...
+    def recv(self, tensor: torch.Tensor, from_rank: int) -> None:
+        """Fill ``tensor`` with what ``from_rank`` sends (waits for it)."""
 
 
 @dataclass(frozen=True)
 class StageLayout:
-    """How ``num_layers`` decoder layers split into ``num_stages`` contiguous stages (earlier stages take the extra
-    layers when the count does not divide)."""
+    """How ``num_layers`` decoder layers split into ``num_stages`` contiguous stages: ``sizes`` layers each, or
+    evenly (earlier stages take the extra layers when the count does not divide)."""
 
     num_layers: int
     num_stages: int
+    sizes: tuple[int, ...] | None = None
+    """Layers per stage (``runtime.pipeline_layer_partition``); ``None``: an even split."""
 
     def layer_range(self, stage: int) -> range:
         """The decoder layers stage ``stage`` runs."""
+        if self.sizes is not None:
+            start = sum(self.sizes[:stage])
+            return range(start, start + self.sizes[stage])
         share, extra = divmod(self.num_layers, self.num_stages)
         start = stage * share + min(stage, extra)
         return range(start, start + share + (stage < extra))
@@ -70,11 +77,14 @@ class StageLayout:
         return self.num_stages - 1
 
 
-def stage_layout(config: Any, num_stages: int) -> StageLayout:
-    """The layout of ``config`` (a transformers config) over ``num_stages`` stages.
+def stage_layout(config: Any, num_stages: int, partition: list[int] | None = None) -> StageLayout:
+    """The layout of ``config`` (a transformers config) over ``num_stages`` stages, ``partition[s]`` layers to
+    stage ``s`` when given.
 
     Raises :class:`ConfigError` naming ``runtime.pipeline_parallel_size``
-    when the model has fewer layers than stages or is not a supported type.
+    when the model has fewer layers than stages or is not a supported type,
+    and ``runtime.pipeline_layer_partition`` when the partition does not
+    add up to the model's layers.
     """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
@@ -87,7 +97,12 @@ def stage_layout(config: Any, num_stages: int) -> StageLayout:
                         f"{num_stages} stages (each stage needs at least one)")
     if problems:
         raise ConfigError([ConfigProblem("<run>", KEY, problem) for problem in problems])
-    return StageLayout(config.num_hidden_layers, num_stages)
+    if partition is not None and (len(partition) != num_stages or sum(partition) != config.num_hidden_layers
+                                  or min(partition) < 1):
+        raise ConfigError([ConfigProblem(
+            "<run>", PARTITION_KEY, f"{','.join(map(str, partition))} must give each of the {num_stages} stages at "
+            f"least one layer and add up to {architecture}'s {config.num_hidden_layers} decoder layers")])
+    return StageLayout(config.num_hidden_layers, num_stages, tuple(partition) if partition is not None else None)
 
 
 class PassThroughLayer(nn.Module):
@@ -109,8 +124,7 @@ def split_model(model: HFCausalLM, layout: StageLayout, rank: int, link: StageLi
     With tensor parallelism a stage has ``ranks_per_stage`` ranks (stage
     ``s`` is ranks ``s * ranks_per_stage`` onwards); each exchanges its
     (all-reduced, so identical) hidden states with the rank of the same
-    tensor-parallel index in the next stage, and the last stage's first
-    rank broadcasts the final ones.
+    tensor-parallel index in the next stage.
     """
     stage = rank // ranks_per_stage
     decoder = model.model.base_model
@@ -128,7 +142,6 @@ def split_model(model: HFCausalLM, layout: StageLayout, rank: int, link: StageLi
         layers[kept.start].register_forward_pre_hook(_receiver(link, rank - ranks_per_stage), with_kwargs=True)
     if stage < layout.last_stage:
         layers[kept.stop - 1].register_forward_hook(_sender(link, rank + ranks_per_stage))
-    norm.register_forward_hook(_broadcaster(link, layout.last_stage * ranks_per_stage))
     model.layer_specs = {index: spec for index, spec in model.layer_specs.items() if index in kept}
 
 
@@ -166,15 +179,17 @@ def _receiver(link: StageLink, from_rank: int) -> Callable[..., tuple[tuple[Any,
 
 def _sender(link: StageLink, to_rank: int) -> Callable[[nn.Module, Any, torch.Tensor], None]:
     def send(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        link.send(output.contiguous(), to_rank)
+        # A copy of its own: the send may still be reading it while the next batch runs.
+        link.send(output.detach().clone(memory_format=torch.contiguous_format), to_rank)
 
     return send
 
 
-def _broadcaster(link: StageLink, from_rank: int) -> Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]:
-    def broadcast(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        output = output.contiguous()
-        link.broadcast(output, from_rank)
-        return output
+def last_stage_rank(num_stages: int, ranks_per_stage: int) -> int:
+    """The rank that sends each step's output to rank 0: the last stage's first (tensor-parallel) rank."""
+    return (num_stages - 1) * ranks_per_stage
 
-    return broadcast
+
+def samples_on(rank: int, num_stages: int, ranks_per_stage: int) -> bool:
+    """Whether ``rank``'s runner computes logits and samples: it is in the last stage (or there is one stage)."""
+    return rank // ranks_per_stage == num_stages - 1

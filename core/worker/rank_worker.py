@@ -5,9 +5,11 @@ Rank 0 (the engine's process) talks to it over a step channel
 and what rank 0 resolved), then, once rank 0 has chosen them, the runner's
 :class:`RunnerSpec`, then one pickled ``SchedulerOutput`` per step, and an
 empty message when the run ends.  Each step runs ``execute_model`` exactly
-as rank 0 does, so the forward pass's all-reduces (or the stages' sends,
-receives and broadcast) pair up and the persistent batches and seeded
-samplers stay identical; the outputs are dropped (rank 0's are the run's).
+as rank 0 does, so the forward pass's all-reduces (or the stages' sends and
+receives) pair up and the persistent batches and seeded samplers stay
+identical.  A tensor-parallel rank's outputs are dropped (rank 0's are the
+run's); with pipeline stages, the last stage's first rank sends each step's
+output to rank 0 (it is the only stage that samples) as soon as it has it.
 Structured output needs no grammar here: each step carries the token
 bitmask rows rank 0's matchers filled (``SchedulerOutput.grammar_bitmasks``),
 which this rank applies to its logits as rank 0 does.
@@ -47,6 +49,7 @@ from patchbay.worker import distributed
 from patchbay.worker.distributed import RankSetup
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.kv_transfers import RankTransferReports
+from patchbay.worker.pipeline_parallel import last_stage_rank
 from patchbay.worker.runner_build import RunnerSpec, build_runner, kv_connector_worker, load_rank_model
 from patchbay.worker.step_channel import connect_to_rank_0, pipe_end
 from patchbay.worker.torchrun import TorchrunLaunch, launch_device, rendezvous_store
@@ -97,11 +100,17 @@ def run_rank(connection: Connection, rank: int, *, local_rank: int | None = None
             kv_connector = kv_connector_worker(settings, registry, spec.kv_connector, rank)
             kv_reports = RankTransferReports(group, setup.world_size)
         runner = build_runner(loaded.model, settings, registry, spec, device=device, dtype=setup.dtype,
-                              kv_connector=kv_connector, kv_reports=kv_reports)
+                              kv_connector=kv_connector, kv_reports=kv_reports, rank=rank)
         torch.manual_seed(settings.runtime.seed)  # as rank 0 does once built: the samplers start alike
+        runtime = settings.runtime
+        sends_outputs = runtime.pipeline_parallel_size > 1 and rank == last_stage_rank(
+            runtime.pipeline_parallel_size, runtime.tensor_parallel_size)
         group.barrier()
         while (message := _receive(connection, rank)) != END_OF_RUN:
-            runner.execute_model(pickle.loads(message))
+            scheduler_output = pickle.loads(message)
+            output = runner.execute_model(scheduler_output)
+            if sends_outputs and not scheduler_output.is_empty:
+                group.send_object(output, 0)
     finally:
         group.close()
 

@@ -26,7 +26,7 @@ from patchbay.worker.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.kv_transfers import RankTransferReports
 from patchbay.worker.model_runner import ModelRunner
 from patchbay.worker.packed_linear import packing_supported
-from patchbay.worker.pipeline_parallel import StageLink, split_model, stage_layout
+from patchbay.worker.pipeline_parallel import StageLink, samples_on, split_model, stage_layout
 from patchbay.worker.quantization import INT8_MAX_ROWS, quantize_linears
 from patchbay.worker.tensor_parallel import AllGather, AllReduce, shard_layout, shard_model
 from patchbay.worker.tuning import LinearPaths, Tuning, apply_linear_paths
@@ -62,7 +62,8 @@ def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: t
     num_stages = settings.runtime.pipeline_parallel_size
     if num_stages > 1:
         assert link is not None, "a model split into stages needs the link between them"
-        split_model(model, stage_layout(model.model.config, num_stages), rank, link, ranks_per_stage=tensor_size)
+        layout = stage_layout(model.model.config, num_stages, settings.runtime.pipeline_layer_partition)
+        split_model(model, layout, rank, link, ranks_per_stage=tensor_size)
     quantized, paths = speed_up_linears(model, settings.runtime, settings.model.quantization,
                                         device=device, dtype=dtype, tuning=tuning)
     # After the linears: the fused MLP computes gate/up through the group those paths gave it.
@@ -146,8 +147,9 @@ def drafter_config(settings: Settings, model: HFCausalLM, *, device: torch.devic
 def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec: RunnerSpec, *,
                  device: torch.device, dtype: str, kv_connector: KVConnectorWorker | None = None,
                  kv_reports: RankTransferReports | None = None,
-                 grammars: GrammarCompilations | None = None) -> ModelRunner:
-    """The runner over ``model`` with the plugins the settings name (already checked by rank 0).
+                 grammars: GrammarCompilations | None = None, rank: int = 0) -> ModelRunner:
+    """The runner over ``model`` (``rank``'s part of it) with the plugins the settings name (already checked by
+    rank 0); only the last pipeline stage's runners sample.
 
     ``kv_reports``: with several ranks, how the connector's reports are joined with the other ranks'.
     """
@@ -193,4 +195,5 @@ def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec
         kv_reports=kv_reports,
         grammars=grammars,
         single_thread_max_tokens=spec.single_thread_max_tokens,
+        samples=samples_on(rank, settings.runtime.pipeline_parallel_size, settings.runtime.tensor_parallel_size),
     )
