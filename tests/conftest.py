@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -20,6 +21,10 @@ TESTS_DIR = Path(__file__).resolve().parent
 # from one machine to the next; parity with transformers is checked in float32, so the suite pins it.
 # Tests that mean another dtype say so; tests of `auto` itself remove this variable.
 os.environ.setdefault("PATCHBAY_MODEL__DTYPE", "float32")
+
+# Inherited by every process the session starts (orphans keep it), so a test can tell its own rank processes
+# from another session's on the same machine. Not PATCHBAY_*: those are settings, and clean_env drops them.
+os.environ.setdefault("PYTEST_PATCHBAY_SESSION", uuid.uuid4().hex)
 
 
 # ------------------------------------------------------------------------------------------------

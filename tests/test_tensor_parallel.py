@@ -48,7 +48,9 @@ TP2 = dict(runtime__tensor_parallel_size=2, scheduler__max_num_batched_tokens=16
 
 
 def rank_processes() -> list[int]:
-    """Pids of live (non-zombie) ``patchbay.worker.rank_worker`` processes on this machine."""
+    """Pids of live (non-zombie) ``patchbay.worker.rank_worker`` processes this test session started: they
+    inherit its ``PYTEST_PATCHBAY_SESSION`` (conftest.py), orphans included, and another session's do not."""
+    marker = f"PYTEST_PATCHBAY_SESSION={os.environ['PYTEST_PATCHBAY_SESSION']}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -56,9 +58,10 @@ def rank_processes() -> list[int]:
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            environment = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"patchbay.worker.rank_worker" in cmdline and state != "Z":
+        if b"patchbay.worker.rank_worker" in cmdline and state != "Z" and marker in environment:
             found.append(int(entry.name))
     return found
 
@@ -612,5 +615,27 @@ def test_the_bundled_model_over_three_ranks_writes_what_one_process_writes() -> 
     try:
         assert (llm.engine.model.layer_specs[0].num_heads, llm.engine.model.layer_specs[0].num_kv_heads) == (3, 1)
         assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in single_output]
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.slow
+def test_a_drafter_reading_the_lm_head_keeps_the_vocabulary_whole_and_equals_one_process(tiny_llama: Path) -> None:
+    """Medusa copies the target's LM head (DrafterCapabilities.reads_vocabulary_weights): the ranks keep the
+    vocabulary whole for it, shard everything else, and its drafts give the tokens of one process."""
+    speculative = {"method": "medusa", "num_speculative_tokens": 2}
+    llm = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative, **TP2)
+    try:
+        reference = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative,
+                                 **{**TP2, "runtime__tensor_parallel_size": 1})
+        model = llm.engine.model
+        assert model.layer_specs[0].num_heads == 4  # heads sharded over the two ranks ...
+        vocab_size = model.shape.vocab_size  # ... the vocabulary not
+        assert model.model.get_input_embeddings().weight.shape[0] == vocab_size
+        assert model.model.get_output_embeddings().weight.shape[0] == vocab_size
+        prompts = [list(range(10, 40)), [7, 8, 9] * 6, [300]]
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        assert completions(llm.generate(prompts, params)) == completions(reference.generate(prompts, params))
+        assert llm.spec_stats.num_draft_tokens > 0
     finally:
         llm.engine.close()

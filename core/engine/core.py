@@ -58,7 +58,14 @@ from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_byt
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.torchrun import torchrun_launch
 from patchbay.worker.pipeline_parallel import stage_layout
-from patchbay.worker.runner_build import RunnerSpec, build_runner, drafter_config, load_rank_model, rank_shard
+from patchbay.worker.runner_build import (
+    RunnerSpec,
+    build_runner,
+    drafter_config,
+    load_rank_model,
+    rank_shard,
+    shards_vocabulary,
+)
 from patchbay.worker.tensor_parallel import shard_layout
 from patchbay.worker.tuning import LayerShapes, Tuning, tune
 
@@ -202,7 +209,8 @@ class Engine:
         collectives = self._collectives
         loaded = load_rank_model(settings, model_dir, dtype=self.dtype, device=self.device, tuning=self.tuning,
                                  all_reduce=collectives.all_reduce if collectives else None,
-                                 all_gather=collectives.all_gather if collectives else None, link=collectives)
+                                 all_gather=collectives.all_gather if collectives else None, link=collectives,
+                                 shard_vocabulary=shards_vocabulary(settings, registry))
         self.model = loaded.model
         self.quantized_linears = loaded.quantized_linears
         self.linear_paths = loaded.linear_paths

@@ -43,6 +43,10 @@ class DrafterCapabilities(Capabilities):
     leaves it empty and overrides that method."""
     needs_attention_metadata: bool = False
     """Runs its own attention over the paged cache (EAGLE)."""
+    reads_vocabulary_weights: bool = False
+    """Copies the target's vocabulary-sized weights (its LM head or embedding rows: EAGLE, Medusa).  With
+    tensor-parallel ranks the runner then keeps the vocabulary whole on every rank instead of sharding it
+    (``runtime.tensor_parallel_size``): the drafter sees the weights a single process has."""
     produces_draft_probs: bool = False
     """Returns probabilities with its drafts.  Not used yet: the runner passes ``draft_probs=None`` to the
     rejection sampler, which verifies every draft as if proposed with probability 1 -- exact for

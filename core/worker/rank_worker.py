@@ -50,7 +50,13 @@ from patchbay.worker.distributed import RankSetup
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.kv_transfers import RankTransferReports
 from patchbay.worker.pipeline_parallel import last_stage_rank
-from patchbay.worker.runner_build import RunnerSpec, build_runner, kv_connector_worker, load_rank_model
+from patchbay.worker.runner_build import (
+    RunnerSpec,
+    build_runner,
+    kv_connector_worker,
+    load_rank_model,
+    shards_vocabulary,
+)
 from patchbay.worker.step_channel import connect_to_rank_0, pipe_end
 from patchbay.worker.torchrun import TorchrunLaunch, launch_device, rendezvous_store
 
@@ -89,11 +95,12 @@ def run_rank(connection: Connection, rank: int, *, local_rank: int | None = None
     group = distributed.RankGroup(setup, rank, device, store)
     try:
         torch.manual_seed(settings.runtime.seed)
+        registry = registry_for(settings.plugins)
         loaded = load_rank_model(settings, model_dir or setup.model_dir, dtype=setup.dtype, device=device,
                                  tuning=setup.tuning, rank=rank, all_reduce=group.all_reduce,
-                                 all_gather=group.all_gather, link=group)
+                                 all_gather=group.all_gather, link=group,
+                                 shard_vocabulary=shards_vocabulary(settings, registry))
         spec: RunnerSpec = pickle.loads(_receive(connection, rank))
-        registry = registry_for(settings.plugins)
         # With a connector every rank saves and loads its own shard, and joins its reports with the others' each step.
         kv_connector = kv_reports = None
         if spec.kv_connector is not None:

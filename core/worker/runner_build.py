@@ -42,23 +42,32 @@ class LoadedModel:
     fused_modules: FusedModules = FusedModules()
 
 
+def shards_vocabulary(settings: Settings, registry: Registry) -> bool:
+    """Whether tensor-parallel ranks shard the vocabulary (embedding and LM head rows): not when the run's
+    drafter copies the target's vocabulary-sized weights (``DrafterCapabilities.reads_vocabulary_weights``)."""
+    if settings.speculative is None:
+        return True
+    return not registry.resolve("drafter", settings.speculative.method).capabilities.reads_vocabulary_weights
+
+
 def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: torch.device, tuning: Tuning | None,
                     rank: int = 0, all_reduce: AllReduce | None = None, all_gather: AllGather | None = None,
-                    link: StageLink | None = None) -> LoadedModel:
+                    link: StageLink | None = None, shard_vocabulary: bool = True) -> LoadedModel:
     """Load the model, keep ``rank``'s shard when ``runtime.tensor_parallel_size`` > 1 and its stage's layers when
     ``runtime.pipeline_parallel_size`` > 1 (rank ``r`` is shard ``r % tensor_parallel_size`` of stage
     ``r // tensor_parallel_size``), then speed up its linears.
 
     ``all_reduce`` sums a tensor over the ranks and ``all_gather`` concatenates
     theirs (both needed when sharded: layers and vocabulary); ``link`` carries
-    hidden states between the stages (needed when split).
+    hidden states between the stages (needed when split).  ``shard_vocabulary``:
+    :func:`shards_vocabulary` (else the embedding and LM head stay whole on every rank).
     """
     model = HFCausalLM.load(model_dir, dtype=dtype, device=device)
     tensor_size = settings.runtime.tensor_parallel_size
     if tensor_size > 1:
         assert all_reduce is not None and all_gather is not None, "a sharded model needs the ranks' collectives"
         shard_model(model, shard_layout(model.model.config, tensor_size), rank % tensor_size, all_reduce,
-                    all_gather)
+                    all_gather, shard_vocabulary=shard_vocabulary)
     num_stages = settings.runtime.pipeline_parallel_size
     if num_stages > 1:
         assert link is not None, "a model split into stages needs the link between them"

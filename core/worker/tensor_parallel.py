@@ -161,9 +161,9 @@ class VocabShard:
 
 
 def shard_model(model: HFCausalLM, layout: ShardLayout, rank: int, all_reduce: AllReduce,
-                all_gather: AllGather) -> None:
-    """Keep ``rank``'s shard of every decoder layer and of the vocabulary (:func:`shard_vocab`) of ``model`` and
-    report per-rank head counts in its layer specs."""
+                all_gather: AllGather, *, shard_vocabulary: bool = True) -> None:
+    """Keep ``rank``'s shard of every decoder layer and, with ``shard_vocabulary``, of the vocabulary
+    (:func:`shard_vocab`) of ``model`` and report per-rank head counts in its layer specs."""
     layers = getattr(model.model.base_model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ConfigError([ConfigProblem("<run>", KEY, f"{model.shape.architecture}: its decoder has no `layers` list")])
@@ -186,7 +186,8 @@ def shard_model(model: HFCausalLM, layout: ShardLayout, rank: int, all_reduce: A
         index: dataclasses.replace(spec, num_heads=layout.heads_per_rank, num_kv_heads=layout.kv_heads_per_rank)
         for index, spec in model.layer_specs.items()
     }
-    shard_vocab(model, layout.world_size, rank, all_reduce, all_gather)
+    if shard_vocabulary:
+        shard_vocab(model, layout.world_size, rank, all_reduce, all_gather)
 
 
 def shard_vocab(model: HFCausalLM, world_size: int, rank: int, all_reduce: AllReduce,

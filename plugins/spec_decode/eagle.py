@@ -113,6 +113,7 @@ class EagleDrafter(Drafter):
         devices=("cpu", "cuda", "mps"),
         needs_hidden_states=True,
         needs_attention_metadata=True,
+        reads_vocabulary_weights=True,
     )
 
     weights_kind: ClassVar[str] = KIND

@@ -50,6 +50,7 @@ class Eagle3Drafter(EagleDrafter):
     capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities(
         devices=("cpu", "cuda", "mps"),
         needs_attention_metadata=True,
+        reads_vocabulary_weights=True,
     )
     weights_kind: ClassVar[str] = KIND
     untrained_options: ClassVar[tuple[str, ...]] = ("intermediate_size", "aux_layers")

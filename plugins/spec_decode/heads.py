@@ -78,8 +78,8 @@ def target_parts(model: nn.Module) -> TargetParts:
     if shard is not None:  # patchbay.worker.tensor_parallel.VocabShard
         raise ValueError(f"{type(model).__name__}'s embedding and lm head hold {shard.rows_per_rank} of its "
                          f"{shard.vocab_size} vocabulary rows on each of {shard.world_size} ranks "
-                         "(runtime.tensor_parallel_size); drafters read their whole weights: use one rank "
-                         "or n-gram drafting")
+                         "(runtime.tensor_parallel_size); a drafter that reads their whole weights declares "
+                         "DrafterCapabilities.reads_vocabulary_weights, and the ranks keep the vocabulary whole")
     num_heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
     return TargetParts(

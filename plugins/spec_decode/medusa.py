@@ -56,6 +56,7 @@ class MedusaDrafter(Drafter):
     capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities(
         devices=("cpu", "cuda", "mps"),
         needs_hidden_states=True,
+        reads_vocabulary_weights=True,
     )
 
     heads: MedusaHeads | None = None
