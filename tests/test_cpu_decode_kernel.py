@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -37,8 +36,7 @@ def kernel_variant(name: str):
 
 @functools.cache
 def _avx2_kernel():
-    extension = _cpu_kernel.extension()
-    return dataclasses.replace(extension, cflags=(*extension.cflags, "-mno-avx512f")).load()
+    return _cpu_kernel.extension().without_avx512().load()
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])

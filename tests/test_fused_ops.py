@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
@@ -40,8 +39,7 @@ class Built:
 
 @functools.cache
 def _avx2_ops():
-    extension = fused_ops.EXTENSION
-    return dataclasses.replace(extension, cflags=(*extension.cflags, "-mno-avx512f")).load()
+    return fused_ops.EXTENSION.without_avx512().load()
 
 
 VARIANTS = pytest.mark.parametrize("variant", ["native", pytest.param("avx2", marks=pytest.mark.slow)])

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +32,14 @@ import torch
 from torch import nn
 
 from patchbay.worker.fused_projections import Member
-from patchbay.worker.native_build import NATIVE_CFLAGS, SIMD_HELPERS, BackgroundBuild, NativeExtension, build_unavailable
+from patchbay.worker.native_build import (
+    NATIVE_CFLAGS,
+    SIMD_HELPERS,
+    BackgroundBuild,
+    NativeExtension,
+    build_at_install,
+    build_unavailable,
+)
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -241,19 +247,8 @@ def load_fused_ops() -> Any:
 class FusedOpsBuild(BackgroundBuild):
     """:func:`load_fused_ops` in a background thread, shared by every model of the process."""
 
-    _lock = threading.Lock()
-    _shared: FusedOpsBuild | None = None
-
     def __init__(self) -> None:
-        super().__init__(lambda: load_fused_ops(), "the C++ norm and activation kernels")
-
-    @classmethod
-    def shared(cls) -> FusedOpsBuild:
-        """The one build of this process, started on first call."""
-        with cls._lock:
-            if cls._shared is None:
-                cls._shared = cls()
-            return cls._shared
+        super().__init__(lambda: load_fused_ops(), "the C++ norm, activation and rotary kernels")
 
 
 @functools.cache
@@ -436,19 +431,7 @@ def use_fused_ops(model: nn.Module, *, device: torch.device, dtype: str,
 
 def main() -> int:
     """Build the kernels now (the Makefile runs this at install time); exit 0 also where they cannot be built."""
-    import logging
-    import time
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    reason = build_unavailable()
-    if reason is not None:
-        logging.info("the norm and activation kernels are not built: %s", reason)
-        return 0
-    started = time.perf_counter()
-    load_fused_ops()
-    logging.info("norm and activation kernels ready in %s (%.1f s)", EXTENSION.build_directory(),
-                 time.perf_counter() - started)
-    return 0
+    return build_at_install(load_fused_ops, "the norm, activation and rotary kernels", EXTENSION.build_directory)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ uses its plain torch path.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -176,6 +177,11 @@ class NativeExtension:
 
         return cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}" / self.build_name()
 
+    def without_avx512(self) -> NativeExtension:
+        """The same extension built without AVX-512 (its AVX2 path, where the CPU has AVX2): for tests of the
+        path CPUs without AVX-512 run, on a CPU that has both."""
+        return dataclasses.replace(self, cflags=(*self.cflags, "-mno-avx512f"))
+
     def load(self) -> Any:
         """The built module: imported if built already, else built now (waiting for another process's build)."""
         reason = build_unavailable()
@@ -255,7 +261,11 @@ class BackgroundBuild:
 
     :meth:`ready` returns the module once built and ``None`` until then (and
     for good if the build failed: :attr:`error` says why, logged once).
+    A subclass whose ``__init__`` takes no arguments has one shared build per
+    process, :meth:`shared`.
     """
+
+    _shared_lock = threading.Lock()
 
     def __init__(self, load: Callable[[], Any], what: str) -> None:
         """Start building; ``what`` names the extension in the log (``the C++ decode kernel``)."""
@@ -284,3 +294,27 @@ class BackgroundBuild:
         """The module once the build ends (``None`` if it failed or ``timeout`` passed first)."""
         self._done.wait(timeout)
         return self.ready()
+
+    @classmethod
+    def shared(cls) -> Any:
+        """The one build of this subclass in this process, started on first call."""
+        with BackgroundBuild._shared_lock:
+            found = cls.__dict__.get("_instance")
+            if found is None:
+                found = cls()
+                cls._instance = found
+            return found
+
+
+def build_at_install(load: Callable[[], Any], what: str, directory: Callable[[], Path]) -> int:
+    """Build ``what`` now and log where (the Makefile runs this at install time, so a fresh install's first
+    request never waits on a compiler); exit status 0 also where nothing can be built here."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    reason = build_unavailable()
+    if reason is not None:
+        logger.info("%s is not built: %s", what, reason)
+        return 0
+    started = time.perf_counter()
+    load()
+    logger.info("%s ready in %s (%.1f s)", what, directory(), time.perf_counter() - started)
+    return 0

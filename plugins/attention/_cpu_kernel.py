@@ -23,12 +23,17 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
-from patchbay.worker.native_build import NATIVE_CFLAGS, SIMD_HELPERS, BackgroundBuild, NativeExtension, build_unavailable
+from patchbay.worker.native_build import (
+    NATIVE_CFLAGS,
+    SIMD_HELPERS,
+    BackgroundBuild,
+    NativeExtension,
+    build_at_install,
+    build_unavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -327,32 +332,13 @@ def load_kernel() -> Any:
 class KernelBuild(BackgroundBuild):
     """:func:`load_kernel` in a background thread (see :class:`~patchbay.worker.native_build.BackgroundBuild`)."""
 
-    _lock = threading.Lock()
-    _shared: KernelBuild | None = None
-
     def __init__(self) -> None:
         super().__init__(lambda: load_kernel(), "the C++ decode kernel")
-
-    @classmethod
-    def shared(cls) -> KernelBuild:
-        """The one build of this process, started on first call."""
-        with cls._lock:
-            if cls._shared is None:
-                cls._shared = cls()
-            return cls._shared
 
 
 def main() -> int:
     """Build the kernel now (the Makefile runs this at install time); exit 0 also when it cannot be built here."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    reason = kernel_unavailable()
-    if reason is not None:
-        logger.info("the paged decode kernel is not built: %s", reason)
-        return 0
-    started = time.perf_counter()
-    load_kernel()
-    logger.info("paged decode kernel ready in %s (%.1f s)", build_directory(), time.perf_counter() - started)
-    return 0
+    return build_at_install(load_kernel, "the paged decode kernel", build_directory)
 
 
 if __name__ == "__main__":
