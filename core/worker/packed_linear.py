@@ -1,4 +1,7 @@
-"""Linear layers whose weights are packed once, at load, into oneDNN's blocked layout.
+"""Linear layers whose weights are packed once, at load, into the layout their product reads fastest.
+
+Two layouts (:class:`WeightLayout`) exist: oneDNN's blocked layout (:data:`ONEDNN`, below) and patchbay's output
+tiles (:mod:`patchbay.worker.streaming_linear`); the machine's tuning chooses between them per dtype.
 
 ``F.linear`` on CPU hands each product to oneDNN (bfloat16) or MKL (float32)
 with the weight in PyTorch's plain row-major layout, and oneDNN reorders the
@@ -25,6 +28,7 @@ are packed as a copy and kept.
 from __future__ import annotations
 
 import functools
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -87,17 +91,52 @@ def row_bucket(rows: int) -> int:
     return -(-rows // 64) * 64
 
 
+class WeightLayout(Protocol):
+    """A layout weights are packed into once, at load, and the product that reads it."""
+
+    name: str
+    """How the run summary names it."""
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` (``[out_features, in_features]``, CPU) can be packed into this layout."""
+
+    def pack(self, weight: torch.Tensor) -> Any:
+        """``weight`` packed (an opaque value :meth:`product` takes)."""
+
+    def product(self, inputs: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(inputs, weight, bias)`` with ``packed = self.pack(weight)``; ``inputs`` of any leading shape."""
+
+
+class OneDnnLayout:
+    """oneDNN's blocked layout: :func:`pack` and :func:`packed_linear`."""
+
+    name = "oneDNN"
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        return weight.device.type == "cpu" and weight.dim() == 2 and packing_supported(weight.dtype)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return pack(weight)
+
+    def product(self, inputs: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        return packed_linear(inputs, packed, bias)
+
+
+ONEDNN = OneDnnLayout()
+
+
 class PackedLinear:
     """The forward of one ``nn.Linear`` whose weight is packed."""
 
-    def __init__(self, linear: nn.Linear, shared: bool) -> None:
-        self.packed = pack(linear.weight)
+    def __init__(self, linear: nn.Linear, shared: bool, layout: WeightLayout = ONEDNN) -> None:
+        self.layout = layout
+        self.packed = layout.pack(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
         if not shared:
             _release(linear, "weight")
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        return packed_linear(inputs, self.packed, self.bias)
+        return self.layout.product(inputs, self.packed, self.bias)
 
 
 class PackedGroupProduct:
@@ -107,8 +146,9 @@ class PackedGroupProduct:
     multiplied and are released with the concatenated one.
     """
 
-    def __init__(self, group: SharedInputProjections) -> None:
-        self.packed = pack(group.weight)
+    def __init__(self, group: SharedInputProjections, layout: WeightLayout = ONEDNN) -> None:
+        self.layout = layout
+        self.packed = layout.pack(group.weight)
         group.max_rows = 1 << 62
         for linear in group.linears:
             _release(linear, "weight")
@@ -117,7 +157,7 @@ class PackedGroupProduct:
     def __call__(self, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if weight is not self.weight:
             raise RuntimeError("a packed projection group was asked for a product with another weight")
-        return packed_linear(inputs, self.packed, bias)
+        return self.layout.product(inputs, self.packed, bias)
 
 
 def _release(module: nn.Module, name: str) -> None:
@@ -126,8 +166,8 @@ def _release(module: nn.Module, name: str) -> None:
     setattr(module, name, nn.Parameter(torch.empty_like(old, device="meta"), requires_grad=False))
 
 
-def use_packed_linears(model: nn.Module) -> int:
-    """Pack every CPU linear of ``model`` whose dtype oneDNN runs, fused projection groups whole; return how many.
+def use_packed_linears(model: nn.Module, layout: WeightLayout = ONEDNN) -> int:
+    """Pack every CPU linear of ``model`` that ``layout`` supports, fused projection groups whole; return how many.
 
     Quantized linears and groups (:mod:`patchbay.worker.quantization`) keep their integer products for few
     rows and run the packed float product above; row-split linears and groups are left alone.
@@ -139,30 +179,26 @@ def use_packed_linears(model: nn.Module) -> int:
         forward = vars(module).get("forward")
         if isinstance(forward, Member):
             group = forward.group
-            if id(group) in groups or not _eligible(group.weight):
+            if id(group) in groups or not layout.supports(group.weight):
                 continue
             groups.add(id(group))
             if group.product is F.linear:
-                group.product = PackedGroupProduct(group)
+                group.product = PackedGroupProduct(group, layout)
             elif isinstance(group.product, FusedIntegerProduct):
-                packed = PackedGroupProduct(group)
+                packed = PackedGroupProduct(group, layout)
                 group.product.use_float_product(packed, packed.weight)
             else:  # another path (row-split) chose its product
                 continue
             count += len(group.linears)
-        elif isinstance(module, nn.Linear) and _eligible(module.weight):
+        elif isinstance(module, nn.Linear) and layout.supports(module.weight):
             if forward is None:
-                module.forward = PackedLinear(module, shared=id(module.weight) in shared)  # type: ignore[method-assign]
+                module.forward = PackedLinear(module, id(module.weight) in shared, layout)  # type: ignore[method-assign]
             elif isinstance(forward, IntegerLinear):
-                forward.float_forward = PackedLinear(module, shared=id(module.weight) in shared)
+                forward.float_forward = PackedLinear(module, id(module.weight) in shared, layout)
             else:
                 continue
             count += 1
     return count
-
-
-def _eligible(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dim() == 2 and packing_supported(weight.dtype)
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:
