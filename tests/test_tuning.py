@@ -26,12 +26,13 @@ def _times(**per_bucket: list[float]) -> dict[str, dict[int, float]]:
 
 
 def _measured(float32, bfloat16=None, float16=None, row_split=None, fused=None, packed=None,
-              single_thread=None) -> Measurements:
+              single_thread=None, tiled=None) -> Measurements:
     by_dtype = _times(float32=float32, **({"bfloat16": bfloat16} if bfloat16 else {}),
                       **({"float16": float16} if float16 else {}))
     few_rows = {dtype: dict(zip(tuning.ROW_BUCKETS, values)) for dtype, values in (single_thread or {}).items()}
     return Measurements(by_dtype=by_dtype, row_split=_times(x=row_split or float32)["x"],
-                        fused=_times(x=fused or float32)["x"], packed=_times(**(packed or {})), single_thread=few_rows)
+                        fused=_times(x=fused or float32)["x"], packed=_times(**(packed or {})), single_thread=few_rows,
+                        tiled=_times(**(tiled or {})))
 
 
 def test_native_dtypes_follow_the_flags():
@@ -86,6 +87,23 @@ def test_an_avx2_cpu_packs_float32_and_never_an_emulated_dtype():
                          packed={"float32": [0.5, 1, 4, 15], "bfloat16": [0.2, 0.4, 2, 7]})
     chosen = choose(AVX2_EPYC, measured, threads=2)
     assert (chosen.dtype, chosen.packed_dtypes) == ("float32", ["float32"])
+
+
+def test_tiles_replace_oneDNN_only_where_they_win_over_the_row_counts():
+    # An AVX512-BF16 CPU without AMX: tiles stream few-row products faster and match oneDNN on many rows.
+    measured = _measured(float32=[1, 2, 8, 30], bfloat16=[0.8, 1, 2, 8], packed={"bfloat16": [0.4, 0.45, 0.8, 2]},
+                         tiled={"bfloat16": [0.11, 0.17, 0.46, 1.9], "float32": [0.9, 1.9, 8.5, 31]})
+    chosen = choose(AMX_XEON, measured, threads=2)
+    assert (chosen.dtype, chosen.tiled_dtypes) == ("bfloat16", ["bfloat16"])  # float32 tiles gain nothing
+    # The tiled products keep their own threads: only the ops around them go to one thread, up to 8 tokens.
+    assert chosen.single_thread_max_tokens["bfloat16"] == tuning.STREAMED_MAX_ROWS
+    assert "tiled linears for bfloat16" in chosen.describe()
+    assert chosen.measurements["tiled_bfloat16"]["256"] == 1.9
+    # With AMX, oneDNN is several times faster on many rows: over the row counts the tiles lose, oneDNN stays.
+    amx = _measured(float32=[1, 2, 8, 30], bfloat16=[0.8, 1, 2, 8], packed={"bfloat16": [0.4, 0.45, 0.3, 0.6]},
+                    tiled={"bfloat16": [0.11, 0.17, 0.9, 3.5]})
+    chosen = choose(AMX_XEON, amx, threads=2)
+    assert chosen.tiled_dtypes == [] and chosen.packed_dtypes == ["bfloat16"]
 
 
 def test_steps_run_on_one_thread_up_to_the_last_bucket_where_one_thread_wins():
@@ -168,6 +186,24 @@ def test_auto_packs_the_linears_of_a_dtype_the_tuning_packs():
     unpacked = apply_linear_paths(other, linear_kernel="auto", fuse_projections=True,
                                   dtype="bfloat16", device=torch.device("cpu"), tuning=chosen)
     assert unpacked.packed == 0 and not other.q_proj.weight.is_meta
+
+
+def test_auto_tiles_the_linears_of_a_dtype_the_tuning_tiles():
+    from patchbay.worker.streaming_linear import tiles_unavailable
+
+    if tiles_unavailable(torch.float32) is not None:
+        pytest.skip(tiles_unavailable(torch.float32))
+    chosen = choose(AVX2_EPYC, _measured(float32=[1, 2, 8, 30], packed={"float32": [0.5, 1, 4, 15]},
+                                         tiled={"float32": [0.2, 0.5, 4, 15]}), threads=2)
+    assert chosen.tiled_dtypes == ["float32"]
+    layer = _Layer(torch.float32)
+    inputs = torch.randn(3, 64)
+    expected = [linear(inputs).detach() for linear in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
+    paths = apply_linear_paths(layer, linear_kernel="auto", fuse_projections=True, dtype="float32",
+                               device=torch.device("cpu"), tuning=chosen)
+    assert (paths.layout, paths.fused_groups, paths.packed) == ("tiles", 1, 4)
+    for want, linear in zip(expected, (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj), strict=True):
+        torch.testing.assert_close(linear(inputs), want, rtol=2e-5, atol=2e-5)
 
 
 def test_an_engine_left_on_auto_runs_the_tuned_dtype(tiny_llama, tmp_path, monkeypatch):

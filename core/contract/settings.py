@@ -83,9 +83,10 @@ class RuntimeSettings(Section):
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:1``, ..."""
     threads: PositiveInt | None = None
     """CPU threads for torch; default: all cores."""
-    linear_kernel: Literal["auto", "onednn", "row_split", "torch"] = "auto"
-    """Linear layers on the CPU: ``onednn`` packs each weight once into oneDNN's layout (float32,
-    bfloat16); ``row_split`` cuts each float32 weight into one slice per thread for steps of few
+    linear_kernel: Literal["auto", "tiles", "onednn", "row_split", "torch"] = "auto"
+    """Linear layers on the CPU: ``tiles`` reorders each weight once into output tiles that patchbay's
+    own kernel streams on every core (float32 with AVX-512 or AVX2, bfloat16 with AVX512-BF16);
+    ``onednn`` packs each weight once into oneDNN's layout (float32, bfloat16); ``row_split`` cuts each float32 weight into one slice per thread for steps of few
     rows; ``torch`` keeps torch's own products; ``auto`` is what the machine's tuning measured
     fastest for the run's dtype."""
     fuse_projections: bool = True

@@ -8,11 +8,13 @@ at ``num_rows`` sampled rows and a softmax over their logits (no KV cache
 exists yet: each layer's attention only produces its output, see
 :class:`_AttentionOutput`).
 The peak is read from the allocator on CUDA and from the kernel's peak
-resident-set counter on Linux (reset first through ``/proc/self/clear_refs``).
+resident-set counter on Linux (reset first through ``/proc/self/clear_refs``,
+after freed heap memory is handed back to the kernel).
 """
 
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
 
@@ -71,6 +73,7 @@ class _PeakMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
         else:
+            _return_free_heap_memory()
             try:
                 _CLEAR_REFS.write_text("5")  # resets VmHWM, the peak resident set, to the current one
                 self._start = _status_bytes("VmRSS")
@@ -84,6 +87,18 @@ class _PeakMeter:
             self.peak = max(0, torch.cuda.max_memory_allocated(self.device) - self._start)
         else:
             self.peak = max(0, _status_bytes("VmHWM") - self._start)
+
+
+def _return_free_heap_memory() -> None:
+    """Hand the pages of freed heap memory back to the kernel (glibc's ``malloc_trim``), where there is glibc.
+
+    Memory an earlier step freed stays resident in the allocator's arenas; a step that reuses it raises no
+    resident-set peak, so without this the meter reads a step's activations as nothing.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the peak may then read low
 
 
 def _status_bytes(field: str) -> int:

@@ -26,6 +26,7 @@ from patchbay.worker.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.kv_transfers import RankTransferReports
 from patchbay.worker.model_runner import ModelRunner
 from patchbay.worker.packed_linear import packing_supported
+from patchbay.worker.streaming_linear import tiles_unavailable
 from patchbay.worker.pipeline_parallel import StageLink, samples_on, split_model, stage_layout
 from patchbay.worker.quantization import INT8_MAX_ROWS, quantize_linears
 from patchbay.worker.tensor_parallel import AllGather, AllReduce, shard_layout, shard_model
@@ -105,6 +106,12 @@ def speed_up_linears(model: HFCausalLM, runtime: RuntimeSettings, quantization: 
             f"onednn packs CPU float32 or bfloat16 weights with a torch built with oneDNN; this run has "
             f"{device.type} {dtype}{'' if torch.backends.mkldnn.is_available() else ' and no oneDNN'}"
             " (use auto or torch)")])
+    if runtime.linear_kernel == "tiles":
+        reason = "it runs on the CPU" if device.type != "cpu" else tiles_unavailable(getattr(torch, dtype))
+        if reason is not None:
+            raise ConfigError([ConfigProblem(
+                "<run>", "runtime.linear_kernel",
+                f"tiles cannot run this {device.type} {dtype} model: {reason} (use auto, onednn or torch)")])
     paths = apply_linear_paths(model.model, linear_kernel=runtime.linear_kernel,
                                fuse_projections=runtime.fuse_projections, dtype=dtype, device=device, tuning=tuning)
     return quantized, paths

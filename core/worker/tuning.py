@@ -16,9 +16,15 @@ a few row counts — decide:
 - up to how many rows q/k/v and gate/up run as one product (:mod:`patchbay.worker.fused_projections`);
 - for each native dtype, whether its linears run over weights packed once into oneDNN's layout
   (:mod:`patchbay.worker.packed_linear`), fused projections whole, instead of the paths above;
+- for each native dtype, whether they run over weights in patchbay's output tiles
+  (:mod:`patchbay.worker.streaming_linear`) instead, where that beats the best path above (geometric mean over
+  the row counts: the tiles win few-row products by streaming weights on every core, oneDNN may win many-row
+  products where it has AMX);
 - for each native dtype, up to how many rows a step runs on one thread: OpenMP threads that sleep between
   parallel regions (``OMP_WAIT_POLICY=PASSIVE``, see ``patchbay/__init__.py``) cost a wake-up per product,
-  more than a second core gains on a product bound by memory bandwidth.
+  more than a second core gains on a product bound by memory bandwidth.  Tiled products keep their own
+  helper threads, which spin briefly between products instead of sleeping, so for a dtype whose linears run
+  tiled the limit is :data:`STREAMED_MAX_ROWS` by rule: only the small ops around the products go to one thread.
 
 The result is cached per CPU model, CPU flags, torch version, thread count
 and model shape in patchbay's cache directory. The choice (:func:`choose`) is
@@ -45,7 +51,8 @@ from torch import nn
 
 from patchbay.worker.cpu_linear import DEFAULT_MAX_ROWS, row_split_linear, use_row_split_linears
 from patchbay.worker.fused_projections import FUSE_MAX_ROWS, fuse_shared_input_projections
-from patchbay.worker.packed_linear import pack, packed_linear, packing_supported, use_packed_linears
+from patchbay.worker.packed_linear import ONEDNN, pack, packed_linear, packing_supported, use_packed_linears
+from patchbay.worker.streaming_linear import TileLayout, tiles_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +62,7 @@ MIN_GAIN = 1.1
 """A lower-precision dtype is chosen only when it is this much faster than float32 (geometric mean over buckets)."""
 PATH_GAIN = 1.05
 """A linear path replaces torch's own product up to the largest bucket where it is this much faster."""
-TUNING_FORMAT = 3
+TUNING_FORMAT = 4
 """Bumped whenever what is measured or chosen changes, so cached results from older rules are measured again."""
 
 NATIVE_DTYPE_FLAGS = {
@@ -129,6 +136,8 @@ class Measurements:
     """Per dtype torch can pack: weights packed for oneDNN, q/k/v and gate/up each as one product."""
     single_thread: dict[str, dict[int, float]] = field(default_factory=dict)
     """Per dtype, its packed path (torch's own where it cannot pack) on one thread, at few rows."""
+    tiled: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per dtype the tiled kernels run here: weights in output tiles, q/k/v and gate/up each as one product."""
 
 
 @dataclass
@@ -142,6 +151,8 @@ class Tuning:
     """q/k/v and gate/up run as one product up to this many rows; 0: never."""
     packed_dtypes: list[str]
     """Dtypes whose linears run packed for oneDNN (every step, projections fused), replacing the two paths above."""
+    tiled_dtypes: list[str]
+    """Dtypes whose linears run over weights in output tiles (projections fused), replacing every path above."""
     single_thread_max_tokens: dict[str, int]
     """Per dtype, steps of up to this many tokens run on one thread; 0: never."""
     speedup: dict[str, float]
@@ -158,8 +169,9 @@ class Tuning:
         """One line for the run summary and the bench."""
         speedups = ", ".join(f"{dtype} {gain:.2f}x" for dtype, gain in self.speedup.items() if dtype != "float32")
         packed = ", ".join(self.packed_dtypes) or "none"
+        tiled = ", ".join(self.tiled_dtypes) or "none"
         return (f"dtype {self.dtype} ({speedups or 'float32 only'} vs float32), "
-                f"oneDNN-packed linears for {packed}, otherwise "
+                f"tiled linears for {tiled}, oneDNN-packed linears for {packed}, otherwise "
                 f"row-split up to {self.row_split_max_rows} rows, fused projections up to {self.fuse_max_rows} rows; "
                 f"one thread for steps up to {self.single_thread_max_tokens.get(self.dtype, 0)} tokens; "
                 f"{self.cpu}, {self.threads} threads, torch {self.torch_version}"
@@ -180,18 +192,23 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
     packed_dtypes = [dtype for dtype, times in unpacked.items() if dtype in measured.packed
                      and _geometric_mean([times[rows] / measured.packed[dtype][rows] for rows in times]) >= PATH_GAIN]
     fastest = {dtype: measured.packed[dtype] if dtype in packed_dtypes else times for dtype, times in unpacked.items()}
+    tiled_dtypes = [dtype for dtype, times in fastest.items() if dtype in measured.tiled
+                    and _geometric_mean([times[rows] / measured.tiled[dtype][rows] for rows in times]) >= PATH_GAIN]
+    fastest.update({dtype: measured.tiled[dtype] for dtype in tiled_dtypes})
     speedup = {dtype: _geometric_mean([fastest["float32"][rows] / times[rows] for rows in times])
                for dtype, times in fastest.items()}
     best = max(speedup, key=lambda dtype: speedup[dtype])
     dtype = best if speedup[best] >= MIN_GAIN else "float32"
-    single_thread = {name: _wins_up_to(measured.single_thread.get(name, {}),
-                                       measured.packed[name] if name in packed_dtypes else measured.by_dtype[name])
+    single_thread = {name: STREAMED_MAX_ROWS if name in tiled_dtypes else
+                     _wins_up_to(measured.single_thread.get(name, {}),
+                                 measured.packed[name] if name in packed_dtypes else measured.by_dtype[name])
                      for name in fastest} if threads > 1 else {name: 0 for name in fastest}
     return Tuning(
         dtype=dtype,
         row_split_max_rows=row_split_rows,
         fuse_max_rows=fuse_rows,
         packed_dtypes=packed_dtypes,
+        tiled_dtypes=tiled_dtypes,
         single_thread_max_tokens=single_thread,
         speedup={name: round(gain, 3) for name, gain in speedup.items()},
         cpu=cpu.model_name,
@@ -202,6 +219,7 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
                       for path, times in [*measured.by_dtype.items(), ("row_split", measured.row_split),
                                           ("fused", measured.fused),
                                           *((f"packed_{dtype}", times) for dtype, times in measured.packed.items()),
+                                          *((f"tiled_{dtype}", times) for dtype, times in measured.tiled.items()),
                                           *((f"one_thread_{dtype}", times)
                                             for dtype, times in measured.single_thread.items())]},
     )
@@ -230,8 +248,10 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
     most often.
     """
     packable = [dtype for dtype in dtypes if packing_supported(getattr(torch, dtype))]
+    tileable = [dtype for dtype in dtypes if tiles_unavailable(getattr(torch, dtype)) is None]
     streamed_buckets = sum(1 for rows in ROW_BUCKETS if rows <= STREAMED_MAX_ROWS)
-    per_case = budget_seconds / (len(ROW_BUCKETS) * (len(dtypes) + len(packable) + 2) + streamed_buckets * len(dtypes))
+    per_case = budget_seconds / (len(ROW_BUCKETS) * (len(dtypes) + len(packable) + len(tileable) + 2)
+                                 + streamed_buckets * len(dtypes))
     measured = Measurements()
 
     def per_layer(product, layers: list[list[torch.Tensor]],  # noqa: ANN001 - a product
@@ -258,6 +278,10 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
                 measured.single_thread[dtype] = per_layer(product, weights, max_rows=STREAMED_MAX_ROWS)
             finally:
                 torch.set_num_threads(previous)
+        if dtype in tileable:
+            tiles = TileLayout(threads)
+            weights = [[tiles.pack(weight) for weight in _fused(layer)] for layer in layers]
+            measured.tiled[dtype] = per_layer(lambda x, t: tiles.product(x, t, None), weights)
     layers = _layers(shapes, torch.float32)
     measured.row_split = per_layer(lambda x, w: row_split_linear(x, w, None, threads, max_rows=1 << 30), layers)
     measured.fused = per_layer(F.linear, [_fused(layer) for layer in layers])
@@ -323,10 +347,15 @@ def apply_linear_paths(model: nn.Module, *, linear_kernel: str, fuse_projections
     take their row limit from the tuning too, and run every step when packed.
     """
     cpu = device.type == "cpu"
-    if cpu and (linear_kernel == "onednn" or (linear_kernel == "auto" and tuning is not None
-                                              and dtype in tuning.packed_dtypes)):
+    tuned = tuning is not None and linear_kernel == "auto"
+    layout = None
+    if cpu and (linear_kernel == "tiles" or (tuned and dtype in tuning.tiled_dtypes)):
+        layout = TileLayout(torch.get_num_threads())
+    elif cpu and (linear_kernel == "onednn" or (tuned and dtype in tuning.packed_dtypes)):
+        layout = ONEDNN
+    if layout is not None:
         fused = fuse_shared_input_projections(model, max_rows=1 << 62) if fuse_projections else 0
-        return LinearPaths(fused_groups=fused, packed=use_packed_linears(model))
+        return LinearPaths(fused_groups=fused, packed=use_packed_linears(model, layout), layout=layout.name)
     cpu_float32 = cpu and dtype == "float32"
     if linear_kernel == "row_split":
         max_rows = DEFAULT_MAX_ROWS
@@ -350,6 +379,8 @@ class LinearPaths:
     fused_groups: int = 0
     row_split: int = 0
     packed: int = 0
+    layout: str = "oneDNN"
+    """The layout the packed linears run over (:class:`patchbay.worker.packed_linear.WeightLayout`)."""
 
 
 def cache_key(cpu: CpuInfo, shapes: LayerShapes, threads: int) -> str:
