@@ -147,7 +147,7 @@ def test_greedy_tokens_with_tiled_linears_match_transformers(tiny_llama):
     prompts = [[5, 9, 11, 3, 7], list(range(20, 60)), [42]]
     llm = patchbay.LLM(model__path=str(tiny_llama), runtime__threads=2, runtime__linear_kernel="tiles")
     paths = llm.engine.linear_paths
-    assert paths.layout == "tiles" and paths.packed > 0 and paths.fused_groups > 0
+    assert paths.layout == "output tiles" and paths.packed > 0 and paths.fused_groups > 0
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 12)
 

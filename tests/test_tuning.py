@@ -201,7 +201,7 @@ def test_auto_tiles_the_linears_of_a_dtype_the_tuning_tiles():
     expected = [linear(inputs).detach() for linear in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
     paths = apply_linear_paths(layer, linear_kernel="auto", fuse_projections=True, dtype="float32",
                                device=torch.device("cpu"), tuning=chosen)
-    assert (paths.layout, paths.fused_groups, paths.packed) == ("tiles", 1, 4)
+    assert (paths.layout, paths.fused_groups, paths.packed) == ("output tiles", 1, 4)
     for want, linear in zip(expected, (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj), strict=True):
         torch.testing.assert_close(linear(inputs), want, rtol=2e-5, atol=2e-5)
 

@@ -142,7 +142,7 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
         lines.append(f"kv cache:            {sizing.describe()}")
     paths = getattr(engine, "linear_paths", None)
     if paths is not None:
-        lines.append(f"linears:             {paths.packed} packed for {paths.layout}, {paths.fused_groups} fused projection "
+        lines.append(f"linears:             {paths.packed} packed as {paths.layout}, {paths.fused_groups} fused projection "
                      f"groups, {paths.row_split} row-split, {engine.quantized_linears} quantized; steps of up to "
                      f"{engine.single_thread_max_tokens} tokens on one thread")
     fused = getattr(engine, "fused_modules", None)

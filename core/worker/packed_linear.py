@@ -110,7 +110,7 @@ class WeightLayout(Protocol):
 class OneDnnLayout:
     """oneDNN's blocked layout: :func:`pack` and :func:`packed_linear`."""
 
-    name = "oneDNN"
+    name = "oneDNN blocks"
 
     def supports(self, weight: torch.Tensor) -> bool:
         return weight.device.type == "cpu" and weight.dim() == 2 and packing_supported(weight.dtype)

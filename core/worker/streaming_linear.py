@@ -386,7 +386,7 @@ class TileLayout:
     """Weights in output tiles, multiplied by the extension's kernel on ``threads`` threads (the calling thread
     and ``threads - 1`` helpers, whatever torch's thread count is when a product runs)."""
 
-    name = "tiles"
+    name = "output tiles"
 
     def __init__(self, threads: int) -> None:
         self.threads = threads

@@ -379,7 +379,7 @@ class LinearPaths:
     fused_groups: int = 0
     row_split: int = 0
     packed: int = 0
-    layout: str = "oneDNN"
+    layout: str = "oneDNN blocks"
     """The layout the packed linears run over (:class:`patchbay.worker.packed_linear.WeightLayout`)."""
 
 
