@@ -7,7 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patchbay.worker.quantization import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_linears
+from patchbay.worker.quantization import (Int4Linear, Int8Linear, TiledInt8Linear, integer_linear_class,
+                                          quantize_int4, quantize_int8, quantize_linears)
+from patchbay.worker.streaming_linear import tiles_unavailable
+
+TILED = [pytest.param(TiledInt8Linear, marks=pytest.mark.skipif(tiles_unavailable(torch.float32) is not None,
+                                                            reason="no tiled kernels here"))]
 
 
 def test_int8_is_symmetric_per_row_and_within_half_a_step():
@@ -45,7 +50,7 @@ def _dequantised(module) -> torch.Tensor:
         out_features, in_features)
 
 
-@pytest.mark.parametrize("linear_class", [Int8Linear, Int4Linear])
+@pytest.mark.parametrize("linear_class", [Int8Linear, Int4Linear, *TILED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 16, 40])
 def test_an_integer_linear_computes_the_product_with_the_dequantised_weight(linear_class, dtype, rows):
@@ -76,11 +81,25 @@ def test_a_large_weight_runs_as_slices_over_the_threads_with_the_same_result(lin
     torch.testing.assert_close(sliced(inputs), whole(inputs), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("linear_class", TILED)
+def test_tiled_int8_is_chosen_where_it_runs_and_keeps_one_slice_over_all_threads(linear_class, monkeypatch):
+    from patchbay.worker import quantization
+
+    assert integer_linear_class("int8") is linear_class and integer_linear_class("int4") is Int4Linear
+    monkeypatch.setattr(quantization, "SPLIT_MIN_WEIGHTS", 1)
+    linear = nn.Linear(64, 200, bias=False, dtype=torch.bfloat16)  # 200 outputs: a partial last tile
+    module = linear_class(linear, max_rows=16)
+    assert len(module.slices) == 1  # the kernel spreads one product over the threads itself
+    inputs = torch.randn(3, 64).to(torch.bfloat16)
+    reference = F.linear(inputs.double(), _dequantised(module), None)
+    torch.testing.assert_close(module(inputs).double(), reference, rtol=3e-2, atol=3e-2)
+
+
 def test_every_plain_linear_is_quantised_and_others_are_left_alone():
     model = nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 4), nn.Linear(64, 4))
     model[3].forward = lambda x: x  # a linear with a forward of its own (a fused projection, say)
     assert quantize_linears(model, "int8") == 2
-    assert isinstance(vars(model[0])["forward"], Int8Linear)
+    assert isinstance(vars(model[0])["forward"], integer_linear_class("int8"))
     fresh = nn.Sequential(nn.Linear(64, 16), nn.Linear(16, 32), nn.Linear(64, 8))
     # 16 input features do not split into groups of 32; 8 outputs do not pack into torch's int4 layout
     assert quantize_linears(fresh, "int4") == 1

@@ -2,10 +2,13 @@
 
 A decode step reads every weight once for a handful of rows, so it is bound
 by memory bandwidth: int8 weights halve the bytes of bfloat16 and quarter
-those of float32. torch's CPU kernel for it (``aten._weight_int8pack_mm``)
-multiplies activations of the model's dtype by int8 weights and per-row
-scales; it is fast for few rows (with bfloat16 activations, measured ~10x
-bfloat16 ``F.linear`` at one row on an AVX512-BF16 CPU) and slow for many, so
+those of float32. Where patchbay's tiled kernels run (AVX-512 or AVX2),
+int8 weights lie in output tiles and are widened in registers on every
+thread (:class:`TiledInt8Linear`); elsewhere torch's CPU kernel
+(``aten._weight_int8pack_mm``, one thread) multiplies activations of the
+model's dtype by int8 weights and per-row scales. Both are fast for few rows
+(torch's, with bfloat16 activations, measured ~10x bfloat16 ``F.linear`` at
+one row on an AVX512-BF16 CPU) and slow for many, so
 steps of more than :data:`INT8_MAX_ROWS` rows (prefill chunks, large batches)
 keep the float weight (``IntegerLinear.float_forward``, which oneDNN packing
 replaces where it runs). int8 is symmetric per output row:
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchbay.worker.fused_projections import Member, SharedInputProjections
+from patchbay.worker.streaming_linear import load_streaming_linear, tile, tiles_unavailable
 
 INT8_MAX_ROWS = 16
 """Above this many rows the float weight runs (torch's int8 kernel falls behind its GEMM; measured at 8-64 rows)."""
@@ -74,13 +78,17 @@ class IntegerLinear:
     large weight is cut into one slice per thread, run in parallel and concatenated.
     """
 
+    splits_over_threads = True
+    """Whether a large weight is cut into one slice per thread (False: the product uses every thread itself)."""
+
     def __init__(self, linear: nn.Linear, max_rows: int) -> None:
         self.linear = linear
         self.max_rows = max_rows
         self.activation_dtype = linear.weight.dtype
         out_features = linear.out_features
-        threads = torch.get_num_threads()
-        parts = threads if linear.weight.numel() >= SPLIT_MIN_WEIGHTS and out_features % (16 * threads) == 0 else 1
+        threads = self.threads = torch.get_num_threads()
+        parts = threads if (self.splits_over_threads and linear.weight.numel() >= SPLIT_MIN_WEIGHTS
+                            and out_features % (16 * threads) == 0) else 1
         size = out_features // parts
         self.slices = [self.quantize(linear.weight[start : start + size]) for start in range(0, out_features, size)]
         self.float_forward: Callable[[torch.Tensor], torch.Tensor] = functools.partial(_float_product, linear)
@@ -139,6 +147,30 @@ class Int8Linear(IntegerLinear):
         return torch.ops.aten._weight_int8pack_mm(flat, *quantized)
 
 
+class TiledInt8Linear(Int8Linear):
+    """int8 weights in output tiles, multiplied by patchbay's tiled kernel (:mod:`patchbay.worker.streaming_linear`)
+    on all the threads there were at load: the weights widen to float32 in registers, so a decode step reads one
+    byte per weight and keeps both cores busy, where torch's int8 kernel runs on one."""
+
+    splits_over_threads = False
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        quantized, scales = quantize_int8(weight)
+        lanes = load_streaming_linear().float32_lanes()
+        return tile(quantized, lanes), F.pad(scales.float(), (0, -len(scales) % lanes))
+
+    def multiply(self, flat: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tiles, scales = quantized
+        return load_streaming_linear().tiled_int8_linear(flat, tiles, scales, self.linear.out_features, self.threads)
+
+
+def integer_linear_class(scheme: str) -> type[IntegerLinear]:
+    """The integer forward for ``scheme``: int8 over tiles where the tiled kernel runs here, else torch's kernels."""
+    if scheme == "int8" and tiles_unavailable(torch.float32) is None:
+        return TiledInt8Linear
+    return QUANTIZED_LINEARS[scheme]
+
+
 QUANTIZED_LINEARS: dict[str, type[IntegerLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
 
 
@@ -152,7 +184,7 @@ class FusedIntegerProduct:
         if group.bias is not None:
             holder.bias = nn.Parameter(group.bias, requires_grad=False)
         self.weight = weight
-        self.integer = QUANTIZED_LINEARS[scheme](holder, max_rows)
+        self.integer = integer_linear_class(scheme)(holder, max_rows)
         self.fallback = group.product
 
     def __call__(self, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -181,7 +213,7 @@ def quantize_linears(model: nn.Module, scheme: str, max_rows: int = INT8_MAX_ROW
     with a forward of their own, and (for int4) weights whose input size does not split into groups or whose
     output size is not a multiple of 16 (torch's packing), are left alone.
     """
-    linear_class = QUANTIZED_LINEARS[scheme]
+    linear_class = integer_linear_class(scheme)
     count = 0
     groups: set[int] = set()
     for module in model.modules():

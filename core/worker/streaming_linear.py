@@ -156,7 +156,6 @@ class ChunkPool {
 #ifdef PATCHBAY_SIMD
 // Float32 weights: tiles of kLanes output features, [K][kLanes] each.  A block is kTiles tiles by up to kRows rows.
 constexpr int kF32Tiles = kLanes == 16 ? 4 : 2;
-constexpr int kF32Rows = kLanes == 16 ? 6 : 4;
 
 template <int ROWS, int TILES>
 static void f32_block(const float* x, int64_t ldx, const float* tiles, int64_t K, const float* bias,
@@ -181,6 +180,54 @@ static void f32_block(const float* x, int64_t ldx, const float* tiles, int64_t K
       for (int64_t j = 0; j < valid; ++j) out[m * ldo + n + j] = lanes[j] + (bias ? bias[n + j] : 0.0f);
     }
   }
+}
+
+// int8 weights (weight-only quantization): float32's tiles as int8, one float32 scale per output feature,
+// widened to float32 in registers; activations and output float32 or bfloat16.
+static inline vfloat vload_int8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#endif
+}
+
+template <typename X, int ROWS, int TILES>
+static void int8_block(const X* x, int64_t ldx, const int8_t* tiles, int64_t K, const float* scales, X* out,
+                       int64_t ldo, int64_t n0, int64_t N) {
+  vfloat acc[ROWS][TILES];
+  for (int m = 0; m < ROWS; ++m)
+    for (int t = 0; t < TILES; ++t) acc[m][t] = vbroadcast(0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    vfloat w[TILES];
+    for (int t = 0; t < TILES; ++t) w[t] = vload_int8(tiles + (t * K + k) * kLanes);
+    for (int m = 0; m < ROWS; ++m) {
+      const vfloat xb = vbroadcast(static_cast<float>(x[m * ldx + k]));
+      for (int t = 0; t < TILES; ++t) acc[m][t] = vfma(w[t], xb, acc[m][t]);
+    }
+  }
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n = n0 + t * kLanes;
+    const int64_t valid = std::min<int64_t>(kLanes, N - n);
+    const vfloat scale = vload(scales + n);  // padded to whole tiles
+    alignas(64) float lanes[kLanes];
+    for (int m = 0; m < ROWS; ++m) {
+      vstore(lanes, vmul(acc[m][t], scale));
+      for (int64_t j = 0; j < valid; ++j) out[m * ldo + n + j] = static_cast<X>(lanes[j]);
+    }
+  }
+}
+
+template <int ROWS, int TILES>
+static void int8_block_f32(const float* x, int64_t ldx, const int8_t* tiles, int64_t K, const float* scales,
+                           float* out, int64_t ldo, int64_t n0, int64_t N) {
+  int8_block<float, ROWS, TILES>(x, ldx, tiles, K, scales, out, ldo, n0, N);
+}
+
+template <int ROWS, int TILES>
+static void int8_block_bf16(const c10::BFloat16* x, int64_t ldx, const int8_t* tiles, int64_t K,
+                            const float* scales, c10::BFloat16* out, int64_t ldo, int64_t n0, int64_t N) {
+  int8_block<c10::BFloat16, ROWS, TILES>(x, ldx, tiles, K, scales, out, ldo, n0, N);
 }
 #endif
 
@@ -231,17 +278,17 @@ using BlockTable = Block[4][6];
 #define PATCHBAY_BLOCKS(F) {PATCHBAY_ROWS(F, 1), PATCHBAY_ROWS(F, 2), PATCHBAY_ROWS(F, 3), PATCHBAY_ROWS(F, 4)}
 
 // Every row of x times the tiles [tile_begin, tile_end), a block of rows by up to `max_tiles` tiles at a time
-// (the block's weights stay in cache while its rows pass).
-template <typename T, typename Block>
-static void tile_range(const BlockTable<Block>& blocks, int max_tiles, const T* x, int64_t ldx, int64_t rows,
-                       const T* tiles, int64_t tile_elements, int64_t depth, const T* bias, T* out, int64_t ldo,
+// (the block's weights stay in cache while its rows pass); `extra` is the block's bias or scales.
+template <typename X, typename W, typename E, typename Block>
+static void tile_range(const BlockTable<Block>& blocks, int max_tiles, const X* x, int64_t ldx, int64_t rows,
+                       const W* tiles, int64_t tile_elements, int64_t depth, const E* extra, X* out, int64_t ldo,
                        int64_t lanes, int64_t N, int64_t tile_begin, int64_t tile_end) {
   for (int64_t t0 = tile_begin; t0 < tile_end; t0 += max_tiles) {
     const int64_t tiles_here = std::min<int64_t>(max_tiles, tile_end - t0);
-    const T* panel = tiles + t0 * tile_elements;
+    const W* panel = tiles + t0 * tile_elements;
     for (int64_t m0 = 0; m0 < rows; m0 += 6) {
       const int64_t rows_here = std::min<int64_t>(6, rows - m0);
-      blocks[tiles_here - 1][rows_here - 1](x + m0 * ldx, ldx, panel, depth, bias, out + m0 * ldo, ldo,
+      blocks[tiles_here - 1][rows_here - 1](x + m0 * ldx, ldx, panel, depth, extra, out + m0 * ldo, ldo,
                                             t0 * lanes, N);
     }
   }
@@ -322,10 +369,51 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<t
   TORCH_CHECK(false, "tiled_linear needs AVX-512 or AVX2");
 #endif
 }
+
+// x: [rows, K] float32 or bfloat16; tiles: int8 [N/lanes][K][lanes]; scales: float32, N padded to whole tiles.
+torch::Tensor tiled_int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t out_features,
+                                int64_t threads) {
+#ifdef PATCHBAY_SIMD
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "tiled_int8_linear takes rows of contiguous features");
+  TORCH_CHECK(tiles.scalar_type() == torch::kInt8 && tiles.is_contiguous() && tiles.dim() == 3
+              && tiles.size(2) == kLanes && x.size(1) == tiles.size(1), "int8 tiles are [N/lanes][K][lanes]");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous()
+              && scales.numel() == tiles.size(0) * kLanes, "one float32 scale per padded output feature expected");
+  const int64_t rows = x.size(0), N = out_features, n_tiles = tiles.size(0), K = tiles.size(1);
+  auto out = torch::empty({rows, N}, x.options());
+  if (rows == 0) return out;
+  const int8_t* tp = tiles.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const int64_t ldx = x.stride(0), tile_elements = K * kLanes;
+  const int64_t per_chunk = chunk_tiles(n_tiles, kF32Tiles, threads);
+  const int64_t chunks = (n_tiles + per_chunk - 1) / per_chunk;
+  if (x.scalar_type() == torch::kFloat32) {
+    static const BlockTable<decltype(&int8_block_f32<1, 1>)> blocks = PATCHBAY_BLOCKS(int8_block_f32);
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
+      tile_range(blocks, kF32Tiles, xp, ldx, rows, tp, tile_elements, K, sp, op, N, kLanes, N, chunk * per_chunk,
+                 std::min(n_tiles, (chunk + 1) * per_chunk));
+    });
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "tiled_int8_linear takes float32 or bfloat16 activations");
+    static const BlockTable<decltype(&int8_block_bf16<1, 1>)> blocks = PATCHBAY_BLOCKS(int8_block_bf16);
+    const auto* xp = x.data_ptr<at::BFloat16>();
+    auto* op = out.data_ptr<at::BFloat16>();
+    ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
+      tile_range(blocks, kF32Tiles, xp, ldx, rows, tp, tile_elements, K, sp, op, N, kLanes, N, chunk * per_chunk,
+                 std::min(n_tiles, (chunk + 1) * per_chunk));
+    });
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "tiled_int8_linear needs AVX-512 or AVX2");
+#endif
+}
 """
 
 EXTENSION = NativeExtension("patchbay_streaming_linear", SOURCE,
-                            ("tiled_linear", "float32_lanes", "bfloat16_supported"), NATIVE_CFLAGS)
+                            ("tiled_linear", "tiled_int8_linear", "float32_lanes", "bfloat16_supported"), NATIVE_CFLAGS)
 
 
 @functools.cache
