@@ -189,6 +189,24 @@ void decode_attention_simd(const Problem& p, const scalar_t* q_base, const scala
             const int64_t count = std::min(p.block_size - offset, seq_len - pos);
             const scalar_t* k = k_base + blocks[pos / p.block_size] * p.block_stride + offset * p.token_stride
                                 + kvh * hs;
+            if (g == 0) {
+              // Ask for the values these keys weigh (read next) and for the next block's keys while the dot
+              // products run: one block's rows of one head are too few for the hardware prefetcher to start.
+              const int64_t row_bytes = hs * static_cast<int64_t>(sizeof(scalar_t));
+              const char* v = reinterpret_cast<const char*>(v_base + (k - k_base));
+              for (int64_t t = 0; t < count; ++t)
+                for (int64_t byte = 0; byte < row_bytes; byte += 64)
+                  _mm_prefetch(v + t * p.token_stride * sizeof(scalar_t) + byte, _MM_HINT_T1);
+              const int64_t next = pos + count;
+              if (next < seq_len) {
+                const char* k_next = reinterpret_cast<const char*>(
+                    k_base + blocks[next / p.block_size] * p.block_stride + kvh * hs);
+                const int64_t next_count = std::min(p.block_size, seq_len - next);
+                for (int64_t t = 0; t < next_count; ++t)
+                  for (int64_t byte = 0; byte < row_bytes; byte += 64)
+                    _mm_prefetch(k_next + t * p.token_stride * sizeof(scalar_t) + byte, _MM_HINT_T0);
+              }
+            }
             int64_t j = 0;
             for (; j + 4 <= count; j += 4, k += 4 * p.token_stride) {
               const scalar_t* k1 = k + p.token_stride;
