@@ -10,7 +10,9 @@ it lies in memory, reaches about 41 GB/s on one core and 79 GB/s on two.
 The weights are reordered once, at load, into tiles of output features whose
 weights lie contiguously: bfloat16 in pairs of input features for AVX512-BF16's
 pair dot product (``[N/16][K/2][16][2]``), float32 as ``[N/L][K][L]`` for L-lane
-multiply-adds (AVX-512: 16, AVX2: 8).  The kernel computes blocks of up to six
+multiply-adds (AVX-512: 16, AVX2: 8), and int8 weights
+(:class:`patchbay.worker.quantization.TiledInt8Linear`) in float32's layout,
+widened in registers and scaled per output feature.  The kernel computes blocks of up to six
 rows by up to four tiles in registers (float32 accumulation, one rounding to the
 output dtype), so many-row products reuse each tile from cache as well.
 
@@ -48,6 +50,7 @@ SOURCE = SIMD_HELPERS + r"""
 #include <cstdint>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #if defined(__x86_64__)
 #include <immintrin.h>
 static inline void cpu_relax() { _mm_pause(); }
@@ -154,37 +157,13 @@ class ChunkPool {
 };
 
 #ifdef PATCHBAY_SIMD
-// Float32 weights: tiles of kLanes output features, [K][kLanes] each.  A block is kTiles tiles by up to kRows rows.
-constexpr int kF32Tiles = kLanes == 16 ? 4 : 2;
+// Float32 and int8 weights: tiles of kLanes output features, [K][kLanes] each, widened to float32 in registers.
+// int8 weights (weight-only quantization) carry one float32 scale per output feature, float32 ones an optional
+// bias.  A block is up to kLaneTiles tiles by up to six rows; activations and output float32 or bfloat16.
+constexpr int kLaneTiles = kLanes == 16 ? 4 : 2;
 
-template <int ROWS, int TILES>
-static void f32_block(const float* x, int64_t ldx, const float* tiles, int64_t K, const float* bias,
-                      float* out, int64_t ldo, int64_t n0, int64_t N) {
-  vfloat acc[ROWS][TILES];
-  for (int m = 0; m < ROWS; ++m)
-    for (int t = 0; t < TILES; ++t) acc[m][t] = vbroadcast(0.0f);
-  for (int64_t k = 0; k < K; ++k) {
-    vfloat w[TILES];
-    for (int t = 0; t < TILES; ++t) w[t] = vload(tiles + (t * K + k) * kLanes);
-    for (int m = 0; m < ROWS; ++m) {
-      const vfloat xb = vbroadcast(x[m * ldx + k]);
-      for (int t = 0; t < TILES; ++t) acc[m][t] = vfma(w[t], xb, acc[m][t]);
-    }
-  }
-  for (int t = 0; t < TILES; ++t) {
-    const int64_t n = n0 + t * kLanes;
-    const int64_t valid = std::min<int64_t>(kLanes, N - n);
-    alignas(64) float lanes[kLanes];
-    for (int m = 0; m < ROWS; ++m) {
-      vstore(lanes, acc[m][t]);
-      for (int64_t j = 0; j < valid; ++j) out[m * ldo + n + j] = lanes[j] + (bias ? bias[n + j] : 0.0f);
-    }
-  }
-}
-
-// int8 weights (weight-only quantization): float32's tiles as int8, one float32 scale per output feature,
-// widened to float32 in registers; activations and output float32 or bfloat16.
-static inline vfloat vload_int8(const int8_t* p) {
+static inline vfloat vload_weights(const float* p) { return vload(p); }
+static inline vfloat vload_weights(const int8_t* p) {
 #if defined(__AVX512F__)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #else
@@ -192,15 +171,16 @@ static inline vfloat vload_int8(const int8_t* p) {
 #endif
 }
 
-template <typename X, int ROWS, int TILES>
-static void int8_block(const X* x, int64_t ldx, const int8_t* tiles, int64_t K, const float* scales, X* out,
+template <typename X, typename W, int ROWS, int TILES>
+static void lane_block(const X* x, int64_t ldx, const W* tiles, int64_t K, const float* per_feature, X* out,
                        int64_t ldo, int64_t n0, int64_t N) {
+  constexpr bool kScaled = std::is_same<W, int8_t>::value;  // per_feature: scales (padded to whole tiles), or bias
   vfloat acc[ROWS][TILES];
   for (int m = 0; m < ROWS; ++m)
     for (int t = 0; t < TILES; ++t) acc[m][t] = vbroadcast(0.0f);
   for (int64_t k = 0; k < K; ++k) {
     vfloat w[TILES];
-    for (int t = 0; t < TILES; ++t) w[t] = vload_int8(tiles + (t * K + k) * kLanes);
+    for (int t = 0; t < TILES; ++t) w[t] = vload_weights(tiles + (t * K + k) * kLanes);
     for (int m = 0; m < ROWS; ++m) {
       const vfloat xb = vbroadcast(static_cast<float>(x[m * ldx + k]));
       for (int t = 0; t < TILES; ++t) acc[m][t] = vfma(w[t], xb, acc[m][t]);
@@ -209,25 +189,31 @@ static void int8_block(const X* x, int64_t ldx, const int8_t* tiles, int64_t K, 
   for (int t = 0; t < TILES; ++t) {
     const int64_t n = n0 + t * kLanes;
     const int64_t valid = std::min<int64_t>(kLanes, N - n);
-    const vfloat scale = vload(scales + n);  // padded to whole tiles
     alignas(64) float lanes[kLanes];
     for (int m = 0; m < ROWS; ++m) {
-      vstore(lanes, vmul(acc[m][t], scale));
-      for (int64_t j = 0; j < valid; ++j) out[m * ldo + n + j] = static_cast<X>(lanes[j]);
+      vstore(lanes, kScaled ? vmul(acc[m][t], vload(per_feature + n)) : acc[m][t]);
+      for (int64_t j = 0; j < valid; ++j)
+        out[m * ldo + n + j] = static_cast<X>(lanes[j] + (!kScaled && per_feature ? per_feature[n + j] : 0.0f));
     }
   }
 }
 
 template <int ROWS, int TILES>
+static void f32_block(const float* x, int64_t ldx, const float* tiles, int64_t K, const float* bias, float* out,
+                      int64_t ldo, int64_t n0, int64_t N) {
+  lane_block<float, float, ROWS, TILES>(x, ldx, tiles, K, bias, out, ldo, n0, N);
+}
+
+template <int ROWS, int TILES>
 static void int8_block_f32(const float* x, int64_t ldx, const int8_t* tiles, int64_t K, const float* scales,
                            float* out, int64_t ldo, int64_t n0, int64_t N) {
-  int8_block<float, ROWS, TILES>(x, ldx, tiles, K, scales, out, ldo, n0, N);
+  lane_block<float, int8_t, ROWS, TILES>(x, ldx, tiles, K, scales, out, ldo, n0, N);
 }
 
 template <int ROWS, int TILES>
 static void int8_block_bf16(const c10::BFloat16* x, int64_t ldx, const int8_t* tiles, int64_t K,
                             const float* scales, c10::BFloat16* out, int64_t ldo, int64_t n0, int64_t N) {
-  int8_block<c10::BFloat16, ROWS, TILES>(x, ldx, tiles, K, scales, out, ldo, n0, N);
+  lane_block<c10::BFloat16, int8_t, ROWS, TILES>(x, ldx, tiles, K, scales, out, ldo, n0, N);
 }
 #endif
 
@@ -359,9 +345,9 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<t
   const float* tp = tiles.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), K = tiles.size(1);
-  const int64_t per_chunk = chunk_tiles(n_tiles, kF32Tiles, threads);
+  const int64_t per_chunk = chunk_tiles(n_tiles, kLaneTiles, threads);
   ChunkPool::instance().run(threads, (n_tiles + per_chunk - 1) / per_chunk, [&](int64_t chunk) {
-    tile_range(blocks, kF32Tiles, xp, ldx, rows, tp, tile_elements, K, bp, op, N, kLanes, N, chunk * per_chunk,
+    tile_range(blocks, kLaneTiles, xp, ldx, rows, tp, tile_elements, K, bp, op, N, kLanes, N, chunk * per_chunk,
                std::min(n_tiles, (chunk + 1) * per_chunk));
   });
   return out;
@@ -385,14 +371,14 @@ torch::Tensor tiled_int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Ten
   const int8_t* tp = tiles.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   const int64_t ldx = x.stride(0), tile_elements = K * kLanes;
-  const int64_t per_chunk = chunk_tiles(n_tiles, kF32Tiles, threads);
+  const int64_t per_chunk = chunk_tiles(n_tiles, kLaneTiles, threads);
   const int64_t chunks = (n_tiles + per_chunk - 1) / per_chunk;
   if (x.scalar_type() == torch::kFloat32) {
     static const BlockTable<decltype(&int8_block_f32<1, 1>)> blocks = PATCHBAY_BLOCKS(int8_block_f32);
     const float* xp = x.data_ptr<float>();
     float* op = out.data_ptr<float>();
     ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
-      tile_range(blocks, kF32Tiles, xp, ldx, rows, tp, tile_elements, K, sp, op, N, kLanes, N, chunk * per_chunk,
+      tile_range(blocks, kLaneTiles, xp, ldx, rows, tp, tile_elements, K, sp, op, N, kLanes, N, chunk * per_chunk,
                  std::min(n_tiles, (chunk + 1) * per_chunk));
     });
   } else {
@@ -401,7 +387,7 @@ torch::Tensor tiled_int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Ten
     const auto* xp = x.data_ptr<at::BFloat16>();
     auto* op = out.data_ptr<at::BFloat16>();
     ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
-      tile_range(blocks, kF32Tiles, xp, ldx, rows, tp, tile_elements, K, sp, op, N, kLanes, N, chunk * per_chunk,
+      tile_range(blocks, kLaneTiles, xp, ldx, rows, tp, tile_elements, K, sp, op, N, kLanes, N, chunk * per_chunk,
                  std::min(n_tiles, (chunk + 1) * per_chunk));
     });
   }
