@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m patchbay.plugins.attention._cpu_kernel
 	$(PY) -m patchbay.worker.fused_ops
 	$(PY) -m patchbay.worker.streaming_linear
-	# Measure this CPU's defaults for the bundled model now (cached), so its first run starts at once.
-	$(VENV)/bin/patchbay tune > /dev/null
+	# Measure this CPU's defaults for the bundled model now, unless cached, so its first run starts at once.
+	$(VENV)/bin/patchbay tune --if-missing > /dev/null
 	touch $(STAMP)
 
 run: $(STAMP)

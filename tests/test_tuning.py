@@ -236,6 +236,8 @@ def test_patchbay_tune_measures_afresh_and_prints_the_choice(tiny_llama, tmp_pat
     assert main(["tune", "--json", "--set", f"model.path={tiny_llama}"]) == 0
     assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
     assert len(calls) == 2  # each call measures again, whatever is cached
+    assert main(["tune", "--if-missing", "--set", f"model.path={tiny_llama}"]) == 0
+    assert len(calls) == 2 and "(cached)" in capsys.readouterr().out  # make's call keeps what is cached
     config = json.loads((tiny_llama / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     kv_width = config["num_key_value_heads"] * head_dim  # 8 query heads, 2 KV heads: GQA shapes

@@ -127,14 +127,15 @@ def machine_tuning(settings: Settings, model_dir: Path, device: torch.device) ->
     return tune(LayerShapes.of(getattr(config, "text_config", config)))
 
 
-def measure_machine_defaults(settings: Settings) -> Tuning:
-    """``patchbay tune``: measure this CPU's defaults for the settings' model now, replacing the cached ones."""
+def measure_machine_defaults(settings: Settings, fresh: bool = True) -> Tuning:
+    """``patchbay tune``: measure this CPU's defaults for the settings' model now, replacing the cached ones
+    (``fresh=False``: only where none are cached)."""
     from transformers import AutoConfig
 
     if settings.runtime.threads is not None:
         torch.set_num_threads(settings.runtime.threads)
     config = AutoConfig.from_pretrained(resolve_model_dir(settings.model.path))
-    return tune(LayerShapes.of(getattr(config, "text_config", config)), fresh=True)
+    return tune(LayerShapes.of(getattr(config, "text_config", config)), fresh=fresh)
 
 
 class KVConnectorStalledError(PluginError):

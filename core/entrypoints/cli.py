@@ -178,7 +178,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from patchbay.engine import measure_machine_defaults
 
     settings = load_settings(args.config, overrides=args.set or [])
-    tuning = measure_machine_defaults(settings)
+    tuning = measure_machine_defaults(settings, fresh=not args.if_missing)
     if args.json:
         print(json.dumps(dataclasses.asdict(tuning), indent=2))
         return 0
@@ -260,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("config", nargs="?", help="a YAML file naming the model (default: the bundled model)")
     tune.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a setting")
     tune.add_argument("--json", action="store_true", help="machine-readable output")
+    tune.add_argument("--if-missing", action="store_true",
+                      help="measure only where nothing is cached for this CPU, torch and model shape (what `make` "
+                           "runs at install, so a reinstall on a busy machine never replaces a quiet measurement)")
     tune.set_defaults(handler=cmd_tune)
 
     serve = sub.add_parser("serve", help="serve the model of a YAML file over an OpenAI-compatible HTTP API")
