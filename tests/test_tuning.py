@@ -97,7 +97,7 @@ def test_tiles_replace_oneDNN_only_where_they_win_over_the_row_counts():
     assert (chosen.dtype, chosen.tiled_dtypes) == ("bfloat16", ["bfloat16"])  # float32 tiles gain nothing
     # The tiled products keep their own threads: only the ops around them go to one thread, up to 8 tokens.
     assert chosen.single_thread_max_tokens["bfloat16"] == tuning.STREAMED_MAX_ROWS
-    assert "tiled linears for bfloat16" in chosen.describe()
+    assert "tiled linears for bfloat16, oneDNN-packed linears for none" in chosen.describe()  # tiles replace it
     assert chosen.measurements["tiled_bfloat16"]["256"] == 1.9
     # With AMX, oneDNN is several times faster on many rows: over the row counts the tiles lose, oneDNN stays.
     amx = _measured(float32=[1, 2, 8, 30], bfloat16=[0.8, 1, 2, 8], packed={"bfloat16": [0.4, 0.45, 0.3, 0.6]},

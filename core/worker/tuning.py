@@ -168,7 +168,7 @@ class Tuning:
     def describe(self) -> str:
         """One line for the run summary and the bench."""
         speedups = ", ".join(f"{dtype} {gain:.2f}x" for dtype, gain in self.speedup.items() if dtype != "float32")
-        packed = ", ".join(self.packed_dtypes) or "none"
+        packed = ", ".join(dtype for dtype in self.packed_dtypes if dtype not in self.tiled_dtypes) or "none"
         tiled = ", ".join(self.tiled_dtypes) or "none"
         return (f"dtype {self.dtype} ({speedups or 'float32 only'} vs float32), "
                 f"tiled linears for {tiled}, oneDNN-packed linears for {packed}, otherwise "
