@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import patchbay
 from patchbay.plugins.attention import _cpu_kernel, torch_sdpa
 from patchbay.worker import native_build
+from patchbay.worker.streaming_linear import load_streaming_linear
 from patchbay.worker.tuning import CpuInfo
 from patchbay.sampling_params import SamplingParams
 from patchbay.testing.attention import AttentionCase, check_attention, make_batch
@@ -44,9 +45,15 @@ def _avx2_kernel():
 # 16 and 64: the SIMD path (one or several registers per head); 20: the generic loops (not a register multiple).
 @pytest.mark.parametrize("head_size", [16, 64, 20])
 @pytest.mark.parametrize("variant", ["native", pytest.param("avx2", marks=pytest.mark.slow)])
-def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, tolerance, head_size, variant):
+# A group of 4 query heads per KV head; one of 14, more than the value pass serves at once.
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (14, 1)])
+# OpenMP's threads, or the tiled products' pool (its C entry point) with two and three threads.
+@pytest.mark.parametrize("pool_threads", [0, 2, 3])
+def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, tolerance, head_size, variant, heads,
+                                                                 kv_heads, pool_threads):
     generator = torch.Generator().manual_seed(0)
-    num_reqs, heads, kv_heads, block_size, num_blocks = 7, 8, 2, 4, 128
+    num_reqs, block_size, num_blocks = 7, 4, 128
+    runner = load_streaming_linear().chunk_runner() if pool_threads else 0
     key_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=generator).to(dtype)
     value_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=generator).to(dtype)
     seq_lens = torch.tensor([1, 3, 4, 5, 17, 40, 63], dtype=torch.int32)
@@ -57,7 +64,8 @@ def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, 
     output = torch.full(query.shape, float("nan"), dtype=dtype)
     scale = head_size ** -0.5
     kernel_variant(variant).paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, rows,
-                                                   torch.arange(num_reqs), scale, window, output)
+                                                   torch.arange(num_reqs), scale, window, output, runner,
+                                                   pool_threads)
     for request in range(num_reqs):
         length = int(seq_lens[request])
         blocks = block_table[request, : -(-length // block_size)].long()

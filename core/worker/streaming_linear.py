@@ -156,6 +156,15 @@ class ChunkPool {
   std::atomic<int> sleepers_{0};
 };
 
+// The pool for other extensions' kernels (the attention's), as a plain C function whose address chunk_runner()
+// hands out: the parts of a decode step between its products then share the helpers the products keep awake.
+extern "C" void patchbay_run_chunks(int threads, int64_t chunks, void (*work)(const void*, int64_t),
+                                    const void* context) {
+  ChunkPool::instance().run(threads, chunks, work, context);
+}
+
+int64_t chunk_runner() { return reinterpret_cast<int64_t>(&patchbay_run_chunks); }
+
 #ifdef PATCHBAY_SIMD
 // Float32 and int8 weights: tiles of kLanes output features, [K][kLanes] each, widened to float32 in registers.
 // int8 weights (weight-only quantization) carry one float32 scale per output feature, float32 ones an optional
@@ -399,7 +408,8 @@ torch::Tensor tiled_int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Ten
 """
 
 EXTENSION = NativeExtension("patchbay_streaming_linear", SOURCE,
-                            ("tiled_linear", "tiled_int8_linear", "float32_lanes", "bfloat16_supported"), NATIVE_CFLAGS)
+                            ("tiled_linear", "tiled_int8_linear", "float32_lanes", "bfloat16_supported",
+                             "chunk_runner"), NATIVE_CFLAGS)
 
 
 @functools.cache
@@ -420,6 +430,22 @@ def tile(weight: torch.Tensor, lanes: int) -> torch.Tensor:
         return padded.reshape(-1, lanes, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
     return padded.reshape(-1, lanes, in_features).permute(0, 2, 1).contiguous()
 
+
+
+_helpers_in_use = False  # set once a weight is packed into tiles: this process's products run on the pool
+
+
+def chunk_runner() -> int:
+    """The address of the product helpers' C entry point, for plugins' native kernels that run between a decode
+    step's products (0: none, run over OpenMP).
+
+    The function is ``void run(int threads, int64_t chunks, void (*work)(const void* context, int64_t chunk),
+    const void* context)``: it calls ``work`` once for every chunk in ``[0, chunks)``, on the calling thread and
+    up to ``threads - 1`` helpers, and returns when all are done; ``work`` must not throw.  It is non-zero once
+    this process multiplies by tiled weights: then the helpers are awake between products, where OpenMP's
+    sleeping threads would have to be woken and would then contend with them for the cores.
+    """
+    return load_streaming_linear().chunk_runner() if _helpers_in_use else 0
 
 
 @functools.cache
@@ -471,6 +497,8 @@ class TileLayout:
         return weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0  # bfloat16 tiles pair input features
 
     def pack(self, weight: torch.Tensor) -> TiledWeight:
+        global _helpers_in_use
+        _helpers_in_use = True
         return TiledWeight(tile(weight, load_streaming_linear().float32_lanes()), *weight.shape)
 
     def product(self, inputs: torch.Tensor, packed: TiledWeight, bias: torch.Tensor | None) -> torch.Tensor:

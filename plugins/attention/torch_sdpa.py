@@ -40,6 +40,7 @@ from patchbay.plugins.attention.common import (
     as_paged,
     extend_metadata,
 )
+from patchbay.worker.streaming_linear import chunk_runner
 
 logger = logging.getLogger(__name__)
 
@@ -336,7 +337,8 @@ class TorchSDPAImpl(AttentionImpl):
             queries = plan.kernel_queries
             kernel.paged_decode_attention(query, key_cache, value_cache, queries.block_table, queries.seq_lens,
                                           queries.rows, queries.table_rows, self.layer.scale,
-                                          self.layer.sliding_window or 0, output)
+                                          self.layer.sliding_window or 0, output, chunk_runner(),
+                                          torch.get_num_threads())
             covered = KERNEL_MAX_QUERY_LEN
         for batch in plan.short_batches:
             if batch.query_len > covered:
