@@ -16,6 +16,7 @@ from patchbay.sampling_params import SamplingParams
 from patchbay.worker import fused_ops
 from patchbay.worker.fused_projections import fuse_shared_input_projections
 from patchbay.worker.native_build import build_unavailable
+from patchbay.worker.streaming_linear import TileLayout
 from patchbay.worker.tuning import CpuInfo
 from tiny_models import transformers_greedy
 
@@ -134,9 +135,11 @@ def test_greedy_tokens_match_transformers_with_the_kernels_on(tiny_llama):
     prompts = [[5, 9, 11, 3, 7], list(range(20, 90)), [42]]
     llm = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32", runtime__fused_ops=True)
     config = llm.engine.model.model.config
+    tiled = llm.engine.linear_paths.layout == TileLayout.name  # then whole layers fuse (test_fused_layer.py)
     assert llm.engine.fused_modules == fused_ops.FusedModules(norms=2 * config.num_hidden_layers + 1,
                                                               mlps=config.num_hidden_layers,
-                                                              attentions=config.num_hidden_layers)
+                                                              attentions=config.num_hidden_layers,
+                                                              layers=config.num_hidden_layers if tiled else 0)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 12)
 

@@ -148,7 +148,7 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
     fused = getattr(engine, "fused_modules", None)
     if fused is not None:
         lines.append(f"fused kernels:       {fused.norms} RMS norms, {fused.mlps} SiLU MLPs, {fused.attentions} "
-                     "rotary attentions")
+                     f"rotary attentions, {fused.layers} whole decoder layers")
     if getattr(engine, "kv_connector", None) is not None:
         kv = engine.scheduler.kv_connector_stats
         lines.append(f"kv connector:        {kv.num_loaded_tokens} tokens loaded, {kv.num_recomputed_blocks} blocks "

@@ -63,3 +63,18 @@ def current_forward_context() -> ForwardContext:
             "attn_implementation='patchbay' only runs inside patchbay's model runner"
         )
     return _current
+
+
+def attend(layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Layer ``layer_idx``'s queries, keys and values (``[tokens, heads, head_size]``, any strides) through the
+    current step's backend over the paged cache, between the connector's load and save of the layer; returns
+    ``[tokens, heads, head_size]``."""
+    context = current_forward_context()
+    binding = context.layers[layer_idx]
+    connector = context.kv_connector
+    if connector is not None:
+        connector.wait_for_layer_load(binding.layer_name)
+    output = binding.impl.forward(query, key, value, binding.kv_cache, context.group_metadata[binding.group])
+    if connector is not None:
+        connector.save_kv_layer(binding.layer_name, binding.kv_cache, context.group_metadata[binding.group])
+    return output

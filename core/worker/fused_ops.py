@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from patchbay.worker.forward_context import attend
 from patchbay.worker.fused_projections import Member
 from patchbay.worker.native_build import (
     NATIVE_CFLAGS,
@@ -47,6 +48,7 @@ SOURCE = SIMD_HELPERS + r"""
 #include <torch/extension.h>
 #include <omp.h>
 #include <cmath>
+#include <vector>
 
 // Rows below this many elements in all run on the calling thread: waking OpenMP's sleeping threads costs more.
 constexpr int64_t kParallelElements = 1 << 16;
@@ -230,9 +232,60 @@ void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) {
     silu_and_mul_rows<at::BFloat16>(base, base + width, 2 * width, out.data_ptr<at::BFloat16>(), rows, width);
   }
 }
+
+// A tiled product, through the address patchbay.worker.streaming_linear.tiled_product_entry() hands out.
+using TiledProduct = void (*)(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor* bias,
+                              int64_t out_features, int64_t threads, torch::Tensor& out);
+
+static torch::Tensor tiled(int64_t entry, const torch::Tensor& x, const torch::Tensor& tiles,
+                           const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t threads) {
+  torch::Tensor out;
+  reinterpret_cast<TiledProduct>(entry)(x, tiles, bias.has_value() ? &*bias : nullptr, out_features, threads, out);
+  return out;
+}
+
+// A Llama-style decoder layer over tiled weights, up to its attention: the input norm, the fused q/k/v product and
+// the rotation of queries and keys.  hidden: [rows, width], contiguous; returns the rotated queries [rows, q_size /
+// head_size, head_size] and keys [rows, k_size / head_size, head_size], and the values (a view of the product).
+std::vector<torch::Tensor> decoder_attention_inputs(int64_t product, torch::Tensor hidden, torch::Tensor norm_weight,
+                                                    double eps, torch::Tensor qkv_tiles,
+                                                    c10::optional<torch::Tensor> qkv_bias, int64_t q_size,
+                                                    int64_t k_size, int64_t v_size, torch::Tensor cos,
+                                                    torch::Tensor sin, int64_t head_size, int64_t threads) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_attention_inputs takes contiguous rows");
+  auto normed = torch::empty_like(hidden);
+  rms_norm(hidden, norm_weight, eps, normed);
+  const auto qkv = tiled(product, normed, qkv_tiles, qkv_bias, q_size + k_size + v_size, threads);
+  const int64_t rows = hidden.size(0);
+  auto query = torch::empty({rows, q_size / head_size, head_size}, hidden.options());
+  auto key = torch::empty({rows, k_size / head_size, head_size}, hidden.options());
+  rotary(qkv.narrow(1, 0, q_size), qkv.narrow(1, q_size, k_size), cos, sin, query, key);
+  return {query, key, qkv.narrow(1, q_size + k_size, v_size).view({rows, v_size / head_size, head_size})};
+}
+
+// The rest of the layer: the output projection and its residual add, the post-attention norm, the fused gate/up
+// product, SiLU-and-multiply, the down projection and its residual add (the adds are torch's, rounding as the
+// model's own).  attended: [rows, q_size]; hidden: the layer's input, [rows, width]; returns the layer's output.
+torch::Tensor decoder_attention_output_and_mlp(int64_t product, torch::Tensor attended, torch::Tensor hidden,
+                                               torch::Tensor o_tiles, c10::optional<torch::Tensor> o_bias,
+                                               torch::Tensor norm_weight, double eps, torch::Tensor gate_up_tiles,
+                                               c10::optional<torch::Tensor> gate_up_bias, int64_t intermediate,
+                                               torch::Tensor down_tiles, c10::optional<torch::Tensor> down_bias,
+                                               int64_t threads) {
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  const auto residual = hidden + tiled(product, attended.contiguous(), o_tiles, o_bias, width, threads);
+  auto normed = torch::empty_like(residual);
+  rms_norm(residual, norm_weight, eps, normed);
+  const auto gate_up = tiled(product, normed, gate_up_tiles, gate_up_bias, 2 * intermediate, threads);
+  auto activated = torch::empty({rows, intermediate}, hidden.options());
+  silu_and_mul(gate_up, activated);
+  return residual + tiled(product, activated, down_tiles, down_bias, width, threads);
+}
 """
 
-EXTENSION = NativeExtension("patchbay_fused_ops", SOURCE, ("rms_norm", "silu_and_mul", "rotary"),
+EXTENSION = NativeExtension("patchbay_fused_ops", SOURCE,
+                            ("rms_norm", "silu_and_mul", "rotary", "decoder_attention_inputs",
+                             "decoder_attention_output_and_mlp"),
                             (*NATIVE_CFLAGS, "-ffp-contract=off"))
 """The kernels (SIMD registers where the CPU has AVX-512 or AVX2, plain loops elsewhere and for row tails),
 built with no multiply-add contraction, so each product and sum rounds where transformers' ops round it."""
@@ -371,8 +424,6 @@ class FusedRopeAttention:
         if (ops is None or kwargs.get("cache") is not None or cos.dtype != hidden_states.dtype
                 or sin.dtype != hidden_states.dtype):
             return type(module).forward(module, hidden_states, position_embeddings, attention_mask, **kwargs)
-        from patchbay.worker.hf_model import patchbay_attention
-
         tokens = hidden_states.numel() // hidden_states.shape[-1]
         if self.group is not None:
             q_size, k_size, _ = self.group.sizes
@@ -387,10 +438,7 @@ class FusedRopeAttention:
         query = torch.empty(tokens, q_rows.shape[1] // self.head_size, self.head_size, dtype=q_rows.dtype)
         key = torch.empty(tokens, k_rows.shape[1] // self.head_size, self.head_size, dtype=k_rows.dtype)
         ops.rotary(q_rows, k_rows, cos, sin, query, key)
-        value = v_rows.reshape(tokens, -1, self.head_size)
-        # transformers' layout, [1, heads, tokens, head_size], as views: the attention reads them through strides.
-        output, _ = patchbay_attention(module, query.transpose(0, 1)[None], key.transpose(0, 1)[None],
-                                       value.transpose(0, 1)[None], attention_mask, scaling=module.scaling)
+        output = attend(module.layer_idx, query, key, v_rows.reshape(tokens, -1, self.head_size))
         return module.o_proj(output.reshape(*hidden_states.shape[:-1], -1)), None
 
 
@@ -401,6 +449,9 @@ class FusedModules:
     norms: int = 0
     mlps: int = 0
     attentions: int = 0
+    layers: int = 0
+    """Decoder layers whose fused modules and tiled products run as two C++ calls
+    (:mod:`patchbay.worker.fused_layer`)."""
 
 
 def use_fused_ops(model: nn.Module, *, device: torch.device, dtype: str,

@@ -19,7 +19,7 @@ from torch import nn
 
 from patchbay.interfaces import AttentionLayerSpec
 from patchbay.scheduling.kv_cache_spec import KVCacheSpec
-from patchbay.worker.forward_context import current_forward_context
+from patchbay.worker.forward_context import attend
 from patchbay.worker.model_loader import ModelLoadError
 
 ATTN_IMPLEMENTATION = "patchbay"
@@ -45,21 +45,7 @@ def patchbay_attention(
     queries, keys and values (``[1, heads, tokens, head_size]``, any strides) through the step's backend over
     the paged cache; returns ``([1, tokens, heads, head_size], None)``."""
     # Backends take [tokens, heads, head_size]: transposed views of what transformers hands.
-    context = current_forward_context()
-    binding = context.layers[module.layer_idx]
-    metadata = context.group_metadata[binding.group]
-    connector = context.kv_connector
-    if connector is not None:
-        connector.wait_for_layer_load(binding.layer_name)
-    output = binding.impl.forward(
-        query[0].transpose(0, 1),
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        binding.kv_cache,
-        metadata,
-    )
-    if connector is not None:
-        connector.save_kv_layer(binding.layer_name, binding.kv_cache, metadata)
+    output = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
     return output.unsqueeze(0), None
 
 

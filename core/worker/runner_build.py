@@ -9,6 +9,7 @@ so every rank holds the same plugins and sizes over its own part of the model.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from patchbay.contract.settings import ConfigError, ConfigProblem, RuntimeSettin
 from patchbay.interfaces import DrafterConfig, DrafterContext, KVConnectorConfig, KVConnectorWorker, KVShard
 from patchbay.scheduling.kv_cache_spec import group_layers
 from patchbay.scheduling.structured_output import GrammarCompilations
+from patchbay.worker.fused_layer import use_fused_layers
 from patchbay.worker.fused_ops import FusedModules, use_fused_ops
 from patchbay.worker.fused_projections import fuse_shared_input_projections
 from patchbay.worker.hf_model import HFCausalLM, torch_dtype
@@ -78,6 +80,8 @@ def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: t
                                         device=device, dtype=dtype, tuning=tuning)
     # After the linears: the fused MLP computes gate/up through the group those paths gave it.
     fused = use_fused_ops(model.model, device=device, dtype=dtype) if settings.runtime.fused_ops else FusedModules()
+    if fused.attentions:  # then whole layers, where their products are tiled
+        fused = dataclasses.replace(fused, layers=use_fused_layers(model.model))
     return LoadedModel(model, quantized, paths, fused)
 
 

@@ -405,11 +405,19 @@ torch::Tensor tiled_int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Ten
   TORCH_CHECK(false, "tiled_int8_linear needs AVX-512 or AVX2");
 #endif
 }
+
+// tiled_linear for other extensions' kernels (the fused decoder layer's), by the address tiled_product() hands out.
+static void tiled_linear_into(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor* bias,
+                              int64_t out_features, int64_t threads, torch::Tensor& out) {
+  out = tiled_linear(x, tiles, bias ? c10::optional<torch::Tensor>(*bias) : c10::nullopt, out_features, threads);
+}
+
+int64_t tiled_product() { return reinterpret_cast<int64_t>(&tiled_linear_into); }
 """
 
 EXTENSION = NativeExtension("patchbay_streaming_linear", SOURCE,
                             ("tiled_linear", "tiled_int8_linear", "float32_lanes", "bfloat16_supported",
-                             "chunk_runner"), NATIVE_CFLAGS)
+                             "chunk_runner", "tiled_product"), NATIVE_CFLAGS)
 
 
 @functools.cache
@@ -446,6 +454,13 @@ def chunk_runner() -> int:
     sleeping threads would have to be woken and would then contend with them for the cores.
     """
     return load_streaming_linear().chunk_runner() if _helpers_in_use else 0
+
+
+def tiled_product_entry() -> int:
+    """The address of the tiled product for other extensions' kernels (the fused decoder layer's):
+    ``void product(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor* bias, int64_t out_features,
+    int64_t threads, at::Tensor& out)``, :func:`tiled_linear`'s arguments with its result stored in ``out``."""
+    return load_streaming_linear().tiled_product()
 
 
 @functools.cache
