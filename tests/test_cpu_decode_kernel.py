@@ -130,6 +130,31 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     assert not lock.exists()
 
 
+def test_a_lock_whose_builder_exited_is_removed_at_once(tmp_path):
+    """A process that exits during a background build leaves torch's lock: the next start must not wait out
+    STALE_LOCK_SECONDS for it."""
+    import socket
+    import subprocess
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    builder = tmp_path / native_build.BUILDER_FILE
+    builder.write_text(f"{socket.gethostname()} {os.getpid()}\n")  # alive: it may be building right now
+    native_build.clear_stale_lock(tmp_path)
+    assert lock.exists()
+    builder.write_text(f"another-machine {os.getpid() + 1}\n")  # elsewhere: only the lock's age tells
+    native_build.clear_stale_lock(tmp_path)
+    assert lock.exists()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    builder.write_text(f"{socket.gethostname()} {gone.pid}\n")
+    started = time.monotonic()
+    native_build.wait_for_other_builds(tmp_path)
+    assert time.monotonic() - started < 5
+    native_build.clear_stale_lock(tmp_path)
+    assert not lock.exists()
+
+
 def test_the_build_folder_is_keyed_by_source_flags_torch_installation_and_cpu(monkeypatch, tmp_path):
     name = _cpu_kernel.build_name()
     assert _cpu_kernel.build_directory().name == name

@@ -18,7 +18,9 @@ import functools
 import hashlib
 import importlib.util
 import logging
+import os
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -31,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 STALE_LOCK_SECONDS = 600.0
 """A build lock older than this was left by a process killed mid-build (a build takes well under a minute)."""
+
+BUILDER_FILE = "builder"
+"""The file in a build folder naming the host and process id of the last process that started a build there."""
 
 NATIVE_CFLAGS = ("-O3", "-march=native", "-fopenmp")
 """Flags every extension is compiled with (an extension may add its own)."""
@@ -200,6 +205,7 @@ class NativeExtension:
         clear_stale_lock(directory)
         if finished(built, lock):
             return import_built(built)
+        (directory / BUILDER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}\n")
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(name=self.build_name(), cpp_sources=[self.source], functions=list(self.functions),
@@ -208,7 +214,8 @@ class NativeExtension:
 
 
 def clear_stale_lock(directory: Path) -> None:
-    """Remove ``directory``'s build lock if it is older than :data:`STALE_LOCK_SECONDS` (its builder died)."""
+    """Remove ``directory``'s build lock if its builder died: it is older than :data:`STALE_LOCK_SECONDS`, or
+    the process that took it (on this machine) no longer runs."""
     # torch's builder holds a lock file in the build folder while it compiles; a process killed mid-build
     # leaves it behind, and every later build would wait on it forever.
     lock = directory / "lock"
@@ -216,9 +223,24 @@ def clear_stale_lock(directory: Path) -> None:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return
-    if age > STALE_LOCK_SECONDS:
+    if age > STALE_LOCK_SECONDS or builder_gone(directory):
         logger.warning("removing the build lock %s, left %.0f s ago by a build that never finished", lock, age)
         lock.unlink(missing_ok=True)
+
+
+def builder_gone(directory: Path) -> bool:
+    """Whether the process that last started a build in ``directory`` ran on this machine and has exited (a
+    process that exits during a background build, or is killed mid-build, leaves torch's lock behind)."""
+    try:
+        host, pid = (directory / BUILDER_FILE).read_text().split()
+        if host != socket.gethostname():
+            return False  # a cache folder shared between machines: only the lock's age tells
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 def finished(built: Path, lock: Path) -> bool:
@@ -242,7 +264,7 @@ def wait_for_other_builds(directory: Path) -> None:
             age = time.time() - lock.stat().st_mtime
         except FileNotFoundError:
             return
-        if age > STALE_LOCK_SECONDS:
+        if age > STALE_LOCK_SECONDS or builder_gone(directory):
             return
         time.sleep(0.2)
 
