@@ -180,6 +180,10 @@ static inline vfloat vload_weights(const int8_t* p) {
 #endif
 }
 
+// How far ahead of its loads a block of several rows asks for each tile's weights: the panel's first rows
+// stream it from memory, four tiles at once, too many streams for the hardware prefetcher to run ahead of.
+constexpr int64_t kPrefetchBytes = 2048;
+
 template <typename X, typename W, int ROWS, int TILES>
 static void lane_block(const X* x, int64_t ldx, const W* tiles, int64_t K, const float* per_feature, X* out,
                        int64_t ldo, int64_t n0, int64_t N) {
@@ -190,6 +194,10 @@ static void lane_block(const X* x, int64_t ldx, const W* tiles, int64_t K, const
   for (int64_t k = 0; k < K; ++k) {
     vfloat w[TILES];
     for (int t = 0; t < TILES; ++t) w[t] = vload_weights(tiles + (t * K + k) * kLanes);
+    if constexpr (ROWS > 1)
+      for (int t = 0; t < TILES; ++t)
+        _mm_prefetch(reinterpret_cast<const char*>(tiles + (t * K + k + kPrefetchBytes / (kLanes * sizeof(W))) * kLanes),
+                     _MM_HINT_T0);
     for (int m = 0; m < ROWS; ++m) {
       const vfloat xb = vbroadcast(static_cast<float>(x[m * ldx + k]));
       for (int t = 0; t < TILES; ++t) acc[m][t] = vfma(w[t], xb, acc[m][t]);
@@ -251,6 +259,9 @@ static void bf16_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16*
     __m512bh w[TILES];
     for (int t = 0; t < TILES; ++t)
       w[t] = (__m512bh)_mm512_loadu_si512(tiles + (t * pairs + p) * 32);
+    if constexpr (ROWS > 1)  // the panel's first rows stream it from memory: ask ahead for each tile's stream
+      for (int t = 0; t < TILES; ++t)
+        _mm_prefetch(reinterpret_cast<const char*>(tiles + (t * pairs + p + kPrefetchBytes / 64) * 32), _MM_HINT_T0);
     for (int m = 0; m < ROWS; ++m) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(xpairs[m * ldx_pairs + p]);
       for (int t = 0; t < TILES; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], w[t], xb);
