@@ -54,6 +54,7 @@ from patchbay.scheduling.scheduler import Scheduler
 from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from patchbay.worker import distributed
 from patchbay.worker.kv_transfers import RankTransferReports
+from patchbay.worker.heap import keep_freed_memory
 from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.torchrun import torchrun_launch
@@ -173,6 +174,7 @@ class Engine:
         threads = distributed.rank_threads(settings)
         if threads is not None:
             torch.set_num_threads(threads)
+        self.heap = keep_freed_memory()
         torch.manual_seed(settings.runtime.seed)
         self.device = resolve_device(settings.runtime.device)
         model_dir = resolve_model_dir(settings.model.path)

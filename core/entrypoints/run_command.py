@@ -137,6 +137,8 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
     ]
     if getattr(engine, "tuning", None) is not None:
         lines.append(f"machine defaults:    {engine.tuning.describe()}")
+    if getattr(engine, "heap", None) is not None:
+        lines.append(f"heap:                {engine.heap}")
     sizing = getattr(engine, "kv_sizing", None)
     if sizing is not None:
         lines.append(f"kv cache:            {sizing.describe()}")

@@ -47,6 +47,7 @@ from patchbay.contract.registry import registry_for
 from patchbay.contract.settings import Settings
 from patchbay.worker import distributed
 from patchbay.worker.distributed import RankSetup
+from patchbay.worker.heap import keep_freed_memory
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.kv_transfers import RankTransferReports
 from patchbay.worker.pipeline_parallel import last_stage_rank
@@ -90,6 +91,7 @@ def run_rank(connection: Connection, rank: int, *, local_rank: int | None = None
     threads = distributed.rank_threads(settings)
     if threads is not None:
         torch.set_num_threads(threads)
+    keep_freed_memory()
     device = (distributed.rank_device(torch.device(setup.device), rank) if local_rank is None
               else launch_device(torch.device(setup.device), local_rank))
     group = distributed.RankGroup(setup, rank, device, store)
