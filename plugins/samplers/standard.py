@@ -55,6 +55,7 @@ class StandardSampler(Sampler):
             filtered = self._filter_random_rows(processed, random_rows, metadata)
             sampled[random_rows] = self._draw(filtered, random_rows, metadata.generators)
             if processed_logprobs:
+                processed = processed.clone() if processed is logits else processed
                 processed[random_rows] = filtered
         sampled = sampled.unsqueeze(1)
         if metadata.max_num_logprobs is None:
