@@ -17,6 +17,7 @@ and go through patchbay's C++ kernel over the paged cache instead (option
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -97,16 +98,42 @@ class LongQuery:
     """bool ``[query_len, num_keys]``; ``None`` means plain causal attention over the new keys."""
 
 
-@dataclass
 class SDPAPlan:
-    """How one step's batch is split into SDPA calls (shared by every layer of a KV-cache group)."""
+    """How one step's batch is split into SDPA calls (shared by every layer of a KV-cache group).
 
-    sliding_window: int | None
-    short_batches: list[ShortQueryBatch]
-    long_queries: list[LongQuery]
-    kernel_queries: KernelQueries | None = None
-    """The same requests' tokens for the C++ kernel where it runs (CPU), up to :data:`KERNEL_MAX_QUERY_LEN`
-    tokens per request: with the kernel, short batches and long queries it covers are not attended by SDPA."""
+    The SDPA calls (:attr:`short_batches`, :attr:`long_queries`) are planned on first use: a step whose
+    requests the C++ kernel attends whole (every decode step on the CPU) never plans them.
+    """
+
+    def __init__(self, metadata: PagedAttentionMetadata, sliding_window: int | None) -> None:
+        self.sliding_window = sliding_window
+        self.metadata = metadata
+        self.max_query_len = max(metadata.query_lens, default=0)
+        self.kernel_queries: KernelQueries | None = _kernel_queries(metadata)
+        """The same requests' tokens for the C++ kernel where it runs (CPU), up to
+        :data:`KERNEL_MAX_QUERY_LEN` tokens per request: with the kernel, short batches and long queries it
+        covers are not attended by SDPA."""
+
+    @functools.cached_property
+    def short_batches(self) -> list[ShortQueryBatch]:
+        """Requests of up to :data:`SHORT_QUERY_LEN` new tokens, batched by query length and block count."""
+        metadata = self.metadata
+        by_query_len: dict[int, list[int]] = {}
+        for request, query_len in enumerate(metadata.query_lens):
+            if 0 < query_len <= SHORT_QUERY_LEN:
+                by_query_len.setdefault(query_len, []).append(request)
+        num_blocks = [-(-seq_len // metadata.block_size) for seq_len in metadata.seq_lens]
+        return [
+            _short_batch(metadata, run, query_len, self.sliding_window)
+            for query_len, requests in sorted(by_query_len.items())
+            for run in _split_by_padding(requests, num_blocks)
+        ]
+
+    @functools.cached_property
+    def long_queries(self) -> list[LongQuery]:
+        """Requests of more new tokens, one SDPA call each."""
+        return [_long_query(self.metadata, request, self.sliding_window)
+                for request, query_len in enumerate(self.metadata.query_lens) if query_len > SHORT_QUERY_LEN]
 
 
 @dataclass
@@ -200,22 +227,7 @@ def _long_query(metadata: PagedAttentionMetadata, request: int, sliding_window: 
 
 def plan_step(metadata: PagedAttentionMetadata, sliding_window: int | None) -> SDPAPlan:
     """Split one step's requests into batched short queries and per-request long queries."""
-    by_query_len: dict[int, list[int]] = {}
-    long_queries = []
-    for request, query_len in enumerate(metadata.query_lens):
-        if query_len == 0:
-            continue
-        if query_len <= SHORT_QUERY_LEN:
-            by_query_len.setdefault(query_len, []).append(request)
-        else:
-            long_queries.append(_long_query(metadata, request, sliding_window))
-    num_blocks = [-(-seq_len // metadata.block_size) for seq_len in metadata.seq_lens]
-    short_batches = [
-        _short_batch(metadata, run, query_len, sliding_window)
-        for query_len, requests in sorted(by_query_len.items())
-        for run in _split_by_padding(requests, num_blocks)
-    ]
-    return SDPAPlan(sliding_window, short_batches, long_queries, _kernel_queries(metadata))
+    return SDPAPlan(metadata, sliding_window)
 
 
 class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
@@ -340,12 +352,13 @@ class TorchSDPAImpl(AttentionImpl):
                                           self.layer.sliding_window or 0, output, chunk_runner(),
                                           torch.get_num_threads())
             covered = KERNEL_MAX_QUERY_LEN
-        for batch in plan.short_batches:
-            if batch.query_len > covered:
-                self._short(query, key_cache, value_cache, batch, output)
-        for long_query in plan.long_queries:
-            if long_query.query_end - long_query.query_start > covered:
-                self._long(query, key, value, key_cache, value_cache, long_query, output)
+        if plan.max_query_len > covered:  # else the kernel attended every request: SDPA has nothing to do
+            for batch in plan.short_batches:
+                if batch.query_len > covered:
+                    self._short(query, key_cache, value_cache, batch, output)
+            for long_query in plan.long_queries:
+                if long_query.query_end - long_query.query_start > covered:
+                    self._long(query, key, value, key_cache, value_cache, long_query, output)
         return output
 
     def _plan(self, metadata: SDPAMetadata | PagedAttentionMetadata | CommonAttentionMetadata) -> SDPAPlan:
