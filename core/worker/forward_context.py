@@ -71,10 +71,11 @@ def attend(layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.
     ``[tokens, heads, head_size]``."""
     context = current_forward_context()
     binding = context.layers[layer_idx]
+    metadata = context.group_metadata[binding.group]
     connector = context.kv_connector
     if connector is not None:
         connector.wait_for_layer_load(binding.layer_name)
-    output = binding.impl.forward(query, key, value, binding.kv_cache, context.group_metadata[binding.group])
+    output = binding.impl.forward(query, key, value, binding.kv_cache, metadata)
     if connector is not None:
-        connector.save_kv_layer(binding.layer_name, binding.kv_cache, context.group_metadata[binding.group])
+        connector.save_kv_layer(binding.layer_name, binding.kv_cache, metadata)
     return output
