@@ -3,7 +3,7 @@
     python docs/generate_reference.py           # (re)write every generated page and block
     python docs/generate_reference.py --check   # exit 1 if any of them is not what the code gives
 
-It writes docs/reference.md whole, and the marked blocks of two hand-written pages: the key tables
+It writes docs/reference.md and docs/design/modules.md whole, and the marked blocks of two hand-written pages: the key tables
 of docs/configuration.md (``settings_tables.py``: from the settings models' field docstrings) and
 the room tree of docs/architecture.md (``rooms.py``: from the packages' and modules' docstrings).
 A marked block runs from ``<!-- generated: NAME -->`` to ``<!-- end generated: NAME -->``; the
@@ -52,6 +52,7 @@ DOCS_DIR = Path(__file__).resolve().parent
 REFERENCE = DOCS_DIR / "reference.md"
 CONFIGURATION = DOCS_DIR / "configuration.md"
 ARCHITECTURE = DOCS_DIR / "architecture.md"
+MODULE_INDEX = DOCS_DIR / "design" / "modules.md"
 MARKED_BLOCK = re.compile(r"(<!-- generated: (\S+) -->\n).*?(<!-- end generated: \2 -->)", re.DOTALL)
 
 COMMON_MODULE = "patchbay.interfaces.base"
@@ -322,13 +323,14 @@ def fill_marked_blocks(text: str, blocks: dict[str, str], page: Path) -> str:
 
 def generated_pages() -> dict[Path, str]:
     """Every generated page's text as the code makes it, by path."""
-    from rooms import room_blocks
+    from rooms import module_index, room_blocks
     from settings_tables import settings_blocks
 
     return {
         REFERENCE: render(),
         CONFIGURATION: fill_marked_blocks(CONFIGURATION.read_text(), settings_blocks(CONFIGURATION), CONFIGURATION),
         ARCHITECTURE: fill_marked_blocks(ARCHITECTURE.read_text(), room_blocks(), ARCHITECTURE),
+        MODULE_INDEX: module_index(),
     }
 
 
