@@ -93,8 +93,8 @@ class RuntimeSettings(Section):
     """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda``, ``cuda:1``, ... Asking for CUDA where
     there is none is an error."""
     threads: PositiveInt | None = None
-    """``torch.set_num_threads``. Null: torch's default; with several ranks or pipeline stages, the cores
-    divided evenly between them."""
+    """``torch.set_num_threads``. Null: torch's default; with several ranks or pipeline stages, the cores this
+    process may use, shared evenly by the ranks on this machine."""
     linear_kernel: Literal["auto", "tiles", "onednn", "row_split", "torch"] = "auto"
     """The kernel of linear layers on the CPU (docs/design/cpu-fast-paths.md#linear-kernels). ``auto``: what the
     machine's tuning measured fastest for the run's dtype; a kernel named for a dtype or device it cannot run is
@@ -114,9 +114,9 @@ class RuntimeSettings(Section):
     """``torch.manual_seed`` at engine start and again once the engine is built, on every rank and stage, so
     random samplers repeat run to run whatever the rank count."""
     tensor_parallel_size: PositiveInt = 1
-    """Ranks the model is split over, one process each (Llama, Qwen2, Mistral); attention heads and
-    ``intermediate_size`` must be divisible by it. Under ``torchrun``, ``WORLD_SIZE`` must equal it times
-    ``pipeline_parallel_size`` (docs/design/parallelism.md)."""
+    """Ranks the model is split over, one process each (Llama, Qwen2, Mistral): attention heads and
+    ``intermediate_size`` must be divisible by it, KV heads must divide it or be divisible by it. Under
+    ``torchrun``, ``WORLD_SIZE`` must equal it times ``pipeline_parallel_size`` (docs/design/parallelism.md)."""
     pipeline_parallel_size: PositiveInt = 1
     """Pipeline stages the decoder layers are split over, one process each; only the last stage computes logits.
     At most one stage per layer, and every stage must hold each kind of attention layer the model has
