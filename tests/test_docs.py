@@ -2,7 +2,7 @@
 
 - docs/reference.md, the key tables of docs/configuration.md and the room table of
   docs/architecture.md are exactly what docs/generate_reference.py makes of the code;
-- every relative link in README.md, docs/*.md and docs/design/*.md reaches an existing file (and heading);
+- every relative link in README.md and docs/**/*.md reaches an existing file (and heading);
 - no table cell runs past 60 words, the architecture overview stays under 15 KB, every path its
   feature table names exists, and docs/benchmarks.md opens with one stamped table;
 - every ``patchbay SUBCOMMAND`` the docs show exists in the CLI parser;
@@ -31,7 +31,7 @@ from patchbay.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCS = REPO_ROOT / "docs"
-DOC_FILES = sorted([REPO_ROOT / "README.md", *DOCS.glob("*.md"), *DOCS.glob("design/*.md")])
+DOC_FILES = sorted([REPO_ROOT / "README.md", *DOCS.rglob("*.md")])
 CONFIGURATION = DOCS / "configuration.md"
 PLUGIN_GUIDE = DOCS / "plugin-guide.md"
 ARCHITECTURE = DOCS / "architecture.md"
