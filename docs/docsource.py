@@ -1,4 +1,4 @@
-"""Reading patchbay's source for the generated docs: class fields with their docstrings, signatures, docstrings as Markdown.
+"""Reading patchbay's source for the generated docs: fields with their docstrings, signatures, Markdown.
 
 Shared by the generators that docs/generate_reference.py runs (the reference, the configuration
 tables, the room tree). Everything is read from the source text with ``ast``, so the output does

@@ -3,12 +3,11 @@
     python docs/generate_reference.py           # (re)write every generated page and block
     python docs/generate_reference.py --check   # exit 1 if any of them is not what the code gives
 
-It writes docs/reference.md and docs/design/modules.md whole, and the marked blocks of two hand-written pages: the key tables
-of docs/configuration.md (``settings_tables.py``: from the settings models' field docstrings) and
-the room tree of docs/architecture.md (``rooms.py``: from the packages' and modules' docstrings).
-A marked block runs from ``<!-- generated: NAME -->`` to ``<!-- end generated: NAME -->``; the
-text around it is hand-written and kept.
-
+It writes docs/reference.md and docs/design/modules.md whole, and the marked blocks of two
+hand-written pages: the key tables of docs/configuration.md (``settings_tables.py``: from the
+settings models' field docstrings) and the room table of docs/architecture.md (``rooms.py``: from
+the packages' docstrings). A marked block runs from ``<!-- generated: NAME -->`` to
+``<!-- end generated: NAME -->``; the text around it is hand-written and kept.
 
 Everything in the reference comes from the source: the hook specs of
 ``patchbay.contract.hookspecs`` (signatures and docstrings, with the module docstring

@@ -39,7 +39,8 @@ def skipped(path: Path) -> bool:
 
 def source_files(folder: Path) -> str:
     """A non-package folder (``csrc/``) as its name and its files' names."""
-    names = sorted(f.relative_to(folder).as_posix() for f in folder.rglob("*") if f.is_file() and not skipped(f.parent))
+    names = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*")
+                   if path.is_file() and not skipped(path.parent))
     return f"`{folder.name}/` ({', '.join(names)})"
 
 
@@ -55,7 +56,8 @@ def room_rows(folder: Path, package: str) -> list[str]:
     others = [child for child in children if child.is_dir() and not is_package(child)]
     contents = modules + [source_files(other) for other in others]
     relative = folder.relative_to(REPO_ROOT).as_posix()
-    rows = [f"| `{relative}/` | `{package}` | {inline(line, Linker()).replace('|', chr(92) + '|')} | {', '.join(contents) or '—'} |"]
+    described = inline(line, Linker()).replace("|", "\\|")
+    rows = [f"| `{relative}/` | `{package}` | {described} | {', '.join(contents) or '—'} |"]
     for child in children:
         if child.is_dir() and is_package(child):
             rows += room_rows(child, f"{package}.{child.name}")
@@ -98,7 +100,8 @@ def module_index() -> str:
     ]
     for folder, package in packages():
         relative = folder.relative_to(REPO_ROOT).as_posix()
-        lines += ["", f"## `{relative}/`", "", f"`{package}`: {inline(first_line(folder / '__init__.py'), Linker())}", ""]
+        room_line = inline(first_line(folder / "__init__.py"), Linker())
+        lines += ["", f"## `{relative}/`", "", f"`{package}`: {room_line}", ""]
         children = sorted(child for child in folder.iterdir() if not skipped(child))
         modules = [child for child in children if child.suffix == ".py" and child.name != "__init__.py"]
         others = [child for child in children if child.is_dir() and not is_package(child)]
@@ -108,7 +111,8 @@ def module_index() -> str:
         for module in modules:
             line = first_line(module)
             if not line:
-                raise MissingDocstring(f"{module} has no docstring; its first line is its entry in docs/design/modules.md")
+                raise MissingDocstring(f"{module} has no docstring; its first line is its entry in "
+                                       "docs/design/modules.md")
             lines.append(f"| `{module.name}` | {inline(line, Linker()).replace('|', chr(92) + '|')} |")
         for other in others:
             lines.append(f"| {source_files(other)} | sources other than Python |")

@@ -115,7 +115,8 @@ def test_the_generated_rows_say_values_default_and_link_design_pages(docs_genera
         """A port."""
 
     assert rows(Example, CONFIGURATION, lambda name: [f"`{name}`"]) == [
-        "| `count` | positive integer or null | `null` | How many ([sizing the pool](design/kv-cache.md#sizing-the-pool)). |",
+        "| `count` | positive integer or null | `null` | How many "
+        "([sizing the pool](design/kv-cache.md#sizing-the-pool)). |",
         "| `mode` | `auto`, `fast` | `auto` | Which \\| way. |",
         "| `port` | integer 1–65535 | `80` | A port. |",
     ]
