@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import BaseModel, ByteSize, SecretStr
+from pydantic import BaseModel, BeforeValidator, ByteSize, PlainValidator, SecretStr, WrapValidator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -90,8 +90,11 @@ def _plural(text: str) -> str:
 def describe_values(annotation: Any, metadata: Sequence[Any] = ()) -> str:
     """The values a field accepts, in words: ``positive integer or null``, ```auto`, `cpu```..."""
     for item in metadata:
-        name = getattr(getattr(item, "func", None), "__name__", "")
-        if name in VALUES_OF_VALIDATOR:
+        if isinstance(item, (BeforeValidator, PlainValidator, WrapValidator)):
+            name = getattr(item.func, "__name__", repr(item.func))
+            if name not in VALUES_OF_VALIDATOR:
+                raise UndocumentedKey(f"a field's values are widened by the validator {name!r}; say what it "
+                                      "accepts in VALUES_OF_VALIDATOR of docs/settings_tables.py")
             return VALUES_OF_VALIDATOR[name]
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Annotated:

@@ -100,6 +100,23 @@ def test_a_settings_key_without_a_docstring_stops_the_generator(docs_generators:
         rows(Documented, CONFIGURATION, lambda name: [f"`{name}`"])
 
 
+def test_a_validator_that_widens_the_values_must_say_what_it_accepts(docs_generators: None):
+    from typing import Annotated
+
+    from pydantic import BaseModel, BeforeValidator
+    from settings_tables import UndocumentedKey, rows
+
+    def _anything_goes(value: object) -> object:
+        return value
+
+    class Widened(BaseModel):
+        size: Annotated[int, BeforeValidator(_anything_goes)] = 1
+        """How big."""
+
+    with pytest.raises(UndocumentedKey, match="'_anything_goes'"):
+        rows(Widened, CONFIGURATION, lambda name: [f"`{name}`"])
+
+
 def test_the_generated_rows_say_values_default_and_link_design_pages(docs_generators: None):
     from typing import Annotated, Literal
 
