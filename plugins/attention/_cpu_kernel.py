@@ -15,9 +15,9 @@ run a SIMD path (the query and the value accumulators held in registers, four
 keys' dot products reduced by one add tree, each value row weighed for several
 query heads at once); other shapes and CPUs run plain loops.  The work, one
 task per request and KV head, runs on the tiled products' helper threads where
-the process has them (:func:`patchbay.worker.streaming_linear.chunk_runner`),
+the process has them (:func:`patchbay.worker.cpu.streaming_linear.chunk_runner`),
 else over OpenMP.  It is built like every
-patchbay extension (:mod:`patchbay.worker.native_build`): by ``make`` at
+patchbay extension (:mod:`patchbay.worker.cpu.native_build`): by ``make`` at
 install time (``python -m patchbay.plugins.attention._cpu_kernel``), elsewhere
 by :class:`KernelBuild` in a background thread while decodes run through SDPA;
 :func:`kernel_unavailable` says why it cannot be.
@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from patchbay.worker.native_build import (
+from patchbay.worker.cpu.native_build import (
     NATIVE_CFLAGS,
     SIMD_HELPERS,
     BackgroundBuild,
@@ -58,7 +58,7 @@ SOURCE = SIMD_HELPERS + r"""
 // then per query (a decode's one token, or each token of a short prefill or a draft): seq_lens: int32, the keys
 // it attends (itself included); rows: int64, its query row; table_rows: int64, its request's block-table row;
 // window: 0, or the sliding window.
-// A pool's entry point (patchbay.worker.streaming_linear.chunk_runner): runs work(context, i) for every i in
+// A pool's entry point (patchbay.worker.cpu.streaming_linear.chunk_runner): runs work(context, i) for every i in
 // [0, chunks) over the calling thread and threads - 1 helpers.
 using RunChunks = void (*)(int threads, int64_t chunks, void (*work)(const void*, int64_t), const void* context);
 
@@ -444,7 +444,7 @@ def load_kernel() -> Any:
 
 
 class KernelBuild(BackgroundBuild):
-    """:func:`load_kernel` in a background thread (see :class:`~patchbay.worker.native_build.BackgroundBuild`)."""
+    """:func:`load_kernel` in a background thread (see :class:`~patchbay.worker.cpu.native_build.BackgroundBuild`)."""
 
     def __init__(self) -> None:
         super().__init__(lambda: load_kernel(), "the C++ decode kernel")
