@@ -92,7 +92,8 @@ RULES = (
     Rule("worker-cpu-below-runner",
          "worker/cpu/ (CPU fast paths) imports neither the runner's step nor a room of the worker but model/",
          ("patchbay.worker.cpu",),
-         (*RUNNER_STEP, *(room for room in WORKER_ROOMS if room not in ("patchbay.worker.cpu", "patchbay.worker.model")))),
+         (*RUNNER_STEP,
+          *(room for room in WORKER_ROOMS if room not in ("patchbay.worker.cpu", "patchbay.worker.model")))),
     Rule("worker-parallel-builds-runner-only",
          "worker/parallel/ (one rank's side) reaches the runner's step only through runner_build, never its internals",
          ("patchbay.worker.parallel",), tuple(module for module in RUNNER_STEP if module != RUNNER_BUILD)),
@@ -251,7 +252,8 @@ def test_every_room_of_the_worker_is_a_package_with_a_one_line_docstring():
         source = room / "__init__.py"
         assert source.is_file(), f"{room} holds no __init__.py: each room of the worker is a package"
         docstring = ast.get_docstring(ast.parse(source.read_text()))
-        assert docstring and "\n" not in docstring.strip(), f"{source} needs a one-line docstring saying what lives there"
+        assert docstring and "\n" not in docstring.strip(), \
+            f"{source} needs a one-line docstring saying what lives there"
 
 
 def _fresh_import(modules: list[str], watched: list[str]) -> dict:
@@ -349,10 +351,12 @@ def test_the_scan_flags_a_core_module_that_imports_plugins(tmp_path, where, line
         ("engine-below-entrypoints", "engine/core.py", "from patchbay.entrypoints import cli"),
         ("entrypoints-use-engine-api", "entrypoints/llm.py", "from patchbay.engine.core import Engine"),
         ("entrypoints-use-engine-api", "entrypoints/llm.py", "from patchbay.engine import core"),
-        ("entrypoints-use-engine-api", "entrypoints/llm.py", "from patchbay.worker.model.model_loader import ModelLoadError"),
+        ("entrypoints-use-engine-api", "entrypoints/llm.py",
+         "from patchbay.worker.model.model_loader import ModelLoadError"),
         ("entrypoints-use-engine-api", "entrypoints/cli.py", "from patchbay.scheduling.scheduler import Scheduler"),
         ("entrypoints-use-engine-api", "entrypoints/cli.py", "import patchbay.engine.outputs"),
-        ("worker-model-stands-alone", "worker/model/hf_model.py", "from patchbay.worker.model_runner import ModelRunner"),
+        ("worker-model-stands-alone", "worker/model/hf_model.py",
+         "from patchbay.worker.model_runner import ModelRunner"),
         ("worker-model-stands-alone", "worker/model/hf_model.py", "from patchbay.worker import input_batch"),
         ("worker-model-stands-alone", "worker/model/hf_model.py",
          "def f():\n    from patchbay.worker.parallel.pipeline_parallel import PassThroughLayer"),

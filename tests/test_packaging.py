@@ -95,7 +95,7 @@ def test_every_kernel_source_is_in_the_wheel(wheel_files):
                 if in_wheel not in wheel_files:
                     missing.append(in_wheel)
     assert sources, "no C++ sources found"
-    assert missing == [], f"C++ sources missing from the wheel (add them to the package data in pyproject.toml): {missing}"
+    assert missing == [], f"C++ sources missing from the wheel (add them to pyproject's package data): {missing}"
 
 
 def test_the_wheel_declares_the_entry_points(wheel, wheel_files):

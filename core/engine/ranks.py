@@ -207,8 +207,8 @@ class TensorParallelRanks:
     def _start(self, rank: int) -> _ChildRank:
         read_fd, connection = step_channel.open_pipe()
         try:
-            process = subprocess.Popen([sys.executable, "-m", "patchbay.worker.parallel.rank_worker", str(read_fd), str(rank)],
-                                       pass_fds=(read_fd,))
+            process = subprocess.Popen([sys.executable, "-m", "patchbay.worker.parallel.rank_worker", str(read_fd),
+                                        str(rank)], pass_fds=(read_fd,))
         except BaseException:
             connection.close()
             raise

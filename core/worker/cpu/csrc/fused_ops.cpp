@@ -242,6 +242,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
   m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
   m.def("rotary", torch::wrap_pybind_function(rotary), "rotary");
-  m.def("decoder_attention_inputs", torch::wrap_pybind_function(decoder_attention_inputs), "decoder_attention_inputs");
-  m.def("decoder_attention_output_and_mlp", torch::wrap_pybind_function(decoder_attention_output_and_mlp), "decoder_attention_output_and_mlp");
+  m.def("decoder_attention_inputs", torch::wrap_pybind_function(decoder_attention_inputs),
+        "decoder_attention_inputs");
+  m.def("decoder_attention_output_and_mlp", torch::wrap_pybind_function(decoder_attention_output_and_mlp),
+        "decoder_attention_output_and_mlp");
 }
