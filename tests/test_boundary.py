@@ -10,8 +10,8 @@ rules keep each room from reaching where it should not:
 - the engine never reaches up into the entry points;
 - the entry points reach the engine only through its public API (names in ``patchbay.engine.__all__``);
 - inside the worker, the runner's step (the modules at the top of ``worker/``) may use every room, but
-  ``worker/model/`` imports nothing else of the worker, ``worker/cpu/`` nothing of the step nor any room but
-  ``model/`` (whose forward context its fused layers attend through), and ``worker/parallel/`` reaches the step
+  ``worker/model/`` imports nothing else of the worker, ``worker/cpu/`` neither the step nor ``parallel/`` (its
+  fused layers attend through ``model/``'s forward context), and ``worker/parallel/`` reaches the step
   only through ``runner_build`` (building its rank's runner), never the runner's internals.
 
 A static scan reads every module's imports (``import``, ``from ... import``,
@@ -90,10 +90,8 @@ RULES = (
          ("patchbay.worker.model",),
          (*RUNNER_STEP, *(room for room in WORKER_ROOMS if room != "patchbay.worker.model"))),
     Rule("worker-cpu-below-runner",
-         "worker/cpu/ (CPU fast paths) imports neither the runner's step nor a room of the worker but model/",
-         ("patchbay.worker.cpu",),
-         (*RUNNER_STEP,
-          *(room for room in WORKER_ROOMS if room not in ("patchbay.worker.cpu", "patchbay.worker.model")))),
+         "worker/cpu/ (CPU fast paths) imports neither the runner's step nor worker/parallel/",
+         ("patchbay.worker.cpu",), (*RUNNER_STEP, "patchbay.worker.parallel")),
     Rule("worker-parallel-builds-runner-only",
          "worker/parallel/ (one rank's side) reaches the runner's step only through runner_build, never its internals",
          ("patchbay.worker.parallel",), tuple(module for module in RUNNER_STEP if module != RUNNER_BUILD)),
