@@ -41,7 +41,7 @@ from patchbay.plugins.attention.common import (
     as_paged,
     extend_metadata,
 )
-from patchbay.worker.streaming_linear import chunk_runner
+from patchbay.worker.cpu.streaming_linear import chunk_runner
 
 logger = logging.getLogger(__name__)
 
