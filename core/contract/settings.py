@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,6 +219,10 @@ def _split_names(value: Any) -> Any:
     return value
 
 
+RENAMED_PLUGINS = {"spec_decode": "drafters"}
+"""Built-in entry-point names that changed -> their new names (accepted in ``plugins.allow`` and ``deny``)."""
+
+
 class PluginPolicy(Section):
     strict: bool = False
     """Any plugin that fails to load is an error instead of a report."""
@@ -227,6 +232,15 @@ class PluginPolicy(Section):
     """These plugins never load (a comma-separated string is accepted, handy in env vars)."""
 
     _split = field_validator("allow", "deny", mode="before")(_split_names)
+
+    @field_validator("allow", "deny")
+    @classmethod
+    def _renamed_plugins(cls, names: list[str]) -> list[str]:
+        for old, new in RENAMED_PLUGINS.items():
+            if old in names:
+                warnings.warn(f"plugins.allow/deny: the built-in plugin {old!r} is now called {new!r}; the old "
+                              "name is deprecated", FutureWarning, stacklevel=2)
+        return [RENAMED_PLUGINS.get(name, name) for name in names]
 
 
 class InputSettings(Section):
