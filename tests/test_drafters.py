@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-import patchbay.plugins.spec_decode.hooks as spec_decode_hooks
+import patchbay.plugins.drafters.hooks as spec_decode_hooks
 from patchbay.contract.registry import Registry, default_registry
 from patchbay.interfaces import DraftBatch, Drafter, DrafterCapabilities, DrafterContext, DraftProposals
-from patchbay.plugins.spec_decode.ngram import NgramDrafter, find_continuations
+from patchbay.plugins.drafters.ngram import NgramDrafter, find_continuations
 from patchbay.testing import DrafterSuite
 from patchbay.testing import drafter as kit
 from patchbay.testing.drafter import BatchShape, DraftCase, make_cases, make_draft_batch
@@ -176,10 +176,10 @@ def test_registration_names_the_four_drafters() -> None:
     names = {}
     spec_decode_hooks.register_drafters(register=lambda name, target, **kwargs: names.update({name: target}))
     assert names == {
-        "ngram": "patchbay.plugins.spec_decode.ngram:NgramDrafter",
-        "medusa": "patchbay.plugins.spec_decode.medusa:MedusaDrafter",
-        "eagle": "patchbay.plugins.spec_decode.eagle:EagleDrafter",
-        "eagle3": "patchbay.plugins.spec_decode.eagle3:Eagle3Drafter",
+        "ngram": "patchbay.plugins.drafters.ngram:NgramDrafter",
+        "medusa": "patchbay.plugins.drafters.medusa:MedusaDrafter",
+        "eagle": "patchbay.plugins.drafters.eagle:EagleDrafter",
+        "eagle3": "patchbay.plugins.drafters.eagle3:Eagle3Drafter",
     }
 
 

@@ -16,8 +16,8 @@ import torch
 import patchbay
 from patchbay.interfaces import DraftBatch, DrafterCapabilities, DraftProposals
 from patchbay.interfaces.drafter import resolve_aux_layers
-from patchbay.plugins.spec_decode.eagle3 import Eagle3Drafter
-from patchbay.plugins.spec_decode.ngram import NgramDrafter
+from patchbay.plugins.drafters.eagle3 import Eagle3Drafter
+from patchbay.plugins.drafters.ngram import NgramDrafter
 from patchbay.sampling_params import SamplingParams
 from patchbay.worker.model.hf_model import AuxHiddenStates, HFCausalLM
 from patchbay.worker.model_runner import ModelRunner

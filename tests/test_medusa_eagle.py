@@ -16,11 +16,11 @@ import torch
 
 from patchbay.contract.registry import Registry, default_registry
 from patchbay.interfaces import CommonAttentionMetadata, DraftBatch, DrafterConfig, DrafterContext, DraftStep
-from patchbay.plugins.spec_decode import heads as heads_module
-from patchbay.plugins.spec_decode import train
-from patchbay.plugins.spec_decode.eagle import EagleDrafter, EagleOptions
-from patchbay.plugins.spec_decode.eagle3 import Eagle3Drafter, Eagle3Options
-from patchbay.plugins.spec_decode.heads import (
+from patchbay.plugins.drafters import heads as heads_module
+from patchbay.plugins.drafters import train
+from patchbay.plugins.drafters.eagle import EagleDrafter, EagleOptions
+from patchbay.plugins.drafters.eagle3 import Eagle3Drafter, Eagle3Options
+from patchbay.plugins.drafters.heads import (
     DrafterFileError,
     Eagle3DraftModel,
     EagleDraftModel,
@@ -29,7 +29,7 @@ from patchbay.plugins.spec_decode.heads import (
     target_identity,
     target_parts,
 )
-from patchbay.plugins.spec_decode.medusa import MedusaDrafter, MedusaOptions
+from patchbay.plugins.drafters.medusa import MedusaDrafter, MedusaOptions
 from patchbay.testing import DrafterSuite
 from patchbay.testing import drafter as kit
 from tiny_models import build_tiny_model
@@ -103,7 +103,7 @@ def patchbay_registry() -> Registry:
     registry = default_registry()
     if "medusa" in registry.names("drafter"):
         return registry
-    import patchbay.plugins.spec_decode.hooks as spec_decode_hooks
+    import patchbay.plugins.drafters.hooks as spec_decode_hooks
 
     registry = Registry.from_entry_points()
     registry.add_plugin(spec_decode_hooks, name="spec_decode")
@@ -471,7 +471,7 @@ def test_acceptance_counts_only_leading_correct_drafts():
 
 
 def test_the_training_command_writes_weights_the_drafters_load(tiny_model, tmp_path, capsys):
-    from patchbay.plugins.spec_decode.train_cli import main
+    from patchbay.plugins.drafters.train_cli import main
 
     model_dir = tiny_model.name_or_path
     drafters = {"medusa": (MedusaDrafter, MedusaOptions), "eagle": (EagleDrafter, EagleOptions),

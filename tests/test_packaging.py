@@ -67,7 +67,7 @@ def test_the_wheel_holds_the_core_the_plugins_and_the_kit(wheel_files):
     for expected in ("patchbay/entrypoints/cli.py", "patchbay/contract/registry.py", "patchbay/scheduling/scheduler.py",
                      "patchbay/worker/model_runner.py", "patchbay/engine/core.py", "patchbay/interfaces/attention.py",
                      "patchbay/plugins/attention/hooks.py", "patchbay/plugins/samplers/hooks.py",
-                     "patchbay/plugins/spec_decode/hooks.py",
+                     "patchbay/plugins/drafters/hooks.py",
                      "patchbay/testing/suite.py", "patchbay/testing/pytest_plugin.py"):
         assert expected in wheel_files, f"{expected} missing from the wheel"
 
@@ -105,7 +105,7 @@ def test_the_wheel_declares_the_entry_points(wheel, wheel_files):
     plugins = dict(entry_points["patchbay"])
     assert plugins["attention"] == "patchbay.plugins.attention.hooks"
     assert plugins["samplers"] == "patchbay.plugins.samplers.hooks"
-    assert plugins["spec_decode"] == "patchbay.plugins.spec_decode.hooks"
+    assert plugins["drafters"] == "patchbay.plugins.drafters.hooks"
     for name, module in plugins.items():
         assert module.startswith("patchbay.plugins."), f"built-in plugin {name!r} lives outside patchbay.plugins"
         assert f"{module.replace('.', '/')}.py" in wheel_files, f"entry point {name} = {module}: module not in wheel"

@@ -117,7 +117,7 @@ def _soak(llm, num_requests: int, rng: random.Random, between_batches=None) -> C
             rss_after_warmup = _rss_bytes()
     engine.step()  # the runner drops the last finished requests at the next step
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks - 1
-    assert not engine.scheduler.requests and not engine._outputs and not engine._groups
+    assert not engine.scheduler.requests and engine.output_processor.is_empty()
     assert engine.runner.batch.num_reqs == 0
     counts["requests"] = num_requests
     counts["preemptions"] = engine.stats.num_preemptions

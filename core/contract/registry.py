@@ -1,4 +1,4 @@
-"""The plugin registry: one generic mechanism serving all six kinds.
+"""The plugin registry: one generic mechanism serving every plugin kind (:data:`KINDS`).
 
 Plugins are modules exposed under the ``patchbay`` entry-point group (the
 built-in ones included).  Loading imports each module on its own and calls

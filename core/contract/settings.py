@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,6 +279,10 @@ def _split_names(value: Any) -> Any:
     return value
 
 
+RENAMED_PLUGINS = {"spec_decode": "drafters"}
+"""Built-in entry-point names that changed -> their new names (accepted in ``plugins.allow`` and ``deny``)."""
+
+
 class PluginPolicy(Section):
     """Which installed plugins load, by entry-point name (``example``), distribution name
     (``patchbay-example-plugin``) or implementation (``sampler:example_argmax``)."""
@@ -293,6 +298,15 @@ class PluginPolicy(Section):
     even imported. A comma-separated string works too."""
 
     _split = field_validator("allow", "deny", mode="before")(_split_names)
+
+    @field_validator("allow", "deny")
+    @classmethod
+    def _renamed_plugins(cls, names: list[str]) -> list[str]:
+        for old, new in RENAMED_PLUGINS.items():
+            if old in names:
+                warnings.warn(f"plugins.allow/deny: the built-in plugin {old!r} is now called {new!r}; the old "
+                              "name is deprecated", FutureWarning, stacklevel=2)
+        return [RENAMED_PLUGINS.get(name, name) for name in names]
 
 
 class InputSettings(Section):

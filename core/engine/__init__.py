@@ -11,22 +11,25 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from patchbay.engine.async_llm import AsyncLLM, ChoiceDelta, EngineSnapshot, RequestDelta
-    from patchbay.engine.core import Engine, KVConnectorStalledError, measure_machine_defaults
+    from patchbay.engine.builder import measure_machine_defaults
     from patchbay.engine.detokenizer import IncrementalDetokenizer, StreamingText
+    from patchbay.engine.engine import Engine, KVConnectorStalledError
     from patchbay.engine.outputs import Completion, RequestMetrics, RequestOutput
     from patchbay.engine.prompts import Prompt, encode_prompt
     from patchbay.engine.ranks import run_launched_rank
+    from patchbay.engine.report import EngineReport, EngineStats
     from patchbay.engine.step_failures import EngineDeadError
     from patchbay.worker.model.model_loader import ModelLoadError
 
-__all__ = ["AsyncLLM", "ChoiceDelta", "Completion", "Engine", "EngineDeadError", "EngineSnapshot",
-           "IncrementalDetokenizer", "KVConnectorStalledError", "ModelLoadError", "Prompt", "RequestDelta",
+__all__ = ["AsyncLLM", "ChoiceDelta", "Completion", "Engine", "EngineDeadError", "EngineReport", "EngineSnapshot",
+           "EngineStats", "IncrementalDetokenizer", "KVConnectorStalledError", "ModelLoadError", "Prompt", "RequestDelta",
            "RequestMetrics", "RequestOutput", "StreamingText", "encode_prompt", "measure_machine_defaults",
            "run_launched_rank"]
 _ASYNC = "patchbay.engine.async_llm"
-_MODULE_OF = {"Engine": "patchbay.engine.core", "KVConnectorStalledError": "patchbay.engine.core",
+_MODULE_OF = {"Engine": "patchbay.engine.engine", "KVConnectorStalledError": "patchbay.engine.engine",
+              "EngineReport": "patchbay.engine.report", "EngineStats": "patchbay.engine.report",
               "ModelLoadError": "patchbay.worker.model.model_loader",
-              "measure_machine_defaults": "patchbay.engine.core",
+              "measure_machine_defaults": "patchbay.engine.builder",
               "AsyncLLM": _ASYNC, "ChoiceDelta": _ASYNC, "EngineSnapshot": _ASYNC,
               "EngineDeadError": "patchbay.engine.step_failures",
               "RequestDelta": _ASYNC, "IncrementalDetokenizer": "patchbay.engine.detokenizer",

@@ -28,7 +28,7 @@ from typing import Any
 
 from patchbay.contract.registry import Registry, registry_for
 from patchbay.contract.settings import Settings, load_settings
-from patchbay.engine.core import Engine
+from patchbay.engine.engine import Engine
 from patchbay.engine.detokenizer import StreamingText
 from patchbay.engine.outputs import RequestOutput
 from patchbay.engine.prompts import Prompt, encode_prompt

@@ -8,7 +8,7 @@ to a child process rank 0 started, or a TCP connection from a rank
 moments: rank 0 checks its children before sending each step, and a
 collective with a dead peer raises at once; either way the error is a
 :class:`RankDiedError` naming the rank and how it ended.  The ranks end
-when rank 0 ends the run (:meth:`TensorParallelRanks.close`, also run
+when rank 0 ends the run (:meth:`ParallelRanks.close`, also run
 when the engine is collected or the interpreter exits) or when rank 0's
 process dies (its pipes and sockets close with it); a rank rank 0 did not
 start is noticed ending when its connection closes.
@@ -24,9 +24,11 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,7 +84,7 @@ def parallel_settings(settings: Settings) -> str:
     return " and ".join(named)
 
 
-def check_tensor_parallel(settings: Settings, device: torch.device) -> None:
+def check_parallel(settings: Settings, device: torch.device) -> None:
     """Settings a run over several ranks (shards or stages) cannot serve are :class:`ConfigError` naming the keys."""
     size = settings.runtime.world_size
     problems = []
@@ -156,8 +158,9 @@ class _LaunchedRank:
         """Nothing to wait for: the rank exits once its channel closes, and its launcher waits for it."""
 
 
-class TensorParallelRanks:
-    """The run's other ranks, started and joined into the process group with this process as rank 0.
+class ParallelRanks:
+    """The run's other ranks (tensor-parallel shards, pipeline stages or both), started and joined into the process
+    group with this process as rank 0.
 
     Rank 0 starts ranks 1..N-1 itself, unless ``torchrun`` launched this
     process (:mod:`patchbay.worker.parallel.torchrun`): then the ranks connect to it.
@@ -361,3 +364,11 @@ def run_launched_rank(settings: Settings) -> int | None:
         return 1
     return 0
 
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TensorParallelRanks":  # its name until it ran pipeline stages too
+        warnings.warn("patchbay.engine.ranks.TensorParallelRanks is deprecated: it is ParallelRanks",
+                      DeprecationWarning, stacklevel=2)
+        return ParallelRanks
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, NamedTuple, TextIO
+from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
 from pydantic import ValidationError
 
@@ -17,6 +17,9 @@ from patchbay.contract.settings import ConfigError, ConfigProblem, Settings
 from patchbay.engine import EngineDeadError, RequestOutput
 from patchbay.entrypoints.result_file import ResultFile, check_output_path
 from patchbay.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from patchbay.engine import Engine
 
 _REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids"}
 
@@ -111,8 +114,9 @@ def _percentiles(values: list[float]) -> str:
     return f"p50 {cuts[49] * 1e3:.1f} ms, p90 {cuts[89] * 1e3:.1f} ms, p99 {cuts[98] * 1e3:.1f} ms"
 
 
-def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
-    """The end-of-run summary ``patchbay run`` prints."""
+def summarise(outputs: list[RequestOutput], elapsed: float, engine: Engine) -> str:
+    """The end-of-run summary ``patchbay run`` prints, from the outputs and the engine's report."""
+    report = engine.report()
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     generated = sum(len(o.token_ids) for o in outputs)
     ttft = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
@@ -120,9 +124,9 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
     reasons: dict[str, int] = {}
     for output in outputs:
         reasons[str(output.finish_reason)] = reasons.get(str(output.finish_reason), 0) + 1
-    timings = engine.step_timings()
-    step_total = sum(timings.values()) or 1.0
-    breakdown = ", ".join(f"{phase} {100 * seconds / step_total:.0f}%" for phase, seconds in timings.items())
+    step_total = sum(report.step_timings.values()) or 1.0
+    breakdown = ", ".join(f"{phase} {100 * seconds / step_total:.0f}%" for phase, seconds in report.step_timings.items())
+    paths, fused = report.linear_paths, report.fused_modules
     lines = [
         f"requests:            {len(outputs)} ({', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))})",
         f"prompt tokens:       {prompt_tokens} ({sum(o.metrics.num_cached_tokens for o in outputs)} from prefix cache)",
@@ -131,31 +135,25 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Any) -> str:
         f"throughput:          {generated / elapsed:.1f} generated tok/s, {(prompt_tokens + generated) / elapsed:.1f} total tok/s",
         f"time to first token: {_percentiles(ttft)}",
         f"inter-token latency: {_percentiles(itl)}",
-        f"engine:              {engine.stats.num_steps} steps, {engine.stats.num_preemptions} preemptions, "
-        f"attention {engine.backend_name}, {engine.dtype} on {engine.device}",
+        f"engine:              {report.stats.num_steps} steps, {report.stats.num_preemptions} preemptions, "
+        f"attention {report.attention_backend}, {report.dtype} on {report.device}",
         f"step time:           {breakdown}",
     ]
-    if getattr(engine, "tuning", None) is not None:
-        lines.append(f"machine defaults:    {engine.tuning.describe()}")
-    if getattr(engine, "heap", None) is not None:
-        lines.append(f"heap:                {engine.heap}")
-    sizing = getattr(engine, "kv_sizing", None)
-    if sizing is not None:
-        lines.append(f"kv cache:            {sizing.describe()}")
-    paths = getattr(engine, "linear_paths", None)
-    if paths is not None:
-        lines.append(f"linears:             {paths.packed} packed as {paths.layout}, {paths.fused_groups} fused projection "
-                     f"groups, {paths.row_split} row-split, {engine.quantized_linears} quantized; steps of up to "
-                     f"{engine.single_thread_max_tokens} tokens on one thread")
-    fused = getattr(engine, "fused_modules", None)
-    if fused is not None:
-        lines.append(f"fused kernels:       {fused.norms} RMS norms, {fused.mlps} SiLU MLPs, {fused.attentions} "
-                     f"rotary attentions, {fused.layers} whole decoder layers")
-    if getattr(engine, "kv_connector", None) is not None:
-        kv = engine.scheduler.kv_connector_stats
+    if report.machine_defaults is not None:
+        lines.append(f"machine defaults:    {report.machine_defaults}")
+    lines.append(f"heap:                {report.heap}")
+    if report.kv_sizing is not None:
+        lines.append(f"kv cache:            {report.kv_sizing}")
+    lines.append(f"linears:             {paths.packed} packed as {paths.layout}, {paths.fused_groups} fused projection "
+                 f"groups, {paths.row_split} row-split, {report.quantized_linears} quantized; steps of up to "
+                 f"{report.single_thread_max_tokens} tokens on one thread")
+    lines.append(f"fused kernels:       {fused.norms} RMS norms, {fused.mlps} SiLU MLPs, {fused.attentions} "
+                 f"rotary attentions, {fused.layers} whole decoder layers")
+    if report.kv_connector is not None:
+        kv = report.kv_connector
         lines.append(f"kv connector:        {kv.num_loaded_tokens} tokens loaded, {kv.num_recomputed_blocks} blocks "
                      f"recomputed after load errors")
-    spec = engine.spec_stats
+    spec = report.speculative
     if spec.num_draft_tokens:
         per_position = ", ".join(f"{rate:.2f}" for rate in spec.acceptance_rate_per_position)
         lines.append(f"speculative:         {spec.num_draft_tokens} drafted, {spec.num_accepted_tokens} accepted "

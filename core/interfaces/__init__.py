@@ -1,4 +1,4 @@
-"""The typed interfaces of the six plugin kinds (the contract plugin authors code against)."""
+"""The typed interfaces of the plugin kinds (the contract plugin authors code against)."""
 
 from patchbay.interfaces.attention import (
     AttentionBackend,

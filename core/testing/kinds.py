@@ -1,7 +1,8 @@
-"""The registration-level conformance suites of the five kinds.
+"""Registration-level conformance suites: a base suite per plugin kind whose numeric suite builds on one.
 
 Each kind's numeric checks (dense-attention oracle, sampling statistics, ...)
-extend these suites in their own modules.
+extend these suites in their own modules; a kind whose suite needs nothing
+shared (structured output) extends :class:`patchbay.testing.suite.PluginSuite` directly.
 """
 
 from __future__ import annotations

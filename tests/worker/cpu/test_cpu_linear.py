@@ -85,10 +85,10 @@ def _params(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def test_greedy_tokens_are_the_same_with_and_without_fused_projections(tiny_llama, monkeypatch):
-    from patchbay.engine import core
+    from patchbay.engine import builder
 
     # Without a machine tuning the fused path runs up to its default row limit, whatever this machine measures.
-    monkeypatch.setattr(core, "machine_tuning", lambda settings, model_dir, device: None)
+    monkeypatch.setattr(builder, "machine_tuning", lambda settings, model_dir, device: None)
     prompts = [[5, 9, 11, 3, 7], list(range(20, 60)), [42]]
     tokens = {}
     for fuse in (False, True):

@@ -356,7 +356,7 @@ def test_an_lm_head_of_another_width_than_the_embedding_names_the_setting_and_bo
     assert "its LM head has 1000 outputs and its embedding 1001 rows" in caught.value.problems[0].message
 
 def test_drafters_that_read_the_whole_lm_head_refuse_a_sharded_one(odd_tied: Path) -> None:
-    from patchbay.plugins.spec_decode.heads import target_parts
+    from patchbay.plugins.drafters.heads import target_parts
     from patchbay.worker.parallel.tensor_parallel import shard_vocab
 
     model = load_cpu(odd_tied)

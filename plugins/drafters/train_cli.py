@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{sum(len(t) for t in corpus.token_ids)} tokens")
     module, config, report = train(args, model, train_set, held_out, log)
 
-    from patchbay.plugins.spec_decode.heads import default_drafter_dir, model_id, save_drafter, target_identity
+    from patchbay.plugins.drafters.heads import default_drafter_dir, model_id, save_drafter, target_identity
 
     out = args.out or default_drafter_dir(model_id(model), args.kind)
     config["target"] = target_identity(model)
@@ -123,7 +123,7 @@ def load_target(model_path: str) -> tuple[Any, Any]:
 
 def corpus_path(args: argparse.Namespace, model: Any) -> Path:
     """``--corpus``, or the cached corpus of these generation settings next to the model's drafters."""
-    from patchbay.plugins.spec_decode.heads import default_drafter_dir, model_id
+    from patchbay.plugins.drafters.heads import default_drafter_dir, model_id
 
     return args.corpus or default_drafter_dir(model_id(model), "corpus").with_name(
         f"corpus-{args.sequences}x{args.max_new_tokens}-t{args.temperature:g}-s{args.seed}.pt")
@@ -131,7 +131,7 @@ def corpus_path(args: argparse.Namespace, model: Any) -> Path:
 
 def corpus_for(args: argparse.Namespace, model: Any, tokenizer: Any, log: Any) -> Any:
     """Load the cached corpus for these generation settings, or generate (and cache) it."""
-    from patchbay.plugins.spec_decode.train import Corpus, build_prompts, generate_corpus
+    from patchbay.plugins.drafters.train import Corpus, build_prompts, generate_corpus
 
     path = corpus_path(args, model)
     if path.is_file() and not args.regenerate:
@@ -153,8 +153,8 @@ def with_aux(args: argparse.Namespace, model: Any, corpus: Any, train_set: Any, 
              log: Any) -> tuple[Any, Any]:
     """(train, held-out) with the aux layers' outputs: ``--aux-sequences`` training sequences, all held-out ones."""
     from patchbay.interfaces.drafter import resolve_aux_layers
-    from patchbay.plugins.spec_decode.heads import default_aux_layers, text_config
-    from patchbay.plugins.spec_decode.train import Corpus, add_aux_hidden_states
+    from patchbay.plugins.drafters.heads import default_aux_layers, text_config
+    from patchbay.plugins.drafters.train import Corpus, add_aux_hidden_states
 
     num_layers = text_config(model).num_hidden_layers
     layers = default_aux_layers(num_layers) if args.aux_layers is None else \
@@ -177,8 +177,8 @@ def with_aux(args: argparse.Namespace, model: Any, corpus: Any, train_set: Any, 
 
 def train(args: argparse.Namespace, model: Any, train_set: Any, held_out: Any, log: Any) -> tuple[Any, dict, Any]:
     """Train the chosen drafter; returns (module, config without target/training, report)."""
-    from patchbay.plugins.spec_decode.heads import Eagle3DraftModel, EagleDraftModel, MedusaHeads, target_parts
-    from patchbay.plugins.spec_decode.train import draft_token_map, train_eagle, train_medusa
+    from patchbay.plugins.drafters.heads import Eagle3DraftModel, EagleDraftModel, MedusaHeads, target_parts
+    from patchbay.plugins.drafters.train import draft_token_map, train_eagle, train_medusa
 
     parts = target_parts(model)
     seconds = args.minutes * 60

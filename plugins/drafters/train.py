@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from patchbay.plugins.spec_decode.heads import (
+from patchbay.plugins.drafters.heads import (
     DraftVocab,
     Eagle3DraftModel,
     EagleDraftModel,
@@ -526,7 +526,7 @@ class EagleBatch:
     """``[B, T + num_steps, hidden]``: the target's final hidden states (the features the output regresses to)."""
     target_inputs: torch.Tensor
     """``[B, T, width]``: what the cache-filling pass reads per row, ``hidden`` (EAGLE-1) or the aux layers'
-    outputs (EAGLE-3), before :meth:`~patchbay.plugins.spec_decode.heads.EagleDraftModel.target_features`."""
+    outputs (EAGLE-3), before :meth:`~patchbay.plugins.drafters.heads.EagleDraftModel.target_features`."""
     next_token_ids: torch.Tensor
     """int64 ``[B, T + num_steps]``, -100 where padded."""
     lengths: torch.Tensor

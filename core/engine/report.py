@@ -1,0 +1,57 @@
+"""What an engine reports about its run: counters over its life, and a typed snapshot for run summaries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from patchbay.scheduling.scheduler import KVConnectorStats
+from patchbay.worker.cpu.fused_ops import FusedModules
+from patchbay.worker.spec_decode import SpecDecodeStats
+from patchbay.worker.cpu.tuning import LinearPaths
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life."""
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    max_batches_in_flight: int = 0
+    """With pipeline stages: the most batches scheduled at once whose outputs were not back (1: lockstep)."""
+    num_overlapped_batches: int = 0
+    """With pipeline stages: batches whose first stage ran while an earlier batch's output was not back."""
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """A snapshot of an engine (``Engine.report()``): its counters, where step time went, and how it was built.
+
+    What ``patchbay run`` prints at the end of a job; every field is there
+    for every engine (``None`` where the run has no such part).
+    """
+
+    stats: EngineStats
+    step_timings: dict[str, float]
+    """Seconds per step phase since the last reset, in step order (``Engine.step_timings``)."""
+    attention_backend: str
+    """The attention backend running (``attention.backend`` resolved)."""
+    dtype: str
+    device: str
+    heap: str
+    """What was done to the allocator's thresholds."""
+    machine_defaults: str | None
+    """The CPU's measured defaults the run used, described (``None``: no setting was left to them)."""
+    kv_sizing: str | None
+    """How ``cache.memory: auto`` sized the KV pool, described (``None``: sized by the settings)."""
+    linear_paths: LinearPaths
+    """How many linears (or projection groups) each CPU path took."""
+    quantized_linears: int
+    single_thread_max_tokens: int
+    """Steps of at most this many tokens run on one CPU thread."""
+    fused_modules: FusedModules
+    kv_connector: KVConnectorStats | None
+    """What the KV connector did (``None``: the run has no ``kv_connector:``)."""
+    speculative: SpecDecodeStats
+    """Drafted and accepted tokens (all zero without ``speculative:``)."""

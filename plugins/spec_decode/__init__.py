@@ -1,1 +1,0 @@
-"""Built-in spec decode plugins (registered through the patchbay entry points)."""
