@@ -32,6 +32,10 @@ Memory: every idle engine is kept in a least-recently-used list of
 engine for every loan).  Before a build the oldest idle engines beyond
 ``capacity - 1`` are closed and dropped, so the new one is sized (``cache.memory:
 auto``) and built with that memory free; an engine on loan is never evicted.
+A shared engine's resident memory grows with the tokens of all its loans, not
+one test's: a CPU pool is zeroed block by block as first handed out, and freed
+blocks queue behind the untouched ones (a SmolLM2 float32 token is ~46 KiB
+of KV; ``cache.memory: auto`` reserves up to ~10 GiB, touched on use).
 """
 
 from __future__ import annotations
