@@ -28,8 +28,11 @@ prefix cache remembers earlier prompts (tokens are the same, timings and hit
 counts are not) and counters accumulate.
 
 Memory: every idle engine is kept in a least-recently-used list of
-``capacity`` (``PYTEST_PATCHBAY_SHARED_ENGINES``, default 2; 0 builds a new
-engine for every loan).  Before a build the oldest idle engines beyond
+``capacity`` (``PYTEST_PATCHBAY_SHARED_ENGINES``, default 1; 0 builds a new
+engine for every loan).  One idle engine is what a module fixture already
+holds while its module's tests build their own, so the default does not
+raise the suite's peak; 2 keeps both SmolLM2 engines the suite shares (about
+0.6 GiB more while a third is built).  Before a build the oldest idle engines beyond
 ``capacity - 1`` are closed and dropped, so the new one is sized (``cache.memory:
 auto``) and built with that memory free; an engine on loan is never evicted.
 A shared engine's resident memory grows with the tokens of all its loans, not
@@ -55,7 +58,7 @@ from patchbay.contract.registry import registry_for
 from patchbay.contract.settings import Settings, load_settings
 
 CAPACITY_VARIABLE = "PYTEST_PATCHBAY_SHARED_ENGINES"
-DEFAULT_CAPACITY = 2
+DEFAULT_CAPACITY = 1
 
 
 def resolve_settings(**overrides: Any) -> Settings:
