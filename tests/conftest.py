@@ -10,10 +10,14 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from shared_engines import SharedEngines
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -120,3 +124,30 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama-gqa4")
+
+
+# ------------------------------------------------------------------------------------------------
+# Engines shared by the tests that only read them (see tests/shared_engines.py for the rules)
+#
+#     def test_x(shared_llm):                     @pytest.fixture(scope="module")
+#         llm = shared_llm(runtime__threads=2)    def llm(shared_engines):
+#                                                     with shared_engines.loans("test_y.llm") as borrow:
+#                                                         yield borrow(runtime__threads=2)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def shared_engines() -> Iterator[SharedEngines]:
+    """The session's engines by settings, lent through :meth:`SharedEngines.loans` (module fixtures use it)."""
+    from shared_engines import SharedEngines, capacity_from_environment
+
+    engines = SharedEngines(capacity_from_environment())
+    yield engines
+    engines.close()
+
+
+@pytest.fixture
+def shared_llm(shared_engines: SharedEngines, request: pytest.FixtureRequest) -> Iterator[Callable[..., object]]:
+    """``shared_llm(**overrides)``: a ``patchbay.LLM`` of those settings, shared with every test that reads one alike."""
+    with shared_engines.loans(request.node.nodeid) as borrow:
+        yield borrow

@@ -31,8 +31,9 @@ def _corpus_token_ids(tokenizer) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def llm_default():
-    return patchbay.LLM(runtime__threads=2)
+def llm_default(shared_engines, request):
+    with shared_engines.loans(request.node.nodeid) as borrow:
+        yield borrow(runtime__threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +77,9 @@ def _assert_same(actual, expected, prompts):
 
 
 def test_one_batch_matches_transformers(llm_default, prompts, expected):
+    hits_before = llm_default.engine.kv_cache_manager.prefix_cache_hits  # a shared engine: earlier hits count too
     _assert_same(_generate(llm_default, prompts), expected, prompts)
-    assert llm_default.engine.kv_cache_manager.prefix_cache_hits > 0
+    assert llm_default.engine.kv_cache_manager.prefix_cache_hits > hits_before
 
 
 def test_chunked_prefill_matches_transformers(prompts, expected):

@@ -30,9 +30,10 @@ def _prompts() -> list:
 
 
 @pytest.fixture(scope="module")
-def expected() -> list[list[int]]:
-    llm = patchbay.LLM(runtime__threads=2)
-    return [o.token_ids for o in llm.generate(_prompts(), SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))]
+def expected(shared_engines, request) -> list[list[int]]:
+    with shared_engines.loans(request.node.nodeid) as borrow:
+        llm = borrow(runtime__threads=2)
+        return [o.token_ids for o in llm.generate(_prompts(), SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))]
 
 
 @pytest.mark.parametrize("method", ["ngram", "medusa", "eagle", "eagle3"])

@@ -114,28 +114,34 @@ def _check_batch(outputs, params) -> None:
 
 
 @pytest.fixture(scope="module")
-def chunked():
-    """xgrammar with a small step budget: the batch's prompts are prefilled in chunks."""
-    llm = patchbay.LLM(runtime__threads=2, model__dtype="float32", scheduler__max_num_batched_tokens=64)
-    prompts, params = _batch()
-    return llm, llm.generate(prompts, params), params
+def chunked(shared_engines, request):
+    """xgrammar with a small step budget: the batch's prompts are prefilled in chunks.
+
+    Also the seconds the batch's steps spent on grammars (the engine is shared: earlier loans' time counts too).
+    """
+    with shared_engines.loans(request.node.nodeid) as borrow:
+        llm = borrow(runtime__threads=2, model__dtype="float32", scheduler__max_num_batched_tokens=64)
+        prompts, params = _batch()
+        structure_before = llm.engine.step_timings().get("structure", 0.0)
+        outputs = llm.generate(prompts, params)
+        yield llm, outputs, params, llm.engine.step_timings()["structure"] - structure_before
 
 
 def test_every_constrained_output_validates_under_chunked_prefill(chunked):
-    llm, outputs, params = chunked
+    _, outputs, params, structure_seconds = chunked
     _check_batch(outputs, params)
-    assert llm.engine.step_timings()["structure"] > 0
+    assert structure_seconds > 0
 
 
 def test_unconstrained_requests_are_untouched_by_constrained_neighbours(chunked):
-    llm, outputs, params = chunked
+    llm, outputs, params, _ = chunked
     first = 2 * len(CONSTRAINTS)
     alone = llm.generate([_message(text) for text in UNCONSTRAINED], SamplingParams(max_tokens=12))
     assert [o.token_ids for o in alone] == [o.token_ids for o in outputs[first:first + len(UNCONSTRAINED)]]
 
 
 def test_a_seeded_constrained_request_is_reproducible_alone(chunked):
-    llm, outputs, params = chunked
+    llm, outputs, params, _ = chunked
     index = 2 * 5 + 1  # the seeded "colours" regex
     (alone,) = llm.generate([_message(CONSTRAINTS[5][0])], [params[index]])
     assert alone.token_ids == outputs[index].token_ids
@@ -143,7 +149,7 @@ def test_a_seeded_constrained_request_is_reproducible_alone(chunked):
 
 def test_speculative_decoding_with_preemption_keeps_outputs_exact(chunked):
     """ngram drafts are masked position by position; greedy outputs equal the non-speculative run's."""
-    _, reference, _ = chunked
+    _, reference, _, _ = chunked
     llm = patchbay.LLM(runtime__threads=2, model__dtype="float32", model__max_model_len=160, cache__num_blocks=20,
                        speculative__method="ngram", speculative__num_speculative_tokens=3)
     prompts, params = _batch()

@@ -65,8 +65,8 @@ def test_abort_finishes_the_request_and_frees_its_blocks(llm):
     (SamplingParams(temperature=0.7), "greedy only"),
     (SamplingParams(top_k=5), "not supported: top_k"),
 ])
-def test_a_request_the_sampler_cannot_serve_is_refused_naming_it(tiny_llama, params, message):
-    greedy_only = patchbay.LLM(model__path=str(tiny_llama), sampler__name="greedy")
+def test_a_request_the_sampler_cannot_serve_is_refused_naming_it(tiny_llama, shared_llm, params, message):
+    greedy_only = shared_llm(model__path=str(tiny_llama), sampler__name="greedy")
     with pytest.raises(ValueError, match=message) as caught:
         greedy_only.engine.add_request([1, 2, 3], params, request_id="the-request")
     assert "the-request" in str(caught.value)
