@@ -36,7 +36,8 @@ import sys
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 
 def _protocol_stream() -> TextIO:
@@ -115,7 +116,7 @@ class LlamaCppBackend:
     def generate(self, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
                  on_first_token: Callable[[int], None]) -> list[list[int]]:
         results = []
-        for index, (prompt, count) in enumerate(zip(prompts, max_tokens)):
+        for index, (prompt, count) in enumerate(zip(prompts, max_tokens, strict=True)):
             self.llm.reset()  # no reuse of an earlier request's prefix
             produced: list[int] = []
             # Greedy (top-k 1, temperature 0, no penalties); generate() never stops at EOS by itself.

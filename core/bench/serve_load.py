@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -59,7 +60,7 @@ class RequestTiming:
 
     @property
     def inter_token_latencies(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+        return [b - a for a, b in pairwise(self.chunk_times)]
 
 
 def arrival_offsets(count: int, rate: float, arrivals: str, seed: int) -> list[float]:

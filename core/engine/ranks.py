@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist

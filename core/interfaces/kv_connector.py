@@ -242,10 +242,10 @@ class KVConnectorWorker(ABC):
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         """Start loading this step's blocks into the cache (before the forward pass)."""
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
+    def wait_for_layer_load(self, layer_name: str) -> None:  # noqa: B027 - optional: the default does nothing
         """Block until ``layer_name``'s blocks are loaded. Default: loads are whole-model."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attention_metadata: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attention_metadata: Any) -> None:  # noqa: B027 - optional: the default does nothing
         """Start saving one layer's new KV (called after the layer runs). Default: save in :meth:`wait_for_save`.
 
         ``kv_layer`` is the layer's whole cache tensor (the step's keys and

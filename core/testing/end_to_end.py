@@ -181,6 +181,6 @@ def assert_same_tokens(expected: Sequence[Sequence[int]], got: Sequence[Sequence
     """Raise naming the first prompt and position where ``got`` differs from ``expected``."""
     for index, (want, have) in enumerate(zip(expected, got, strict=True)):
         if list(want) != list(have):
-            first = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
+            first = next((i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), min(len(want), len(have)))
             raise AssertionError(f"{what}: prompt {index} differs from the reference run at generated token {first}: "
                                  f"{list(have[first:first + 6])} instead of {list(want[first:first + 6])}")

@@ -301,8 +301,8 @@ class KVConnectorSuite(KVConnectorBaseSuite):
 
         for layer_name in source.caches:
             for part, source_cache, target_cache in zip(("keys", "values"), split_kv_cache(source.caches[layer_name]),
-                                                        split_kv_cache(target.caches[layer_name])):
-                for source_id, target_id in zip(source_ids, target_ids):
+                                                        split_kv_cache(target.caches[layer_name]), strict=True):
+                for source_id, target_id in zip(source_ids, target_ids, strict=True):
                     assert torch.equal(source_cache[source_id], target_cache[target_id]), (
                         f"{layer_name} {part}: block {target_id} differs from the saved block {source_id}"
                     )

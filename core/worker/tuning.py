@@ -259,7 +259,7 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
         timed = {}
         for rows in (bucket for bucket in ROW_BUCKETS if bucket <= max_rows):
             used = layers if rows <= STREAMED_MAX_ROWS else layers[:1]
-            timed[rows] = _time(lambda x: [product(x[w.shape[1]], w) for layer in used for w in layer],
+            timed[rows] = _time(lambda x, used=used: [product(x[w.shape[1]], w) for layer in used for w in layer],
                                 rows, used[0], per_case) / len(used)
         return timed
 
@@ -281,7 +281,7 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
         if dtype in tileable:
             tiles = TileLayout(threads)
             weights = [[tiles.pack(weight) for weight in _fused(layer)] for layer in layers]
-            measured.tiled[dtype] = per_layer(lambda x, t: tiles.product(x, t, None), weights)
+            measured.tiled[dtype] = per_layer(lambda x, t, tiles=tiles: tiles.product(x, t, None), weights)
     layers = _layers(shapes, torch.float32)
     measured.row_split = per_layer(lambda x, w: row_split_linear(x, w, None, threads, max_rows=1 << 30), layers)
     measured.fused = per_layer(F.linear, [_fused(layer) for layer in layers])

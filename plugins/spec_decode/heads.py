@@ -167,10 +167,10 @@ def check_target(config: dict[str, Any], model: nn.Module, where: Path) -> None:
                 f"{where / CONFIG_FILE}: target.{key} is {recorded[key]} but the run's model has {actual[key]}; "
                 f"these drafter weights were trained for {recorded.get('model_id', 'another model')}"
             )
-    signature = recorded.get("embedding_signature")
-    if signature is not None and not all(
-        math.isclose(a, b, rel_tol=2e-2, abs_tol=1e-3) for a, b in zip(signature, actual["embedding_signature"])
-    ):
+    signature, actual_signature = recorded.get("embedding_signature"), actual["embedding_signature"]
+    if signature is not None and (len(signature) != len(actual_signature) or not all(
+        math.isclose(a, b, rel_tol=2e-2, abs_tol=1e-3) for a, b in zip(signature, actual_signature, strict=True)
+    )):
         logger.warning("%s: trained for %s, the run's model is %s (embeddings differ); expect low acceptance",
                        where, recorded.get("model_id", "another model"), actual["model_id"])
 

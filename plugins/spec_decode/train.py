@@ -367,7 +367,7 @@ class Acceptance:
     def describe(self) -> str:
         positions = "  ".join(
             f"#{i + 1}: {c:.3f} (chain {a:.3f}, given previous {g:.3f})"
-            for i, (c, a, g) in enumerate(zip(self.correct_rate, self.accepted_rate, self.conditional_rate)))
+            for i, (c, a, g) in enumerate(zip(self.correct_rate, self.accepted_rate, self.conditional_rate, strict=True)))
         return (f"acceptance per draft position  {positions}\n"
                 f"mean accepted drafts per step {self.mean_accepted:.3f}, "
                 f"mean accepted length {self.mean_accepted_length:.3f} tokens per target step "
