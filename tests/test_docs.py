@@ -351,7 +351,10 @@ FOREIGN_FLAGS = {"--no-deps"}
 
 
 def third_party_name(name: str) -> bool:
-    """Whether ``name`` is a builtin or a public name of a library patchbay builds on (transformers, pydantic, torch)."""
+    """Whether ``name`` is a builtin or a public name of a library patchbay builds on.
+
+    Such as transformers, pydantic or torch.
+    """
     import builtins
 
     import pydantic

@@ -122,7 +122,10 @@ def replay_alone(runner: Any, scheduler: Scheduler, scheduler_output: SchedulerO
 
 
 def fail_requests(scheduler: Scheduler, request_ids: Iterable[str]) -> None:
-    """Finish requests whose step failed: forget the cached hashes of blocks they did not finish computing, free them."""
+    """Finish requests whose step failed.
+
+    Forgets the cached hashes of the blocks they did not finish computing, and frees them.
+    """
     manager = scheduler.kv_cache_manager
     for request_id in request_ids:
         request = scheduler.requests.get(request_id)

@@ -29,7 +29,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import pytest
 
@@ -300,7 +300,8 @@ def _check_output(output: torch.Tensor, batch: AttentionBatch, case: AttentionCa
         want = dense_attention(query[rows], batch.keys[request], batch.values[request], computed, layer)
         got = output[rows].double()
         try:
-            torch.testing.assert_close(got, want, **TOLERANCES[case.dtype])
+            tolerance = TOLERANCES[case.dtype]
+            torch.testing.assert_close(got, want, atol=tolerance["atol"], rtol=tolerance["rtol"])
         except AssertionError:
             error = (got - want).abs().nan_to_num(float("inf"))
             row, head = divmod(int(error.amax(-1).argmax()), case.num_heads)
@@ -411,7 +412,9 @@ class AttentionBackendSuite(AttentionBackendBaseSuite):
     def builder_class(self, backend_class: type[AttentionBackend],
                       patchbay_registry: Registry) -> type[AttentionMetadataBuilder]:
         """The backend's own metadata builder, resolved by the name it declares."""
-        builder = patchbay_registry.resolve("attention_metadata_builder", backend_class.metadata_builder)
+        # resolve() checked that the class implements the kind's interface.
+        builder = cast("type[AttentionMetadataBuilder]",
+                       patchbay_registry.resolve("attention_metadata_builder", backend_class.metadata_builder))
         reason = builder.unavailable_reason()
         if reason:
             pytest.fail(f"{backend_class.__name__} is available but its metadata builder "
@@ -737,14 +740,17 @@ class MetadataBuilderSuite(MetadataBuilderBaseSuite):
                                      f"build of the same batch: {exc}") from None
 
     def test_backends_reading_it_attend_correctly(self, builder_class, patchbay_registry: Registry) -> None:
-        """Every field a backend reads, custom ones included, checked through that backend's output over changing batches."""
+        """Every field a backend reads, custom ones included.
+
+        Checked through that backend's output over changing batches.
+        """
         readers = [registration for registration in patchbay_registry.registrations("attention")
                    if _declared_builder(registration) == self.plugin_name]
         if not readers:
             skip_not_declared(f"no registered attention backend names {self.plugin_name!r} as its metadata_builder; "
                               "its fields are checked through the backends that read them")
         for registration in readers:
-            backend_class = registration.resolve()
+            backend_class = cast("type[AttentionBackend]", registration.resolve())  # resolve() checked the kind
             if backend_class.unavailable_reason():
                 pytest.skip(f"{registration.reference} reads this builder but is unavailable here: "
                             f"{backend_class.unavailable_reason()}")

@@ -44,7 +44,7 @@ import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import pytest
 from pydantic import ValidationError
@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from patchbay.contract.registry import Registry
+    from patchbay.interfaces import AttentionBackend, AttentionMetadataBuilder
 
 # numpy and torch are imported inside functions: this module is imported whenever pytest loads the patchbay plugin.
 
@@ -291,8 +292,10 @@ def build_draft_context(shape: BatchShape, *, vocab_size: int, max_model_len: in
         torch.manual_seed(seed)
         dtype = getattr(torch, shape.dtype)
         model = transformers.LlamaForCausalLM(config).to(device=shape.device, dtype=dtype).eval()
-    backend_class = registry.resolve("attention", attention_backend)
-    builder_class = registry.resolve("attention_metadata_builder", backend_class.metadata_builder)
+    # resolve() checks that each class implements its kind's interface.
+    backend_class = cast("type[AttentionBackend]", registry.resolve("attention", attention_backend))
+    builder_class = cast("type[AttentionMetadataBuilder]",
+                         registry.resolve("attention_metadata_builder", backend_class.metadata_builder))
     return DrafterContext(
         model=model,
         attention_backend=backend_class(),

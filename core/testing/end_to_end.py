@@ -23,7 +23,7 @@ from typing import Any
 
 from patchbay.contract.registry import Registry
 
-TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+TINY_MODEL: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 512}
 """The tiny Llama's shape: GQA (4 query heads, 2 KV heads) at head size 64, which most backends serve."""
 

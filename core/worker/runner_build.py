@@ -138,7 +138,10 @@ class RunnerSpec:
 
 
 def rank_shard(runtime: RuntimeSettings, rank: int) -> KVShard:
-    """The part of the model rank ``rank`` holds: rank 3 with 2 tensor-parallel ranks per stage is shard 1 of stage 1."""
+    """The part of the model rank ``rank`` holds.
+
+    Rank 3 with 2 tensor-parallel ranks per stage is shard 1 of stage 1.
+    """
     return KVShard.of_rank(rank, tensor_parallel_size=runtime.tensor_parallel_size,
                            pipeline_parallel_size=runtime.pipeline_parallel_size)
 

@@ -179,7 +179,10 @@ def check_target(config: dict[str, Any], model: nn.Module, where: Path) -> None:
 
 
 def save_drafter(directory: Path, config: dict[str, Any], module: nn.Module) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (``module``'s state dict, floats as float32) into ``directory``."""
+    """Write ``config.json`` and ``model.safetensors`` into ``directory``.
+
+    The safetensors file holds ``module``'s state dict, floats as float32.
+    """
     from safetensors.torch import save_file
 
     directory = Path(directory).expanduser()

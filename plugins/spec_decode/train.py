@@ -235,7 +235,10 @@ def generate_corpus(model: nn.Module, prompts: Sequence[list[int]], *, max_new_t
 
 def _decode(decoder: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
             cache: Any) -> Any:
-    """One forward of the transformers decoder with a KV cache (``cache=`` in transformers 5, else ``past_key_values=``)."""
+    """One forward of the transformers decoder with a KV cache.
+
+    The cache goes in as ``cache=`` in transformers 5, else as ``past_key_values=``.
+    """
     name = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
     return decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache})
 
