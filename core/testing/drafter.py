@@ -291,7 +291,8 @@ def build_draft_context(shape: BatchShape, *, vocab_size: int, max_model_len: in
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         dtype = getattr(torch, shape.dtype)
-        model = transformers.LlamaForCausalLM(config).to(device=shape.device, dtype=dtype).eval()
+        # transformers' typing of its wrapped to() misses self; the call is nn.Module.to.
+        model = transformers.LlamaForCausalLM(config).to(device=shape.device, dtype=dtype).eval()  # type: ignore[call-arg]
     # resolve() checks that each class implements its kind's interface.
     backend_class = cast("type[AttentionBackend]", registry.resolve("attention", attention_backend))
     builder_class = cast("type[AttentionMetadataBuilder]",

@@ -42,8 +42,10 @@ import math
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +53,14 @@ from torch import nn
 
 from patchbay.worker.cpu_linear import DEFAULT_MAX_ROWS, row_split_linear, use_row_split_linears
 from patchbay.worker.fused_projections import FUSE_MAX_ROWS, fuse_shared_input_projections
-from patchbay.worker.packed_linear import ONEDNN, pack, packed_linear, packing_supported, use_packed_linears
+from patchbay.worker.packed_linear import (
+    ONEDNN,
+    OneDnnLayout,
+    pack,
+    packed_linear,
+    packing_supported,
+    use_packed_linears,
+)
 from patchbay.worker.streaming_linear import TileLayout, tiles_unavailable
 
 logger = logging.getLogger(__name__)
@@ -106,7 +115,7 @@ class LayerShapes:
     intermediate: int
 
     @classmethod
-    def of(cls, config: object) -> LayerShapes:
+    def of(cls, config: Any) -> LayerShapes:
         """From a transformers config (``hidden_size``, heads, ``head_dim``, ``intermediate_size``)."""
         hidden = int(config.hidden_size)
         heads = int(config.num_attention_heads)
@@ -266,7 +275,8 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
     for dtype in dtypes:
         layers = _layers(shapes, getattr(torch, dtype))
         measured.by_dtype[dtype] = per_layer(F.linear, layers)
-        product, weights = F.linear, layers
+        product: Callable[..., torch.Tensor] = F.linear
+        weights: list[list[Any]] = layers  # plain, packed or tiled weights, as product takes them
         if dtype in packable:
             product = lambda x, p: packed_linear(x, p, None)  # noqa: E731
             weights = [[pack(weight) for weight in _fused(layer)] for layer in layers]
@@ -347,11 +357,11 @@ def apply_linear_paths(model: nn.Module, *, linear_kernel: str, fuse_projections
     take their row limit from the tuning too, and run every step when packed.
     """
     cpu = device.type == "cpu"
-    tuned = tuning is not None and linear_kernel == "auto"
-    layout = None
-    if cpu and (linear_kernel == "tiles" or (tuned and dtype in tuning.tiled_dtypes)):
+    tuned = tuning if linear_kernel == "auto" else None
+    layout: TileLayout | OneDnnLayout | None = None
+    if cpu and (linear_kernel == "tiles" or (tuned is not None and dtype in tuned.tiled_dtypes)):
         layout = TileLayout(torch.get_num_threads())
-    elif cpu and (linear_kernel == "onednn" or (tuned and dtype in tuning.packed_dtypes)):
+    elif cpu and (linear_kernel == "onednn" or (tuned is not None and dtype in tuned.packed_dtypes)):
         layout = ONEDNN
     if layout is not None:
         fused = fuse_shared_input_projections(model, max_rows=1 << 62) if fuse_projections else 0

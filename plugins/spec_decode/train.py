@@ -93,7 +93,7 @@ def code_snippets(count: int, rng: random.Random, lines: tuple[int, int] = (6, 1
     """``count`` windows of consecutive, not-all-blank lines from :func:`source_files`."""
     texts = [path.read_text().splitlines() for path in source_files()]
     texts = [text for text in texts if len(text) > lines[1]]
-    snippets = []
+    snippets: list[str] = []
     while len(snippets) < count:
         text = rng.choice(texts)
         length = rng.randint(*lines)
@@ -495,7 +495,7 @@ def _fit(module: nn.Module, step_loss: Callable[[torch.Tensor], torch.Tensor], n
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
     started = time.perf_counter()
     last_log = started
-    steps, first, recent = 0, math.nan, []
+    steps, first, recent = 0, math.nan, list[float]()
     while (max_steps is None or steps < max_steps) and (time.perf_counter() - started < seconds or steps == 0):
         rows = torch.randint(num_examples, (min(batch_size, num_examples),), generator=generator)
         for group in optimizer.param_groups:
