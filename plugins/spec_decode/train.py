@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from patchbay.plugins.spec_decode.heads import (
     TargetParts,
     repeat_kv,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 Log = Callable[[str], None]
 
@@ -176,7 +179,7 @@ class Corpus:
 
 
 @torch.inference_mode()
-def generate_corpus(model: nn.Module, prompts: Sequence[list[int]], *, max_new_tokens: int,
+def generate_corpus(model: PreTrainedModel, prompts: Sequence[list[int]], *, max_new_tokens: int,
                     eos_token_ids: Sequence[int] = (), batch_size: int = 32, temperature: float = 0.0,
                     seed: int = 0, log: Log | None = None) -> Corpus:
     """Let the transformers ``model`` continue every prompt, recording hidden states and greedy choices.
@@ -254,7 +257,7 @@ def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator
     return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)[:, 0]
 
 
-def _argmax_chunked(lm_head: nn.Module, hidden: torch.Tensor, rows: int = 512) -> torch.Tensor:
+def _argmax_chunked(lm_head: nn.Linear, hidden: torch.Tensor, rows: int = 512) -> torch.Tensor:
     """``argmax(lm_head(hidden))`` over the last dimension, a few hundred rows at a time (logits are wide)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     found = torch.cat([lm_head(flat[i : i + rows]).argmax(dim=-1) for i in range(0, len(flat), rows)])
@@ -273,7 +276,7 @@ def _trim(prompt: list[int], width: int, generated: torch.Tensor, hidden: torch.
 
 
 @torch.inference_mode()
-def add_aux_hidden_states(model: nn.Module, corpus: Corpus, layers: Sequence[int], *, batch_size: int = 8,
+def add_aux_hidden_states(model: PreTrainedModel, corpus: Corpus, layers: Sequence[int], *, batch_size: int = 8,
                           log: Log | None = None) -> Corpus:
     """``corpus`` with :attr:`Corpus.aux`: the outputs of decoder ``layers`` of ``model`` at every position.
 
