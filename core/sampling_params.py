@@ -6,6 +6,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from patchbay.interfaces.structured_output import StructuredOutputParams
+
 MIN_RANDOM_TEMPERATURE = 1e-2
 """Smallest temperature that samples: below it, logits divided by the temperature overflow float32."""
 MAX_SEED = 2**63 - 1
@@ -30,8 +32,6 @@ def _token_id_key(value: Any) -> Any:
 TokenId = Annotated[int, BeforeValidator(_strict_token_id), Field(ge=0)]
 """A vocabulary index: a non-negative integer (its upper bound is the model's, checked by the engine)."""
 TokenIdKey = Annotated[int, BeforeValidator(_token_id_key), Field(ge=0)]
-
-from patchbay.interfaces.structured_output import StructuredOutputParams
 
 
 class SamplingParams(BaseModel):

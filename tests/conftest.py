@@ -69,7 +69,10 @@ def clean_env(site: Path | None = None, **overrides: str) -> dict[str, str]:
 
 
 def patchbay_command() -> list[str]:
-    """The installed ``patchbay`` console script next to this interpreter (or ``python -m patchbay.entrypoints.cli``)."""
+    """The installed ``patchbay`` console script next to this interpreter.
+
+    Where there is none, ``python -m patchbay.entrypoints.cli``.
+    """
     script = Path(sys.executable).with_name("patchbay")
     return [str(script)] if script.exists() else [sys.executable, "-m", "patchbay.entrypoints.cli"]
 

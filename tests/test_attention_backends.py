@@ -156,7 +156,7 @@ def test_the_suite_passes_the_unbroken_originals() -> None:
 # -- torch_sdpa specifics --------------------------------------------------------------------------
 
 def _step(num_computed, num_new, block_size=16, seed=0):
-    seq_lens = [c + n for c, n in zip(num_computed, num_new)]
+    seq_lens = [c + n for c, n in zip(num_computed, num_new, strict=True)]
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
     table = make_block_table(seq_lens, block_size, num_blocks, torch.Generator().manual_seed(seed))
     return build_common_metadata(num_computed, num_new, table, block_size)
@@ -248,7 +248,7 @@ def _fake_memory_efficient_attention(query, key, value, attn_bias, scale):
     flat = [tensor[0].flatten(1, -2) for tensor in (query, key, value)]  # [tokens, heads, head_size]
     out = torch.empty_like(flat[0])
     query_start = key_start = 0
-    for query_len, key_len in zip(attn_bias.query_lens, attn_bias.key_lens):
+    for query_len, key_len in zip(attn_bias.query_lens, attn_bias.key_lens, strict=True):
         rows, keys = slice(query_start, query_start + query_len), slice(key_start, key_start + key_len)
         window_left = -1 if attn_bias.window is None else attn_bias.window - 1
         out[rows] = _reference_varlen(flat[0][rows], flat[1][keys], flat[2][keys], scale, window_left, 0.0)

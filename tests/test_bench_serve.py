@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from itertools import pairwise
 
 import pytest
 
@@ -18,7 +19,7 @@ def test_arrivals_are_all_at_once_evenly_spaced_or_a_seeded_poisson_process():
     assert arrival_offsets(4, 2.0, "fixed", 0) == [0.0, 0.5, 1.0, 1.5]
     poisson = arrival_offsets(4000, 8.0, "poisson", 1)
     assert poisson == arrival_offsets(4000, 8.0, "poisson", 1) != arrival_offsets(4000, 8.0, "poisson", 2)
-    gaps = [b - a for a, b in zip(poisson, poisson[1:])]
+    gaps = [b - a for a, b in pairwise(poisson)]
     # Exponential gaps of mean 1/8 s: mean and standard deviation agree (to sampling error of ~3 %).
     assert abs(statistics.mean(gaps) - 0.125) < 0.01 and abs(statistics.stdev(gaps) - 0.125) < 0.01
 

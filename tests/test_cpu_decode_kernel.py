@@ -216,7 +216,8 @@ def test_a_built_kernel_loads_past_a_lock_left_after_it_was_built(tmp_path, monk
 
 
 @pytest.mark.parametrize("case", [
-    # decodes, a 4-token draft, a prefill chunk after cached tokens, a fresh prefill, one longer than the kernel takes
+    # decodes, a 4-token draft, a prefill chunk after cached tokens, a fresh prefill,
+    # one longer than the kernel takes
     AttentionCase(num_computed=(40, 7, 0, 20, 0), num_new=(1, 4, 33, 17, torch_sdpa.KERNEL_MAX_QUERY_LEN + 5),
                   num_heads=8, num_kv_heads=2),
     AttentionCase(num_computed=(30, 0, 12), num_new=(1, 40, 9), sliding_window=16, num_heads=4, num_kv_heads=4),

@@ -1,4 +1,7 @@
-"""Disaggregated prefill across two processes: the consumer loads the producer's prompt KV and decodes the same tokens."""
+"""Disaggregated prefill across two processes.
+
+The consumer loads the producer's prompt KV and decodes the same tokens.
+"""
 
 from __future__ import annotations
 

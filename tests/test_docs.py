@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -483,7 +484,10 @@ FOREIGN_FLAGS = {"--no-deps"}
 
 
 def third_party_name(name: str) -> bool:
-    """Whether ``name`` is a builtin or a public name of a library patchbay builds on (transformers, pydantic, torch)."""
+    """Whether ``name`` is a builtin or a public name of a library patchbay builds on.
+
+    Such as transformers, pydantic or torch.
+    """
     import builtins
 
     import pydantic
@@ -532,7 +536,7 @@ SETTINGS_KEY = re.compile(r"^(" + "|".join(Settings.model_fields) + r")\.([a-z_]
 def settings_key_exists(path: list[str]) -> bool:
     """Whether a dotted settings key exists (a free-form mapping such as ``options`` accepts any key below it)."""
     model: object = Settings
-    for index, key in enumerate(path):
+    for key in path:
         fields = getattr(model, "model_fields", None)
         if fields is None:
             return False
@@ -625,7 +629,7 @@ def config_error_samples(doc: Path) -> list[tuple[str, str, str]]:
     """``(file name, YAML, error text)`` for each error sample of ``doc`` shown after the YAML that causes it."""
     blocks = fenced_blocks(doc.read_text())
     samples = []
-    for (_, yaml_body), (_, error) in zip(blocks, blocks[1:]):
+    for (_, yaml_body), (_, error) in pairwise(blocks):
         names = set(re.findall(r"^  (\S+\.yaml): ", error, re.MULTILINE))
         if error.startswith("patchbay: error: invalid configuration:\n") and error.count("patchbay: error") == 1 \
                 and len(names) == 1:

@@ -158,7 +158,7 @@ def test_matching_agrees_with_a_brute_force_oracle(min_n: int, max_n: int) -> No
         sequences.append([rng.randrange(alphabet) for _ in range(rng.randrange(0, 40))])
     got = find_continuations([np.array(seq, dtype=np.int64) for seq in sequences], min_n, max_n, window=4096)
     want = [brute_force_continuation(seq, min_n, max_n) for seq in sequences]
-    wrong = [(seq, int(g), w) for seq, g, w in zip(sequences, got, want) if g != w]
+    wrong = [(seq, int(g), w) for seq, g, w in zip(sequences, got, want, strict=True) if g != w]
     assert not wrong, f"{len(wrong)} mismatches, e.g. (tokens, got, expected) {wrong[:3]}"
 
 
@@ -238,7 +238,7 @@ def test_token_only_batches_carry_no_tensors() -> None:
     batch = make_draft_batch(make_cases(VOCAB, MAX_LEN)["repetitive"], num_speculative_tokens=3,
                              max_model_len=MAX_LEN)
     assert batch.hidden_states is None and batch.step is None
-    assert [tokens[-len(gained):].tolist() for tokens, gained in zip(batch.token_ids, batch.sampled_token_ids)] == \
+    assert [tokens[-len(gained):].tolist() for tokens, gained in zip(batch.token_ids, batch.sampled_token_ids, strict=True)] == \
         batch.sampled_token_ids
 
 
@@ -280,7 +280,7 @@ class OneDraftTooMany(NgramDrafter):
     def propose(self, batch: DraftBatch) -> DraftProposals:
         drafts = super().propose(batch).draft_token_ids
         return DraftProposals([d + d[-1:] if d and len(t) + len(d) < batch.max_model_len else d
-                               for d, t in zip(drafts, batch.token_ids)])
+                               for d, t in zip(drafts, batch.token_ids, strict=True)])
 
 
 class DropsEmptyLists(NgramDrafter):

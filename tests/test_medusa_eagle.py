@@ -229,7 +229,7 @@ def make_step(requests: list[PagedRequest], runs: list[tuple[int, list[int]]],
     for request, (first, tokens) in zip(requests, runs, strict=True):
         # The target's hidden states for what actually ran (drafts included, rejected or not).
         full = hidden_of(request.model, request.token_ids[:first] + tokens)
-        for layer_rows, layer_states in zip(aux, aux_of(request.model, request.token_ids[:first] + tokens, aux_layers)):
+        for layer_rows, layer_states in zip(aux, aux_of(request.model, request.token_ids[:first] + tokens, aux_layers), strict=True):
             layer_rows.append(layer_states[first:])
         rows = np.arange(first, first + len(tokens))
         token_rows.extend(tokens)

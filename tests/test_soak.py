@@ -132,7 +132,8 @@ def test_soak_mixed_requests_with_faults_aborts_and_preemption(tiny_llama):
     faulty = _failing_sampler(llm.engine)
     llm.engine.sampler = llm.engine.runner.sampler = faulty
     counts = _soak(llm, 1500, random.Random(14))
-    print(f"\nsoak (no connector): {dict(counts)}, peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10} MiB")
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
+    print(f"\nsoak (no connector): {dict(counts)}, peak RSS {peak_mib} MiB")
     assert counts["rejected"] > 50 and counts["errors"] > 10 and counts["aborted"] > 10
     assert counts["preemptions"] > 0
     assert counts["rss_growth_mib"] < 64

@@ -214,7 +214,10 @@ class Bench:
         return keys
 
     def _start_optional_peer(self, key: str) -> bool:
-        """Start the peer ``key`` once (``vllm:<dtype>`` or ``llamacpp``); ``False`` (and the reason said) if it cannot."""
+        """Start the peer ``key`` once (``vllm:<dtype>`` or ``llamacpp``).
+
+        ``False`` (and the reason said) if it cannot.
+        """
         if key in self._peers:
             return True
         if key in self.skipped:
@@ -453,7 +456,7 @@ def bench_command(args: argparse.Namespace, stream: TextIO | None = None) -> int
     print_table(rows, bench.roofline, stream, skipped=bench.skipped)
     if options.out is not None:
         options.out.mkdir(parents=True, exist_ok=True)
-        context = {"machine": bench.roofline.machine.as_dict(), "model": bench.roofline.cost.as_dict(),
+        context: dict[str, Any] = {"machine": bench.roofline.machine.as_dict(), "model": bench.roofline.cost.as_dict(),
                    "model_dir": bench.model_dir}
         append_json_lines(options.out / "results.jsonl", rows, **context)
         append_json_lines(options.out / "results.jsonl",

@@ -36,7 +36,8 @@ import sys
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, Protocol, TextIO
 
 
 def _protocol_stream() -> TextIO:
@@ -115,7 +116,7 @@ class LlamaCppBackend:
     def generate(self, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
                  on_first_token: Callable[[int], None]) -> list[list[int]]:
         results = []
-        for index, (prompt, count) in enumerate(zip(prompts, max_tokens)):
+        for index, (prompt, count) in enumerate(zip(prompts, max_tokens, strict=True)):
             self.llm.reset()  # no reuse of an earlier request's prefix
             produced: list[int] = []
             # Greedy (top-k 1, temperature 0, no penalties); generate() never stops at EOS by itself.
@@ -130,10 +131,22 @@ class LlamaCppBackend:
         return results
 
 
-BACKENDS = {"vllm": VllmBackend, "llamacpp": LlamaCppBackend}
+class PeerBackend(Protocol):
+    """What the driver needs of a peer engine."""
+
+    engine_name: str
+    version: str
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
+                 on_first_token: Callable[[int], None]) -> list[list[int]]:
+        """The greedy completion of each prompt, calling ``on_first_token(index)`` as each produces its first."""
+        ...
 
 
-def _run(backend: Any, request: dict[str, Any]) -> dict[str, Any]:
+BACKENDS: dict[str, Callable[[dict[str, Any]], PeerBackend]] = {"vllm": VllmBackend, "llamacpp": LlamaCppBackend}
+
+
+def _run(backend: PeerBackend, request: dict[str, Any]) -> dict[str, Any]:
     prompts, max_tokens = request["prompts"], request["max_tokens"]
     ttft: list[float | None] = [None] * len(prompts)
     start = time.perf_counter()

@@ -14,12 +14,15 @@ Two ceilings frame every figure the bench prints:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from patchbay.bench.machine import MachineLimits
 from patchbay.bench.workloads import Workload
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class ModelCost:
     bytes_per_param: int
 
     @classmethod
-    def of(cls, model: nn.Module) -> ModelCost:
+    def of(cls, model: PreTrainedModel) -> ModelCost:
         """Count a transformers causal LM's parameters by role."""
         head = model.get_output_embeddings()
         linear = sum(module.weight.numel() for module in model.modules()

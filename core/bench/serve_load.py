@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -59,7 +60,7 @@ class RequestTiming:
 
     @property
     def inter_token_latencies(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+        return [b - a for a, b in pairwise(self.chunk_times)]
 
 
 def arrival_offsets(count: int, rate: float, arrivals: str, seed: int) -> list[float]:
@@ -74,9 +75,12 @@ def arrival_offsets(count: int, rate: float, arrivals: str, seed: int) -> list[f
     return offsets
 
 
-async def run_load(url: str, model: str, requests: list[wl.BenchRequest], *, rate: float, arrivals: str,
+async def run_load(url: str, model: str | None, requests: list[wl.BenchRequest], *, rate: float, arrivals: str,
                    max_concurrency: int, seed: int) -> tuple[list[RequestTiming], float]:
-    """Send every request as a streaming completion; the timings and the wall time."""
+    """Send every request as a streaming completion; the timings and the wall time.
+
+    ``model`` is the served model's name, or ``None`` (a server given by URL) to let the server answer with its own.
+    """
     import httpx
 
     limit = asyncio.Semaphore(max_concurrency)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from patchbay.contract.registry import Registry
 from patchbay.contract.settings import ConfigError, ConfigProblem, plugin_options
@@ -34,14 +34,15 @@ def select_attention_backend(registry: Registry, name: str, configs: Sequence[At
     reasons of every registered backend.
     """
     if name != "auto":
-        backend = registry.resolve("attention", name)
+        # resolve() checked that the class implements the kind's interface.
+        backend = cast("type[AttentionBackend]", registry.resolve("attention", name))
         require_serves(backend, f"attention:{name}", "attention.backend", configs)
-        return name, backend  # type: ignore[return-value]
+        return name, backend
     rejected: list[str] = []
     candidates = []
     for registration in registry.registrations("attention"):
         try:
-            backend = registration.resolve()
+            backend = cast("type[AttentionBackend]", registration.resolve())
         except Exception as exc:  # a broken third-party backend must not hide the others
             rejected.append(f"{registration.name}: {exc}")
             continue
@@ -54,10 +55,10 @@ def select_attention_backend(registry: Registry, name: str, configs: Sequence[At
         raise ConfigError([ConfigProblem("<run>", "attention.backend", "auto found no backend that can serve this model: "
                                          + " | ".join(rejected))])
     _, chosen_name, chosen = max(candidates, key=lambda item: (item[0], item[1]))
-    return chosen_name, chosen  # type: ignore[return-value]
+    return chosen_name, chosen
 
 
 def create(registry: Registry, kind: str, name: str, options: Mapping[str, Any], key: str, **kwargs: Any) -> Any:
     """Instantiate ``kind:name`` with its validated options (errors name ``key``, the options' key path)."""
-    implementation = registry.resolve(kind, name)
+    implementation: Any = registry.resolve(kind, name)  # each kind's constructor takes its own arguments
     return implementation(plugin_options(implementation, options, where=key), **kwargs)

@@ -33,13 +33,21 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from patchbay.contract.redaction import redact
 from patchbay.contract.bounded_yaml import DocumentTooLarge, check_bounds, load_bounded
 
 if TYPE_CHECKING:
     from patchbay.contract.registry import Registry
+    from patchbay.interfaces.base import Plugin
 
 ENV_PREFIX = "PATCHBAY_"
 ENV_NESTED_DELIMITER = "__"
@@ -387,8 +395,11 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: Any,
-                                   **other_sources: Any) -> tuple:
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
         # load_settings merges the environment itself (env_overrides), so each variable is named in errors and
         # PATCHBAY_KEY=null can clear a key; reading it again here would undo that.
         return (init_settings,)
@@ -460,6 +471,10 @@ class ConfigError(ValueError):
         super().__init__("invalid configuration:\n" + "\n".join(f"  {problem}" for problem in problems))
 
 
+SourceLabel = str | Callable[[tuple[str, ...]], str]
+"""Where settings came from, for errors: a fixed label, or a function of the key path (one env variable per key)."""
+
+
 class _Sources:
     """Remembers which source set each key path, to name it in errors."""
 
@@ -467,7 +482,7 @@ class _Sources:
         self.default = default
         self._by_path: dict[tuple[str, ...], str] = {}
 
-    def mark(self, data: Mapping[str, Any], label: str | Callable[[tuple[str, ...]], str],
+    def mark(self, data: Mapping[str, Any], label: SourceLabel,
              prefix: tuple[str, ...] = ()) -> None:
         for key, value in data.items():
             path = (*prefix, str(key))
@@ -526,7 +541,7 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def env_overrides() -> list[tuple[str, dict[str, Any]]]:
+def env_overrides() -> list[tuple[SourceLabel, dict[str, Any]]]:
     """Settings from ``PATCHBAY_*`` environment variables, parsed by pydantic-settings.
 
     Nested keys are joined by ``__`` (``PATCHBAY_CACHE__NUM_BLOCKS=64``);
@@ -693,7 +708,7 @@ def _metadata_builder_problems(settings: Settings, backend: Any, reference: str,
     return []
 
 
-def plugin_options(implementation: type, options: Mapping[str, Any], *, where: str) -> BaseModel:
+def plugin_options(implementation: type[Plugin], options: Mapping[str, Any], *, where: str) -> BaseModel:
     """Validate ``options`` against ``implementation.Options``; errors name ``where`` (a key path)."""
     try:
         return implementation.Options.model_validate(dict(options))

@@ -391,7 +391,10 @@ class RequestStream:
         return item
 
     def close(self) -> None:
-        """Abort the request unless it has finished (no wait: the engine thread frees its blocks before its next step)."""
+        """Abort the request unless it has finished.
+
+        No wait: the engine thread frees its blocks before its next step.
+        """
         if not self.finished:
             self.finished = True
             self.llm.abort_soon(self.request_id)

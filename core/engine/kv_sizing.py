@@ -79,7 +79,8 @@ def size_kv_pool(settings: Settings, groups: Sequence[KVCacheGroup], *, device: 
         raise ConfigError([ConfigProblem(
             "<run>", "cache.memory_utilization",
             f"cache.memory auto leaves no room for the KV cache: {utilization:g} of {format_bytes(total)} is "
-            f"{format_bytes(budget)}, the model holds {format_bytes(held)}{' per rank' if ranks > 1 else ''} and a "
+            f"{format_bytes(budget)}, the model holds {format_bytes(held)}"
+            f"{' per rank' if ranks > 1 else ''} and a "
             f"{step_tokens}-token step {format_bytes(activation_bytes)} more"
             + (f", and {format_bytes(free)} is free" if free is not None else "")
             + "; raise cache.memory_utilization, lower scheduler.max_num_batched_tokens, or give cache.memory")])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from patchbay.sampling_params import SamplingParams
@@ -30,7 +31,7 @@ class RequestMetrics:
 
     @property
     def inter_token_latencies(self) -> list[float]:
-        return [later - earlier for earlier, later in zip(self.token_times, self.token_times[1:])]
+        return [later - earlier for earlier, later in pairwise(self.token_times)]
 
     @property
     def e2e_latency(self) -> float | None:

@@ -54,8 +54,8 @@ def describe_failure(exc: BaseException, plugins: Mapping[str, Iterable[Any]]) -
     implementation class); the innermost traceback frame that runs a method
     of one of them, or code of its module, names the plugin.
     """
-    modules = {}
-    instances = {}
+    modules: dict[str, str] = {}
+    instances: dict[int, str] = {}
     for reference, objects in plugins.items():
         for obj in objects:
             if obj is None:
@@ -84,7 +84,9 @@ def replay_alone(runner: Any, scheduler: Scheduler, scheduler_output: SchedulerO
         batch.remove_request(req_id)
         runner.prompt_logprobs.forget(req_id)
     batch.condense()
-    merged = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], draft_token_ids=[])
+    logprobs: list[Any] = []
+    draft_token_ids: list[list[int]] = []
+    merged = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=logprobs, draft_token_ids=draft_token_ids)
     errors: dict[str, str] = {}
     for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
         request = scheduler.requests[req_id]
@@ -111,18 +113,21 @@ def replay_alone(runner: Any, scheduler: Scheduler, scheduler_output: SchedulerO
         for row, row_id in enumerate(output.req_ids):
             merged.req_ids.append(row_id)
             merged.sampled_token_ids.append(output.sampled_token_ids[row])
-            merged.logprobs.append(output.logprobs[row] if output.logprobs else None)
-            merged.draft_token_ids.append(output.draft_token_ids[row] if output.draft_token_ids else [])
+            logprobs.append(output.logprobs[row] if output.logprobs else None)
+            draft_token_ids.append(output.draft_token_ids[row] if output.draft_token_ids else [])
         merged.prompt_logprobs.update(output.prompt_logprobs)
-    if not any(merged.logprobs):
+    if not any(logprobs):
         merged.logprobs = None
-    if not any(merged.draft_token_ids):
+    if not any(draft_token_ids):
         merged.draft_token_ids = None
     return IsolatedStep(merged, errors)
 
 
 def fail_requests(scheduler: Scheduler, request_ids: Iterable[str]) -> None:
-    """Finish requests whose step failed: forget the cached hashes of blocks they did not finish computing, free them."""
+    """Finish requests whose step failed.
+
+    Forgets the cached hashes of the blocks they did not finish computing, and frees them.
+    """
     manager = scheduler.kv_cache_manager
     for request_id in request_ids:
         request = scheduler.requests.get(request_id)

@@ -1,1 +1,4 @@
-"""Ways in: the offline ``LLM`` API, the ``patchbay`` command line and ``patchbay run``; they use only ``patchbay.engine``."""
+"""Ways in: the offline ``LLM`` API, the ``patchbay`` command line and ``patchbay run``.
+
+They use only ``patchbay.engine``.
+"""

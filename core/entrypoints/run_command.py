@@ -132,7 +132,8 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Engine) -> s
         f"prompt tokens:       {prompt_tokens} ({sum(o.metrics.num_cached_tokens for o in outputs)} from prefix cache)",
         f"generated tokens:    {generated}",
         f"wall time:           {elapsed:.2f} s",
-        f"throughput:          {generated / elapsed:.1f} generated tok/s, {(prompt_tokens + generated) / elapsed:.1f} total tok/s",
+        f"throughput:          {generated / elapsed:.1f} generated tok/s, "
+        f"{(prompt_tokens + generated) / elapsed:.1f} total tok/s",
         f"time to first token: {_percentiles(ttft)}",
         f"inter-token latency: {_percentiles(itl)}",
         f"engine:              {report.stats.num_steps} steps, {report.stats.num_preemptions} preemptions, "

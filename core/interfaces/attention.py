@@ -63,7 +63,8 @@ class AttentionCapabilities(Capabilities):
             found.append(f"block size {config.block_size} is not a multiple of {self.block_size_multiple}")
         if not self.supports_gqa and config.num_kv_heads != config.num_heads:
             found.append(
-                f"grouped-query attention not supported ({config.num_heads} query heads, {config.num_kv_heads} KV heads)"
+                f"grouped-query attention not supported ({config.num_heads} query heads, "
+                f"{config.num_kv_heads} KV heads)"
             )
         if config.sliding_window is not None and not self.supports_sliding_window:
             found.append(f"sliding-window attention not supported (window {config.sliding_window})")

@@ -72,7 +72,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-class Plugin(ABC):
+class Plugin(ABC):  # noqa: B024 - no abstract method of its own: it makes each kind's abstract methods binding
     """Base class of every implementation patchbay resolves from a registry.
 
     Subclasses set :attr:`capabilities` (an instance of their kind's

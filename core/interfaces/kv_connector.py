@@ -96,11 +96,15 @@ def _shard_suffix(shard: KVShard) -> str:
     return f"@{shard.name}" if not shard.is_whole else ""
 
 
+KVConnectorRole = Literal["both", "producer", "consumer"]
+"""``producer`` only saves, ``consumer`` only loads, ``both`` does both."""
+
+
 @dataclass(frozen=True)
 class KVConnectorConfig(ServingConfig):
     """What a run asks of its connector (on rank 0, and, with several ranks, of each rank's worker side)."""
 
-    role: Literal["both", "producer", "consumer"] = "both"
+    role: KVConnectorRole = "both"
     """``producer`` only saves, ``consumer`` only loads, ``both`` does both."""
     block_size: int = 16
     model_id: str = ""
@@ -140,7 +144,7 @@ class KVConnectorCapabilities(Capabilities):
     cross_process: bool = False
     """Processes on one machine can share its store."""
     cross_machine: bool = False
-    roles: tuple[str, ...] = ("both", "producer", "consumer")
+    roles: tuple[KVConnectorRole, ...] = ("both", "producer", "consumer")
 
     def reasons(self, config: ServingConfig) -> list[str]:
         found = super().reasons(config)
@@ -150,13 +154,23 @@ class KVConnectorCapabilities(Capabilities):
 
 
 class RequestView(Protocol):
-    """What a connector may read of a request."""
+    """What a connector may read of a request (read-only, so the scheduler's own request type satisfies it)."""
 
-    request_id: str
-    prompt_token_ids: Sequence[int]
-    num_computed_tokens: int
-    block_hashes: Sequence[bytes]
-    """Chained hash of each full prompt block, as used by prefix caching."""
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        """The prompt's token ids."""
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """How many of the request's tokens are in the KV cache."""
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]:
+        """Chained hash of each full prompt block, as used by prefix caching."""
 
 
 @dataclass
@@ -242,10 +256,10 @@ class KVConnectorWorker(ABC):
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         """Start loading this step's blocks into the cache (before the forward pass)."""
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
+    def wait_for_layer_load(self, layer_name: str) -> None:  # noqa: B027 - optional: the default does nothing
         """Block until ``layer_name``'s blocks are loaded. Default: loads are whole-model."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attention_metadata: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attention_metadata: Any) -> None:  # noqa: B027 - optional: the default does nothing
         """Start saving one layer's new KV (called after the layer runs). Default: save in :meth:`wait_for_save`.
 
         ``kv_layer`` is the layer's whole cache tensor (the step's keys and

@@ -35,7 +35,7 @@ from patchbay.interfaces.base import Capabilities, Plugin, ServingConfig
 if TYPE_CHECKING:
     import numpy as np
 
-CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
 """The constraint fields of :class:`StructuredOutputParams`, which are also the kinds backends declare."""
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
@@ -94,7 +94,7 @@ class StructuredOutputParams(BaseModel):
     @property
     def kind(self) -> ConstraintKind:
         """The constraint field that is set (``regex``, ``json_schema``, ...)."""
-        return next(name for name in CONSTRAINT_KINDS if getattr(self, name) is not None)  # type: ignore[return-value]
+        return next(name for name in CONSTRAINT_KINDS if getattr(self, name) is not None)
 
     @property
     def spec(self) -> str:

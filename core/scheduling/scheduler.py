@@ -148,7 +148,10 @@ class Scheduler:
         self._arrival_order: dict[str, tuple[float, int]] = {}
         self._counter = itertools.count()
         self._loading: dict[str, tuple[int, int]] = {}
-        """Requests whose blocks a connector loads asynchronously: (local prefix-cache tokens, tokens computed once loaded)."""
+        """Requests whose blocks a connector loads asynchronously.
+
+        Each maps to (local prefix-cache tokens, tokens computed once loaded).
+        """
         self._loaded: set[str] = set()
         """Of those, the ones the runner reported in ``finished_recving``."""
         self._held: dict[str, tuple[Request, set[str]]] = {}
@@ -499,7 +502,10 @@ class Scheduler:
             self.grammars.wait_any(futures, timeout=1.0)
 
     def _grammar_ready(self, request: Request) -> bool:
-        """Whether the head request's grammar is compiled (it becomes ``WAITING``); a failed one finishes it as ``error``."""
+        """Whether the head request's grammar is compiled (it becomes ``WAITING``).
+
+        A failed one finishes it as ``error``.
+        """
         future = request.grammar_future
         assert future is not None and self.grammars is not None
         if not future.done():
@@ -511,6 +517,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             return True
         constraint = request.sampling_params.structured_output
+        assert constraint is not None  # only a constrained request compiles a grammar
         self.waiting.popleft()
         self._fail(request, self.grammars.error_message(constraint, error))
         return False

@@ -118,4 +118,7 @@ class ModelRunnerOutput:
     invalid_block_ids: set[int] = field(default_factory=set)
     """Blocks a KV connector failed to load; the scheduler recomputes them."""
     failed: dict[str, str] = field(default_factory=dict)
-    """Requests that failed alone this step (a grammar backend error, say), with the message; they finish as ``error``."""
+    """Requests that failed alone this step (a grammar backend error, say), with the message.
+
+    They finish as ``error``.
+    """

@@ -29,7 +29,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import pytest
 
@@ -180,7 +180,7 @@ def make_batch(backend_class: type[AttentionBackend], case: AttentionCase, devic
     import torch
 
     dtype = getattr(torch, case.dtype)
-    seq_lens = [computed + new for computed, new in zip(case.num_computed, case.num_new)]
+    seq_lens = [computed + new for computed, new in zip(case.num_computed, case.num_new, strict=True)]
     num_blocks = sum(-(-seq_len // case.block_size) for seq_len in seq_lens) + case.spare_blocks
     block_table = make_block_table(seq_lens, case.block_size, num_blocks, torch.Generator().manual_seed(case.seed))
     common = build_common_metadata(case.num_computed, case.num_new, block_table, case.block_size, device)
@@ -200,7 +200,7 @@ def make_batch(backend_class: type[AttentionBackend], case: AttentionCase, devic
     query[:num_tokens] = torch.randn(num_tokens, case.num_heads, case.head_size, generator=generator)
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     start = 0
-    for request, (computed, new) in enumerate(zip(case.num_computed, case.num_new)):
+    for request, (computed, new) in enumerate(zip(case.num_computed, case.num_new, strict=True)):
         key[start:start + new] = keys[request][computed:]
         value[start:start + new] = values[request][computed:]
         start += new
@@ -273,7 +273,7 @@ def _check_cache(backend_class: type[AttentionBackend], batch: AttentionBatch, c
     written = set(batch.common.slot_mapping.tolist())
     after = backend_class.split_kv_cache(batch.kv_cache.cpu())
     expected = backend_class.split_kv_cache(batch.expected_cache)
-    for name, got, want in zip(("key", "value"), after, expected):
+    for name, got, want in zip(("key", "value"), after, expected, strict=True):
         if torch.equal(got, want):
             continue
         wrong = (got != want).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
@@ -294,13 +294,14 @@ def _check_output(output: torch.Tensor, batch: AttentionBatch, case: AttentionCa
     output = output.cpu()
     query = batch.query.cpu()
     start = 0
-    for request, (computed, new) in enumerate(zip(case.num_computed, case.num_new)):
+    for request, (computed, new) in enumerate(zip(case.num_computed, case.num_new, strict=True)):
         rows = slice(start, start + new)
         start += new
         want = dense_attention(query[rows], batch.keys[request], batch.values[request], computed, layer)
         got = output[rows].double()
         try:
-            torch.testing.assert_close(got, want, **TOLERANCES[case.dtype])
+            tolerance = TOLERANCES[case.dtype]
+            torch.testing.assert_close(got, want, atol=tolerance["atol"], rtol=tolerance["rtol"])
         except AssertionError:
             error = (got - want).abs().nan_to_num(float("inf"))
             row, head = divmod(int(error.amax(-1).argmax()), case.num_heads)
@@ -354,7 +355,7 @@ def check_attention(backend_class: type[AttentionBackend], builder_class: type[A
         impl = backend.make_impl(layer)
         inputs = [tensor.clone() for tensor in (batch.query, batch.key, batch.value)]
         output = impl.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata)
-        for name, before, after in zip(("query", "key", "value"), inputs, (batch.query, batch.key, batch.value)):
+        for name, before, after in zip(("query", "key", "value"), inputs, (batch.query, batch.key, batch.value), strict=True):
             assert after.equal(before), f"forward modified its {name} input (case {case})"
         assert_unchanged(common, original, f"{backend_class.__name__} forward")
         assert tuple(output.shape) == tuple(batch.query.shape), (
@@ -411,7 +412,9 @@ class AttentionBackendSuite(AttentionBackendBaseSuite):
     def builder_class(self, backend_class: type[AttentionBackend],
                       patchbay_registry: Registry) -> type[AttentionMetadataBuilder]:
         """The backend's own metadata builder, resolved by the name it declares."""
-        builder = patchbay_registry.resolve("attention_metadata_builder", backend_class.metadata_builder)
+        # resolve() checked that the class implements the kind's interface.
+        builder = cast("type[AttentionMetadataBuilder]",
+                       patchbay_registry.resolve("attention_metadata_builder", backend_class.metadata_builder))
         reason = builder.unavailable_reason()
         if reason:
             pytest.fail(f"{backend_class.__name__} is available but its metadata builder "
@@ -611,7 +614,7 @@ def _assert_same(first: Any, second: Any, path: str, depth: int = 0) -> None:
             _assert_same(getattr(first, field.name), getattr(second, field.name), f"{path}.{field.name}", depth + 1)
     elif isinstance(first, (list, tuple)):
         assert len(first) == len(second), f"{path}: lengths {len(first)} and {len(second)}"
-        for index, (a, b) in enumerate(zip(first, second)):
+        for index, (a, b) in enumerate(zip(first, second, strict=True)):
             _assert_same(a, b, f"{path}[{index}]", depth + 1)
     elif isinstance(first, dict):
         assert first.keys() == second.keys(), f"{path}: keys differ"
@@ -661,7 +664,7 @@ class MetadataBuilderSuite(MetadataBuilderBaseSuite):
         import torch
 
         num_computed, num_new = BUILDER_BATCHES[batch_name]
-        seq_lens = [computed + new for computed, new in zip(num_computed, num_new)]
+        seq_lens = [computed + new for computed, new in zip(num_computed, num_new, strict=True)]
         num_blocks = sum(-(-seq_len // self.block_size) for seq_len in seq_lens) + 4
         table = make_block_table(seq_lens, self.block_size, num_blocks, torch.Generator().manual_seed(seed))
         return build_common_metadata(num_computed, num_new, table, self.block_size, self.device)
@@ -679,11 +682,11 @@ class MetadataBuilderSuite(MetadataBuilderBaseSuite):
         assert common.query_start_loc.dtype == common.seq_lens.dtype == common.block_table.dtype == torch.int32
         assert common.slot_mapping.dtype == torch.int64
         assert common.query_start_loc_cpu.tolist() == [0, *itertools.accumulate(num_new)]
-        assert common.seq_lens_cpu.tolist() == [c + n for c, n in zip(num_computed, num_new)]
+        assert common.seq_lens_cpu.tolist() == [c + n for c, n in zip(num_computed, num_new, strict=True)]
         assert common.num_computed_tokens_cpu.tolist() == list(num_computed)
         assert tuple(common.slot_mapping.shape) == (common.num_actual_tokens,) == (sum(num_new),)
         row = 0
-        for request, (computed, new) in enumerate(zip(num_computed, num_new)):
+        for request, (computed, new) in enumerate(zip(num_computed, num_new, strict=True)):
             for position in range(computed, computed + new):
                 block = int(common.block_table[request, position // self.block_size])
                 assert int(common.slot_mapping[row]) == block * self.block_size + position % self.block_size
@@ -713,7 +716,7 @@ class MetadataBuilderSuite(MetadataBuilderBaseSuite):
         expected = {
             "query_lens": list(num_new),
             "context_lens": list(num_computed),
-            "seq_lens": [c + n for c, n in zip(num_computed, num_new)],
+            "seq_lens": [c + n for c, n in zip(num_computed, num_new, strict=True)],
             "num_reqs": len(num_new),
             "num_actual_tokens": sum(num_new),
         }
@@ -737,14 +740,17 @@ class MetadataBuilderSuite(MetadataBuilderBaseSuite):
                                      f"build of the same batch: {exc}") from None
 
     def test_backends_reading_it_attend_correctly(self, builder_class, patchbay_registry: Registry) -> None:
-        """Every field a backend reads, custom ones included, checked through that backend's output over changing batches."""
+        """Every field a backend reads, custom ones included.
+
+        Checked through that backend's output over changing batches.
+        """
         readers = [registration for registration in patchbay_registry.registrations("attention")
                    if _declared_builder(registration) == self.plugin_name]
         if not readers:
             skip_not_declared(f"no registered attention backend names {self.plugin_name!r} as its metadata_builder; "
                               "its fields are checked through the backends that read them")
         for registration in readers:
-            backend_class = registration.resolve()
+            backend_class = cast("type[AttentionBackend]", registration.resolve())  # resolve() checked the kind
             if backend_class.unavailable_reason():
                 pytest.skip(f"{registration.reference} reads this builder but is unavailable here: "
                             f"{backend_class.unavailable_reason()}")

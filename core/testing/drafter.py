@@ -44,7 +44,7 @@ import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import pytest
 from pydantic import ValidationError
@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from patchbay.contract.registry import Registry
+    from patchbay.interfaces import AttentionBackend, AttentionMetadataBuilder
 
 # numpy and torch are imported inside functions: this module is imported whenever pytest loads the patchbay plugin.
 
@@ -213,7 +214,7 @@ def make_draft_batch(case: DraftCase, *, num_speculative_tokens: int, max_model_
         token_ids=token_ids,
         num_speculative_tokens=num_speculative_tokens,
         max_model_len=max_model_len,
-        sampled_token_ids=[tokens[len(tokens) - count:].tolist() for tokens, count in zip(token_ids, gained)],
+        sampled_token_ids=[tokens[len(tokens) - count:].tolist() for tokens, count in zip(token_ids, gained, strict=True)],
         skip=set(case.skip),
     )
     caps = shape.capabilities
@@ -243,13 +244,13 @@ def _make_step(token_ids: list[np.ndarray], num_computed: list[int], num_new: li
     from patchbay.testing.attention import build_common_metadata, make_block_table
 
     rows, positions = [], []
-    for tokens, computed, new, rejected in zip(token_ids, num_computed, num_new, num_rejected):
+    for tokens, computed, new, rejected in zip(token_ids, num_computed, num_new, num_rejected, strict=True):
         kept = tokens[computed:computed + new - rejected]
         # The rejected drafts' rows hold tokens the request does not have (here: random ones).
         rejects = torch.randint(0, int(tokens.max()) + 1, (rejected,), generator=generator)
         rows.append(torch.cat([torch.from_numpy(kept.copy()), rejects]))
         positions.append(torch.arange(computed, computed + new))
-    seq_lens = [computed + new for computed, new in zip(num_computed, num_new)]
+    seq_lens = [computed + new for computed, new in zip(num_computed, num_new, strict=True)]
     block_table = make_block_table(seq_lens, shape.block_size, shape.num_blocks, generator)
     common = build_common_metadata(num_computed, num_new, block_table, shape.block_size, shape.device)
     num_tokens = sum(num_new)
@@ -290,9 +291,12 @@ def build_draft_context(shape: BatchShape, *, vocab_size: int, max_model_len: in
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         dtype = getattr(torch, shape.dtype)
-        model = transformers.LlamaForCausalLM(config).to(device=shape.device, dtype=dtype).eval()
-    backend_class = registry.resolve("attention", attention_backend)
-    builder_class = registry.resolve("attention_metadata_builder", backend_class.metadata_builder)
+        # transformers' typing of its wrapped to() misses self; the call is nn.Module.to.
+        model = transformers.LlamaForCausalLM(config).to(device=shape.device, dtype=dtype).eval()  # type: ignore[call-arg]
+    # resolve() checks that each class implements its kind's interface.
+    backend_class = cast("type[AttentionBackend]", registry.resolve("attention", attention_backend))
+    builder_class = cast("type[AttentionMetadataBuilder]",
+                         registry.resolve("attention_metadata_builder", backend_class.metadata_builder))
     return DrafterContext(
         model=model,
         attention_backend=backend_class(),
@@ -440,7 +444,7 @@ def _first_difference(first: Sequence[Sequence[int]], second: Sequence[Sequence[
     first, second = _as_lists(first), _as_lists(second)
     if len(first) != len(second):
         return f"{len(first)} vs {len(second)} draft lists"
-    for index, (a, b) in enumerate(zip(first, second)):
+    for index, (a, b) in enumerate(zip(first, second, strict=True)):
         if a != b:
             return f"request {index}: {a} vs {b}"
     return "no difference"
@@ -466,7 +470,7 @@ def assert_same(after: Any, before: Any, path: str, *, what: str, depth: int = 0
                         depth=depth + 1)
     elif isinstance(before, (list, tuple)):
         assert len(after) == len(before), f"{message}: length {len(before)} became {len(after)}"
-        for index, (a, b) in enumerate(zip(after, before)):
+        for index, (a, b) in enumerate(zip(after, before, strict=True)):
             assert_same(a, b, f"{path}[{index}]", what=what, depth=depth + 1)
     elif isinstance(before, Mapping):
         assert after.keys() == before.keys(), f"{message}: keys changed"
@@ -542,7 +546,7 @@ def check_end_to_end(method: str, options: Mapping[str, Any] | None = None, *, r
     got = [output.token_ids for output in llm.generate(list(prompts), params)]
     for index, (want, have) in enumerate(zip(expected, got, strict=True)):
         if want != have:
-            first = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
+            first = next((i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), min(len(want), len(have)))
             raise AssertionError(
                 f"speculative decoding with {method!r} changed greedy output of prompt {index} at token {first}: "
                 f"{have[first:first + 8]} instead of {want[first:first + 8]} (text {llm.tokenizer.decode(have)!r} "

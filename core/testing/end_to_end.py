@@ -23,7 +23,7 @@ from typing import Any
 
 from patchbay.contract.registry import Registry
 
-TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+TINY_MODEL: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 512}
 """The tiny Llama's shape: GQA (4 query heads, 2 KV heads) at head size 64, which most backends serve."""
 
@@ -181,6 +181,6 @@ def assert_same_tokens(expected: Sequence[Sequence[int]], got: Sequence[Sequence
     """Raise naming the first prompt and position where ``got`` differs from ``expected``."""
     for index, (want, have) in enumerate(zip(expected, got, strict=True)):
         if list(want) != list(have):
-            first = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
+            first = next((i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), min(len(want), len(have)))
             raise AssertionError(f"{what}: prompt {index} differs from the reference run at generated token {first}: "
                                  f"{list(have[first:first + 6])} instead of {list(want[first:first + 6])}")

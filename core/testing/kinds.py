@@ -24,7 +24,7 @@ from patchbay.interfaces import (
 from patchbay.testing.suite import PluginSuite, _replace
 
 
-class AttentionBackendBaseSuite(PluginSuite):
+class AttentionBackendBaseSuite(PluginSuite[AttentionCapabilities]):
     kind: ClassVar[str] = "attention"
     capabilities_class: ClassVar[type[Capabilities]] = AttentionCapabilities
 
@@ -48,11 +48,11 @@ class AttentionBackendBaseSuite(PluginSuite):
         return found
 
 
-class MetadataBuilderBaseSuite(PluginSuite):
+class MetadataBuilderBaseSuite(PluginSuite[Capabilities]):
     kind: ClassVar[str] = "attention_metadata_builder"
 
 
-class SamplerBaseSuite(PluginSuite):
+class SamplerBaseSuite(PluginSuite[SamplerCapabilities]):
     kind: ClassVar[str] = "sampler"
     capabilities_class: ClassVar[type[Capabilities]] = SamplerCapabilities
 
@@ -70,7 +70,7 @@ class SamplerBaseSuite(PluginSuite):
         return found
 
 
-class DrafterBaseSuite(PluginSuite):
+class DrafterBaseSuite(PluginSuite[DrafterCapabilities]):
     kind: ClassVar[str] = "drafter"
     capabilities_class: ClassVar[type[Capabilities]] = DrafterCapabilities
 
@@ -87,7 +87,7 @@ class DrafterBaseSuite(PluginSuite):
         return found
 
 
-class KVConnectorBaseSuite(PluginSuite):
+class KVConnectorBaseSuite(PluginSuite[KVConnectorCapabilities]):
     kind: ClassVar[str] = "kv_connector"
     capabilities_class: ClassVar[type[Capabilities]] = KVConnectorCapabilities
 

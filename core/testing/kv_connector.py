@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pytest
 
 from patchbay.interfaces import KVConnector, KVConnectorConfig, KVConnectorMetadata, KVShard
+from patchbay.interfaces.kv_connector import KVConnectorRole
 from patchbay.scheduling.request import hash_block_tokens
 from patchbay.testing.kinds import KVConnectorBaseSuite
 from patchbay.testing.suite import skip_not_declared
@@ -240,7 +241,7 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         over zeroed (or seeded random) caches, as the worker side of ``shard`` (default: the whole model)."""
         import torch
 
-        def make(role: str = "both", *, random: bool = False, shard: KVShard | None = None) -> Side:
+        def make(role: KVConnectorRole = "both", *, random: bool = False, shard: KVShard | None = None) -> Side:
             if role not in available.capabilities.roles:
                 skip_not_declared(f"role {role!r} not supported")
             options = available.Options.model_validate(connector_options)
@@ -301,8 +302,8 @@ class KVConnectorSuite(KVConnectorBaseSuite):
 
         for layer_name in source.caches:
             for part, source_cache, target_cache in zip(("keys", "values"), split_kv_cache(source.caches[layer_name]),
-                                                        split_kv_cache(target.caches[layer_name])):
-                for source_id, target_id in zip(source_ids, target_ids):
+                                                        split_kv_cache(target.caches[layer_name]), strict=True):
+                for source_id, target_id in zip(source_ids, target_ids, strict=True):
                     assert torch.equal(source_cache[source_id], target_cache[target_id]), (
                         f"{layer_name} {part}: block {target_id} differs from the saved block {source_id}"
                     )
@@ -384,7 +385,10 @@ class KVConnectorSuite(KVConnectorBaseSuite):
             assert request.request_id not in side.worker.get_finished({request.request_id})[0]
 
     def test_request_with_nothing_to_save_is_released(self, make_side) -> None:
-        """A prompt shorter than a block has no full block: if ``request_finished`` holds it, the worker must report it."""
+        """A prompt shorter than a block has no full block.
+
+        If ``request_finished`` holds it, the worker must report it.
+        """
         side = make_side("both", random=True)
         request = SuiteRequest("too-short", self.prompt(self.block_size - 1), self.block_size)
         side.scheduler.update_state_after_alloc(request, [4], 0)

@@ -8,7 +8,10 @@ declares (:func:`patchbay.testing.suite.skip_not_declared`) fails instead.
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import pytest
+from pluggy import Result
 
 from patchbay.contract.registry import Registry, default_registry
 from patchbay.testing.suite import NotDeclared, PluginSuite
@@ -48,7 +51,7 @@ def _is_suite_item(item: pytest.Item) -> bool:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, Result[pytest.TestReport], None]:
     outcome = yield
     report = outcome.get_result()
     if not (report.skipped and item.config.getoption("patchbay_strict", False) and _is_suite_item(item)):

@@ -218,7 +218,7 @@ def reference_probs(logits: Sequence[float], row: RowParams) -> list[float]:
         z = [value if value >= kth else NEG_INF for value in z]
     if row.top_p < 1.0:
         probs = _softmax(z)
-        mass, kept = 0.0, set()
+        mass, kept = 0.0, set[int]()
         for token in sorted(range(len(z)), key=lambda t: -probs[t]):
             if kept and mass >= row.top_p:
                 break
@@ -725,8 +725,9 @@ def check_verify_greedy(verifier: RejectionSampler, *, random_rows: bool = True,
         ([1, 8, 9], [1, 3, 9], 7, [1, 3]),          # rejected at 1; the later match does not count
         ([0, 0], [0, 0], 3, [0, 0, 3]),
     ]
-    requests = [(drafts, _target(argmax, vocab, SEED + i), bonus, RowParams(), expected)
-                for i, (drafts, argmax, bonus, expected) in enumerate(greedy)]
+    requests: list[tuple[list[int], Any, int, RowParams, list[int] | None]] = [
+        (drafts, _target(argmax, vocab, SEED + i), bonus, RowParams(), expected)
+        for i, (drafts, argmax, bonus, expected) in enumerate(greedy)]
     if random_rows:
         for position, seed in [(1, 1), (4, 2)]:
             requests.insert(position, ([3, 3], _target([3, 1], vocab, seed), 5, RowParams(temperature=1.0), None))

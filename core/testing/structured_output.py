@@ -155,7 +155,7 @@ def _choice_pattern(choices: Sequence[str]) -> str:
 # -- the suite ---------------------------------------------------------------------------------------
 
 
-class StructuredOutputSuite(PluginSuite):
+class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
     """Bitmasks against regex, choice and JSON-schema oracles; rollback; rejection; row hygiene."""
 
     kind: ClassVar[str] = "structured_output"
@@ -242,7 +242,10 @@ class StructuredOutputSuite(PluginSuite):
 
     @staticmethod
     def _assert_forced(kept: set[int], expected: set[int], vocabulary: Sequence[bytes | None], context: str) -> None:
-        """A backend that narrows forced bytes to one canonical token: that token must spell what every valid token does."""
+        """A backend that narrows forced bytes to one canonical token.
+
+        That token must spell what every valid token does.
+        """
         assert len(kept) == 1, f"{context}: refused tokens that keep a match possible, and allowed {len(kept)} tokens, " \
             "not the one canonical token of forced bytes"
         forced = vocabulary[next(iter(kept))] or b""
@@ -281,7 +284,10 @@ class StructuredOutputSuite(PluginSuite):
 
     def _accepts_text(self, backend: StructuredOutputBackend, matcher: GrammarMatcher, text: str,
                       schema: dict[str, Any]) -> bool:
-        """Feed ``text`` token by token, checking the stop token and ``is_accepting`` against jsonschema at each prefix."""
+        """Feed ``text`` token by token.
+
+        Checks the stop token and ``is_accepting`` against jsonschema at each prefix.
+        """
         import jsonschema
 
         vocabulary = token_bytes(backend.vocab_size)

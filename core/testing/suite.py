@@ -28,7 +28,7 @@ import json
 import subprocess
 import sys
 import tempfile
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -37,7 +37,8 @@ from patchbay.contract.registry import KINDS, Registration, Registry
 from patchbay.interfaces import Capabilities, Plugin, ServingConfig
 
 
-class NotDeclared(pytest.skip.Exception):
+# mypy cannot read pytest.skip.Exception (an attribute pytest sets on the skip function) as a class.
+class NotDeclared(pytest.skip.Exception):  # type: ignore[name-defined]
     """A skip strict mode accepts: the plugin declares it does not do this, or the test does not apply to it."""
 
 
@@ -51,7 +52,11 @@ def skip_not_declared(reason: str) -> None:
     raise NotDeclared(msg=reason, pytrace=False)
 
 
-class PluginSuite:
+CapabilitiesT = TypeVar("CapabilitiesT", bound=Capabilities)
+"""The capabilities class of the kind a suite checks."""
+
+
+class PluginSuite(Generic[CapabilitiesT]):
     """Checks every plugin must pass, whatever its kind: registration hygiene, options, capabilities."""
 
     kind: ClassVar[str] = ""
@@ -96,11 +101,11 @@ class PluginSuite:
 
     # -- what each kind's suite supplies -----------------------------------------------------
 
-    def supported_config(self, capabilities: Capabilities) -> ServingConfig:
+    def supported_config(self, capabilities: CapabilitiesT) -> ServingConfig:
         """A configuration inside ``capabilities`` (each kind's suite overrides)."""
         return ServingConfig(device=capabilities.devices[0], dtype=capabilities.dtypes[0])
 
-    def unsupported_configs(self, capabilities: Capabilities) -> list[tuple[str, ServingConfig]]:
+    def unsupported_configs(self, capabilities: CapabilitiesT) -> list[tuple[str, ServingConfig]]:
         """Configurations each outside ``capabilities`` in one respect, with a label."""
         base = self.supported_config(capabilities)
         found = []
@@ -125,7 +130,7 @@ class PluginSuite:
         )
 
     def test_registration_has_no_side_effects(self, plugin_class: type[Plugin], request: pytest.FixtureRequest) -> None:
-        """Loading the plugin's hooks module and running its hooks imports no torch and no implementation, writes no file.
+        """Loading the plugin's hooks module and running its hooks imports no torch nor implementation, writes no file.
 
         Checked in a fresh interpreter for every registration, a lazy
         ``"module:Class"`` string or a class alike.
@@ -158,11 +163,16 @@ class PluginSuite:
 
     # -- capabilities and validate ----------------------------------------------------------
 
-    def test_capabilities_are_declared(self, plugin_class: type[Plugin]) -> None:
+    def declared_capabilities(self, plugin_class: type[Plugin]) -> CapabilitiesT:
+        """The plugin's capabilities, asserted to be an instance of its kind's :attr:`capabilities_class`."""
         capabilities = plugin_class.capabilities
         assert isinstance(capabilities, self.capabilities_class), (
             f"capabilities must be a {self.capabilities_class.__name__}, got {type(capabilities).__name__}"
         )
+        return cast(CapabilitiesT, capabilities)
+
+    def test_capabilities_are_declared(self, plugin_class: type[Plugin]) -> None:
+        capabilities = self.declared_capabilities(plugin_class)
         assert capabilities.devices, "declare at least one device"
         assert capabilities.dtypes, "declare at least one dtype"
         json.dumps(capabilities.as_dict())
@@ -172,7 +182,7 @@ class PluginSuite:
         assert reason is None or (isinstance(reason, str) and reason.strip())
 
     def test_validate_accepts_a_supported_config(self, plugin_class: type[Plugin]) -> None:
-        config = self.supported_config(plugin_class.capabilities)
+        config = self.supported_config(self.declared_capabilities(plugin_class))
         reasons = plugin_class.validate(config)
         assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons)
         unavailable = plugin_class.unavailable_reason()
@@ -182,7 +192,7 @@ class PluginSuite:
             assert reasons == [], f"validate rejected a config its capabilities declare: {reasons}"
 
     def test_validate_rejects_what_capabilities_exclude(self, plugin_class: type[Plugin]) -> None:
-        for label, config in self.unsupported_configs(plugin_class.capabilities):
+        for label, config in self.unsupported_configs(self.declared_capabilities(plugin_class)):
             assert plugin_class.validate(config), f"validate accepted a config outside its capabilities ({label})"
 
 

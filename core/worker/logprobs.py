@@ -27,7 +27,10 @@ class Logprobs:
 
 
 class PromptLogprobs:
-    """Scores prompt tokens chunk by chunk as prefill proceeds; hands each request's list over once its prompt is done."""
+    """Scores prompt tokens chunk by chunk as prefill proceeds.
+
+    Hands each request's list over once its prompt is done.
+    """
 
     def __init__(self, model: HFCausalLM, batch: InputBatch) -> None:
         self.model = model

@@ -180,8 +180,8 @@ class ModelRunner:
         self._checked_below = [1] * len(self.groups)
         """Per group, every block below this id is zeroed (those the scheduler reported allocated)."""
         if lazy:
-            for group in range(len(self.groups)):
-                self._zero_blocks(caches, group, [0])
+            for group_index in range(len(self.groups)):
+                self._zero_blocks(caches, group_index, [0])
         return caches
 
     def _zero_allocated_blocks(self, highest: tuple[int, ...]) -> None:
@@ -293,6 +293,7 @@ class ModelRunner:
             if step.layout.has_drafts:
                 bonus_logits = logits[torch.from_numpy(step.layout.bonus_indices).to(self.device)]
                 sampler_output = self.sampler.sample(bonus_logits, metadata)
+                assert self.rejection_sampler is not None  # a run that drafts has one
                 new_tokens = verify(self.rejection_sampler, step.layout, logits, step.drafts,
                                     sampler_output.sampled_token_ids, metadata, self.model.shape.vocab_size)
             else:
@@ -591,6 +592,8 @@ class ModelRunner:
         """Per step row, the sampled token's logprobs when its request asked for them (else ``None``)."""
         if sampler_output.logprobs is None:
             return None
+        # A sampler that returns logprobs returns their token ids and the sampled tokens' ranks with them.
+        assert sampler_output.logprob_token_ids is not None and sampler_output.sampled_token_ranks is not None
         token_ids = sampler_output.logprob_token_ids.cpu().tolist()
         values = sampler_output.logprobs.cpu().tolist()
         ranks = sampler_output.sampled_token_ranks.cpu().tolist()

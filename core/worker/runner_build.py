@@ -11,14 +11,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from patchbay.contract.registry import Registry
 from patchbay.contract.selection import create
 from patchbay.contract.settings import ConfigError, ConfigProblem, RuntimeSettings, Settings, plugin_options
-from patchbay.interfaces import DrafterConfig, DrafterContext, KVConnectorConfig, KVConnectorWorker, KVShard
+from patchbay.interfaces import (
+    AttentionBackend,
+    Drafter,
+    DrafterCapabilities,
+    DrafterConfig,
+    DrafterContext,
+    KVConnector,
+    KVConnectorConfig,
+    KVConnectorWorker,
+    KVShard,
+    RejectionSampler,
+)
 from patchbay.scheduling.kv_cache_spec import group_layers
 from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.worker.cpu.fused_layer import use_fused_layers
@@ -50,7 +61,8 @@ def shards_vocabulary(settings: Settings, registry: Registry) -> bool:
     drafter copies the target's vocabulary-sized weights (``DrafterCapabilities.reads_vocabulary_weights``)."""
     if settings.speculative is None:
         return True
-    return not registry.resolve("drafter", settings.speculative.method).capabilities.reads_vocabulary_weights
+    capabilities = registry.resolve("drafter", settings.speculative.method).capabilities
+    return not cast(DrafterCapabilities, capabilities).reads_vocabulary_weights  # resolve() checked the kind
 
 
 def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: torch.device, tuning: Tuning | None,
@@ -138,7 +150,10 @@ class RunnerSpec:
 
 
 def rank_shard(runtime: RuntimeSettings, rank: int) -> KVShard:
-    """The part of the model rank ``rank`` holds: rank 3 with 2 tensor-parallel ranks per stage is shard 1 of stage 1."""
+    """The part of the model rank ``rank`` holds.
+
+    Rank 3 with 2 tensor-parallel ranks per stage is shard 1 of stage 1.
+    """
     return KVShard.of_rank(rank, tensor_parallel_size=runtime.tensor_parallel_size,
                            pipeline_parallel_size=runtime.pipeline_parallel_size)
 
@@ -149,10 +164,11 @@ def kv_connector_worker(settings: Settings, registry: Registry, config: KVConnec
     configured with the rank's shard (:meth:`KVConnectorConfig.with_shard`)."""
     section = settings.kv_connector
     assert section is not None, "a worker side needs a kv_connector section"
-    connector_class = registry.resolve("kv_connector", section.name)
+    # resolve() checks that each class implements its kind's interface.
+    connector_class = cast("type[KVConnector]", registry.resolve("kv_connector", section.name))
     options = plugin_options(connector_class, section.options, where="kv_connector.options")
     connector = connector_class(options, config=config.with_shard(rank_shard(settings.runtime, rank)))
-    return connector.worker_side()  # type: ignore[attr-defined]
+    return connector.worker_side()
 
 
 def drafter_config(settings: Settings, model: HFCausalLM, *, device: torch.device, dtype: str,
@@ -175,7 +191,8 @@ def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec
     """
     block_size = settings.cache.block_size
     groups = group_layers(model.kv_cache_specs(block_size, dtype))
-    backend_class = registry.resolve("attention", spec.backend_name)
+    # resolve() checks that each class implements its kind's interface.
+    backend_class = cast("type[AttentionBackend]", registry.resolve("attention", spec.backend_name))
     backend = backend_class(plugin_options(backend_class, settings.attention.options, where="attention.options"))
     builder_name = settings.attention.metadata_builder or backend_class.metadata_builder
     builders = [create(registry, "attention_metadata_builder", builder_name, {}, "attention.metadata_builder",
@@ -185,11 +202,12 @@ def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec
     drafter = verifier = None
     speculative = settings.speculative
     if speculative is not None:
-        drafter_class = registry.resolve("drafter", speculative.method)
+        drafter_class = cast("type[Drafter]", registry.resolve("drafter", speculative.method))
         drafter = drafter_class(plugin_options(drafter_class, speculative.options, where="speculative.options"),
                                 config=drafter_config(settings, model, device=device, dtype=dtype,
                                                       max_model_len=spec.max_model_len))
-        verifier_class = registry.resolve("sampler", speculative.rejection_sampler)
+        # A sampler of the verify role (rank 0 checked that it serves the run).
+        verifier_class = cast("type[RejectionSampler]", registry.resolve("sampler", speculative.rejection_sampler))
         verifier = verifier_class(verifier_class.Options())
         drafter.load(DrafterContext(
             model=model.model, attention_backend=backend, metadata_builder=builders[0], block_size=block_size,

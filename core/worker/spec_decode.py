@@ -127,10 +127,12 @@ class SpecDecodeStats:
         self.num_drafting_steps += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
+        drafted, accepted = self.drafted_per_position, self.accepted_per_position
+        assert drafted is not None  # set together with accepted_per_position
         for position in range(num_drafts):
-            self.drafted_per_position[position] += 1  # type: ignore[index]
+            drafted[position] += 1
             if position < num_accepted:
-                self.accepted_per_position[position] += 1  # type: ignore[index]
+                accepted[position] += 1
 
     @property
     def acceptance_rate(self) -> float:

@@ -127,7 +127,7 @@ def ragged_slots(
         slots       = [28, 29, 30, 10, 11, 36]
     """
     device = block_table.device
-    lengths_list = [end - start for start, end in zip(starts, ends)]
+    lengths_list = [end - start for start, end in zip(starts, ends, strict=True)]
     total = sum(lengths_list)
     lengths = torch.tensor(lengths_list, dtype=torch.long, device=device)
     request_ids = torch.repeat_interleave(torch.arange(len(lengths_list), device=device), lengths, output_size=total)

@@ -64,8 +64,8 @@ def paged_metadata(common: CommonAttentionMetadata) -> PagedAttentionMetadata:
     num_reqs = common.num_reqs
     query_starts = [int(x) for x in common.query_start_loc_cpu[: num_reqs + 1].tolist()]
     seq_lens = [int(x) for x in common.seq_lens_cpu[:num_reqs].tolist()]
-    query_lens = [end - start for start, end in zip(query_starts, query_starts[1:])]
-    context_lens = [seq_len - query_len for seq_len, query_len in zip(seq_lens, query_lens)]
+    query_lens = [end - start for start, end in itertools.pairwise(query_starts)]
+    context_lens = [seq_len - query_len for seq_len, query_len in zip(seq_lens, query_lens, strict=True)]
     return PagedAttentionMetadata(common, query_starts, query_lens, context_lens, seq_lens)
 
 
@@ -120,7 +120,7 @@ class VarlenAttentionMetadata(PagedAttentionMetadata):
 def varlen_metadata(paged: PagedAttentionMetadata, sliding_window: int | None) -> VarlenAttentionMetadata:
     """Extend ``paged`` with the ragged key layout of :class:`VarlenAttentionMetadata`."""
     key_starts = [window_start(context_len, sliding_window) for context_len in paged.context_lens]
-    key_lens = [seq_len - start for start, seq_len in zip(key_starts, paged.seq_lens)]
+    key_lens = [seq_len - start for start, seq_len in zip(key_starts, paged.seq_lens, strict=True)]
     slots, request_ids, positions = ragged_slots(paged.block_table, key_starts, paged.seq_lens, paged.block_size)
     cu_seqlens_k = torch.tensor([0, *itertools.accumulate(key_lens)], dtype=torch.int32, device=slots.device)
     return extend_metadata(

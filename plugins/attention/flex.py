@@ -118,6 +118,7 @@ class FlexAttentionBackend(AttentionBackend):
     """torch flex_attention over the gathered paged KV, masked by a BlockMask built once per step."""
 
     Options: ClassVar[type[BaseModel]] = FlexOptions
+    options: FlexOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         devices=("cpu", "cuda"),
         supports_sliding_window=True,

@@ -296,6 +296,7 @@ class TorchSDPABackend(AttentionBackend):
     """torch scaled_dot_product_attention over gathered paged KV: batched decodes, per-request prefills."""
 
     Options: ClassVar[type[BaseModel]] = TorchSDPAOptions
+    options: TorchSDPAOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         devices=("cpu", "cuda", "mps"),
         supports_sliding_window=True,

@@ -51,7 +51,7 @@ def xformers_metadata(varlen: VarlenAttentionMetadata) -> XFormersMetadata:
         return extend_metadata(varlen, XFormersMetadata, attn_bias=None)
     from xformers.ops.fmha.attn_bias import BlockDiagonalCausalFromBottomRightMask, BlockDiagonalMask
 
-    key_lens = [seq_len - start for start, seq_len in zip(varlen.key_starts, varlen.seq_lens)]
+    key_lens = [seq_len - start for start, seq_len in zip(varlen.key_starts, varlen.seq_lens, strict=True)]
     device = varlen.kv_slots.device
     if varlen.sliding_window is None:
         bias = BlockDiagonalCausalFromBottomRightMask.from_seqlens(varlen.query_lens, key_lens, device=device)

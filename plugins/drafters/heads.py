@@ -22,10 +22,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ class TargetParts:
 
     embeddings: nn.Module
     """``[vocab, hidden]`` token embeddings (``get_input_embeddings()``)."""
-    lm_head: nn.Module
+    lm_head: nn.Linear
     """``hidden -> vocab`` projection (``get_output_embeddings()``)."""
     rotary: nn.Module | None
     """The decoder's rotary embedding module (``cos, sin = rotary(x, position_ids)``), if it has one."""
@@ -63,12 +66,12 @@ class TargetParts:
     rope_theta: float
 
 
-def text_config(model: nn.Module) -> Any:
+def text_config(model: PreTrainedModel) -> Any:
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def target_parts(model: nn.Module) -> TargetParts:
+def target_parts(model: PreTrainedModel) -> TargetParts:
     """Find the embeddings, lm head, rotary embedding and sizes of a transformers causal LM."""
     config = text_config(model)
     lm_head = model.get_output_embeddings()
@@ -97,7 +100,7 @@ def target_parts(model: nn.Module) -> TargetParts:
     )
 
 
-def model_id(model: nn.Module) -> str:
+def model_id(model: PreTrainedModel) -> str:
     """A short name for the target: its model directory's name (the bundled model's is keyed by its file hash)."""
     name = getattr(model, "name_or_path", "") or ""
     return Path(name).name or type(model).__name__
@@ -110,7 +113,7 @@ def default_drafter_dir(target_model_id: str, kind: str) -> Path:
     return cache_dir() / "drafters" / target_model_id / kind
 
 
-def resolve_drafter_path(path: str, model: nn.Module, kind: str) -> Path:
+def resolve_drafter_path(path: str, model: PreTrainedModel, kind: str) -> Path:
     """``options.path`` as a directory: ``auto`` is :func:`default_drafter_dir` of ``model``."""
     if path == AUTO_PATH:
         found = default_drafter_dir(model_id(model), kind)
@@ -133,17 +136,18 @@ def warn_vocab_size(configured: int, target: int) -> None:
 SIGNATURE_ROWS = 8
 
 
-def embedding_signature(model: nn.Module) -> list[float]:
+def embedding_signature(model: PreTrainedModel) -> list[float]:
     """Norms of a few embedding rows spread over the vocabulary: tells two checkpoints of one shape apart.
 
     Norms, not a hash of the bytes, so the same weights in bfloat16 and float32 still match.
     """
     weight = model.get_input_embeddings().weight
+    assert isinstance(weight, torch.Tensor)  # an embedding's weight
     rows = torch.linspace(0, weight.shape[0] - 1, SIGNATURE_ROWS).long()
     return [round(float(value), 4) for value in weight.detach()[rows].float().norm(dim=-1).cpu()]
 
 
-def target_identity(model: nn.Module) -> dict[str, Any]:
+def target_identity(model: PreTrainedModel) -> dict[str, Any]:
     """What a drafter's ``config.json`` records of the target it was trained for."""
     config = text_config(model)
     architectures = getattr(model.config, "architectures", None) or [type(model).__name__]
@@ -157,7 +161,7 @@ def target_identity(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def check_target(config: dict[str, Any], model: nn.Module, where: Path) -> None:
+def check_target(config: dict[str, Any], model: PreTrainedModel, where: Path) -> None:
     """Raise if the weights at ``where`` cannot run on ``model``; warn if they were trained for another model."""
     recorded = config.get("target") or {}
     actual = target_identity(model)
@@ -167,10 +171,10 @@ def check_target(config: dict[str, Any], model: nn.Module, where: Path) -> None:
                 f"{where / CONFIG_FILE}: target.{key} is {recorded[key]} but the run's model has {actual[key]}; "
                 f"these drafter weights were trained for {recorded.get('model_id', 'another model')}"
             )
-    signature = recorded.get("embedding_signature")
-    if signature is not None and not all(
-        math.isclose(a, b, rel_tol=2e-2, abs_tol=1e-3) for a, b in zip(signature, actual["embedding_signature"])
-    ):
+    signature, actual_signature = recorded.get("embedding_signature"), actual["embedding_signature"]
+    if signature is not None and (len(signature) != len(actual_signature) or not all(
+        math.isclose(a, b, rel_tol=2e-2, abs_tol=1e-3) for a, b in zip(signature, actual_signature, strict=True)
+    )):
         logger.warning("%s: trained for %s, the run's model is %s (embeddings differ); expect low acceptance",
                        where, recorded.get("model_id", "another model"), actual["model_id"])
 
@@ -179,7 +183,10 @@ def check_target(config: dict[str, Any], model: nn.Module, where: Path) -> None:
 
 
 def save_drafter(directory: Path, config: dict[str, Any], module: nn.Module) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (``module``'s state dict, floats as float32) into ``directory``."""
+    """Write ``config.json`` and ``model.safetensors`` into ``directory``.
+
+    The safetensors file holds ``module``'s state dict, floats as float32.
+    """
     from safetensors.torch import save_file
 
     directory = Path(directory).expanduser()
@@ -213,7 +220,7 @@ def load_drafter(directory: Path, kind: str) -> tuple[dict[str, Any], dict[str, 
     return config, load_file(str(weights_path))
 
 
-def load_trained(path: str, model: nn.Module, kind: str) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
+def load_trained(path: str, model: PreTrainedModel, kind: str) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
     """Find, read and check trained ``kind`` weights for ``model``: the directory, its config and its tensors."""
     directory = resolve_drafter_path(path, model, kind)
     config, state = load_drafter(directory, kind)
@@ -266,7 +273,7 @@ class DraftVocab:
     drafted, which costs acceptance only.
     """
 
-    def __init__(self, lm_head: nn.Module, token_map: torch.Tensor | None = None, limit: int | None = None) -> None:
+    def __init__(self, lm_head: nn.Linear, token_map: torch.Tensor | None = None, limit: int | None = None) -> None:
         weight = lm_head.weight.detach()
         bias = getattr(lm_head, "bias", None)
         bias = bias.detach() if bias is not None else None
@@ -334,6 +341,8 @@ class MedusaHeads(nn.Module):
     into token ``p + 1``; head ``i`` (from 0) predicts token ``p + 2 + i``.
     """
 
+    token_map: torch.Tensor | None  # the buffer token_map_buffer registers
+
     def __init__(self, hidden_size: int, num_heads: int, num_layers: int = 1,
                  draft_vocab_size: int | None = None) -> None:
         super().__init__()
@@ -344,7 +353,7 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return len(self.heads)
 
-    def vocab(self, lm_head: nn.Module, limit: int | None = None) -> DraftVocab:
+    def vocab(self, lm_head: nn.Linear, limit: int | None = None) -> DraftVocab:
         return DraftVocab(lm_head, self.token_map, limit)
 
     def logits(self, hidden: torch.Tensor, vocab: DraftVocab, num_heads: int | None = None) -> list[torch.Tensor]:
@@ -444,6 +453,8 @@ class EagleDraftModel(nn.Module):
     into a token, and it is the feature fed back for the next draft.
     """
 
+    token_map: torch.Tensor | None  # the buffer token_map_buffer registers
+
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int, intermediate_size: int,
                  eps: float, draft_vocab_size: int | None = None) -> None:
         super().__init__()
@@ -457,7 +468,7 @@ class EagleDraftModel(nn.Module):
         return cls(parts.hidden_size, parts.num_heads, parts.num_kv_heads, parts.head_size,
                    intermediate_size or parts.intermediate_size, parts.rms_norm_eps, draft_vocab_size)
 
-    def vocab(self, lm_head: nn.Module, limit: int | None = None) -> DraftVocab:
+    def vocab(self, lm_head: nn.Linear, limit: int | None = None) -> DraftVocab:
         return DraftVocab(lm_head, self.token_map, limit)
 
     def sizes(self) -> dict[str, Any]:

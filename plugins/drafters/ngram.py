@@ -112,6 +112,7 @@ class NgramDrafter(Drafter):
     """
 
     Options: ClassVar[type[BaseModel]] = NgramOptions
+    options: NgramOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities(devices=("cpu", "cuda", "mps"))
 
     lookup_window: ClassVar[int] = 4096

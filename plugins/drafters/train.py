@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from patchbay.plugins.drafters.heads import (
     TargetParts,
     repeat_kv,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 Log = Callable[[str], None]
 
@@ -93,7 +96,7 @@ def code_snippets(count: int, rng: random.Random, lines: tuple[int, int] = (6, 1
     """``count`` windows of consecutive, not-all-blank lines from :func:`source_files`."""
     texts = [path.read_text().splitlines() for path in source_files()]
     texts = [text for text in texts if len(text) > lines[1]]
-    snippets = []
+    snippets: list[str] = []
     while len(snippets) < count:
         text = rng.choice(texts)
         length = rng.randint(*lines)
@@ -176,7 +179,7 @@ class Corpus:
 
 
 @torch.inference_mode()
-def generate_corpus(model: nn.Module, prompts: Sequence[list[int]], *, max_new_tokens: int,
+def generate_corpus(model: PreTrainedModel, prompts: Sequence[list[int]], *, max_new_tokens: int,
                     eos_token_ids: Sequence[int] = (), batch_size: int = 32, temperature: float = 0.0,
                     seed: int = 0, log: Log | None = None) -> Corpus:
     """Let the transformers ``model`` continue every prompt, recording hidden states and greedy choices.
@@ -235,7 +238,10 @@ def generate_corpus(model: nn.Module, prompts: Sequence[list[int]], *, max_new_t
 
 def _decode(decoder: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
             cache: Any) -> Any:
-    """One forward of the transformers decoder with a KV cache (``cache=`` in transformers 5, else ``past_key_values=``)."""
+    """One forward of the transformers decoder with a KV cache.
+
+    The cache goes in as ``cache=`` in transformers 5, else as ``past_key_values=``.
+    """
     name = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
     return decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache})
 
@@ -251,7 +257,7 @@ def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator
     return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)[:, 0]
 
 
-def _argmax_chunked(lm_head: nn.Module, hidden: torch.Tensor, rows: int = 512) -> torch.Tensor:
+def _argmax_chunked(lm_head: nn.Linear, hidden: torch.Tensor, rows: int = 512) -> torch.Tensor:
     """``argmax(lm_head(hidden))`` over the last dimension, a few hundred rows at a time (logits are wide)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     found = torch.cat([lm_head(flat[i : i + rows]).argmax(dim=-1) for i in range(0, len(flat), rows)])
@@ -270,7 +276,7 @@ def _trim(prompt: list[int], width: int, generated: torch.Tensor, hidden: torch.
 
 
 @torch.inference_mode()
-def add_aux_hidden_states(model: nn.Module, corpus: Corpus, layers: Sequence[int], *, batch_size: int = 8,
+def add_aux_hidden_states(model: PreTrainedModel, corpus: Corpus, layers: Sequence[int], *, batch_size: int = 8,
                           log: Log | None = None) -> Corpus:
     """``corpus`` with :attr:`Corpus.aux`: the outputs of decoder ``layers`` of ``model`` at every position.
 
@@ -367,7 +373,7 @@ class Acceptance:
     def describe(self) -> str:
         positions = "  ".join(
             f"#{i + 1}: {c:.3f} (chain {a:.3f}, given previous {g:.3f})"
-            for i, (c, a, g) in enumerate(zip(self.correct_rate, self.accepted_rate, self.conditional_rate)))
+            for i, (c, a, g) in enumerate(zip(self.correct_rate, self.accepted_rate, self.conditional_rate, strict=True)))
         return (f"acceptance per draft position  {positions}\n"
                 f"mean accepted drafts per step {self.mean_accepted:.3f}, "
                 f"mean accepted length {self.mean_accepted_length:.3f} tokens per target step "
@@ -492,7 +498,7 @@ def _fit(module: nn.Module, step_loss: Callable[[torch.Tensor], torch.Tensor], n
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
     started = time.perf_counter()
     last_log = started
-    steps, first, recent = 0, math.nan, []
+    steps, first, recent = 0, math.nan, list[float]()
     while (max_steps is None or steps < max_steps) and (time.perf_counter() - started < seconds or steps == 0):
         rows = torch.randint(num_examples, (min(batch_size, num_examples),), generator=generator)
         for group in optimizer.param_groups:

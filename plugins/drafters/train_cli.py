@@ -188,6 +188,7 @@ def train(args: argparse.Namespace, model: Any, train_set: Any, held_out: Any, l
     if args.kind == "medusa":
         heads = MedusaHeads(parts.hidden_size, args.num_drafts, args.num_layers, draft_vocab_size)
         if token_map is not None:
+            assert heads.token_map is not None  # a draft vocabulary size registers the buffer
             heads.token_map.copy_(token_map)
         log(f"training {args.num_drafts} medusa heads over {vocab_note} for {args.minutes:g} minutes")
         report = train_medusa(heads, parts, train_set, held_out, seconds=seconds, lr=args.lr,
@@ -202,6 +203,7 @@ def train(args: argparse.Namespace, model: Any, train_set: Any, held_out: Any, l
     else:
         draft = EagleDraftModel.for_target(parts, draft_vocab_size=draft_vocab_size)
     if token_map is not None:
+        assert draft.token_map is not None  # a draft vocabulary size registers the buffer
         draft.token_map.copy_(token_map)
     log(f"training the {args.kind} layer ({sum(p.numel() for p in draft.parameters()) / 1e6:.1f} M parameters) "
         f"over {vocab_note} for {args.minutes:g} minutes")

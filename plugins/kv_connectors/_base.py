@@ -304,7 +304,7 @@ class StoreScheduler(KVConnectorScheduler):
             state.num_considered_blocks = limit
             return 0
         queued = 0
-        for index, block_hash, exists in zip(candidates, hashes, stored):
+        for index, block_hash, exists in zip(candidates, hashes, stored, strict=True):
             if exists or block_hash in pending:
                 continue
             pending.add(block_hash)
@@ -437,7 +437,7 @@ class StoreWorker(KVConnectorWorker):
     def _write(self, hashes: list[str], payloads: list[memoryview], layout: Any, holds: list[str]) -> None:
         model_id = self.connector.config.model_id
         try:
-            for block_hash, payload in zip(hashes, payloads):
+            for block_hash, payload in zip(hashes, payloads, strict=True):
                 entry = encode_block(model_id, layout, bytes.fromhex(block_hash), payload,
                                      key=self.connector.key_bytes)
                 try:

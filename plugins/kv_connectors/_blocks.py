@@ -173,8 +173,8 @@ def damage_entry(data: bytes, how: str, key: bytes) -> bytes | None:
         return data[:-1] + bytes([data[-1] ^ 0xFF])
     if how in ("not_an_object", "deeply_nested"):
         # Deeper than Python's recursion limit, within the header size limit.
-        header = b"[1, 2, 3]" if how == "not_an_object" else b"[" * 2000 + b"]" * 2000
-        return _PREFIX.pack(MAGIC, VERSION, len(header)) + header + data[-64:]
+        bad_header = b"[1, 2, 3]" if how == "not_an_object" else b"[" * 2000 + b"]" * 2000
+        return _PREFIX.pack(MAGIC, VERSION, len(bad_header)) + bad_header + data[-64:]
     header, payload = read_header(data)
     layout = BlockLayout(**header["layout"])
     block_hash = bytes.fromhex(header["block_hash"])

@@ -99,6 +99,7 @@ class HostOffloadConnector(StoreConnector):
     """Copies computed prompt KV blocks to a bounded LRU in host memory and loads them back on a prefix hit."""
 
     Options: ClassVar[type[BaseModel]] = HostOffloadOptions
+    options: HostOffloadOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[KVConnectorCapabilities] = KVConnectorCapabilities(
         devices=("cpu", "cuda"), async_load=False, async_save=False, cross_process=False, cross_machine=False,
     )
@@ -107,7 +108,7 @@ class HostOffloadConnector(StoreConnector):
         return _PROCESS_KEY
 
     def open_store(self) -> HostMemoryStore:
-        options: HostOffloadOptions = self.options
+        options = self.options
         with _STORES_LOCK:
             store = _STORES.get(options.namespace)
             if store is None:

@@ -180,6 +180,7 @@ class RedisConnector(StoreConnector):
     """Stores prompt KV blocks in a Redis server (key prefix, TTL, size limit) for runners on any machine."""
 
     Options: ClassVar[type[BaseModel]] = RedisOptions
+    options: RedisOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[KVConnectorCapabilities] = KVConnectorCapabilities(
         devices=("cpu", "cuda"), async_load=False, async_save=True, cross_process=True, cross_machine=True,
     )

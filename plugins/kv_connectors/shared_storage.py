@@ -114,6 +114,7 @@ class SharedStorageConnector(StoreConnector):
     """Stores prompt KV blocks as files under a shared directory, written atomically, for any process to load."""
 
     Options: ClassVar[type[BaseModel]] = SharedStorageOptions
+    options: SharedStorageOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[KVConnectorCapabilities] = KVConnectorCapabilities(
         devices=("cpu", "cuda"), async_load=False, async_save=True, cross_process=True, cross_machine=False,
     )

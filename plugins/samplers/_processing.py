@@ -121,7 +121,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+def _index(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
@@ -142,7 +142,7 @@ def _banned_by_bad_words(metadata: SamplingMetadata) -> list[tuple[int, int]]:
 
 
 def _banned_by_min_tokens(metadata: SamplingMetadata) -> list[tuple[int, int]]:
-    banned = []
+    banned: list[tuple[int, int]] = []
     for row, (min_tokens, stop_token_ids) in metadata.min_tokens.items():
         if len(_outputs(metadata, row)) < min_tokens:
             banned.extend((row, token) for token in stop_token_ids)

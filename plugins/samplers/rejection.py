@@ -126,7 +126,7 @@ def _per_draft_row(sampling: SamplingMetadata, metadata: SpecDecodeMetadata) -> 
     for row, request in enumerate(request_of_row):
         rows_of.setdefault(request, []).append(row)
     return SamplingMetadata(
-        temperature=pick(sampling.temperature),
+        temperature=sampling.temperature[index.to(sampling.temperature.device)],
         all_greedy=sampling.all_greedy,
         all_random=sampling.all_random,
         output_token_ids=outputs,

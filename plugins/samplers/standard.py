@@ -36,6 +36,7 @@ class StandardSampler(Sampler):
     """
 
     Options: ClassVar[type[BaseModel]] = StandardOptions
+    options: StandardOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[SamplerCapabilities] = SamplerCapabilities(
         devices=("cpu", "cuda", "mps"),
         # prompt_logprobs is listed although the runner computes prompt logprobs itself (from the

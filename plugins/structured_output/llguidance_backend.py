@@ -87,6 +87,7 @@ class LLGuidanceBackend(StructuredOutputBackend):
     """
 
     Options: ClassVar[type[BaseModel]] = LLGuidanceOptions
+    options: LLGuidanceOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[StructuredOutputCapabilities] = StructuredOutputCapabilities(canonical_forced_tokens=True)
 
     @classmethod

@@ -73,11 +73,13 @@ class XGrammarBackend(StructuredOutputBackend):
     """
 
     Options: ClassVar[type[BaseModel]] = XGrammarOptions
+    options: XGrammarOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[StructuredOutputCapabilities] = StructuredOutputCapabilities()
     known_gaps: ClassVar[Mapping[str, str]] = {
-        "test_json_bounded_strings_refuse_raw_control_characters":
-            "xgrammar 0.2.9 compiles strings with maxLength/minLength to a character class that admits raw "
-            "control characters (U+0000..U+001F), which strict JSON parsers reject",
+        "test_json_bounded_strings_refuse_raw_control_characters": (
+            "xgrammar 0.2.9 compiles strings with maxLength/minLength to a character class "
+            "that admits raw control characters (U+0000..U+001F), which strict JSON parsers reject"
+        ),
     }
 
     @classmethod
@@ -107,9 +109,11 @@ class XGrammarBackend(StructuredOutputBackend):
                     json.dumps(schema), any_whitespace=options.any_whitespace, strict_mode=options.strict_mode,
                     max_whitespace_cnt=options.max_whitespace_cnt)
             if params.kind == "regex":
+                assert params.regex is not None  # the kind is the field that is set
                 return compiler.compile_regex(params.regex)
             if params.kind == "choice":
                 return compiler.compile_grammar(choice_grammar(params.choice or []))
+            assert params.grammar is not None  # the only kind left
             return compiler.compile_grammar(params.grammar)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own errors, with a message
             raise GrammarCompileError(f"{type(exc).__name__}: {exc}".strip()) from exc

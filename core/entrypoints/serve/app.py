@@ -431,7 +431,9 @@ class ResponseFormat:
         return sum(p.params.n for p in prepared[:prompt_index]) + index
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        text = self.tokenizer.decode([token_id])
+        assert isinstance(text, str)  # one list of ids decodes to one text
+        return text
 
     def first_chunks(self, response_id: str, prepared: list[_Prepared]) -> list[dict[str, Any]]:
         return []

@@ -55,7 +55,9 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
 
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, log_level="info" if settings.server.log_requests else "warning",
-                            access_log=settings.server.log_requests, timeout_graceful_shutdown=grace,
+                            access_log=settings.server.log_requests,
+                            # uvicorn annotates an int but hands it to asyncio.wait_for, which takes float seconds.
+                            timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
                             lifespan="on")
     return uvicorn.Server(config)
 

@@ -118,8 +118,8 @@ class CompletionRequest(_GenerationRequest):
         if not prompt:
             raise APIError(400, "prompt: must not be empty", param="prompt")
         if isinstance(prompt[0], int):
-            return [list(prompt)]  # type: ignore[arg-type]
-        return list(prompt)  # type: ignore[arg-type]
+            return [list(prompt)]
+        return list(prompt)
 
     def check_supported(self) -> None:
         for name, unsupported in (("echo", self.echo), ("suffix", self.suffix is not None),
@@ -177,7 +177,9 @@ class ChatCompletionRequest(_GenerationRequest):
     def structured_output(self) -> dict[str, Any] | None:
         """``response_format`` as patchbay's ``structured_output`` constraint (``None`` for plain text)."""
         response_format = self.response_format
-        kind = None if response_format is None else response_format.get("type")
+        if response_format is None:
+            return None
+        kind = response_format.get("type")
         if kind in (None, "text"):
             return None
         if kind == "json_object":

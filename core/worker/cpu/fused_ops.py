@@ -164,8 +164,8 @@ class FusedSiluMLP:
 
 class FusedRopeAttention:
     """The ``forward`` of one Llama-style attention: the q/k/v products (one, where they are fused), one kernel
-    rotating the queries and keys out of them, patchbay's attention, the output projection (its own ``forward`` until the kernel is
-    built, or for inputs it does not take)."""
+    rotating the queries and keys out of them, patchbay's attention, the output projection (its own ``forward``
+    until the kernel is built, or for inputs it does not take)."""
 
     def __init__(self, module: nn.Module, build: BackgroundBuild) -> None:
         self.module = module

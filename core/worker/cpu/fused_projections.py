@@ -9,7 +9,8 @@ microseconds when OpenMP threads sleep between regions, see
 is untouched: the first projection called computes all of the group's outputs
 and keeps the others for their own calls, which hand them back only when
 called on the very same input tensor (and, outside inference mode, not
-written in place since); any other input is computed on its own, so a model that uses the projections differently stays correct.
+written in place since); any other input is computed on its own, so a model
+that uses the projections differently stays correct.
 """
 
 from __future__ import annotations

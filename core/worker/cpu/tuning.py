@@ -42,8 +42,10 @@ import math
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +53,14 @@ from torch import nn
 
 from patchbay.worker.cpu.cpu_linear import DEFAULT_MAX_ROWS, row_split_linear, use_row_split_linears
 from patchbay.worker.cpu.fused_projections import FUSE_MAX_ROWS, fuse_shared_input_projections
-from patchbay.worker.cpu.packed_linear import ONEDNN, pack, packed_linear, packing_supported, use_packed_linears
+from patchbay.worker.cpu.packed_linear import (
+    ONEDNN,
+    OneDnnLayout,
+    pack,
+    packed_linear,
+    packing_supported,
+    use_packed_linears,
+)
 from patchbay.worker.cpu.streaming_linear import TileLayout, tiles_unavailable
 
 logger = logging.getLogger(__name__)
@@ -106,7 +115,7 @@ class LayerShapes:
     intermediate: int
 
     @classmethod
-    def of(cls, config: object) -> LayerShapes:
+    def of(cls, config: Any) -> LayerShapes:
         """From a transformers config (``hidden_size``, heads, ``head_dim``, ``intermediate_size``)."""
         hidden = int(config.hidden_size)
         heads = int(config.num_attention_heads)
@@ -259,14 +268,15 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
         timed = {}
         for rows in (bucket for bucket in ROW_BUCKETS if bucket <= max_rows):
             used = layers if rows <= STREAMED_MAX_ROWS else layers[:1]
-            timed[rows] = _time(lambda x: [product(x[w.shape[1]], w) for layer in used for w in layer],
+            timed[rows] = _time(lambda x, used=used: [product(x[w.shape[1]], w) for layer in used for w in layer],
                                 rows, used[0], per_case) / len(used)
         return timed
 
     for dtype in dtypes:
         layers = _layers(shapes, getattr(torch, dtype))
         measured.by_dtype[dtype] = per_layer(F.linear, layers)
-        product, weights = F.linear, layers
+        product: Callable[..., torch.Tensor] = F.linear
+        weights: list[list[Any]] = layers  # plain, packed or tiled weights, as product takes them
         if dtype in packable:
             product = lambda x, p: packed_linear(x, p, None)  # noqa: E731
             weights = [[pack(weight) for weight in _fused(layer)] for layer in layers]
@@ -281,7 +291,7 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
         if dtype in tileable:
             tiles = TileLayout(threads)
             weights = [[tiles.pack(weight) for weight in _fused(layer)] for layer in layers]
-            measured.tiled[dtype] = per_layer(lambda x, t: tiles.product(x, t, None), weights)
+            measured.tiled[dtype] = per_layer(lambda x, t, tiles=tiles: tiles.product(x, t, None), weights)
     layers = _layers(shapes, torch.float32)
     measured.row_split = per_layer(lambda x, w: row_split_linear(x, w, None, threads, max_rows=1 << 30), layers)
     measured.fused = per_layer(F.linear, [_fused(layer) for layer in layers])
@@ -347,11 +357,11 @@ def apply_linear_paths(model: nn.Module, *, linear_kernel: str, fuse_projections
     take their row limit from the tuning too, and run every step when packed.
     """
     cpu = device.type == "cpu"
-    tuned = tuning is not None and linear_kernel == "auto"
-    layout = None
-    if cpu and (linear_kernel == "tiles" or (tuned and dtype in tuning.tiled_dtypes)):
+    tuned = tuning if linear_kernel == "auto" else None
+    layout: TileLayout | OneDnnLayout | None = None
+    if cpu and (linear_kernel == "tiles" or (tuned is not None and dtype in tuned.tiled_dtypes)):
         layout = TileLayout(torch.get_num_threads())
-    elif cpu and (linear_kernel == "onednn" or (tuned and dtype in tuning.packed_dtypes)):
+    elif cpu and (linear_kernel == "onednn" or (tuned is not None and dtype in tuned.packed_dtypes)):
         layout = ONEDNN
     if layout is not None:
         fused = fuse_shared_input_projections(model, max_rows=1 << 62) if fuse_projections else 0

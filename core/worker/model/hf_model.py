@@ -102,7 +102,7 @@ class HFCausalLM:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch_dtype(dtype), attn_implementation=ATTN_IMPLEMENTATION
         )
-        model.to(device).eval()
+        model.to(device).eval()  # type: ignore[arg-type]  # transformers' typing of its wrapped to() misses self
         layer_specs = _attention_layers(model, architecture)
         eos = _eos_token_ids(model_dir, config, GenerationConfig)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -160,8 +160,8 @@ def _check_same_cache_groups(model: HFCausalLM, layout: StageLayout) -> None:
         if group_specs(kept) != whole:
             raise ConfigError([ConfigProblem(
                 "<run>", KEY, f"{model.shape.architecture}: stage {stage} (layers {kept.start}-{kept.stop - 1}) would "
-                f"not hold every kind of attention layer the model has ({len(whole)} KV-cache groups, e.g. full and "
-                "sliding-window layers); use fewer stages")])
+                f"not hold every kind of attention layer the model has ({len(whole)} KV-cache groups, "
+                "e.g. full and sliding-window layers); use fewer stages")])
 
 
 def _receiver(link: StageLink, from_rank: int) -> Callable[..., tuple[tuple[Any, ...], dict[str, Any]]]:

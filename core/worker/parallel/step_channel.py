@@ -74,7 +74,7 @@ class StepListener:
         self._socket = socket.create_server((host, 0))
         self._socket.settimeout(_POLL_SECONDS)
         port = self._socket.getsockname()[1]
-        store.set(SECRET_KEY, self._secret)
+        store.set(SECRET_KEY, self._secret)  # type: ignore[arg-type]  # torch's stub says str; Store takes bytes too
         store.set(ADDRESS_KEY, f"{host}:{port}")
 
     def accept(self, ranks: set[int], timeout: float) -> dict[int, Connection]:

@@ -30,5 +30,5 @@ class WrongFieldBuilder(PassthroughMetadataBuilder):
         common = super().build(common)
         computed = common.num_computed_tokens_cpu.tolist()
         seq_lens = common.seq_lens_cpu.tolist()
-        key_lens = [seq if seq - done > 1 else done for seq, done in zip(seq_lens, computed)]
+        key_lens = [seq if seq - done > 1 else done for seq, done in zip(seq_lens, computed, strict=True)]
         return KeyLengthMetadata(common, key_lens)

@@ -58,7 +58,7 @@ def test_bfloat16_logprobs_equal_the_fused_modules_bit_for_bit(tiny_llama, monke
     modules_only = tiled_llm(tiny_llama, "bfloat16")
     assert modules_only.engine.fused_modules.layers == fused_layer_count(modules_only) == 0
     without_layers = modules_only.generate(PROMPTS, params)
-    for a, b in zip(with_layers, without_layers):
+    for a, b in zip(with_layers, without_layers, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs
 

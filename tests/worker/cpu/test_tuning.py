@@ -29,7 +29,7 @@ def _measured(float32, bfloat16=None, float16=None, row_split=None, fused=None, 
               single_thread=None, tiled=None) -> Measurements:
     by_dtype = _times(float32=float32, **({"bfloat16": bfloat16} if bfloat16 else {}),
                       **({"float16": float16} if float16 else {}))
-    few_rows = {dtype: dict(zip(tuning.ROW_BUCKETS, values)) for dtype, values in (single_thread or {}).items()}
+    few_rows = {dtype: dict(zip(tuning.ROW_BUCKETS, values, strict=False)) for dtype, values in (single_thread or {}).items()}
     return Measurements(by_dtype=by_dtype, row_split=_times(x=row_split or float32)["x"],
                         fused=_times(x=fused or float32)["x"], packed=_times(**(packed or {})), single_thread=few_rows,
                         tiled=_times(**(tiled or {})))
