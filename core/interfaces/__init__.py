@@ -1,4 +1,4 @@
-"""The typed interfaces of the six plugin kinds (the contract plugin authors code against)."""
+"""The typed interfaces of the eight plugin kinds (the contract plugin authors code against)."""
 
 from patchbay.interfaces.attention import (
     AttentionBackend,
@@ -29,6 +29,16 @@ from patchbay.interfaces.kv_connector import (
     KVShard,
     RequestView,
 )
+from patchbay.interfaces.lora import (
+    NO_ADAPTER,
+    LoRAKernel,
+    LoRAKernelCapabilities,
+    LoRAKernelConfig,
+    LoRAMapping,
+    LoRAResolveError,
+    LoRAResolver,
+    LoRAResolverCapabilities,
+)
 from patchbay.interfaces.sampler import (
     SAMPLING_PARAMS,
     RejectionSampler,
@@ -58,4 +68,6 @@ __all__ = [
     "SamplerOutput", "SamplingMetadata", "ServingConfig", "SpecDecodeMetadata",
     "GrammarCompileError", "GrammarMatcher", "StructuredOutputBackend", "StructuredOutputCapabilities",
     "StructuredOutputConfig", "StructuredOutputParams",
+    "NO_ADAPTER", "LoRAKernel", "LoRAKernelCapabilities", "LoRAKernelConfig", "LoRAMapping", "LoRAResolveError",
+    "LoRAResolver", "LoRAResolverCapabilities",
 ]

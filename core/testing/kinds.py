@@ -1,4 +1,4 @@
-"""The registration-level conformance suites of the five kinds.
+"""The registration-level conformance suites of the kinds.
 
 Each kind's numeric checks (dense-attention oracle, sampling statistics, ...)
 extend these suites in their own modules.
@@ -16,6 +16,9 @@ from patchbay.interfaces import (
     DrafterConfig,
     KVConnectorCapabilities,
     KVConnectorConfig,
+    LoRAKernelCapabilities,
+    LoRAKernelConfig,
+    LoRAResolverCapabilities,
     SamplerCapabilities,
     SamplerConfig,
     ServingConfig,
@@ -100,3 +103,24 @@ class KVConnectorBaseSuite(PluginSuite):
             if role not in capabilities.roles:
                 found.append((f"role {role}", _replace(base, role=role)))
         return found
+
+
+class LoRAKernelBaseSuite(PluginSuite):
+    kind: ClassVar[str] = "lora_kernel"
+    capabilities_class: ClassVar[type[Capabilities]] = LoRAKernelCapabilities
+
+    def supported_config(self, capabilities: LoRAKernelCapabilities) -> LoRAKernelConfig:
+        rank = min(16, capabilities.max_lora_rank or 16)
+        return LoRAKernelConfig(device=capabilities.devices[0], dtype=capabilities.dtypes[0], max_lora_rank=rank)
+
+    def unsupported_configs(self, capabilities: LoRAKernelCapabilities) -> list[tuple[str, ServingConfig]]:
+        found = super().unsupported_configs(capabilities)
+        if capabilities.max_lora_rank is not None:
+            base = self.supported_config(capabilities)
+            found.append(("rank", _replace(base, max_lora_rank=capabilities.max_lora_rank + 1)))
+        return found
+
+
+class LoRAResolverBaseSuite(PluginSuite):
+    kind: ClassVar[str] = "lora_resolver"
+    capabilities_class: ClassVar[type[Capabilities]] = LoRAResolverCapabilities
