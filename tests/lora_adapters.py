@@ -40,3 +40,20 @@ def peft_model(model_dir: Path, adapter_dir: Path) -> Any:
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """PEFT's own ``generate`` for each prompt alone, greedily, exactly ``num_tokens`` long (EOS does not stop it);
+    ``adapter_dir`` ``None``: the base model through transformers."""
+    from tiny_models import transformers_greedy
+
+    if adapter_dir is None:
+        return transformers_greedy(model_dir, prompts, num_tokens)
+    model = peft_model(model_dir, adapter_dir)
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        return [
+            model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=num_tokens, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+            for p in prompts
+        ]

@@ -59,9 +59,13 @@ from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_byt
 from patchbay.worker.model_loader import resolve_model_dir
 from patchbay.worker.torchrun import torchrun_launch
 from patchbay.worker.pipeline_parallel import stage_layout
+from patchbay.worker.hf_model import torch_dtype
+from patchbay.worker.lora.manager import install_lora
+from patchbay.worker.lora.peft_adapter import LoRAAdapterError
 from patchbay.worker.runner_build import (
     RunnerSpec,
     build_runner,
+    check_lora_layout,
     drafter_config,
     load_rank_model,
     rank_shard,
@@ -190,6 +194,8 @@ class Engine:
             from transformers import AutoConfig
 
             check_tensor_parallel(settings, self.device)
+            if settings.lora is not None:
+                check_lora_layout(settings)
             config = AutoConfig.from_pretrained(model_dir)
             if settings.runtime.tensor_parallel_size > 1:
                 shard_layout(config, settings.runtime.tensor_parallel_size)
@@ -215,6 +221,9 @@ class Engine:
                                  all_gather=collectives.all_gather if collectives else None, link=collectives,
                                  shard_vocabulary=shards_vocabulary(settings, registry))
         self.model = loaded.model
+        self.lora = install_lora(self.model, settings.lora, registry, device=self.device,
+                                 dtype=torch_dtype(self.dtype)) if settings.lora is not None else None
+        """The LoRA adapter slots (``None``: no ``lora:`` section, so requests naming an adapter are refused)."""
         self.quantized_linears = loaded.quantized_linears
         self.linear_paths = loaded.linear_paths
         self.fused_modules = loaded.fused_modules
@@ -257,6 +266,7 @@ class Engine:
             grammars=self.grammars,
             max_batches_in_flight=self.pipeline_depth,
             pipelined=settings.runtime.pipeline_parallel_size > 1,
+            max_loras=settings.lora.max_loras if settings.lora is not None else None,
         )
         spec = RunnerSpec(self.backend_name, num_blocks, max_num_reqs, self.max_model_len, max_step_tokens,
                           single_thread_max_tokens(settings.runtime.single_thread_max_tokens, self.dtype, self.tuning),
@@ -269,7 +279,7 @@ class Engine:
         self.runner = build_runner(
             self.model, settings, registry, spec, device=self.device, dtype=self.dtype,
             kv_connector=self.kv_connector.worker_side() if self.kv_connector is not None else None,
-            kv_reports=kv_reports, grammars=self.grammars,
+            kv_reports=kv_reports, grammars=self.grammars, lora=self.lora,
         )
         self.sampler: Sampler = self.runner.sampler
         if self.ranks is not None:
@@ -474,8 +484,10 @@ class Engine:
 
     def _add_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       prompt: str | None) -> None:
+        # An adapter's identity (its weights' fingerprint) enters the block hashes: prefix cache and KV connectors.
+        salt = self.lora.identity(params.lora) if params.lora is not None and self.lora is not None else None
         request = Request(request_id, prompt_token_ids, params, eos_token_id=self._eos_token_id,
-                          block_size=self.settings.cache.block_size)
+                          block_size=self.settings.cache.block_size, cache_salt=salt)
         self.scheduler.add_request(request)
         self._outputs[request_id] = RequestOutput(
             request_id, prompt, list(prompt_token_ids), params, metrics=RequestMetrics(request.arrival_time)
@@ -492,7 +504,19 @@ class Engine:
             raise ValueError(f"a request id must be a string, got {type(request_id).__name__} {request_id!r}")
         check_request(request_id, prompt_token_ids, params, self.limits)
         self._check_sampling(request_id, params)
+        self._check_lora(request_id, params)
         check_constraint(request_id, params, self.grammars)
+
+    def _check_lora(self, request_id: str, params: SamplingParams) -> None:
+        if params.lora is None:
+            return
+        if self.lora is None:
+            raise ValueError(f"request {request_id!r} uses LoRA adapter {params.lora!r} but this run has no lora: "
+                             "section")
+        try:
+            self.lora.check(params.lora)
+        except LoRAAdapterError as exc:
+            raise type(exc)(f"request {request_id!r}: {exc}") from None  # UnknownAdapterError stays one
 
     def _check_sampling(self, request_id: str, params: SamplingParams) -> None:
         # Prompt logprobs come from the runner, not the sampler.

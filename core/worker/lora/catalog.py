@@ -53,11 +53,6 @@ class AdapterCatalog:
                    max_lora_rank=section.max_lora_rank, capacity=section.cpu_capacity, resolver=resolver,
                    resolver_name=f"lora_resolver:{section.resolver}" if section.resolver else None)
 
-    def check_listed(self) -> None:
-        """Load every adapter the settings list once (an error names the first bad one), keeping the last ones loaded."""
-        for name in self.paths:
-            self.get(name)
-
     def path_of(self, name: str) -> Path:
         """The directory of adapter ``name``: listed in settings, else found by the resolver."""
         if name in self.paths:

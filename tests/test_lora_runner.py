@@ -1,0 +1,97 @@
+"""LoRA in the engine: one batch mixing three adapters and base requests gives PEFT's own greedy tokens."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from lora_adapters import ADAPTER_SPECS, make_peft_adapter, peft_greedy
+
+import patchbay
+from patchbay import SamplingParams
+from patchbay.contract.settings import ConfigError, Settings
+
+NUM_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("adapters")
+    return {name: make_peft_adapter(tiny_llama, folder / name, seed=index, **spec)
+            for index, (name, spec) in enumerate(ADAPTER_SPECS.items())}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(25)
+    return [[rng.randrange(1, 2000) for _ in range(length)] for length in (5, 19, 33, 8, 26, 12, 40, 3)]
+
+
+def _llm(tiny_llama: Path, adapters: dict[str, Path], **lora) -> patchbay.LLM:
+    settings = Settings(model={"path": str(tiny_llama)}, runtime={"threads": 2},
+                        cache={"block_size": 16}, scheduler={"max_num_batched_tokens": 64},
+                        lora={"adapters": {name: str(path) for name, path in adapters.items()}, "max_lora_rank": 8,
+                              **lora})
+    return patchbay.LLM(settings)
+
+
+def _expected(tiny_llama, adapters, prompts, names):
+    found = {}
+    for name in set(names):
+        chosen = [p for p, n in zip(prompts, names, strict=True) if n == name]
+        found[name] = iter(peft_greedy(tiny_llama, adapters.get(name) if name else None, chosen, NUM_NEW_TOKENS))
+    return [next(found[name]) for name in names]
+
+
+NAMES = [None, "attn-r4", "mlp-r8", "all-r2-rslora", "attn-r4", None, "all-r2-rslora", "mlp-r8"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_loras", [3, 2])
+def test_a_mixed_batch_gives_peft_s_tokens_for_every_adapter_and_the_base(tiny_llama, adapters, prompts, max_loras):
+    """Three adapters (ranks 4, 8, 2; attention, MLP, all targets; rslora) and base requests in one batch;
+    with max_loras 2 the scheduler holds one adapter's requests back and the slots are reused."""
+    llm = _llm(tiny_llama, adapters, max_loras=max_loras, max_cpu_loras=max_loras)
+    params = [SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True, lora=name) for name in NAMES]
+    outputs = llm.generate(prompts, params)
+    expected = _expected(tiny_llama, adapters, prompts, NAMES)
+    base = _expected(tiny_llama, adapters, prompts, [None] * len(NAMES))
+    for name, output, want, plain in zip(NAMES, outputs, expected, base, strict=True):
+        assert output.token_ids == want, name
+        if name is not None:
+            assert want != plain, f"{name} must change the greedy tokens, or this test proves little"
+
+
+@pytest.mark.slow
+def test_the_prefix_cache_never_shares_blocks_between_adapters(tiny_llama, adapters, prompts):
+    llm = _llm(tiny_llama, adapters)
+    prompt = prompts[6]  # 40 tokens: two full blocks to reuse
+    order = [None, "attn-r4", "mlp-r8", None, "attn-r4"]
+    got = [llm.generate([prompt], SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True, lora=name))[0].token_ids
+           for name in order]
+    expected = _expected(tiny_llama, adapters, [prompt] * len(order), order)
+    assert got == expected
+    assert llm.engine.kv_cache_manager.prefix_cache_stats.hits > 0 if hasattr(
+        llm.engine.kv_cache_manager, "prefix_cache_stats") else True
+
+
+def test_a_request_naming_an_unknown_adapter_is_refused_naming_it(tiny_llama, adapters):
+    llm = _llm(tiny_llama, {"attn-r4": adapters["attn-r4"]})
+    with pytest.raises(ValueError, match=r"request '0': unknown LoRA adapter 'nope': not in lora.adapters "
+                                         r"\(known: attn-r4\)"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, lora="nope"))
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, lora="attn-r4"))[0].token_ids
+
+
+def test_a_run_without_a_lora_section_refuses_adapter_requests(tiny_llama):
+    llm = patchbay.LLM(model__path=str(tiny_llama), runtime__threads=2)
+    with pytest.raises(ValueError, match="uses LoRA adapter 'attn-r4' but this run has no lora: section"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, lora="attn-r4"))
+
+
+def test_a_bad_listed_adapter_fails_the_run_at_start_naming_it(tiny_llama, adapters):
+    with pytest.raises(ConfigError, match=r"lora.adapters.mlp-r8: LoRA adapter 'mlp-r8': rank 8 exceeds "
+                                          r"lora.max_lora_rank \(4\)"):
+        patchbay.LLM(Settings(model={"path": str(tiny_llama)}, runtime={"threads": 2},
+                              lora={"adapters": {"mlp-r8": str(adapters["mlp-r8"])}, "max_lora_rank": 4}))
