@@ -72,8 +72,8 @@ def test_the_prefix_cache_never_shares_blocks_between_adapters(tiny_llama, adapt
            for name in order]
     expected = _expected(tiny_llama, adapters, [prompt] * len(order), order)
     assert got == expected
-    assert llm.engine.kv_cache_manager.prefix_cache_stats.hits > 0 if hasattr(
-        llm.engine.kv_cache_manager, "prefix_cache_stats") else True
+    # The repeats of the base model and of attn-r4 found their own earlier blocks (and only those).
+    assert llm.engine.kv_cache_manager.prefix_cache_hits == 2 * 32
 
 
 def test_a_request_naming_an_unknown_adapter_is_refused_naming_it(tiny_llama, adapters):
