@@ -95,3 +95,30 @@ def test_a_bad_listed_adapter_fails_the_run_at_start_naming_it(tiny_llama, adapt
                                           r"lora.max_lora_rank \(4\)"):
         patchbay.LLM(Settings(model={"path": str(tiny_llama)}, runtime={"threads": 2},
                               lora={"adapters": {"mlp-r8": str(adapters["mlp-r8"])}, "max_lora_rank": 4}))
+
+
+@pytest.mark.slow
+def test_the_server_s_model_field_picks_the_adapter(tiny_llama, adapters, prompts):
+    import httpx
+    import openai
+    from serving import running_server
+
+    settings = Settings(model={"path": str(tiny_llama)}, runtime={"threads": 2}, cache={"num_blocks": 256},
+                        server={"served_model_name": "tiny"},
+                        lora={"adapters": {name: str(path) for name, path in adapters.items()}, "max_lora_rank": 8})
+    offline = patchbay.LLM(settings)
+    with running_server(settings) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        listed = {model.id: model for model in client.models.list().data}
+        assert set(listed) == {"tiny", *ADAPTER_SPECS}
+        assert all(getattr(listed[name], "parent", None) == "tiny" for name in ADAPTER_SPECS)
+        texts = {}
+        for name in [None, *ADAPTER_SPECS]:
+            served = client.completions.create(model=name or "tiny", prompt=prompts[1], max_tokens=8, temperature=0)
+            want = offline.generate([prompts[1]], SamplingParams(max_tokens=8, lora=name))[0]
+            assert served.choices[0].text == want.text, name
+            texts[name] = want.text
+        assert len(set(texts.values())) == len(texts), "each adapter answers differently from the base model"
+        missing = httpx.post(f"{server.url}/v1/completions", json={"model": "nope", "prompt": "a", "max_tokens": 2},
+                             timeout=60)
+        assert missing.status_code == 404 and "'nope' does not exist" in missing.json()["error"]["message"]
