@@ -122,3 +122,18 @@ def test_the_server_s_model_field_picks_the_adapter(tiny_llama, adapters, prompt
         missing = httpx.post(f"{server.url}/v1/completions", json={"model": "nope", "prompt": "a", "max_tokens": 2},
                              timeout=60)
         assert missing.status_code == 404 and "'nope' does not exist" in missing.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_ngram_speculative_decoding_stays_lossless_with_adapters(tiny_llama, adapters, prompts):
+    """Drafts are verified by the adapter model itself: the tokens are PEFT's, as without drafts."""
+    settings = Settings(model={"path": str(tiny_llama)}, runtime={"threads": 2}, cache={"block_size": 16},
+                        speculative={"method": "ngram", "num_speculative_tokens": 3},
+                        lora={"adapters": {name: str(path) for name, path in adapters.items()}, "max_lora_rank": 8})
+    llm = patchbay.LLM(settings)
+    # Repetitive prompts, so the n-gram drafter finds matches and proposes.
+    looped = [(p[:6] * 4)[:24] for p in prompts[:4]]
+    names = [None, "attn-r4", "mlp-r8", "all-r2-rslora"]
+    outputs = llm.generate(looped, [SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True, lora=n) for n in names])
+    assert [o.token_ids for o in outputs] == _expected(tiny_llama, adapters, looped, names)
+    assert llm.engine.spec_stats.num_draft_tokens > 0, "the drafter proposed nothing, so this proves nothing"
