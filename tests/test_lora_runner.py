@@ -36,11 +36,11 @@ def _llm(tiny_llama: Path, adapters: dict[str, Path], **lora) -> patchbay.LLM:
     return patchbay.LLM(settings)
 
 
-def _expected(tiny_llama, adapters, prompts, names):
+def _expected(tiny_llama, adapters, prompts, names, num_tokens=NUM_NEW_TOKENS):
     found = {}
     for name in set(names):
         chosen = [p for p, n in zip(prompts, names, strict=True) if n == name]
-        found[name] = iter(peft_greedy(tiny_llama, adapters.get(name) if name else None, chosen, NUM_NEW_TOKENS))
+        found[name] = iter(peft_greedy(tiny_llama, adapters.get(name) if name else None, chosen, num_tokens))
     return [next(found[name]) for name in names]
 
 
@@ -134,6 +134,7 @@ def test_ngram_speculative_decoding_stays_lossless_with_adapters(tiny_llama, ada
     # Repetitive prompts, so the n-gram drafter finds matches and proposes.
     looped = [(p[:6] * 4)[:24] for p in prompts[:4]]
     names = [None, "attn-r4", "mlp-r8", "all-r2-rslora"]
-    outputs = llm.generate(looped, [SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True, lora=n) for n in names])
-    assert [o.token_ids for o in outputs] == _expected(tiny_llama, adapters, looped, names)
+    # Long enough that the random models' greedy outputs repeat themselves, which the drafter then proposes.
+    outputs = llm.generate(looped, [SamplingParams(max_tokens=48, ignore_eos=True, lora=n) for n in names])
+    assert [o.token_ids for o in outputs] == _expected(tiny_llama, adapters, looped, names, num_tokens=48)
     assert llm.engine.spec_stats.num_draft_tokens > 0, "the drafter proposed nothing, so this proves nothing"
