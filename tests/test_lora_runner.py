@@ -112,13 +112,18 @@ def test_the_server_s_model_field_picks_the_adapter(tiny_llama, adapters, prompt
         listed = {model.id: model for model in client.models.list().data}
         assert set(listed) == {"tiny", *ADAPTER_SPECS}
         assert all(getattr(listed[name], "parent", None) == "tiny" for name in ADAPTER_SPECS)
-        texts = {}
+        texts, counts = {}, {}
         for name in [None, *ADAPTER_SPECS]:
             served = client.completions.create(model=name or "tiny", prompt=prompts[1], max_tokens=8, temperature=0)
             want = offline.generate([prompts[1]], SamplingParams(max_tokens=8, lora=name))[0]
             assert served.choices[0].text == want.text, name
             texts[name] = want.text
+            counts[name] = len(want.token_ids)
         assert len(set(texts.values())) == len(texts), "each adapter answers differently from the base model"
+        metrics = server.wait_until_idle()
+        for name in ADAPTER_SPECS:
+            assert metrics[f'patchbay_lora_requests_total{{lora_name="{name}"}}'] == 1
+            assert metrics[f'patchbay_lora_generation_tokens_total{{lora_name="{name}"}}'] == counts[name]
         missing = httpx.post(f"{server.url}/v1/completions", json={"model": "nope", "prompt": "a", "max_tokens": 2},
                              timeout=60)
         assert missing.status_code == 404 and "'nope' does not exist" in missing.json()["error"]["message"]
