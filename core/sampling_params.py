@@ -74,6 +74,9 @@ class SamplingParams(BaseModel):
     structured_output: StructuredOutputParams | None = None
     """Constrain the output to a JSON schema, any JSON object, a regex, one of several strings or a grammar
     (exactly one); the run's ``structured_output`` backend compiles it."""
+    lora: str | None = Field(default=None, min_length=1)
+    """The LoRA adapter to run this request with, by name (``lora.adapters`` or the run's resolver); ``None``:
+    the base model."""
 
     @model_validator(mode="before")
     @classmethod
@@ -122,8 +125,10 @@ class SamplingParams(BaseModel):
     def params_used(self) -> frozenset[str]:
         """Names of the parameters this request sets away from their neutral value (for sampler checks)."""
         defaults = type(self)()
-        # structured_output is applied by the runner before the sampler, so no sampler needs to support it.
-        neutral = {"max_tokens", "stop", "stop_token_ids", "ignore_eos", "n", "bad_words_token_ids", "structured_output"}
+        # structured_output is applied by the runner before the sampler, and lora in the model, so no sampler
+        # needs to support them.
+        neutral = {"max_tokens", "stop", "stop_token_ids", "ignore_eos", "n", "bad_words_token_ids", "structured_output",
+                   "lora"}
         used = {name for name in type(self).model_fields
                 if name not in neutral and getattr(self, name) != getattr(defaults, name)}
         if self.bad_words_token_ids:

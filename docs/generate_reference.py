@@ -55,11 +55,14 @@ MODULE_INDEX = DOCS_DIR / "design" / "modules.md"
 MARKED_BLOCK = re.compile(r"(<!-- generated: (\S+) -->\n).*?(<!-- end generated: \2 -->)", re.DOTALL)
 
 COMMON_MODULE = "patchbay.interfaces.base"
-# Two kinds share patchbay.interfaces.attention; these classes go under the builder's kind (the builder
+# Two kinds share patchbay.interfaces.attention (and two patchbay.interfaces.lora); these classes go under the builder's kind (the builder
 # consumes CommonAttentionMetadata); the module's other classes go under the kind listed first in KINDS.
 KIND_OF_SHARED_CLASS = {
     "AttentionMetadataBuilder": "attention_metadata_builder",
     "CommonAttentionMetadata": "attention_metadata_builder",
+    "LoRAResolver": "lora_resolver",
+    "LoRAResolverCapabilities": "lora_resolver",
+    "LoRAResolveError": "lora_resolver",
 }
 
 

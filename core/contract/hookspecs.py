@@ -156,3 +156,38 @@ def register_structured_output_backends(register: RegisterCallback) -> None:
     Called once per plugin when the registry loads.  The return value is
     ignored.
     """
+
+
+@hookspec
+def register_lora_kernels(register: RegisterCallback) -> None:
+    """Register LoRA kernels: the batched computation of many adapters over one batch.
+
+    Each target must be a subclass of :class:`patchbay.interfaces.LoRAKernel`.
+    For every linear layer an adapter targets, the runner hands the kernel
+    the layer's input rows, its base output, the stacked A and B matrices of
+    the adapters in the step's slots, their scales and a per-step
+    :class:`patchbay.interfaces.LoRAMapping` (row -> slot, ``-1`` for rows
+    without an adapter); the kernel adds ``s·(x Aᵀ) Bᵀ`` to each row with an
+    adapter (shrink, then expand, as vLLM's punica operations do) and leaves
+    the other rows untouched.  The run's kernel is chosen by
+    ``lora: {kernel: NAME}`` in settings.
+
+    Called once per plugin when the registry loads.  The return value is
+    ignored.
+    """
+
+
+@hookspec
+def register_lora_resolvers(register: RegisterCallback) -> None:
+    """Register LoRA adapter resolvers: where adapters a request names come from.
+
+    Each target must be a subclass of :class:`patchbay.interfaces.LoRAResolver`.
+    When a request names an adapter (its ``lora`` field) that the settings'
+    ``lora.adapters`` does not list, the run asks its resolver (chosen by
+    ``lora: {resolver: NAME}``) for a local directory holding the adapter in
+    PEFT's format; a resolver that does not know the name returns ``None``
+    and the request fails alone with an error naming the adapter.
+
+    Called once per plugin when the registry loads.  The return value is
+    ignored.
+    """

@@ -26,6 +26,8 @@ from patchbay.interfaces import (
     AttentionMetadataBuilder,
     Drafter,
     KVConnector,
+    LoRAKernel,
+    LoRAResolver,
     Plugin,
     SamplerBase,
     StructuredOutputBackend,
@@ -57,6 +59,8 @@ KINDS: dict[str, Kind] = {
         Kind("kv_connector", "register_kv_connectors", KVConnector, "KV-cache connectors"),
         Kind("structured_output", "register_structured_output_backends", StructuredOutputBackend,
              "structured-output backends"),
+        Kind("lora_kernel", "register_lora_kernels", LoRAKernel, "LoRA kernels"),
+        Kind("lora_resolver", "register_lora_resolvers", LoRAResolver, "LoRA adapter resolvers"),
     )
 }
 

@@ -279,6 +279,51 @@ class StructuredOutputSettings(Section):
     """The backend's options, validated against its ``Options`` model (the built-in ones are below)."""
 
 
+class LoRASettings(Section):
+    """LoRA adapters over the base model: which exist, how many run at once, and the two LoRA plugins."""
+
+    adapters: dict[str, Path] = Field(default_factory=dict)
+    """Adapter name -> directory in PEFT's format (``adapter_config.json`` and ``adapter_model.safetensors``);
+    a request picks one by name with its ``lora`` field.  Each is checked when the run starts."""
+    max_loras: PositiveInt = 4
+    """Adapters one step may use at once (the runner's slots); requests of further adapters wait."""
+    max_lora_rank: PositiveInt = 16
+    """The largest rank an adapter may have; a larger one is refused naming the adapter."""
+    max_cpu_loras: PositiveInt | None = None
+    """Adapters kept loaded in memory, least recently used evicted first; default: ``max_loras``.  At least
+    ``max_loras``."""
+    kernel: str = "torch"
+    """The ``lora_kernel`` plugin that applies each row's adapter in the target linears."""
+    kernel_options: dict[str, Any] = Field(default_factory=dict)
+    """Options of the kernel plugin."""
+    resolver: str | None = None
+    """A ``lora_resolver`` plugin (``directory``, ...) that finds adapters a request names but ``adapters``
+    does not list; default: none, so only listed adapters exist."""
+    resolver_options: dict[str, Any] = Field(default_factory=dict)
+    """Options of the resolver plugin (``directory``: ``{root: FOLDER}``)."""
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _adapter_names(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            for name in value:
+                if not isinstance(name, str) or not name.strip():
+                    raise ValueError(f"adapter names are non-empty strings, got {name!r}")
+            return {name: _expand_home(path) for name, path in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _cpu_slots_hold_the_active_ones(self) -> LoRASettings:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        return self
+
+    @property
+    def cpu_capacity(self) -> int:
+        """Adapters kept loaded: ``max_cpu_loras`` or, unset, ``max_loras``."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 def _split_names(value: Any) -> Any:
     if isinstance(value, str) and value.lstrip().startswith("["):
         return json.loads(value)
@@ -389,6 +434,7 @@ class Settings(BaseSettings):
     speculative: SpeculativeSettings | None = None
     kv_connector: KVConnectorSettings | None = None
     structured_output: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)
+    lora: LoRASettings | None = None
     plugins: PluginPolicy = Field(default_factory=PluginPolicy)
     inputs: InputSettings = Field(default_factory=InputSettings)
     outputs: OutputSettings = Field(default_factory=OutputSettings)
@@ -430,6 +476,12 @@ class Settings(BaseSettings):
             choices.append(PluginChoice("structured_output", self.structured_output.backend,
                                         self.structured_output.options, ("structured_output", "backend"),
                                         ("structured_output", "options")))
+        if self.lora is not None:
+            choices.append(PluginChoice("lora_kernel", self.lora.kernel, self.lora.kernel_options,
+                                        ("lora", "kernel"), ("lora", "kernel_options")))
+            if self.lora.resolver is not None:
+                choices.append(PluginChoice("lora_resolver", self.lora.resolver, self.lora.resolver_options,
+                                            ("lora", "resolver"), ("lora", "resolver_options")))
         return choices
 
 

@@ -38,13 +38,15 @@ from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.worker.parallel import distributed
 from patchbay.worker.cpu.fused_ops import FusedModules
 from patchbay.worker.cpu.heap import keep_freed_memory
-from patchbay.worker.model.hf_model import HFCausalLM
+from patchbay.worker.lora.manager import LoRAManager, install_lora
+from patchbay.worker.model.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.parallel.kv_transfers import RankTransferReports
 from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
 from patchbay.worker.model.model_loader import resolve_model_dir
 from patchbay.worker.model_runner import ModelRunner
 from patchbay.worker.parallel.pipeline_parallel import stage_layout
 from patchbay.worker.runner_build import (
+    check_lora_layout,
     RunnerSpec,
     build_runner,
     drafter_config,
@@ -161,6 +163,8 @@ class EngineParts:
     runner: ModelRunner
     single_thread_max_tokens: int
     limits: AdmissionLimits
+    lora: LoRAManager | None
+    """The LoRA adapter slots (``None``: no ``lora:`` section, so requests naming an adapter are refused)."""
 
 
 def build_engine_parts(settings: Settings, registry: Registry) -> EngineParts:
@@ -202,6 +206,8 @@ def _start_ranks(settings: Settings, model_dir: Path, device: torch.device, dtyp
     from transformers import AutoConfig
 
     check_parallel(settings, device)
+    if settings.lora is not None:
+        check_lora_layout(settings)
     config = AutoConfig.from_pretrained(model_dir)
     if settings.runtime.tensor_parallel_size > 1:
         shard_layout(config, settings.runtime.tensor_parallel_size)
@@ -237,6 +243,8 @@ class _RankZeroBuild:
                                  all_gather=collectives.all_gather if collectives else None, link=collectives,
                                  shard_vocabulary=shards_vocabulary(settings, registry))
         self.model = loaded.model
+        self.lora = install_lora(self.model, settings.lora, registry, device=self.device,
+                                 dtype=torch_dtype(self.dtype)) if settings.lora is not None else None
         shape = self.model.shape
         self.max_model_len = min(
             settings.model.max_model_len or 1 << 62, shape.max_position_embeddings or 1 << 62
@@ -276,6 +284,7 @@ class _RankZeroBuild:
             grammars=grammars,
             max_batches_in_flight=pipeline_depth(settings),
             pipelined=settings.runtime.pipeline_parallel_size > 1,
+            max_loras=settings.lora.max_loras if settings.lora is not None else None,
         )
         spec = RunnerSpec(backend_name, num_blocks, max_num_reqs, self.max_model_len, max_step_tokens,
                           single_thread_max_tokens(settings.runtime.single_thread_max_tokens, self.dtype, self.tuning),
@@ -287,7 +296,7 @@ class _RankZeroBuild:
         runner = build_runner(
             self.model, settings, registry, spec, device=self.device, dtype=self.dtype,
             kv_connector=kv_connector.worker_side() if kv_connector is not None else None,
-            kv_reports=kv_reports, grammars=grammars,
+            kv_reports=kv_reports, grammars=grammars, lora=self.lora,
         )
         if self.ranks is not None:
             self.ranks.start_runners(spec)
@@ -303,6 +312,7 @@ class _RankZeroBuild:
             runner=runner, single_thread_max_tokens=spec.single_thread_max_tokens,
             limits=AdmissionLimits(shape.vocab_size, self.max_model_len,
                                    effective_max_logprobs(settings.model.max_logprobs, shape.vocab_size)),
+            lora=self.lora,
         )
 
     def _attention_config(self, group: KVCacheGroup) -> AttentionConfig:

@@ -38,6 +38,7 @@ from patchbay.interfaces import Sampler, SamplerConfig
 from patchbay.sampling_params import SamplingParams
 from patchbay.scheduling.request import Request
 from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from patchbay.worker.lora.peft_adapter import LoRAAdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class Engine:
         self.runner = parts.runner
         self.single_thread_max_tokens = parts.single_thread_max_tokens
         self.limits = parts.limits
+        self.lora = parts.lora
+        """The LoRA adapter slots (``None``: no ``lora:`` section, so requests naming an adapter are refused)."""
         self.sampler: Sampler = self.runner.sampler
         self.spec_stats = self.runner.spec_stats
         self.stats = EngineStats()
@@ -170,8 +173,10 @@ class Engine:
 
     def _add_sequence(self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       prompt: str | None, request_id: str | None = None) -> None:
+        # An adapter's identity (its weights' fingerprint) enters the block hashes: prefix cache and KV connectors.
+        salt = self.lora.identity(params.lora) if params.lora is not None and self.lora is not None else None
         request = Request(sequence_id, prompt_token_ids, params, eos_token_id=self._eos_token_id,
-                          block_size=self.settings.cache.block_size)
+                          block_size=self.settings.cache.block_size, cache_salt=salt)
         self.scheduler.add_request(request)
         self.output_processor.add_sequence(sequence_id, prompt, prompt_token_ids, params, request.arrival_time,
                                            request_id)
@@ -187,7 +192,19 @@ class Engine:
             raise ValueError(f"a request id must be a string, got {type(request_id).__name__} {request_id!r}")
         check_request(request_id, prompt_token_ids, params, self.limits)
         self._check_sampling(request_id, params)
+        self._check_lora(request_id, params)
         check_constraint(request_id, params, self.grammars)
+
+    def _check_lora(self, request_id: str, params: SamplingParams) -> None:
+        if params.lora is None:
+            return
+        if self.lora is None:
+            raise ValueError(f"request {request_id!r} uses LoRA adapter {params.lora!r} but this run has no lora: "
+                             "section")
+        try:
+            self.lora.check(params.lora)
+        except LoRAAdapterError as exc:
+            raise type(exc)(f"request {request_id!r}: {exc}") from None  # UnknownAdapterError stays one
 
     def _check_sampling(self, request_id: str, params: SamplingParams) -> None:
         # Prompt logprobs come from the runner, not the sampler.

@@ -29,6 +29,16 @@ from patchbay.interfaces.kv_connector import (
     KVShard,
     RequestView,
 )
+from patchbay.interfaces.lora import (
+    NO_ADAPTER,
+    LoRAKernel,
+    LoRAKernelCapabilities,
+    LoRAKernelConfig,
+    LoRAMapping,
+    LoRAResolveError,
+    LoRAResolver,
+    LoRAResolverCapabilities,
+)
 from patchbay.interfaces.sampler import (
     SAMPLING_PARAMS,
     RejectionSampler,
@@ -58,4 +68,6 @@ __all__ = [
     "SamplerOutput", "SamplingMetadata", "ServingConfig", "SpecDecodeMetadata",
     "GrammarCompileError", "GrammarMatcher", "StructuredOutputBackend", "StructuredOutputCapabilities",
     "StructuredOutputConfig", "StructuredOutputParams",
+    "NO_ADAPTER", "LoRAKernel", "LoRAKernelCapabilities", "LoRAKernelConfig", "LoRAMapping", "LoRAResolveError",
+    "LoRAResolver", "LoRAResolverCapabilities",
 ]

@@ -90,6 +90,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.block_size = block_size
         self.cache_salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
+        lora = getattr(sampling_params, "lora", None)
+        if lora is not None:  # an adapter's KV differs from the base model's: its blocks never match another's
+            self.cache_salt += b"\0lora:" + lora.encode()
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

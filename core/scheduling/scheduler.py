@@ -105,6 +105,7 @@ class Scheduler:
         grammars: GrammarCompilations | None = None,
         max_batches_in_flight: int = 1,
         pipelined: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -132,6 +133,8 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.kv_connector = kv_connector
         self.kv_connector_role = kv_connector_role
+        self.max_loras = max_loras
+        """LoRA adapters the running requests may use at once (``lora.max_loras``); ``None``: no adapters."""
         """``producer`` never loads; ``consumer`` and ``both`` ask the connector for every waiting request."""
         self.kv_connector_stats = KVConnectorStats()
         self.grammars = grammars
@@ -401,11 +404,16 @@ class Scheduler:
         """Admit waiting requests in arrival order while budget, seats (``max_num_seqs`` running, ``seats`` in this
         batch) and blocks last; returns the budget left."""
         skipped: list[Request] = []
+        adapters = {r.sampling_params.lora for r in self.running} - {None}
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs \
                 and len(num_scheduled) < seats:
             request = self.waiting[0]
             request_id = request.request_id
             num_external = 0
+            lora = request.sampling_params.lora
+            if lora is not None and lora not in adapters and len(adapters) >= (self.max_loras or 0):
+                skipped.append(self.waiting.popleft())  # its adapter waits for a slot: the running ones use them all
+                continue
             if request_id in self._in_flight:
                 skipped.append(self.waiting.popleft())  # preempted while in flight: its output comes back first
                 continue
@@ -459,6 +467,8 @@ class Scheduler:
             self._tell_connector_after_alloc(request, num_external)
             self.kv_connector_stats.num_loaded_tokens += num_external
             bisect.insort(self.running, request, key=lambda r: self._arrival_order[r.request_id])
+            if lora is not None:
+                adapters.add(lora)
             new_reqs.append(self._new_request_data(request))
             num_scheduled[request_id] = num_new
             token_budget -= num_new

@@ -11,6 +11,7 @@ from patchbay.contract.registry import kind_of
 from patchbay.testing.attention import AttentionBackendSuite, MetadataBuilderSuite
 from patchbay.testing.drafter import DrafterSuite
 from patchbay.testing.kv_connector import KVConnectorSuite
+from patchbay.testing.lora import LoRAKernelSuite, LoRAResolverSuite
 from patchbay.testing.sampler import SamplerSuite
 from patchbay.testing.structured_output import StructuredOutputSuite
 from patchbay.testing.suite import PluginSuite
@@ -22,6 +23,8 @@ SUITES: dict[str, type[PluginSuite]] = {
     "drafter": DrafterSuite,
     "kv_connector": KVConnectorSuite,
     "structured_output": StructuredOutputSuite,
+    "lora_kernel": LoRAKernelSuite,
+    "lora_resolver": LoRAResolverSuite,
 }
 
 
@@ -32,6 +35,6 @@ def suite_for(kind: str, name: str) -> type[PluginSuite]:
 
 
 __all__ = [
-    "SUITES", "AttentionBackendSuite", "DrafterSuite", "KVConnectorSuite", "MetadataBuilderSuite", "PluginSuite",
+    "SUITES", "AttentionBackendSuite", "DrafterSuite", "KVConnectorSuite", "LoRAKernelSuite", "LoRAResolverSuite", "MetadataBuilderSuite", "PluginSuite",
     "SamplerSuite", "StructuredOutputSuite", "suite_for",
 ]

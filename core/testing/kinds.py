@@ -17,6 +17,9 @@ from patchbay.interfaces import (
     DrafterConfig,
     KVConnectorCapabilities,
     KVConnectorConfig,
+    LoRAKernelCapabilities,
+    LoRAKernelConfig,
+    LoRAResolverCapabilities,
     SamplerCapabilities,
     SamplerConfig,
     ServingConfig,
@@ -101,3 +104,24 @@ class KVConnectorBaseSuite(PluginSuite[KVConnectorCapabilities]):
             if role not in capabilities.roles:
                 found.append((f"role {role}", _replace(base, role=role)))
         return found
+
+
+class LoRAKernelBaseSuite(PluginSuite):
+    kind: ClassVar[str] = "lora_kernel"
+    capabilities_class: ClassVar[type[Capabilities]] = LoRAKernelCapabilities
+
+    def supported_config(self, capabilities: LoRAKernelCapabilities) -> LoRAKernelConfig:
+        rank = min(16, capabilities.max_lora_rank or 16)
+        return LoRAKernelConfig(device=capabilities.devices[0], dtype=capabilities.dtypes[0], max_lora_rank=rank)
+
+    def unsupported_configs(self, capabilities: LoRAKernelCapabilities) -> list[tuple[str, ServingConfig]]:
+        found = super().unsupported_configs(capabilities)
+        if capabilities.max_lora_rank is not None:
+            base = self.supported_config(capabilities)
+            found.append(("rank", _replace(base, max_lora_rank=capabilities.max_lora_rank + 1)))
+        return found
+
+
+class LoRAResolverBaseSuite(PluginSuite):
+    kind: ClassVar[str] = "lora_resolver"
+    capabilities_class: ClassVar[type[Capabilities]] = LoRAResolverCapabilities

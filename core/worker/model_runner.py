@@ -49,6 +49,7 @@ from patchbay.worker.model.hf_model import AuxHiddenStates, HFCausalLM, torch_dt
 from patchbay.worker.input_batch import InputBatch
 from patchbay.worker.parallel.kv_transfers import RankTransferReports, TransferReport
 from patchbay.worker.logprobs import Logprobs, PromptLogprobs
+from patchbay.worker.lora.manager import LoRAManager
 from patchbay.worker.spec_decode import (
     LogitsLayout,
     SpecDecodeStats,
@@ -116,9 +117,12 @@ class ModelRunner:
         grammars: GrammarCompilations | None = None,
         single_thread_max_tokens: int = 0,
         samples: bool = True,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
         self.samples = samples
+        self.lora = lora
+        """The LoRA adapter slots (``None``: a run without a ``lora:`` section)."""
         """Whether this runner computes logits and samples (``False``: a pipeline stage before the last)."""
         self.single_thread_max_tokens = single_thread_max_tokens
         """Steps of at most this many tokens run on one thread: a sleeping OpenMP thread's wake-up, paid once
@@ -254,8 +258,14 @@ class ModelRunner:
         clock = self._lap("prepare", clock)
         if connector is not None:
             connector.start_load_kv(scheduler_output.kv_connector_metadata)
-        with forward_context(ForwardContext(self._bindings, step.group_metadata, connector)):
-            hidden_states = self.model.hidden_states(step.input_ids, step.positions)
+        if self.lora is not None:
+            self.lora.begin_step([self.batch.sampling_params[row].lora for row in step.rows], step.num_scheduled)
+        try:
+            with forward_context(ForwardContext(self._bindings, step.group_metadata, connector)):
+                hidden_states = self.model.hidden_states(step.input_ids, step.positions)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         if connector is not None:
             connector.wait_for_save()
         if not self.samples:

@@ -37,6 +37,7 @@ from patchbay.worker.cpu.fused_ops import FusedModules, use_fused_ops
 from patchbay.worker.cpu.fused_projections import fuse_shared_input_projections
 from patchbay.worker.model.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.parallel.kv_transfers import RankTransferReports
+from patchbay.worker.lora.manager import LoRAManager
 from patchbay.worker.model_runner import ModelRunner
 from patchbay.worker.cpu.packed_linear import packing_supported
 from patchbay.worker.cpu.streaming_linear import tiles_unavailable
@@ -88,13 +89,28 @@ def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: t
         assert link is not None, "a model split into stages needs the link between them"
         layout = stage_layout(model.model.config, num_stages, settings.runtime.pipeline_layer_partition)
         split_model(model, layout, rank, link, ranks_per_stage=tensor_size)
-    quantized, paths = speed_up_linears(model, settings.runtime, settings.model.quantization,
+    runtime = settings.runtime
+    if settings.lora is not None:
+        check_lora_layout(settings)
+        # LoRA adds each target's product after its own linear: no fused q/k/v or gate/up, no fused layers.
+        runtime = runtime.model_copy(update={"fuse_projections": False, "fused_ops": False})
+    quantized, paths = speed_up_linears(model, runtime, settings.model.quantization,
                                         device=device, dtype=dtype, tuning=tuning)
     # After the linears: the fused MLP computes gate/up through the group those paths gave it.
-    fused = use_fused_ops(model.model, device=device, dtype=dtype) if settings.runtime.fused_ops else FusedModules()
+    fused = use_fused_ops(model.model, device=device, dtype=dtype) if runtime.fused_ops else FusedModules()
     if fused.attentions:  # then whole layers, where their products are tiled
         fused = dataclasses.replace(fused, layers=use_fused_layers(model.model))
     return LoadedModel(model, quantized, paths, fused)
+
+
+def check_lora_layout(settings: Settings) -> None:
+    """LoRA runs in one process: its adapter weights are not sharded over ranks or split over stages yet."""
+    runtime = settings.runtime
+    for key, size in (("runtime.tensor_parallel_size", runtime.tensor_parallel_size),
+                      ("runtime.pipeline_parallel_size", runtime.pipeline_parallel_size)):
+        if size > 1:
+            raise ConfigError([ConfigProblem("<run>", key, f"LoRA adapters (the lora: section) run on one rank; "
+                                             f"{key} is {size}")])
 
 
 def speed_up_linears(model: HFCausalLM, runtime: RuntimeSettings, quantization: str, *, device: torch.device,
@@ -183,7 +199,8 @@ def drafter_config(settings: Settings, model: HFCausalLM, *, device: torch.devic
 def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec: RunnerSpec, *,
                  device: torch.device, dtype: str, kv_connector: KVConnectorWorker | None = None,
                  kv_reports: RankTransferReports | None = None,
-                 grammars: GrammarCompilations | None = None, rank: int = 0) -> ModelRunner:
+                 grammars: GrammarCompilations | None = None, rank: int = 0,
+                 lora: LoRAManager | None = None) -> ModelRunner:
     """The runner over ``model`` (``rank``'s part of it) with the plugins the settings name (already checked by
     rank 0); only the last pipeline stage's runners sample.
 
@@ -234,4 +251,5 @@ def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec
         grammars=grammars,
         single_thread_max_tokens=spec.single_thread_max_tokens,
         samples=samples_on(rank, settings.runtime.pipeline_parallel_size, settings.runtime.tensor_parallel_size),
+        lora=lora,
     )

@@ -135,8 +135,10 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.created,
-                                            "owned_by": "patchbay", "max_model_len": llm.max_model_len}]}
+        base = {"id": model_name, "object": "model", "created": state.created, "owned_by": "patchbay",
+                "max_model_len": llm.max_model_len}
+        adapters = [{**base, "id": name, "parent": model_name, "root": name} for name in _adapter_names(state)]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/tokenize", dependencies=authorized)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -160,22 +162,24 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        _check_model(state, body.model)
+        adapter = _check_model(state, body.model)
         body.check_supported()
-        prepared = [_prepare(state, *llm.encode(prompt), body.sampling_fields(), body.max_tokens, "prompt")
+        fields = {**body.sampling_fields(), "lora": adapter}
+        prepared = [_prepare(state, *llm.encode(prompt), fields, body.max_tokens, "prompt")
                     for prompt in body.prompts()]
         return await _respond(state, request, body.stream, body.stream_options, prepared, CompletionFormat(state))
 
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        _check_model(state, body.model)
+        adapter = _check_model(state, body.model)
         body.check_supported()
         messages = [message.as_template_message(index) for index, message in enumerate(body.messages)]
         try:
             text, token_ids = llm.encode({"messages": messages})
         except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
             raise APIError(400, f"messages: the chat template failed: {exc}", param="messages") from None
-        prepared = [_prepare(state, text, token_ids, body.sampling_fields(), body.output_limit(), "messages")]
+        prepared = [_prepare(state, text, token_ids, {**body.sampling_fields(), "lora": adapter}, body.output_limit(),
+                             "messages")]
         return await _respond(state, request, body.stream, body.stream_options, prepared, ChatFormat(state))
 
     return app
@@ -187,10 +191,25 @@ def _version() -> str:
     return patchbay.__version__
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")
+def _check_model(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter a request's ``model`` names (``None``: the base model); 404 for a name nobody serves."""
+    if model is None or model == state.model_name:
+        return None
+    lora = state.llm.engine.lora
+    if lora is not None:
+        try:
+            lora.catalog.path_of(model)
+            return model
+        except LookupError:
+            pass
+    adapters = f" and LoRA adapters {', '.join(_adapter_names(state))}" if lora is not None else ""
+    raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}{adapters}",
+                   param="model", code="model_not_found")
+
+
+def _adapter_names(state: ServerState) -> list[str]:
+    lora = state.llm.engine.lora
+    return lora.catalog.known_names() if lora is not None else []
 
 
 def _prepare(state: ServerState, text: str | None, token_ids: list[int], fields: dict[str, Any],
@@ -234,6 +253,8 @@ async def _respond(state: ServerState, request: Request, stream: bool, stream_op
                 streams.append(await state.llm.add_request(item.token_ids, item.params, prompt=item.text,
                                                            request_id=f"{format.id_prefix}-{request_id}-{index}"))
             except ValueError as exc:  # the engine refuses it (e.g. a parameter the sampler cannot serve)
+                if isinstance(exc, LookupError):  # an adapter the resolver stopped knowing
+                    raise APIError(404, str(exc), param="model", code="model_not_found") from None
                 raise APIError(400, str(exc), param=_named_parameter(str(exc), item.params)) from None
             except EngineDeadError as exc:
                 raise APIError(500, str(exc)) from None

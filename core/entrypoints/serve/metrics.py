@@ -92,6 +92,10 @@ class ServerMetrics:
                                 [*labels, "finished_reason"], registry=self.registry)
         self.rejected = Counter(f"{PREFIX}_request_rejected", "Requests refused before running, by HTTP status.",
                                 [*labels, "status"], registry=self.registry)
+        self.lora_requests = Counter(f"{PREFIX}_lora_requests", "Finished requests per LoRA adapter.",
+                                     [*labels, "lora_name"], registry=self.registry)
+        self.lora_generation_tokens = Counter(f"{PREFIX}_lora_generation_tokens", "Generated tokens per LoRA adapter.",
+                                              [*labels, "lora_name"], registry=self.registry)
         llm.add_finish_listener(self.observe)
 
     def observe(self, output: RequestOutput) -> None:
@@ -105,5 +109,10 @@ class ServerMetrics:
         for gap in metrics.inter_token_latencies:
             if gap > 0:  # tokens of one step (speculative decoding) arrive together
                 itl.observe(gap)
-        for completion in output.completions or [output.completion()]:
+        completions = output.completions or [output.completion()]
+        for completion in completions:
             self.finished.labels(self._model, str(completion.finish_reason)).inc()
+        adapter = output.sampling_params.lora
+        if adapter is not None:
+            self.lora_requests.labels(self._model, adapter).inc()
+            self.lora_generation_tokens.labels(self._model, adapter).inc(sum(len(c.token_ids) for c in completions))

@@ -1,0 +1,100 @@
+"""Which adapters exist and which are loaded: names resolved (settings, then the resolver), an LRU of loaded ones.
+
+The catalog answers "what is adapter NAME?" for the engine and the runner:
+names listed in ``lora.adapters`` first, then the run's ``lora_resolver``
+plugin.  Up to ``max_cpu_loras`` adapters stay loaded (read and checked);
+loading one more evicts the least recently used that is not pinned.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from patchbay.interfaces import LoRAResolveError, LoRAResolver
+from patchbay.worker.lora.peft_adapter import LinearShape, LoRAAdapter, LoRAAdapterError, load_adapter
+
+if TYPE_CHECKING:
+    from patchbay.contract.registry import Registry
+    from patchbay.contract.settings import LoRASettings
+
+
+class UnknownAdapterError(LoRAAdapterError, LookupError):
+    """A request named an adapter that neither the settings nor the resolver know."""
+
+
+class AdapterCatalog:
+    """Adapter names -> directories -> loaded :class:`LoRAAdapter`, keeping at most ``capacity`` loaded."""
+
+    def __init__(self, *, adapters: Mapping[str, Path], num_layers: int, shapes: Mapping[str, LinearShape],
+                 max_lora_rank: int, capacity: int, resolver: LoRAResolver | None = None,
+                 resolver_name: str | None = None) -> None:
+        self.paths = {name: Path(path) for name, path in adapters.items()}
+        self.num_layers = num_layers
+        self.shapes = dict(shapes)
+        self.max_lora_rank = max_lora_rank
+        self.capacity = capacity
+        self.resolver = resolver
+        self.resolver_name = resolver_name or (type(resolver).__name__ if resolver is not None else None)
+        self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
+
+    @classmethod
+    def from_settings(cls, section: LoRASettings, registry: Registry, *, num_layers: int,
+                      shapes: Mapping[str, LinearShape]) -> AdapterCatalog:
+        """The catalog of a run's ``lora:`` section; the resolver plugin, if any, is built here."""
+        resolver = None
+        if section.resolver is not None:
+            resolver_class = registry.resolve("lora_resolver", section.resolver)
+            options = resolver_class.Options.model_validate(dict(section.resolver_options))
+            resolver = resolver_class(options)  # type: ignore[call-arg]
+        return cls(adapters=section.adapters, num_layers=num_layers, shapes=shapes,
+                   max_lora_rank=section.max_lora_rank, capacity=section.cpu_capacity, resolver=resolver,
+                   resolver_name=f"lora_resolver:{section.resolver}" if section.resolver else None)
+
+    def path_of(self, name: str) -> Path:
+        """The directory of adapter ``name``: listed in settings, else found by the resolver."""
+        if name in self.paths:
+            return self.paths[name]
+        if self.resolver is not None:
+            try:
+                found = self.resolver.resolve(name)
+            except LoRAResolveError as exc:
+                raise LoRAAdapterError(f"LoRA adapter {name!r}: {self.resolver_name} could not provide it: {exc}") from None
+            if found is not None:
+                return Path(found)
+        known = sorted(self.known_names())
+        listed = ", ".join(known) if known else "none"
+        where = f" and {self.resolver_name} does not know it" if self.resolver is not None else ""
+        raise UnknownAdapterError(f"unknown LoRA adapter {name!r}: not in lora.adapters{where} (known: {listed})")
+
+    def known_names(self) -> list[str]:
+        """Names listed in settings and those the resolver lists, sorted."""
+        names = set(self.paths)
+        if self.resolver is not None:
+            names.update(self.resolver.available())
+        return sorted(names)
+
+    def get(self, name: str, *, pinned: Iterable[str] = ()) -> LoRAAdapter:
+        """Adapter ``name``, loaded now if needed (evicting the least recently used one not in ``pinned``)."""
+        adapter = self._loaded.get(name)
+        if adapter is not None:
+            self._loaded.move_to_end(name)
+            return adapter
+        adapter = load_adapter(name, self.path_of(name), num_layers=self.num_layers, shapes=self.shapes,
+                               max_lora_rank=self.max_lora_rank)
+        keep = set(pinned)
+        while len(self._loaded) >= self.capacity:
+            victim = next((loaded for loaded in self._loaded if loaded not in keep), None)
+            if victim is None:
+                break  # every loaded adapter is in use this step; go over capacity rather than fail the step
+            del self._loaded[victim]
+        self._loaded[name] = adapter
+        return adapter
+
+    @property
+    def loaded_names(self) -> list[str]:
+        """Loaded adapters, least recently used first."""
+        return list(self._loaded)
+
