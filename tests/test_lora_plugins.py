@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from patchbay.interfaces import NO_ADAPTER, LoRAKernel, LoRAResolveError
-from patchbay.plugins.lora.directory_resolver import DirectoryResolver, DirectoryOptions
-from patchbay.plugins.lora.torch_kernel import TorchLoRAKernel
+from patchbay.plugins.lora_resolvers.directory_resolver import DirectoryResolver, DirectoryOptions
+from patchbay.plugins.lora_kernels.torch_kernel import TorchLoRAKernel
 from patchbay.testing import LoRAKernelSuite, LoRAResolverSuite
 from patchbay.testing.lora import write_tiny_peft_adapter
 from patchbay.worker.lora.mapping import build_lora_mapping

@@ -1,1 +1,0 @@
-"""The built-in LoRA plugins: the ``torch`` kernel and the ``directory`` adapter resolver."""

@@ -1,0 +1,1 @@
+"""The built-in LoRA kernel: ``torch``, each row's adapter applied with grouped matrix products."""

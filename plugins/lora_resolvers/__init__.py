@@ -1,0 +1,1 @@
+"""The built-in LoRA adapter resolver: ``directory``, adapter names resolved under a configured folder."""
