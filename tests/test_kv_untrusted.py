@@ -78,8 +78,48 @@ def test_entries_written_without_the_key_are_never_loaded(tmp_path):
     path = str(tmp_path / "shared")
     _produce({"path": path, "auth_key": "the-attackers-own-secret"})
     consumer, errors = _consume({"path": path, "auth_key": KEY})
-    assert errors == {3, 8, 1} and consumer.connector.stats["loaded_blocks"] == 0
+    assert consumer.connector.stats["loaded_blocks"] == 0
     assert all(not cache.any() for cache in consumer.caches.values())
+
+
+def test_a_consumer_with_the_wrong_key_deletes_no_valid_entry(tmp_path):
+    """LOSS (issue 30): a shared-storage consumer with the wrong key deleted every valid entry in the store.
+
+    Entries it cannot authenticate are misses: the store keeps them, and a runner with the right key
+    still loads every one."""
+    options = {"path": str(tmp_path / "shared"), "auth_key": KEY}
+    _produce(options)
+    stored = {path: path.read_bytes() for path in (tmp_path / "shared").rglob("*.kvb")}
+    assert len(stored) == 3
+    for role in ("consumer", "both"):
+        wrong = make(SharedStorageConnector, {**options, "auth_key": "some-other-secret-of-this-user"}, role=role)
+        consumer = Side(wrong, caches(random=False))
+        request = SuiteRequest("b", PROMPT, 4)
+        consumer.scheduler.update_state_after_alloc(request, [3, 8, 1, 11], 12)  # as if a lookup had said yes
+        consumer.step(["b"])
+        assert consumer.worker.get_block_ids_with_load_errors() == {3, 8, 1}
+        assert wrong.stats["loaded_blocks"] == 0 and wrong.stats["discarded_entries"] == 0
+        assert {path: path.read_bytes() for path in (tmp_path / "shared").rglob("*.kvb")} == stored
+    right, errors = _consume(options)
+    assert errors == set() and right.connector.stats["loaded_blocks"] == 3
+
+
+def test_an_unsafe_default_store_directory_is_a_one_line_error_naming_it(tmp_path, monkeypatch, tiny_llama, capsys):
+    """Issue 30: an unsafe store directory was refused with a traceback instead of a clear error."""
+    from patchbay.entrypoints.cli import main
+
+    monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path / "cache"))
+    store = tmp_path / "cache" / "kv-store"
+    store.mkdir(parents=True)
+    store.chmod(0o777)
+    config = tmp_path / "job.yaml"
+    config.write_text(f"model: {{path: '{tiny_llama}'}}\nkv_connector: {{name: shared_storage}}\n"
+                      "inputs: {chat_template: false, prompts: [hello], sampling: {max_tokens: 2}}\n")
+    status = main(["run", str(config)])
+    error = capsys.readouterr().err
+    assert status == 2
+    assert f"the default shared_storage directory {store} has mode" in error and "others may write it" in error
+    assert "Traceback" not in error
 
 
 def test_the_default_key_file_is_per_user_0600_and_shared_by_this_users_runs(tmp_path, monkeypatch):
