@@ -251,3 +251,56 @@ def test_two_checkpoints_with_one_config_have_different_identities(tiny_llama, t
         save_file({name: tensor + 1e-3 for name, tensor in tensors.items()}, weights, metadata={"format": "pt"})
     assert (copy / "config.json").read_bytes() == (tiny_llama / "config.json").read_bytes()
     assert weights_fingerprint(copy) != weights_fingerprint(tiny_llama)
+
+
+def _unsampled_offset(size: int, start: int) -> int:
+    """A byte offset past ``start`` that the old sampled fingerprint never read (edges and 64 evenly spaced pieces)."""
+    read = [(0, 64 << 10), (max(0, size - (64 << 10)), size)]
+    read += [(size * (index + 1) // 65, size * (index + 1) // 65 + (4 << 10)) for index in range(64)]
+    for offset in range(start, size):
+        if not any(begin <= offset < end for begin, end in read):
+            return offset
+    raise AssertionError("every byte was sampled")
+
+
+def test_weights_that_differ_in_one_tensor_byte_have_different_identities(tiny_llama, tmp_path, monkeypatch):
+    """Issue 30: the weights fingerprint sampled tensors, so entries written for weights that differ in one
+    tensor it missed still loaded.  Every byte counts, also after the digest memo has seen the file."""
+    import json
+    import shutil
+    import struct
+
+    from patchbay.engine.model_identity import MEMO_FILE_NAME, weights_fingerprint
+
+    monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path / "cache"))
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama, copy)
+    original = weights_fingerprint(copy)
+    assert (tmp_path / "cache" / MEMO_FILE_NAME).is_file()  # remembered: the next start does not rehash
+    weights = next(copy.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    header_end = 8 + struct.unpack("<Q", data[:8])[0]
+    assert json.loads(data[8:header_end])  # the offset below is tensor data, not the header
+    offset = _unsampled_offset(len(data), header_end)
+    times = weights.stat()
+    data[offset] ^= 0x01  # one bit of one tensor
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns))  # the same size and modification time
+    assert weights_fingerprint(copy) != original
+    data[offset] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert weights_fingerprint(copy) == original == weights_fingerprint(tiny_llama)
+
+
+def test_an_unwritable_fingerprint_memo_never_fails_a_start(tiny_llama, tmp_path, monkeypatch):
+    """Issue 30 (LOSS, full cache disk): a memo that cannot be saved costs a rehash, not the run."""
+    from patchbay.engine import model_identity
+
+    monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path / "cache"))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(model_identity.tempfile, "mkstemp", disk_full)
+    assert model_identity.weights_fingerprint(tiny_llama) == model_identity.weights_fingerprint(tiny_llama)
+    assert not (tmp_path / "cache" / model_identity.MEMO_FILE_NAME).exists()
