@@ -173,6 +173,8 @@ class SchedulerSettings(Section):
     """Token budget of one step (prefill chunks plus decodes)."""
     chunked_prefill: bool = True
     """Split long prompts across steps; when off, a prompt must fit the token budget whole."""
+    max_n: PositiveInt = 1024
+    """Most sequences one request may ask for (its ``n``); a request over it is refused when it is added."""
 
 
 class AttentionSettings(Section):

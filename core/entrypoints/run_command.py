@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings
 from patchbay.engine import EngineDeadError, RequestOutput
+from patchbay.engine.admission import check_num_sequences
 from patchbay.entrypoints.result_file import ResultFile, check_output_path
 from patchbay.sampling_params import SamplingParams
 
@@ -174,6 +175,7 @@ def check_requests(llm: Any, requests: list[JobRequest]) -> list[tuple[str | Non
                 text, token_ids = llm.encode(request.prompt)
             except ValueError as exc:
                 raise ValueError(f"request {request.request_id!r}: {exc}") from None
+            check_num_sequences(request.request_id, request.params, llm.settings.scheduler.max_n)
             llm.engine.check_request(request.request_id, token_ids, request.params)
         except ValueError as exc:
             problems.append(ConfigProblem(request.where, "<request>", str(exc)))
