@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings
 from patchbay.engine import EngineDeadError, RequestOutput
 from patchbay.engine.admission import check_num_sequences
-from patchbay.entrypoints.result_file import ResultFile, check_output_path
+from patchbay.entrypoints.result_file import ResultFile, ResultsNotWritten, check_output_path
 from patchbay.sampling_params import SamplingParams
 
 _REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids"}
@@ -236,6 +236,10 @@ def run_from_settings(settings: Settings, *, config_path: str | None = None, str
         outputs = llm.generate(prompts, [r.params for r in requests], request_ids=[r.request_id for r in requests],
                                on_finished=finished)
     except EngineDeadError as exc:
+        error = str(exc)
+        print(f"patchbay: error: {exc}", file=sys.stderr)
+        return 1
+    except ResultsNotWritten as exc:
         error = str(exc)
         print(f"patchbay: error: {exc}", file=sys.stderr)
         return 1
