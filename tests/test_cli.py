@@ -215,6 +215,16 @@ def test_config_show_prints_the_effective_config_with_overrides(patchbay_cli, ex
     assert effective["plugins"]["deny"] == ["patchbay-broken-plugin", "patchbay-duplicate-plugin"]
 
 
+def test_config_show_hides_the_servers_api_keys(patchbay_cli, example_only_env, write_yaml):
+    """Reliability finding: ``config show`` printed ``server.api_keys`` in clear (``keys`` is a plural)."""
+    path = write_yaml("server: {api_keys: [sk-distinctive-4711, sk-second-0815]}\n")
+    result = patchbay_cli("config", "show", str(path), env=example_only_env)
+    assert result.returncode == 0, result.stderr
+    assert "distinctive-4711" not in result.stdout + result.stderr
+    assert "second-0815" not in result.stdout + result.stderr
+    assert yaml.safe_load(result.stdout)["server"]["api_keys"] == "***"
+
+
 # -- patchbay check ----------------------------------------------------------------------------------------
 
 

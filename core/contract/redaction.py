@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-SECRET_WORDS = {"password", "passwd", "pass", "secret", "token", "key", "auth", "credentials"}
-"""A key (or URL query parameter) holds a secret when one of its ``_``/``-`` separated words is one of these
-(``auth_key``, ``password``, ``api_token``; not ``max_num_batched_tokens`` nor ``key_prefix``)."""
+SECRET_WORDS = {"password", "passwd", "pass", "secret", "token", "key", "auth", "credential"}
+"""A key (or URL query parameter) holds a secret when its last ``_``/``-`` separated word is one of these or
+its plural (``auth_key``, ``api_keys``, ``password``, ``api_token``; not ``max_num_batched_tokens``, whose
+tokens are counted, nor ``key_prefix``); a trailing ``_file`` or ``_path`` is read past (``auth_key_file``)."""
+COUNTED_WORDS = {"tokens"}
+"""Plurals that name counts rather than secrets (``max_tokens``, ``max_num_batched_tokens``)."""
 NOT_SECRET = {"key_prefix"}
 HIDDEN = "***"
 
@@ -17,7 +20,16 @@ def is_secret_name(name: str) -> bool:
     if name in NOT_SECRET:
         return False
     words = name.replace("-", "_").split("_")
-    return words[-1] in SECRET_WORDS or any(word in {"password", "passwd", "secret"} for word in words)
+    if len(words) > 1 and words[-1] in {"file", "path"}:
+        words = words[:-1]  # where a secret is kept (``auth_key_file``) is named like the secret
+    return _is_secret_word(words[-1]) or any(word.removesuffix("s") in {"password", "passwd", "secret"}
+                                             for word in words)
+
+
+def _is_secret_word(word: str) -> bool:
+    if word in SECRET_WORDS:
+        return True
+    return word not in COUNTED_WORDS and word.endswith("s") and word[:-1] in SECRET_WORDS
 
 
 def redact_url(url: str) -> str:
