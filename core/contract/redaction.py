@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -59,3 +60,21 @@ def redact(data: Any) -> Any:
     if isinstance(data, str) and "://" in data:
         return redact_url(data)
     return data
+
+
+def is_secret_path(path: Iterable[str]) -> bool:
+    """Whether a key path (``kv_connector.options.auth_key``, ``server.api_keys.0``) leads into a secret."""
+    return any(is_secret_name(str(part)) for part in path)
+
+
+def redact_assignment(key: str, raw: str) -> str:
+    """A ``--set key=raw`` flag as it may be printed: the value hidden under a secret key path, URL passwords
+    hidden otherwise."""
+    if is_secret_path(key.split(".")):
+        return f"{key}={HIDDEN}"
+    if "://" in raw:
+        text = raw.strip()
+        # A plain URL shows with its password hidden; a YAML list or mapping holding one is hidden whole.
+        shown = redact_url(text) if not any(mark in text for mark in " []{},\"'") else HIDDEN
+        return f"{key}={HIDDEN if shown == '<unparsable url>' else shown}"
+    return f"{key}={raw}"

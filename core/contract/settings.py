@@ -34,7 +34,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
 
-from patchbay.contract.redaction import redact
+from patchbay.contract.redaction import HIDDEN, is_secret_path, redact, redact_assignment
 from patchbay.contract.bounded_yaml import DocumentTooLarge, check_bounds, load_bounded
 
 if TYPE_CHECKING:
@@ -477,7 +477,7 @@ def cli_overrides(assignments: Iterable[str]) -> list[tuple[str, dict[str, Any]]
     found = []
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
-        label = f"--set {assignment}"
+        label = f"--set {redact_assignment(key.strip(), raw) if sep else assignment}"
         if not sep or not key.strip():
             raise ConfigError([ConfigProblem(label, key or "<empty>", "expected KEY.PATH=VALUE")])
         try:
@@ -542,7 +542,7 @@ def _problem_from_error(error: Mapping[str, Any], sources: _Sources, prefix: tup
     elif error["type"] == "missing":
         message = "required key is missing"
     elif "input" in error and not isinstance(error["input"], (dict, list)):
-        message = f"{message} (got {error['input']!r})"
+        message = f"{message} (got {HIDDEN if is_secret_path(loc) else repr(error['input'])})"
     return ConfigProblem(sources.of(loc), ".".join(loc) or "<root>", message, plugin)
 
 
