@@ -269,8 +269,15 @@ class ServerSettings(Section):
     """Seconds after SIGTERM during which requests in flight may finish; the rest are aborted."""
     log_requests: bool = False
     """Log one line per HTTP request (uvicorn's access log)."""
+    max_body_bytes: int = Field(default=32 << 20, ge=1)
+    """Largest request body; a larger one gets 413 before it is read whole."""
+    idle_timeout: float = Field(default=5.0, gt=0.0)
+    """Seconds a kept-alive connection may sit idle between requests before it is closed."""
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """``Host`` names accepted besides ``localhost``/``127.0.0.1``/``::1`` while ``host`` is a loopback address
+    (``*``: any); others get 400, so a DNS-rebound web page cannot call the server."""
 
-    _split = field_validator("api_keys", mode="before")(_split_names)
+    _split = field_validator("api_keys", "allowed_hosts", mode="before")(_split_names)
 
 
 class Settings(BaseSettings):

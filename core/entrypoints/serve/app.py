@@ -82,7 +82,8 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
     """The application serving ``llm``; the caller owns ``llm`` (and shuts it down)."""
     model_name = model_name_of(settings)
     state = ServerState(llm, settings, model_name, ServerMetrics(llm, model_name))
-    app = FastAPI(title="patchbay", version=_version())
+    # No /docs, /redoc nor /openapi.json: they would answer without an API key.
+    app = FastAPI(title="patchbay", version=_version(), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.patchbay = state
     api_keys = set(settings.server.api_keys)
 

@@ -43,6 +43,7 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
     import uvicorn
 
     from patchbay.entrypoints.serve.app import build_app
+    from patchbay.entrypoints.serve.limits import with_limits
 
     app = build_app(llm, settings)
     grace = settings.server.shutdown_grace_period
@@ -54,9 +55,11 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
         await llm.shutdown(grace_period=0.0)  # uvicorn already waited the grace period for responses in flight
 
     app.router.lifespan_context = lifespan
-    config = uvicorn.Config(app, log_level="info" if settings.server.log_requests else "warning",
+    server = settings.server
+    limited = with_limits(app, server.host, server.max_body_bytes, server.allowed_hosts)
+    config = uvicorn.Config(limited, log_level="info" if settings.server.log_requests else "warning",
                             access_log=settings.server.log_requests, timeout_graceful_shutdown=grace,
-                            lifespan="on")
+                            timeout_keep_alive=server.idle_timeout, lifespan="on")
     return uvicorn.Server(config)
 
 

@@ -1,0 +1,92 @@
+"""The server's limits (issue 30): request-body size, Host on loopback, no unauthenticated API docs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from serving import running_server
+
+from patchbay.contract.settings import load_settings
+from patchbay.entrypoints.serve.limits import BodyLimit, HostCheck, is_loopback
+
+
+async def _echo_length(scope, receive, send):
+    """A minimal ASGI app that reads the whole body and answers its length."""
+    size = 0
+    while True:
+        message = await receive()
+        size += len(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    body = str(size).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read_whole():
+    """Issue 30: no request-body limit; one 100 MB body grew the server by gigabytes."""
+    pulled = 0
+
+    async def hundred_megabytes():
+        nonlocal pulled
+        for _ in range(100):
+            pulled += 1
+            yield b"x" * (1 << 20)
+
+    async def run():
+        transport = httpx.ASGITransport(app=BodyLimit(_echo_length, 4 << 20))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            streamed = await client.post("/v1/completions", content=hundred_megabytes())
+            declared = await client.post("/v1/completions", content=b"y" * (5 << 20))
+            small = await client.post("/v1/completions", content=b"z" * 1000)
+        return streamed, declared, small
+
+    streamed, declared, small = asyncio.run(run())
+    for response in (streamed, declared):
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "request_too_large"
+        assert "server.max_body_bytes=4194304" in response.json()["error"]["message"]
+    assert pulled <= 6  # the chunks past the limit were never read
+    assert small.status_code == 200 and small.text == "1000"
+
+
+@pytest.mark.parametrize(("host", "allowed"), [
+    ("127.0.0.1:8000", True), ("localhost", True), ("[::1]:8000", True), ("LOCALHOST:1", True),
+    ("attacker.example", False), ("attacker.example:8000", False), ("127.0.0.1.attacker.example", False),
+    ("", False), ("proxy.internal:80", True),
+])
+def test_the_host_header_is_checked_on_loopback(host, allowed):
+    """Issue 30: the Host header was not checked, so a DNS-rebound web page could call a keyless local server."""
+    app = HostCheck(_echo_length, ["localhost", "127.0.0.1", "::1", "proxy.internal"])
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as client:
+            return await client.get("/v1/models", headers={"host": host})
+
+    response = asyncio.run(run())
+    assert response.status_code == (200 if allowed else 400)
+    if not allowed:
+        assert response.json()["error"]["code"] == "host_not_allowed"
+
+
+def test_loopback_addresses():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and is_loopback("127.0.0.2")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5") and not is_loopback("example.com")
+
+
+def test_the_server_applies_its_limits_and_serves_no_docs(tiny_llama):
+    """Issue 30: /docs, /redoc and /openapi.json answered without a key; bodies and Host went unchecked."""
+    settings = load_settings(None, overrides=[f"model.path={tiny_llama}", "cache.num_blocks=64",
+                                              "server.api_keys=a-key-for-tests", "server.max_body_bytes=65536"])
+    with running_server(settings) as running, httpx.Client(base_url=running.url, timeout=30) as client:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert client.get(path).status_code == 404
+        assert client.get("/health").status_code == 200
+        too_large = client.post("/v1/completions", content=b"{" + b" " * 70000 + b"}",
+                                headers={"authorization": "Bearer a-key-for-tests",
+                                         "content-type": "application/json"})
+        assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
+        rebound = client.get("/health", headers={"host": "attacker.example"})
+        assert rebound.status_code == 400 and "server.allowed_hosts" in rebound.json()["error"]["message"]
