@@ -90,3 +90,23 @@ def test_the_server_applies_its_limits_and_serves_no_docs(tiny_llama):
         assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
         rebound = client.get("/health", headers={"host": "attacker.example"})
         assert rebound.status_code == 400 and "server.allowed_hosts" in rebound.json()["error"]["message"]
+
+
+def test_api_keys_come_from_an_owner_only_key_file_or_the_environment(tmp_path, monkeypatch):
+    """Issue 30: the docs' --set server.api_keys=... put the key on the command line, readable through ps."""
+    from patchbay.contract.settings import ConfigError
+    from patchbay.entrypoints.serve.keys import accepted_api_keys
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("# the team's keys\nsk-from-file-1\n\n  sk-from-file-2  \n")
+    key_file.chmod(0o600)
+    settings = load_settings(None, overrides=[f"server.api_key_file={key_file}", "server.api_keys=sk-inline"])
+    assert accepted_api_keys(settings.server) == {"sk-inline", "sk-from-file-1", "sk-from-file-2"}
+    key_file.chmod(0o644)
+    with pytest.raises(ConfigError, match="server.api_key_file.*others may read it; chmod it to 0600"):
+        accepted_api_keys(settings.server)
+    missing = load_settings(None, overrides=[f"server.api_key_file={tmp_path / 'none'}"])
+    with pytest.raises(ConfigError, match="server.api_key_file.*cannot read"):
+        accepted_api_keys(missing.server)
+    monkeypatch.setenv("PATCHBAY_SERVER__API_KEYS", "sk-env-1,sk-env-2")
+    assert accepted_api_keys(load_settings(None).server) == {"sk-env-1", "sk-env-2"}

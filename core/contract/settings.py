@@ -261,6 +261,8 @@ class ServerSettings(Section):
     """TCP port (0: any free port, printed at start)."""
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Accepted ``Authorization: Bearer`` keys; empty: no key needed.  A comma-separated string is accepted."""
+    api_key_file: Path | None = None
+    """A file of accepted keys, one per line, readable by its owner alone: keeps keys off the command line."""
     served_model_name: str | None = None
     """The model name clients send; default: the model directory's name."""
     max_waiting: int = Field(default=256, ge=0)
@@ -278,6 +280,7 @@ class ServerSettings(Section):
     (``*``: any); others get 400, so a DNS-rebound web page cannot call the server."""
 
     _split = field_validator("api_keys", "allowed_hosts", mode="before")(_split_names)
+    _home = field_validator("api_key_file")(lambda value: _expand_home(value))
 
 
 class Settings(BaseSettings):
