@@ -110,3 +110,17 @@ def test_api_keys_come_from_an_owner_only_key_file_or_the_environment(tmp_path, 
         accepted_api_keys(missing.server)
     monkeypatch.setenv("PATCHBAY_SERVER__API_KEYS", "sk-env-1,sk-env-2")
     assert accepted_api_keys(load_settings(None).server) == {"sk-env-1", "sk-env-2"}
+
+
+def test_bodies_that_are_not_json_get_400_in_openai_shape(tiny_llama):
+    """Issue 30: deeply nested JSON got a 400 in FastAPI's ``{"detail": ...}`` shape, not OpenAI's ``{"error": ...}``."""
+    settings = load_settings(None, overrides=[f"model.path={tiny_llama}", "cache.num_blocks=64"])
+    bodies = [b"[" * 100_000 + b"]" * 100_000, b'{"prompt": "a", "max_tokens": ', b"\xff\xfe not json"]
+    with running_server(settings) as running, httpx.Client(base_url=running.url, timeout=30) as client:
+        for body in bodies:
+            response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert response.status_code == 400, response.text
+            assert set(response.json()) == {"error"} and response.json()["error"]["type"] == "invalid_request_error"
+        unknown = client.get("/no/such/route")
+        assert unknown.status_code == 404 and set(unknown.json()) == {"error"}
+        assert client.get("/health").status_code == 200

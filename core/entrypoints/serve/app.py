@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from patchbay.contract.settings import DEFAULT_MODEL, Settings
 from patchbay.engine import AsyncLLM, EngineDeadError, RequestDelta, RequestOutput
 from patchbay.entrypoints.serve.metrics import ServerMetrics
+from patchbay.entrypoints.serve.http_errors import answer_http_errors_in_openai_shape
 from patchbay.entrypoints.serve.keys import accepted_api_keys
 from patchbay.entrypoints.serve.protocol import (
     APIError,
@@ -86,6 +87,7 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
     # No /docs, /redoc nor /openapi.json: they would answer without an API key.
     app = FastAPI(title="patchbay", version=_version(), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.patchbay = state
+    answer_http_errors_in_openai_shape(app)
     api_keys = accepted_api_keys(settings.server)
 
     def check_api_key(request: Request) -> None:
