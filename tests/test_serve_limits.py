@@ -124,3 +124,32 @@ def test_bodies_that_are_not_json_get_400_in_openai_shape(tiny_llama):
         unknown = client.get("/no/such/route")
         assert unknown.status_code == 404 and set(unknown.json()) == {"error"}
         assert client.get("/health").status_code == 200
+
+
+def test_connections_that_send_nothing_or_trickle_headers_are_closed(tiny_llama):
+    """Issue 30: connections that sent nothing, or headers byte by byte, were never timed out."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    settings = load_settings(None, overrides=[f"model.path={tiny_llama}", "cache.num_blocks=64",
+                                              "server.header_timeout=0.5", "server.idle_timeout=0.5"])
+    with running_server(settings) as running:
+        address = (urlsplit(running.url).hostname, urlsplit(running.url).port)
+        silent = [socket.create_connection(address, timeout=20) for _ in range(5)]
+        trickling = socket.create_connection(address, timeout=20)
+        closed = False
+        for byte in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"a" * 200:  # bounded: 200 bytes
+            try:
+                trickling.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.05)
+        assert closed or trickling.recv(1024) == b""
+        for connection in silent:
+            assert connection.recv(1024) == b""  # closed by the server (the socket timeout bounds the wait)
+            connection.close()
+        trickling.close()
+        with httpx.Client(base_url=running.url, timeout=30) as client:
+            assert client.get("/health").status_code == 200  # a prompt client is served as before

@@ -275,6 +275,9 @@ class ServerSettings(Section):
     """Largest request body; a larger one gets 413 before it is read whole."""
     idle_timeout: float = Field(default=5.0, gt=0.0)
     """Seconds a kept-alive connection may sit idle between requests before it is closed."""
+    header_timeout: float = Field(default=10.0, gt=0.0)
+    """Seconds a request's headers may take to arrive (from the connection's start or, kept alive, after
+    ``idle_timeout``); a connection that sends nothing or trickles them is closed."""
     allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """``Host`` names accepted besides ``localhost``/``127.0.0.1``/``::1`` while ``host`` is a loopback address
     (``*``: any); others get 400, so a DNS-rebound web page cannot call the server."""

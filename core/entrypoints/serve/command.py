@@ -43,6 +43,7 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
     import uvicorn
 
     from patchbay.entrypoints.serve.app import build_app
+    from patchbay.entrypoints.serve.connections import protocol_with_header_deadline
     from patchbay.entrypoints.serve.limits import with_limits
 
     app = build_app(llm, settings)
@@ -59,7 +60,8 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
     limited = with_limits(app, server.host, server.max_body_bytes, server.allowed_hosts)
     config = uvicorn.Config(limited, log_level="info" if settings.server.log_requests else "warning",
                             access_log=settings.server.log_requests, timeout_graceful_shutdown=grace,
-                            timeout_keep_alive=server.idle_timeout, lifespan="on")
+                            timeout_keep_alive=server.idle_timeout, lifespan="on",
+                            http=protocol_with_header_deadline(server.header_timeout, server.idle_timeout))
     return uvicorn.Server(config)
 
 
