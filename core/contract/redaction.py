@@ -53,7 +53,7 @@ def redact_url(url: str) -> str:
 def redact(data: Any) -> Any:
     """A copy of JSON-like ``data`` with secret-named keys' values and URL passwords hidden."""
     if isinstance(data, dict):
-        return {key: HIDDEN if is_secret_name(str(key)) and value is not None else redact(value)
+        return {key: HIDDEN if is_secret_name(str(key)) and value not in (None, "", [], {}) else redact(value)
                 for key, value in data.items()}
     if isinstance(data, list):
         return [redact(item) for item in data]
