@@ -1,7 +1,13 @@
-"""Generate docs/reference.md from the code, so that the reference cannot drift from it.
+"""Generate the docs that describe the code from the code, so that they cannot drift from it.
 
-    python docs/generate_reference.py           # (re)write docs/reference.md
-    python docs/generate_reference.py --check   # exit 1 if docs/reference.md is not what the code gives
+    python docs/generate_reference.py           # (re)write every generated page and block
+    python docs/generate_reference.py --check   # exit 1 if any of them is not what the code gives
+
+It writes docs/reference.md and docs/design/modules.md whole, and the marked blocks of two
+hand-written pages: the key tables of docs/configuration.md (``settings_tables.py``: from the
+settings models' field docstrings) and the room table of docs/architecture.md (``rooms.py``: from
+the packages' docstrings). A marked block runs from ``<!-- generated: NAME -->`` to
+``<!-- end generated: NAME -->``; the text around it is hand-written and kept.
 
 Everything in the reference comes from the source: the hook specs of
 ``patchbay.contract.hookspecs`` (signatures and docstrings, with the module docstring
@@ -25,12 +31,28 @@ import inspect
 import re
 import sys
 import textwrap
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from docsource import (
+    Attribute,
+    ClassInfo,
+    Linker,
+    patchbay_bases,
+    signature,
+    anchor_of,
+    class_info,
+    docstring_markdown,
+    module_constants,
+    module_tree,
+)
+
 DOCS_DIR = Path(__file__).resolve().parent
 REFERENCE = DOCS_DIR / "reference.md"
+CONFIGURATION = DOCS_DIR / "configuration.md"
+ARCHITECTURE = DOCS_DIR / "architecture.md"
+MODULE_INDEX = DOCS_DIR / "design" / "modules.md"
+MARKED_BLOCK = re.compile(r"(<!-- generated: (\S+) -->\n).*?(<!-- end generated: \2 -->)", re.DOTALL)
 
 COMMON_MODULE = "patchbay.interfaces.base"
 # Two kinds share patchbay.interfaces.attention; these classes go under the builder's kind (the builder
@@ -41,266 +63,7 @@ KIND_OF_SHARED_CLASS = {
 }
 
 
-# -- reading the source ----------------------------------------------------------------------------
-
-
-@dataclass
-class Attribute:
-    """One annotated assignment in a class body: a dataclass field, a class attribute, a protocol member."""
-
-    name: str
-    annotation: str
-    default: str | None
-    doc: str
-    owner: str
-
-
-@dataclass
-class Method:
-    name: str
-    signature: str
-    decorators: list[str]
-    doc: str
-    owner: str
-
-
-@dataclass
-class ClassInfo:
-    name: str
-    module: str
-    cls: type
-    node: ast.ClassDef
-    source: str
-    attributes: dict[str, Attribute] = field(default_factory=dict)
-    methods: dict[str, Method] = field(default_factory=dict)
-
-
-_MODULE_TREES: dict[str, tuple[str, ast.Module]] = {}
-
-
-def module_tree(module: ModuleType) -> tuple[str, ast.Module]:
-    """The source and syntax tree of ``module`` (parsed once)."""
-    if module.__name__ not in _MODULE_TREES:
-        source = inspect.getsource(module)
-        _MODULE_TREES[module.__name__] = (source, ast.parse(source))
-    return _MODULE_TREES[module.__name__]
-
-
-def _segment(source: str, node: ast.AST | None) -> str | None:
-    if node is None:
-        return None
-    text = ast.get_source_segment(source, node) or ast.unparse(node)
-    return " ".join(text.split())
-
-
-def _render_default(source: str, node: ast.AST | None) -> str | None:
-    """The default as written; ``field(default_factory=dict)`` is shown as ``dict()``."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "field":
-        for keyword in node.keywords:
-            if keyword.arg == "default_factory":
-                return f"{_segment(source, keyword.value)}()"
-            if keyword.arg == "default":
-                return _segment(source, keyword.value)
-        return None
-    return _segment(source, node)
-
-
-def _docstring_after(body: list[ast.stmt], index: int) -> str:
-    """The string literal right after statement ``index`` (a field docstring), or ``""``."""
-    if index + 1 < len(body):
-        nxt = body[index + 1]
-        if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-            return inspect.cleandoc(nxt.value.value)
-    return ""
-
-
-def _decorator_names(node: ast.FunctionDef) -> list[str]:
-    names = []
-    for decorator in node.decorator_list:
-        target = decorator.func if isinstance(decorator, ast.Call) else decorator
-        names.append(ast.unparse(target).rsplit(".", 1)[-1])
-    return names
-
-
-def _parameter(source: str, arg: ast.arg, default: ast.expr | None, prefix: str = "") -> str:
-    text = prefix + arg.arg
-    if arg.annotation is not None:
-        text += f": {_segment(source, arg.annotation)}"
-    if default is not None:
-        text += f" = {_segment(source, default)}" if arg.annotation is not None else f"={_segment(source, default)}"
-    return text
-
-
-def _signature(source: str, node: ast.FunctionDef) -> str:
-    """``name(parameters) -> returns`` with annotations and defaults as written in the source."""
-    args = node.args
-    positional = [*args.posonlyargs, *args.args]
-    defaults: list[ast.expr | None] = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
-    parts = [_parameter(source, arg, default) for arg, default in zip(positional, defaults)]
-    if args.posonlyargs:
-        parts.insert(len(args.posonlyargs), "/")
-    if args.vararg is not None:
-        parts.append(_parameter(source, args.vararg, None, "*"))
-    elif args.kwonlyargs:
-        parts.append("*")
-    parts += [_parameter(source, arg, default) for arg, default in zip(args.kwonlyargs, args.kw_defaults)]
-    if args.kwarg is not None:
-        parts.append(_parameter(source, args.kwarg, None, "**"))
-    returns = f" -> {_segment(source, node.returns)}" if node.returns is not None else ""
-    return f"{node.name}({', '.join(parts)}){returns}"
-
-
-def class_info(cls: type) -> ClassInfo:
-    """Own attributes and methods of ``cls``, from its source."""
-    module = sys.modules[cls.__module__]
-    source, tree = module_tree(module)
-    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
-    info = ClassInfo(cls.__name__, cls.__module__, cls, node, source)
-    for index, statement in enumerate(node.body):
-        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
-            name = statement.target.id
-            info.attributes[name] = Attribute(
-                name=name,
-                annotation=_segment(source, statement.annotation) or "",
-                default=_render_default(source, statement.value),
-                doc=_docstring_after(node.body, index),
-                owner=cls.__name__,
-            )
-        elif isinstance(statement, ast.FunctionDef):
-            if statement.name.startswith("_") and statement.name not in ("__init__", "__call__"):
-                continue
-            info.methods[statement.name] = Method(
-                name=statement.name,
-                signature=_signature(source, statement),
-                decorators=_decorator_names(statement),
-                doc=inspect.cleandoc(ast.get_docstring(statement, clean=False) or ""),
-                owner=cls.__name__,
-            )
-    return info
-
-
-def _patchbay_bases(cls: type) -> list[type]:
-    return [base for base in cls.__mro__[1:] if base.__module__.startswith("patchbay.")]
-
-
-def module_constants(module: ModuleType, names: set[str]) -> list[tuple[str, str, str]]:
-    """``(name, value, doc)`` of module-level assignments named in ``names``, in source order."""
-    source, tree = module_tree(module)
-    found = []
-    for index, statement in enumerate(tree.body):
-        if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
-            target = statement.targets[0]
-            if isinstance(target, ast.Name) and target.id in names:
-                value = getattr(module, target.id)
-                if isinstance(value, (set, frozenset)):
-                    shown = "frozenset({" + ", ".join(repr(item) for item in sorted(value)) + "})"
-                else:
-                    shown = _segment(source, statement.value) or ""
-                found.append((target.id, shown, _docstring_after(tree.body, index)))
-    return found
-
-
-# -- docstrings to Markdown --------------------------------------------------------------------------
-
-
-_ROLE = re.compile(r":(?:class|meth|func|attr|data|mod|exc|obj):`(~?)([^`]+)`")
-_LITERAL = re.compile(r"``(.+?)``", re.DOTALL)
-
-
-class Linker:
-    """Turns a dotted name into a link to its section when the reference documents it."""
-
-    def __init__(self) -> None:
-        self.anchors: dict[str, str] = {}
-
-    def add(self, name: str, anchor: str) -> None:
-        self.anchors[name] = anchor
-
-    def link(self, text: str, target: str) -> str:
-        for part in target.split("."):
-            if part in self.anchors:
-                return f"[`{text}`](#{self.anchors[part]})"
-        return f"`{text}`"
-
-
-def inline(text: str, linker: Linker) -> str:
-    """reST inline markup to Markdown: ````x```` and ``:class:`x``` become code, linked where documented."""
-    text = _LITERAL.sub(lambda m: f"`{m.group(1)}`", text)  # may span a line break
-
-    def role(match: re.Match[str]) -> str:
-        short, target = match.group(1), match.group(2)
-        shown = target.rsplit(".", 1)[-1] if short else target
-        return linker.link(shown, target)
-
-    return _ROLE.sub(role, text)
-
-
-def _fence_language(block: list[str]) -> str:
-    first = next((line.strip() for line in block if line.strip()), "")
-    if first.startswith("["):
-        return "toml"
-    if first.startswith(("from ", "import ", "def ", "@", "class ")):
-        return "python"
-    return "text"
-
-
-def docstring_markdown(doc: str, linker: Linker) -> str:
-    """A cleaned docstring as Markdown: literal blocks (``::``) fenced, definition lists as bullets."""
-    lines = doc.splitlines()
-    chunks: list[tuple[str, str]] = []  # ("text", markup to convert) or ("code", verbatim)
-    index = 0
-    while index < len(lines):
-        line = lines[index]
-        stripped = line.rstrip()
-        if stripped.endswith("::"):
-            # "text::" introduces a literal block and reads "text:"; a lone "::" disappears.
-            lead = stripped[:-2].rstrip()
-            if lead:
-                chunks.append(("text", lead + ":"))
-            index += 1
-            block: list[str] = []
-            while index < len(lines) and (not lines[index].strip() or lines[index].startswith((" ", "\t"))):
-                block.append(lines[index])
-                index += 1
-            while block and not block[-1].strip():
-                block.pop()
-            body = textwrap.dedent("\n".join(block)).strip("\n")
-            chunks.append(("code", f"\n```{_fence_language(block)}\n{body}\n```\n"))
-            continue
-        next_line = lines[index + 1] if index + 1 < len(lines) else ""
-        if stripped and not line.startswith(" ") and next_line.startswith(" ") and next_line.strip():
-            # A definition-list entry: a term, then its indented description.
-            index += 1
-            body_lines = []
-            while index < len(lines) and lines[index].startswith(" "):
-                body_lines.append(lines[index].strip())
-                index += 1
-            chunks.append(("text", f"- **{stripped}**: {' '.join(body_lines)}"))
-            continue
-        chunks.append(("text", stripped))
-        index += 1
-
-    out: list[str] = []
-    run: list[str] = []
-    for kind, text in chunks:
-        if kind == "text":
-            run.append(text)
-            continue
-        out.append(inline("\n".join(run), linker))
-        run = []
-        out.append(text)
-    out.append(inline("\n".join(run), linker))
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip()
-
-
 # -- rendering ---------------------------------------------------------------------------------------
-
-
-def anchor_of(heading: str) -> str:
-    """GitHub's anchor for a heading text (lowercase, punctuation dropped, spaces to hyphens)."""
-    text = heading.strip().lower()
-    text = re.sub(r"[^\w\- ]", "", text)
-    return text.replace(" ", "-")
 
 
 def _bullet(entry: str, doc: str, linker: Linker) -> list[str]:
@@ -340,7 +103,7 @@ def render_class(cls: type, infos: dict[type, ClassInfo], linker: Linker) -> lis
     if doc:
         lines += [docstring_markdown(doc, linker), ""]
 
-    chain = [cls, *_patchbay_bases(cls)]
+    chain = [cls, *patchbay_bases(cls)]
 
     def find_attribute(name: str) -> Attribute | None:
         for klass in chain:
@@ -384,14 +147,14 @@ def render_class(cls: type, infos: dict[type, ClassInfo], linker: Linker) -> lis
         if method.doc:
             lines += [docstring_markdown(method.doc, linker), ""]
         else:
-            base = next((b for b in _patchbay_bases(cls) if b in infos and method.name in infos[b].methods
+            base = next((b for b in patchbay_bases(cls) if b in infos and method.name in infos[b].methods
                          and infos[b].methods[method.name].doc), None)
             if base is not None:
                 lines += [f"Overrides {linker.link(f'{base.__name__}.{method.name}', base.__name__)}.", ""]
 
     inherited: dict[str, list[str]] = {}
     listed = set(info.methods)
-    for base in _patchbay_bases(cls):
+    for base in patchbay_bases(cls):
         if base not in infos:
             continue
         for name in infos[base].methods:
@@ -463,7 +226,7 @@ def render() -> str:
                    hookspecs.RegisterCallback]
     infos: dict[type, ClassInfo] = {}
     for cls in all_classes:
-        for klass in (cls, *_patchbay_bases(cls)):
+        for klass in (cls, *patchbay_bases(cls)):
             if klass not in infos:
                 infos[klass] = class_info(klass)
     hooks = [name for name, value in vars(hookspecs).items()
@@ -499,7 +262,7 @@ def render() -> str:
     for hook in hooks:
         node = functions[hook]
         kinds = [k for k in KINDS.values() if k.hook == hook]
-        lines += [f"### {hook}", "", "```python", "@hookspec", f"def {_signature(source, node)}", "```", ""]
+        lines += [f"### {hook}", "", "```python", "@hookspec", f"def {signature(source, node)}", "```", ""]
         if kinds:
             kind = kinds[0]
             lines += [f"Kind `{kind.name}` ({kind.label}); implementations subclass "
@@ -537,24 +300,61 @@ def render() -> str:
     return text.rstrip("\n") + "\n"
 
 
+def fill_marked_blocks(text: str, blocks: dict[str, str], page: Path) -> str:
+    """``text`` with each marked block's body replaced by ``blocks[NAME]``; every block must be marked once."""
+    seen: list[str] = []
+
+    def fill(match: re.Match[str]) -> str:
+        name = match.group(2)
+        if name not in blocks:
+            raise SystemExit(f"generate_reference: {page.name} marks a block {name!r} that nothing generates "
+                             f"(known: {', '.join(blocks)})")
+        seen.append(name)
+        return f"{match.group(1)}{blocks[name]}{match.group(3)}"
+
+    filled = MARKED_BLOCK.sub(fill, text)
+    missing = [name for name in blocks if name not in seen]
+    if missing:
+        raise SystemExit(f"generate_reference: {page.name} has no markers for {', '.join(missing)}; add "
+                         "<!-- generated: NAME --> and <!-- end generated: NAME --> lines where each belongs")
+    return filled
+
+
+def generated_pages() -> dict[Path, str]:
+    """Every generated page's text as the code makes it, by path."""
+    from rooms import module_index, room_blocks
+    from settings_tables import settings_blocks
+
+    return {
+        REFERENCE: render(),
+        CONFIGURATION: fill_marked_blocks(CONFIGURATION.read_text(), settings_blocks(CONFIGURATION), CONFIGURATION),
+        ARCHITECTURE: fill_marked_blocks(ARCHITECTURE.read_text(), room_blocks(), ARCHITECTURE),
+        MODULE_INDEX: module_index(),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/reference.md differs from the code")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a generated page differs from the code")
     args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        current = REFERENCE.read_text() if REFERENCE.exists() else ""
+    stale = []
+    for path, text in generated_pages().items():
+        name = path.relative_to(DOCS_DIR.parent)
+        current = path.read_text() if path.exists() else ""
         if current == text:
-            print(f"{REFERENCE.relative_to(DOCS_DIR.parent)} is up to date")
-            return 0
-        diff = difflib.unified_diff(current.splitlines(), text.splitlines(), "docs/reference.md (file)",
-                                    "docs/reference.md (from the code)", lineterm="", n=1)
+            print(f"{name} is up to date")
+            continue
+        if not args.check:
+            path.write_text(text)
+            print(f"wrote {name}")
+            continue
+        stale.append(str(name))
+        diff = difflib.unified_diff(current.splitlines(), text.splitlines(), f"{name} (file)",
+                                    f"{name} (from the code)", lineterm="", n=1)
         print("\n".join(list(diff)[:60]))
-        print(f"\n{REFERENCE.relative_to(DOCS_DIR.parent)} is out of date; run: python docs/generate_reference.py",
-              file=sys.stderr)
+    if stale:
+        print(f"\n{', '.join(stale)} out of date; run: python docs/generate_reference.py", file=sys.stderr)
         return 1
-    REFERENCE.write_text(text)
-    print(f"wrote {REFERENCE.relative_to(DOCS_DIR.parent)}")
     return 0
 
 

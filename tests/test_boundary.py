@@ -8,7 +8,11 @@ rules keep each room from reaching where it should not:
 - the contract (``contract``, ``interfaces``, ``sampling_params``) imports neither torch nor the rooms that use it;
 - the worker never reaches up into the engine or the entry points;
 - the engine never reaches up into the entry points;
-- the entry points reach the engine only through its public API (names in ``patchbay.engine.__all__``).
+- the entry points reach the engine only through its public API (names in ``patchbay.engine.__all__``);
+- inside the worker, the runner's step (the modules at the top of ``worker/``) may use every room, but
+  ``worker/model/`` imports nothing else of the worker, ``worker/cpu/`` neither the step nor ``parallel/`` (its
+  fused layers attend through ``model/``'s forward context), and ``worker/parallel/`` reaches the step
+  only through ``runner_build`` (building its rank's runner), never the runner's internals.
 
 A static scan reads every module's imports (``import``, ``from ... import``,
 relative forms, ``importlib.import_module`` / ``__import__`` with a literal
@@ -34,6 +38,23 @@ CORE_PACKAGE = "patchbay"
 FORBIDDEN = "patchbay.plugins"
 _DYNAMIC_IMPORTERS = {"import_module", "__import__"}
 _UPPER_ROOMS = ("patchbay.engine", "patchbay.entrypoints", "patchbay.bench", "patchbay.testing")
+WORKER = CORE / "worker"
+
+
+def _runner_step(worker: Path = WORKER) -> tuple[str, ...]:
+    """The runner's step: every module at the top of ``worker/`` (a new one there belongs to the step)."""
+    return tuple(f"patchbay.worker.{path.stem}" for path in sorted(worker.glob("*.py")) if path.stem != "__init__")
+
+
+def _worker_rooms(worker: Path = WORKER) -> tuple[str, ...]:
+    """The worker's rooms: its subpackages (``model``, ``cpu``, ``parallel``, ...)."""
+    return tuple(f"patchbay.worker.{path.parent.name}" for path in sorted(worker.glob("*/__init__.py")))
+
+
+RUNNER_STEP = _runner_step()
+WORKER_ROOMS = _worker_rooms()
+RUNNER_BUILD = "patchbay.worker.runner_build"
+"""How the step is built from settings: the one step module a rank's process may use."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +84,17 @@ RULES = (
          ("patchbay.engine",), ("patchbay.entrypoints", "patchbay.bench", "patchbay.testing")),
     Rule("entrypoints-use-engine-api", "the entry points reach the engine only through patchbay.engine's public API",
          ("patchbay.entrypoints",), ("patchbay.worker", "patchbay.scheduling"), public_api_of="patchbay.engine"),
+    Rule("worker-model-stands-alone",
+         "worker/model/ (finding, loading, wrapping models) imports nothing else of the worker: neither the runner's "
+         "step nor another room",
+         ("patchbay.worker.model",),
+         (*RUNNER_STEP, *(room for room in WORKER_ROOMS if room != "patchbay.worker.model"))),
+    Rule("worker-cpu-below-runner",
+         "worker/cpu/ (CPU fast paths) imports neither the runner's step nor worker/parallel/",
+         ("patchbay.worker.cpu",), (*RUNNER_STEP, "patchbay.worker.parallel")),
+    Rule("worker-parallel-builds-runner-only",
+         "worker/parallel/ (one rank's side) reaches the runner's step only through runner_build, never its internals",
+         ("patchbay.worker.parallel",), tuple(module for module in RUNNER_STEP if module != RUNNER_BUILD)),
 )
 
 
@@ -205,6 +237,23 @@ def test_every_top_level_entry_of_core_is_a_room_with_a_one_line_docstring():
         assert docstring, f"{source} has no docstring saying what lives there"
 
 
+def test_the_worker_rules_name_the_step_and_the_rooms():
+    # The worker's rules are computed from the tree: this keeps them from going vacuous.
+    assert {"patchbay.worker.model_runner", "patchbay.worker.input_batch", RUNNER_BUILD} <= set(RUNNER_STEP)
+    assert {"patchbay.worker.model", "patchbay.worker.cpu", "patchbay.worker.parallel"} <= set(WORKER_ROOMS)
+
+
+def test_every_room_of_the_worker_is_a_package_with_a_one_line_docstring():
+    rooms = sorted(path for path in WORKER.iterdir() if path.is_dir() and path.name != "__pycache__")
+    assert rooms, f"no rooms under {WORKER}"
+    for room in rooms:
+        source = room / "__init__.py"
+        assert source.is_file(), f"{room} holds no __init__.py: each room of the worker is a package"
+        docstring = ast.get_docstring(ast.parse(source.read_text()))
+        assert docstring and "\n" not in docstring.strip(), \
+            f"{source} needs a one-line docstring saying what lives there"
+
+
 def _fresh_import(modules: list[str], watched: list[str]) -> dict:
     """Import ``modules`` in a fresh interpreter; report failures and which ``watched`` packages got loaded."""
     script = (
@@ -294,15 +343,32 @@ def test_the_scan_flags_a_core_module_that_imports_plugins(tmp_path, where, line
         ("contract-device-free", "contract/registry.py", "import torch"),
         ("contract-device-free", "contract/settings.py", "from patchbay.scheduling.request import Request"),
         ("contract-device-free", "interfaces/attention.py", "from torch import Tensor"),
-        ("contract-device-free", "sampling_params.py", "from patchbay.worker import hf_model"),
+        ("contract-device-free", "sampling_params.py", "from patchbay.worker.model import hf_model"),
         ("worker-below-engine", "worker/model_runner.py", "from patchbay.engine.core import Engine"),
         ("worker-below-engine", "worker/model_runner.py", "from patchbay.entrypoints.llm import LLM"),
         ("engine-below-entrypoints", "engine/core.py", "from patchbay.entrypoints import cli"),
         ("entrypoints-use-engine-api", "entrypoints/llm.py", "from patchbay.engine.core import Engine"),
         ("entrypoints-use-engine-api", "entrypoints/llm.py", "from patchbay.engine import core"),
-        ("entrypoints-use-engine-api", "entrypoints/llm.py", "from patchbay.worker.model_loader import ModelLoadError"),
+        ("entrypoints-use-engine-api", "entrypoints/llm.py",
+         "from patchbay.worker.model.model_loader import ModelLoadError"),
         ("entrypoints-use-engine-api", "entrypoints/cli.py", "from patchbay.scheduling.scheduler import Scheduler"),
         ("entrypoints-use-engine-api", "entrypoints/cli.py", "import patchbay.engine.outputs"),
+        ("worker-model-stands-alone", "worker/model/hf_model.py",
+         "from patchbay.worker.model_runner import ModelRunner"),
+        ("worker-model-stands-alone", "worker/model/hf_model.py", "from patchbay.worker import input_batch"),
+        ("worker-model-stands-alone", "worker/model/hf_model.py",
+         "def f():\n    from patchbay.worker.parallel.pipeline_parallel import PassThroughLayer"),
+        ("worker-model-stands-alone", "worker/model/model_loader.py", "from patchbay.worker.cpu import tuning"),
+        ("worker-model-stands-alone", "worker/model/model_loader.py", "from ..cpu.heap import keep_freed_memory"),
+        ("worker-cpu-below-runner", "worker/cpu/fused_ops.py", "from patchbay.worker.model_runner import ModelRunner"),
+        ("worker-cpu-below-runner", "worker/cpu/fused_layer.py", "from .. import logprobs"),
+        ("worker-cpu-below-runner", "worker/cpu/tuning.py", "import patchbay.worker.runner_build"),
+        ("worker-cpu-below-runner", "worker/cpu/heap.py", "from patchbay.worker.parallel.distributed import RankSetup"),
+        ("worker-parallel-builds-runner-only", "worker/parallel/rank_worker.py",
+         "from patchbay.worker.model_runner import ModelRunner"),
+        ("worker-parallel-builds-runner-only", "worker/parallel/rank_worker.py", "from .. import input_batch"),
+        ("worker-parallel-builds-runner-only", "worker/parallel/tensor_parallel.py",
+         "importlib.import_module('patchbay.worker.sampling_state')"),
     ],
 )
 def test_the_scan_flags_each_layering_rule_by_name(tmp_path, rule, where, line):
@@ -327,6 +393,17 @@ def test_the_scan_flags_each_layering_rule_by_name(tmp_path, rule, where, line):
         ("contract/registry.py", "from patchbay.interfaces import Plugin"),
         ("contract/registry.py", "from . import hookspecs"),
         ("testing/suite.py", "from patchbay.scheduling.request import hash_block_tokens"),
+        ("worker/model/hf_model.py", "from patchbay.worker.model.forward_context import attend"),
+        ("worker/model/hf_model.py", "from . import model_loader"),
+        ("worker/cpu/fused_ops.py", "from patchbay.worker.model.forward_context import attend"),
+        ("worker/cpu/native_build.py", "from patchbay.worker.model.model_loader import cache_dir"),
+        ("worker/cpu/fused_layer.py", "from .fused_ops import FusedRMSNorm"),
+        ("worker/parallel/rank_worker.py", "from patchbay.worker.runner_build import RunnerSpec"),
+        ("worker/parallel/rank_worker.py", "from patchbay.worker import runner_build"),
+        ("worker/parallel/rank_worker.py", "from patchbay.worker.cpu.heap import keep_freed_memory"),
+        ("worker/parallel/tensor_parallel.py", "from patchbay.worker.model.hf_model import HFCausalLM"),
+        ("worker/runner_build.py", "from patchbay.worker.parallel.tensor_parallel import shard_model"),
+        ("worker/model_runner.py", "from patchbay.worker.cpu.fused_ops import use_fused_ops"),
     ],
 )
 def test_the_scan_allows_what_the_rules_allow(tmp_path, where, line):

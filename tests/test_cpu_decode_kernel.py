@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 import patchbay
 from patchbay.plugins.attention import _cpu_kernel, torch_sdpa
-from patchbay.worker import native_build
-from patchbay.worker.streaming_linear import load_streaming_linear
-from patchbay.worker.tuning import CpuInfo
+from patchbay.worker.cpu import native_build
+from patchbay.worker.cpu.streaming_linear import load_streaming_linear
+from patchbay.worker.cpu.tuning import CpuInfo
 from patchbay.sampling_params import SamplingParams
 from patchbay.testing.attention import AttentionCase, check_attention, make_batch
 from tiny_models import transformers_greedy
@@ -163,7 +163,7 @@ def test_the_build_folder_is_keyed_by_source_flags_torch_installation_and_cpu(mo
     monkeypatch.undo()
     other_cpu = tmp_path / "cpuinfo"
     other_cpu.write_text("model name\t: Another CPU\nflags\t\t: fpu sse2 avx2\n")
-    from patchbay.worker.tuning import CpuInfo
+    from patchbay.worker.cpu.tuning import CpuInfo
 
     read = CpuInfo.read.__func__
     monkeypatch.setattr(CpuInfo, "read", classmethod(lambda cls: read(cls, other_cpu)))

@@ -19,7 +19,7 @@ from patchbay.interfaces.drafter import resolve_aux_layers
 from patchbay.plugins.spec_decode.eagle3 import Eagle3Drafter
 from patchbay.plugins.spec_decode.ngram import NgramDrafter
 from patchbay.sampling_params import SamplingParams
-from patchbay.worker.hf_model import AuxHiddenStates, HFCausalLM
+from patchbay.worker.model.hf_model import AuxHiddenStates, HFCausalLM
 from patchbay.worker.model_runner import ModelRunner
 
 PROMPT = list(range(300, 337))

@@ -87,7 +87,7 @@ def hidden_of(model, token_ids: list[int]) -> torch.Tensor:
 
 def aux_of(model, token_ids: list[int], layers: tuple[int, ...]) -> list[torch.Tensor]:
     """The outputs of decoder ``layers`` at every position, captured as the runner does for EAGLE-3."""
-    from patchbay.worker.hf_model import AuxHiddenStates
+    from patchbay.worker.model.hf_model import AuxHiddenStates
 
     capture = AuxHiddenStates(model, layers)
     with torch.inference_mode():
@@ -135,7 +135,7 @@ def test_greedy_output_is_unchanged_on_the_bundled_model(patchbay_registry, meth
         pytest.skip(reason)
     options = {}
     if weights == "trained":
-        from patchbay.worker.model_loader import resolve_model_dir
+        from patchbay.worker.model.model_loader import resolve_model_dir
 
         directory = heads_module.default_drafter_dir(Path(resolve_model_dir("default")).name, method)
         if not (directory / "config.json").is_file():

@@ -84,6 +84,20 @@ def test_every_source_module_is_in_the_wheel(wheel_files):
     assert not any(name.startswith(("core/", "plugins/", "tests/")) for name in wheel_files)
 
 
+def test_every_kernel_source_is_in_the_wheel(wheel_files):
+    # The C++ kernels compile on the installing machine from package data ([tool.setuptools.package-data]).
+    sources, missing = [], []
+    for directory, prefix in PACKAGE_DIRS.items():
+        for path in sorted((REPO_ROOT / directory).rglob("*")):
+            if path.suffix in (".cpp", ".h"):
+                sources.append(path)
+                in_wheel = f"{prefix}/{path.relative_to(REPO_ROOT / directory).as_posix()}"
+                if in_wheel not in wheel_files:
+                    missing.append(in_wheel)
+    assert sources, "no C++ sources found"
+    assert missing == [], f"C++ sources missing from the wheel (add them to pyproject's package data): {missing}"
+
+
 def test_the_wheel_declares_the_entry_points(wheel, wheel_files):
     entry_points = _entry_points(wheel)
     assert entry_points["console_scripts"]["patchbay"] == "patchbay.entrypoints.cli:main"

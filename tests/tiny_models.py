@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from patchbay.worker.model_loader import bundled_gguf, convert_gguf
+from patchbay.worker.model.model_loader import bundled_gguf, convert_gguf
 
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-gqa4": ("LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2)),

@@ -233,7 +233,7 @@ class Bench:
         return True
 
     def _vllm_spec(self, dtype: str) -> PeerSpec:
-        from patchbay.worker.model_loader import cache_dir
+        from patchbay.worker.model.model_loader import cache_dir
 
         python = check_interpreter("vllm", self.options.vllm_python)
         model = standard_checkpoint(Path(self.model_dir), cache_dir() / "peer-checkpoints")
@@ -249,7 +249,7 @@ class Bench:
         if gguf is None:
             if self.options.model != "default":
                 raise PeerUnavailable(f"no GGUF file for --model {self.options.model}: give --gguf FILE")
-            from patchbay.worker.model_loader import bundled_gguf
+            from patchbay.worker.model.model_loader import bundled_gguf
 
             gguf = bundled_gguf()
         if not gguf.is_file():

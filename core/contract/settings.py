@@ -62,60 +62,81 @@ class Section(BaseModel):
 
 
 class ModelSettings(Section):
+    """Which model runs, in which dtype and with which weights."""
+
     path: str = DEFAULT_MODEL
-    """A local Hugging Face model directory, or ``default`` for the bundled SmolLM2-135M-Instruct."""
+    """A local Hugging Face model directory (with ``config.json``), a ``.gguf`` file (converted once to
+    safetensors under ``~/.cache/patchbay/models``), or ``default`` for the bundled SmolLM2-135M-Instruct.
+    Nothing is downloaded."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """``auto``: on CPUs the fastest dtype the CPU computes natively (measured, see ``patchbay tune``);
-    bfloat16 on GPUs."""
+    """Weights and KV cache. ``auto``: bfloat16 on CUDA; on a CPU the fastest dtype it computes natively,
+    measured once (``patchbay tune``). In bfloat16 greedy tokens can differ at near-ties as batching changes;
+    ``float32`` keeps them (docs/design/cpu-fast-paths.md#dtypes)."""
     quantization: Literal["none", "int8", "int4"] = "none"
-    """``int8`` (per-row scales) or ``int4`` (per 32-feature group, Q4_1's layout): weight-only integer
-    weights for steps of few rows on the CPU, activations in ``dtype``."""
+    """Weight-only integer weights on the CPU for steps of up to 16 rows, activations in ``dtype``: ``int8``
+    with a scale per output row, ``int4`` per group of 32 input features (Q4_1's layout). Another device is an
+    error (docs/design/cpu-fast-paths.md#integer-weights)."""
     max_model_len: PositiveInt | None = None
-    """Longest prompt + output in tokens; default: the model's own limit."""
+    """Longest prompt plus output, in tokens. Null: the model's ``max_position_embeddings`` (a model that
+    declares none needs this set); a larger value is capped to it."""
     max_logprobs: int = Field(default=20, ge=-1)
-    """Most ``logprobs`` / ``prompt_logprobs`` a request may ask for per position; ``-1``: the whole vocabulary."""
+    """Most ``logprobs`` / ``prompt_logprobs`` a request may ask for per position, as vLLM's; ``-1``: the whole
+    vocabulary. A request asking for more is refused when it is added."""
 
     _home = field_validator("path")(lambda value: _expand_home(value))
 
 
 class RuntimeSettings(Section):
+    """The device, the CPU kernels and how the model is spread over processes."""
+
     device: str = "auto"
-    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:1``, ..."""
+    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda``, ``cuda:1``, ... Asking for CUDA where
+    there is none is an error."""
     threads: PositiveInt | None = None
-    """CPU threads for torch; default: all cores."""
+    """``torch.set_num_threads``. Null: torch's default; with several ranks or pipeline stages, the cores this
+    process may use, shared evenly by the ranks on this machine."""
     linear_kernel: Literal["auto", "tiles", "onednn", "row_split", "torch"] = "auto"
-    """Linear layers on the CPU: ``tiles`` reorders each weight once into output tiles that patchbay's
-    own kernel streams on every core (float32 with AVX-512 or AVX2, bfloat16 with AVX512-BF16);
-    ``onednn`` packs each weight once into oneDNN's layout (float32, bfloat16); ``row_split`` cuts each float32 weight into one slice per thread for steps of few
-    rows; ``torch`` keeps torch's own products; ``auto`` is what the machine's tuning measured
-    fastest for the run's dtype."""
+    """The kernel of linear layers on the CPU (docs/design/cpu-fast-paths.md#linear-kernels). ``auto``: what the
+    machine's tuning measured fastest for the run's dtype; a kernel named for a dtype or device it cannot run is
+    an error."""
     fuse_projections: bool = True
-    """Compute the q/k/v projections (and gate/up) of each layer as one matrix product."""
+    """Compute each layer's q/k/v projections (and gate/up) as one product over their concatenated weights, in
+    steps of up to as many rows as the machine's tuning measured faster (16 without a tuning)."""
     fused_ops: bool = True
-    """Run Llama-style RMS norms and SiLU MLPs (Llama, Mistral, Qwen2) through patchbay's C++ kernels on CPU
-    float32 and bfloat16, one pass per row instead of transformers' chain of small ops (built at install, or in
-    the background while transformers' own ops serve)."""
+    """Run Llama-style RMS norms, SiLU MLPs, rotary embeddings and, where all of a layer fused, whole decoder
+    layers through patchbay's C++ kernels on CPU float32 and bfloat16. Without a C++ compiler nothing changes
+    (docs/design/cpu-fast-paths.md#fused-kernels)."""
     single_thread_max_tokens: NonNegativeInt | Literal["auto"] = "auto"
-    """Steps of at most this many tokens run on one CPU thread (0: never); ``auto``: as the machine's
-    tuning measured for the run's dtype, 0 without a tuning."""
+    """Steps of at most this many tokens run on one CPU thread, where waking a second costs more than it gains.
+    ``auto``: up to the row count the machine's tuning measured faster for the run's dtype (0 without a tuning);
+    0: never."""
     seed: int = 0
+    """``torch.manual_seed`` at engine start and again once the engine is built, on every rank and stage, so
+    random samplers repeat run to run whatever the rank count."""
     tensor_parallel_size: PositiveInt = 1
-    """Ranks the model is split over, one process each on this machine (attention heads and MLP columns sharded)."""
+    """Ranks the model is split over, one process each (Llama, Qwen2, Mistral): attention heads and
+    ``intermediate_size`` must be divisible by it, KV heads must divide it or be divisible by it. Under
+    ``torchrun``, ``WORLD_SIZE`` must equal it times ``pipeline_parallel_size`` (docs/design/parallelism.md)."""
     pipeline_parallel_size: PositiveInt = 1
-    """Pipeline stages the decoder layers are split over (contiguous layers), one process each on this machine."""
+    """Pipeline stages the decoder layers are split over, one process each; only the last stage computes logits.
+    At most one stage per layer, and every stage must hold each kind of attention layer the model has
+    (docs/design/parallelism.md#pipeline-stages)."""
     pipeline_layer_partition: Annotated[list[PositiveInt] | None, NoDecode] = None
-    """Decoder layers of each pipeline stage, in stage order (e.g. ``19,11``: the last stage also computes the
-    logits); default: an even split, the first stages one more when it does not divide."""
+    """Decoder layers of each stage, in stage order (``[19, 11]``, or ``19,11`` on the command line): one entry
+    per stage, adding up to the model's layers. Null: an even split, the first stages one more. The last stage
+    also computes the logits."""
     distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend joining the ranks: ``auto`` is NCCL on CUDA, gloo on the CPU."""
+    """The torch.distributed backend joining the ranks: ``auto`` is NCCL on CUDA (rank ``r`` on the ``r``-th
+    device) and gloo on the CPU; ``nccl`` on the CPU is an error."""
     distributed_timeout: PositiveFloat = 300.0
-    """Seconds a collective waits for a rank that is alive but silent before the run fails."""
+    """Seconds a collective waits for a rank that is alive but silent before the run fails; a rank whose process
+    ended fails the run at once."""
     master_addr: str | None = None
-    """Rank 0's address as the other ranks reach it (the store and step channel listen there); default: torchrun's
-    ``MASTER_ADDR`` under torchrun, else the loopback interface."""
+    """Rank 0's address as the other ranks reach it (the run's store and step channel). Null: torchrun's
+    ``MASTER_ADDR`` under torchrun, else the loopback interface (``127.0.0.1``)."""
     master_port: Annotated[int, Field(ge=1, le=65535)] | None = None
-    """Port of the run's torch.distributed store; default: torchrun's ``MASTER_PORT`` under torchrun, else a free
-    port."""
+    """Port of the run's torch.distributed store. Null: torchrun's ``MASTER_PORT`` under torchrun, else a free
+    port; another port under torchrun makes rank 0 host a store of its own."""
 
     _partition = field_validator("pipeline_layer_partition", mode="before")(
         lambda value: _split_names(value) if isinstance(value, str) else value)
@@ -148,16 +169,22 @@ def _byte_size_or_auto(value: Any) -> Any:
 
 
 class CacheSettings(Section):
+    """The paged KV cache. The pool must hold one request of ``model.max_model_len`` tokens, and it
+    must fit the memory free when the engine starts (docs/design/kv-cache.md)."""
+
     block_size: PositiveInt = 16
+    """Tokens per KV-cache block."""
     num_blocks: PositiveInt | None = None
-    """Size the KV pool by block count ..."""
+    """Size the KV pool by block count (block 0 is reserved); give this or ``memory``, not both."""
     memory: Annotated[int | Literal["auto"], BeforeValidator(_byte_size_or_auto)] = "auto"
-    """... or by a memory budget (``512MiB``, ``2GB``); ``auto``: what remains of
-    ``memory_utilization`` of the device's memory once the model and a measured largest step are counted."""
+    """Size the pool by a budget (``512MiB``, ``2GB``, a number of bytes). ``auto``: ``memory_utilization`` of
+    the device's memory less the loaded model and the measured peak of the largest step
+    (docs/design/kv-cache.md#sizing-the-pool)."""
     memory_utilization: float | None = Field(default=None, gt=0, le=1)
-    """The share of the device's memory (the machine's, on the CPU) ``memory: auto`` may fill, model
-    included; default 0.9 on a GPU, 0.5 on the CPU (shared with the rest of the machine)."""
+    """The share of the device's memory (the machine's or its cgroup's, on the CPU) ``memory: auto`` may fill,
+    the model included. Null: 0.9 on a GPU, 0.5 on the CPU, whose memory the rest of the machine shares."""
     prefix_caching: bool = True
+    """Share full blocks of identical prompt prefixes between requests."""
 
     @model_validator(mode="after")
     def _one_sizing(self) -> CacheSettings:
@@ -167,49 +194,84 @@ class CacheSettings(Section):
 
 
 class SchedulerSettings(Section):
+    """How many requests and tokens one step batches."""
+
     max_num_seqs: PositiveInt = 64
     """Most requests running at once."""
     max_num_batched_tokens: PositiveInt = 2048
-    """Token budget of one step (prefill chunks plus decodes)."""
+    """Token budget of one step: prefill chunks plus decodes."""
     chunked_prefill: bool = True
-    """Split long prompts across steps; when off, a prompt must fit the token budget whole."""
+    """Split long prompts across steps. When off, a prompt must fit the token budget whole; a longer one is
+    rejected."""
     max_n: PositiveInt = 1024
-    """Most sequences one request may ask for (its ``n``); a request over it is refused when it is added."""
+    """Most sequences one request may ask for (its ``n``) in ``LLM.generate`` and ``patchbay run``: each sequence
+    is a request of its own, built when the request is added, so a larger ``n`` is refused up front, naming the
+    request.  The server bounds ``n`` by ``scheduler.max_num_seqs + server.max_waiting`` instead."""
 
 
 class AttentionSettings(Section):
+    """The attention backend plugin and its options."""
+
     backend: str = "auto"
-    """A registered attention backend, or ``auto`` to pick by capabilities."""
+    """A registered attention backend (``patchbay plugins --kind attention``), or ``auto``: the highest-priority
+    one that accepts every KV-cache group on this device and dtype. A named backend that cannot serve the run is
+    an error with its reasons."""
     metadata_builder: str | None = None
-    """Override the backend's own metadata builder (rarely needed)."""
+    """A registered metadata builder to use instead of the one the backend names (rarely needed); it runs with
+    its default options."""
     options: dict[str, Any] = Field(default_factory=dict)
+    """The backend's options, validated against its ``Options`` model (the built-in ones are below). Needs a
+    named backend: with ``auto``, options are an error."""
 
 
 class SamplerSettings(Section):
+    """The sampler plugin that turns logits into tokens."""
+
     name: str = "standard"
+    """A registered sampler (``patchbay plugins --kind sampler``): the built-in ``standard`` serves every
+    sampling parameter, ``greedy`` only greedy requests."""
     options: dict[str, Any] = Field(default_factory=dict)
+    """The sampler's options, validated against its ``Options`` model (the built-in ones are below)."""
 
 
 class SpeculativeSettings(Section):
+    """A drafter proposes tokens that the target model verifies in its next step, so outputs
+    are the target's alone (docs/design/speculative-decoding.md)."""
+
     method: str
-    """A registered drafter (``ngram``, ``eagle``, ``medusa``, ...)."""
+    """A registered drafter (``ngram``, ``eagle``, ``eagle3``, ``medusa``, ...)."""
     num_speculative_tokens: PositiveInt = 3
+    """Draft tokens proposed per request and step."""
     rejection_sampler: str = "rejection"
+    """A registered sampler of role ``verify``: it keeps the longest draft prefix the target agrees with, plus
+    one token of the target's own."""
     options: dict[str, Any] = Field(default_factory=dict)
+    """The drafter's options, validated against its ``Options`` model (the built-in ones are below)."""
 
 
 class KVConnectorSettings(Section):
+    """Prompt blocks a store holds are loaded instead of computed, and new full ones are saved
+    for other runs (docs/design/kv-connectors.md)."""
+
     name: str
+    """A registered KV connector (``host_offload``, ``shared_storage``, ``redis``, ...)."""
     role: Literal["both", "producer", "consumer"] = "both"
+    """``producer`` only saves KV, ``consumer`` only loads it, ``both`` does both."""
     options: dict[str, Any] = Field(default_factory=dict)
+    """The connector's options, validated against its ``Options`` model (the built-in ones are below)."""
     stall_timeout: PositiveFloat = 60.0
-    """Seconds the engine waits on requests only the connector holds before it fails the run naming them."""
+    """Seconds the engine waits, with nothing else to run, on requests only the connector holds before it fails
+    the run naming them; results finished before are written."""
 
 
 class StructuredOutputSettings(Section):
+    """The grammar backend for requests' ``structured_output`` constraints, built on the
+    first constrained request (docs/configuration.md#structured-output)."""
+
     backend: str = "xgrammar"
-    """The grammar backend that compiles requests' ``structured_output`` constraints (``xgrammar``, ``llguidance``, ...)."""
+    """A registered structured-output backend: ``xgrammar`` or ``llguidance`` built in."""
     options: dict[str, Any] = Field(default_factory=dict)
+    """The backend's options, validated against its ``Options`` model (the built-in ones are below)."""
 
 
 def _split_names(value: Any) -> Any:
@@ -221,52 +283,74 @@ def _split_names(value: Any) -> Any:
 
 
 class PluginPolicy(Section):
+    """Which installed plugins load, by entry-point name (``example``), distribution name
+    (``patchbay-example-plugin``) or implementation (``sampler:example_argmax``)."""
+
     strict: bool = False
-    """Any plugin that fails to load is an error instead of a report."""
+    """A plugin that fails to load, or registers a name another plugin already has, is an error instead of a
+    report."""
     allow: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """If non-empty, only these plugins (entry-point or distribution names, or ``KIND:NAME``) load."""
+    """If non-empty, only the plugins it names load. A comma-separated string works too (handy in environment
+    variables)."""
     deny: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """These plugins never load (a comma-separated string is accepted, handy in env vars)."""
+    """These plugins never load; wins over ``allow``. A plugin denied by entry-point or distribution name is not
+    even imported. A comma-separated string works too."""
 
     _split = field_validator("allow", "deny", mode="before")(_split_names)
 
 
 class InputSettings(Section):
+    """The requests ``patchbay run`` runs; ``prompts`` and ``file`` may both be given, and a run
+    without either is an error."""
+
     prompts: list[str | dict[str, Any]] = Field(default_factory=list)
-    """Inline prompts: strings, or objects with ``prompt`` / ``messages`` and per-request sampling parameters."""
+    """Inline requests: strings, or objects with ``prompt``, ``messages`` or ``prompt_token_ids`` and
+    per-request sampling parameters (docs/configuration.md#requests)."""
     file: Path | None = None
-    """A JSONL file of requests, one object per line, same shape as inline objects."""
+    """A JSONL file of request objects, one per line, run after the inline ones; a relative path is relative to
+    the YAML file's directory."""
     chat_template: bool = True
-    """Send plain string prompts as a user message through the tokenizer's chat template (an error if it has none)."""
+    """Send plain-string prompts as a user message through the tokenizer's chat template (an error if it has
+    none)."""
     sampling: dict[str, Any] = Field(default_factory=dict)
-    """Default sampling parameters for every request (``max_tokens``, ``stop``, ...)."""
+    """Default sampling parameters of every request (``max_tokens``, ``stop``, ...); a request's own keys
+    override them."""
 
     _home = field_validator("file")(lambda value: _expand_home(value))
 
 
 class OutputSettings(Section):
+    """Where ``patchbay run`` writes its results."""
+
     path: Path | None = None
-    """Where ``patchbay run`` writes JSONL results; default: not written."""
+    """Where ``patchbay run`` writes one JSON line per finished request; null: nowhere. Relative to the current
+    directory, not the YAML file's; missing directories are created (docs/configuration.md#results)."""
     progress: bool = True
+    """Show a progress bar of finished requests on stderr."""
 
     _home = field_validator("path")(lambda value: _expand_home(value))
 
 
 class ServerSettings(Section):
-    """``patchbay serve``: where it listens, who may call it, how much it queues."""
+    """Where ``patchbay serve`` listens, who may call it and how much it queues
+    (docs/serving.md)."""
 
     host: str = "127.0.0.1"
     """Address to listen on (``0.0.0.0`` for every interface)."""
     port: int = Field(default=8000, ge=0, le=65535)
     """TCP port (0: any free port, printed at start)."""
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """Accepted ``Authorization: Bearer`` keys; empty: no key needed.  A comma-separated string is accepted."""
+    """Accepted ``Authorization: Bearer`` keys; empty: no key needed. A comma-separated string works too (handy
+    in ``PATCHBAY_SERVER__API_KEYS``)."""
     api_key_file: Path | None = None
-    """A file of accepted keys, one per line, readable by its owner alone: keeps keys off the command line."""
+    """A file of more accepted keys, one per line (blank lines and ``#`` comments skipped), readable by its owner
+    alone (else the server refuses to start, naming it). With ``PATCHBAY_SERVER__API_KEYS``, the way to keep keys
+    off the command line."""
     served_model_name: str | None = None
     """The model name clients send; default: the model directory's name."""
     max_waiting: int = Field(default=256, ge=0)
-    """Sequences admitted beyond ``scheduler.max_num_seqs``; a request over the limit gets 503, never an unbounded queue."""
+    """Sequences admitted beyond ``scheduler.max_num_seqs``; a request over the limit gets 503 instead of an
+    unbounded queue."""
     shutdown_grace_period: float = Field(default=30.0, ge=0.0)
     """Seconds after SIGTERM during which requests in flight may finish; the rest are aborted."""
     log_requests: bool = False

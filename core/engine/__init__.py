@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from patchbay.engine.prompts import Prompt, encode_prompt
     from patchbay.engine.ranks import run_launched_rank
     from patchbay.engine.step_failures import EngineDeadError
-    from patchbay.worker.model_loader import ModelLoadError
+    from patchbay.worker.model.model_loader import ModelLoadError
 
 __all__ = ["AsyncLLM", "ChoiceDelta", "Completion", "Engine", "EngineDeadError", "EngineSnapshot",
            "IncrementalDetokenizer", "KVConnectorStalledError", "ModelLoadError", "Prompt", "RequestDelta",
@@ -25,7 +25,7 @@ __all__ = ["AsyncLLM", "ChoiceDelta", "Completion", "Engine", "EngineDeadError",
            "run_launched_rank"]
 _ASYNC = "patchbay.engine.async_llm"
 _MODULE_OF = {"Engine": "patchbay.engine.core", "KVConnectorStalledError": "patchbay.engine.core",
-              "ModelLoadError": "patchbay.worker.model_loader",
+              "ModelLoadError": "patchbay.worker.model.model_loader",
               "measure_machine_defaults": "patchbay.engine.core",
               "AsyncLLM": _ASYNC, "ChoiceDelta": _ASYNC, "EngineSnapshot": _ASYNC,
               "EngineDeadError": "patchbay.engine.step_failures",

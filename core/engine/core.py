@@ -52,13 +52,13 @@ from patchbay.engine.ranks import TensorParallelRanks, check_tensor_parallel, pa
 from patchbay.engine.step_failures import EngineDeadError, describe_failure, fail_requests, replay_alone
 from patchbay.scheduling.scheduler import Scheduler
 from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from patchbay.worker import distributed
-from patchbay.worker.kv_transfers import RankTransferReports
-from patchbay.worker.heap import keep_freed_memory
+from patchbay.worker.parallel import distributed
+from patchbay.worker.parallel.kv_transfers import RankTransferReports
+from patchbay.worker.cpu.heap import keep_freed_memory
 from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
-from patchbay.worker.model_loader import resolve_model_dir
-from patchbay.worker.torchrun import torchrun_launch
-from patchbay.worker.pipeline_parallel import stage_layout
+from patchbay.worker.model.model_loader import resolve_model_dir
+from patchbay.worker.parallel.torchrun import torchrun_launch
+from patchbay.worker.parallel.pipeline_parallel import stage_layout
 from patchbay.worker.runner_build import (
     RunnerSpec,
     build_runner,
@@ -67,8 +67,8 @@ from patchbay.worker.runner_build import (
     rank_shard,
     shards_vocabulary,
 )
-from patchbay.worker.tensor_parallel import shard_layout
-from patchbay.worker.tuning import LayerShapes, Tuning, tune
+from patchbay.worker.parallel.tensor_parallel import shard_layout
+from patchbay.worker.cpu.tuning import LayerShapes, Tuning, tune
 
 logger = logging.getLogger(__name__)
 

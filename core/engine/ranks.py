@@ -1,8 +1,8 @@
 """Ranks 1..N-1 (tensor-parallel shards or pipeline stages) as seen from the engine's process (rank 0):
 launch, steps, failure, teardown.
 
-Each rank runs :mod:`patchbay.worker.rank_worker`, reading rank 0's
-messages from a step channel (:mod:`patchbay.worker.step_channel`): a pipe
+Each rank runs :mod:`patchbay.worker.parallel.rank_worker`, reading rank 0's
+messages from a step channel (:mod:`patchbay.worker.parallel.step_channel`): a pipe
 to a child process rank 0 started, or a TCP connection from a rank
 ``torchrun`` launched.  A rank whose process ends makes the run fail within
 moments: rank 0 checks its children before sending each step, and a
@@ -41,14 +41,14 @@ from patchbay.contract.settings import (
 )
 from patchbay.engine.step_failures import EngineDeadError
 from patchbay.scheduling.scheduler_output import SchedulerOutput
-from patchbay.worker import step_channel
-from patchbay.worker.distributed import STORE_HOST, CollectiveError, RankGroup, RankSetup, joined_key
-from patchbay.worker.pipeline_parallel import last_stage_rank
-from patchbay.worker.rank_worker import END_OF_RUN, RankZeroGoneError, run_torchrun_rank
-from patchbay.worker.step_channel import StepChannelError
-from patchbay.worker.torchrun import check_world_size, rendezvous_store, store_address, torchrun_launch
+from patchbay.worker.parallel import step_channel
+from patchbay.worker.parallel.distributed import STORE_HOST, CollectiveError, RankGroup, RankSetup, joined_key
+from patchbay.worker.parallel.pipeline_parallel import last_stage_rank
+from patchbay.worker.parallel.rank_worker import END_OF_RUN, RankZeroGoneError, run_torchrun_rank
+from patchbay.worker.parallel.step_channel import StepChannelError
+from patchbay.worker.parallel.torchrun import check_world_size, rendezvous_store, store_address, torchrun_launch
 from patchbay.worker.runner_build import RunnerSpec
-from patchbay.worker.tuning import Tuning
+from patchbay.worker.cpu.tuning import Tuning
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class TensorParallelRanks:
     """The run's other ranks, started and joined into the process group with this process as rank 0.
 
     Rank 0 starts ranks 1..N-1 itself, unless ``torchrun`` launched this
-    process (:mod:`patchbay.worker.torchrun`): then the ranks connect to it.
+    process (:mod:`patchbay.worker.parallel.torchrun`): then the ranks connect to it.
     """
 
     def __init__(self, settings: Settings, model_dir: Path, *, device: torch.device, dtype: str,
@@ -207,8 +207,8 @@ class TensorParallelRanks:
     def _start(self, rank: int) -> _ChildRank:
         read_fd, connection = step_channel.open_pipe()
         try:
-            process = subprocess.Popen([sys.executable, "-m", "patchbay.worker.rank_worker", str(read_fd), str(rank)],
-                                       pass_fds=(read_fd,))
+            process = subprocess.Popen([sys.executable, "-m", "patchbay.worker.parallel.rank_worker", str(read_fd),
+                                        str(rank)], pass_fds=(read_fd,))
         except BaseException:
             connection.close()
             raise

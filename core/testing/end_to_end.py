@@ -71,7 +71,7 @@ def tiny_model_dir() -> Path:
 
     import transformers
 
-    from patchbay.worker.model_loader import cache_dir
+    from patchbay.worker.model.model_loader import cache_dir
 
     digest = hashlib.sha256(json.dumps([TINY_MODEL, transformers.__version__], sort_keys=True).encode()).hexdigest()
     directory = cache_dir() / "conformance" / f"tiny-llama-{digest[:12]}"
@@ -94,7 +94,7 @@ def _build_tiny_model(directory: Path) -> None:
     import torch
     import transformers
 
-    from patchbay.worker.model_loader import bundled_gguf, convert_gguf
+    from patchbay.worker.model.model_loader import bundled_gguf, convert_gguf
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(convert_gguf(bundled_gguf()))
     config = transformers.LlamaConfig(vocab_size=len(tokenizer), initializer_range=0.2, tie_word_embeddings=False,

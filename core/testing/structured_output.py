@@ -96,7 +96,7 @@ def _byte_level_alphabet() -> dict[str, int]:
 def bundled_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from patchbay.worker.model_loader import resolve_model_dir
+    from patchbay.worker.model.model_loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir("default"))
 

@@ -1,1 +1,1 @@
-"""The side that touches tensors: model loading and wrapping, the model runner, its persistent batch, CPU kernels."""
+"""The side that touches tensors: the runner's step at the top; models, CPU fast paths and ranks in their rooms."""

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from patchbay.worker.hf_model import HFCausalLM
+    from patchbay.worker.model.hf_model import HFCausalLM
     from patchbay.worker.input_batch import InputBatch
 
 PROMPT_LOGPROBS_CHUNK = 256

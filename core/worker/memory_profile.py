@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from patchbay.worker.forward_context import ForwardContext, LayerBinding, forward_context
-from patchbay.worker.hf_model import HFCausalLM
+from patchbay.worker.model.forward_context import ForwardContext, LayerBinding, forward_context
+from patchbay.worker.model.hf_model import HFCausalLM
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")

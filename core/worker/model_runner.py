@@ -8,7 +8,7 @@ sampled, and samples of partial (chunked) prefills are discarded.  A KV
 connector's worker side, when one is configured, loads blocks before the
 forward pass (``start_load_kv``), waits and saves per layer inside it, and
 reports finished transfers and failed loads after it (with several ranks,
-every rank's, joined: :mod:`patchbay.worker.kv_transfers`).
+every rank's, joined: :mod:`patchbay.worker.parallel.kv_transfers`).
 
 A runner of a pipeline stage other than the last (``samples=False``) runs
 its layers and hands the hidden states on (the model's hooks send them);
@@ -44,10 +44,10 @@ from patchbay.interfaces.drafter import resolve_aux_layers
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup
 from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from patchbay.scheduling.structured_output import GrammarCompilations
-from patchbay.worker.forward_context import ForwardContext, LayerBinding, forward_context
-from patchbay.worker.hf_model import AuxHiddenStates, HFCausalLM, torch_dtype
+from patchbay.worker.model.forward_context import ForwardContext, LayerBinding, forward_context
+from patchbay.worker.model.hf_model import AuxHiddenStates, HFCausalLM, torch_dtype
 from patchbay.worker.input_batch import InputBatch
-from patchbay.worker.kv_transfers import RankTransferReports, TransferReport
+from patchbay.worker.parallel.kv_transfers import RankTransferReports, TransferReport
 from patchbay.worker.logprobs import Logprobs, PromptLogprobs
 from patchbay.worker.spec_decode import (
     LogitsLayout,
@@ -123,7 +123,7 @@ class ModelRunner:
         self.single_thread_max_tokens = single_thread_max_tokens
         """Steps of at most this many tokens run on one thread: a sleeping OpenMP thread's wake-up, paid once
         per parallel product, costs more than a second core gains on a few-row product (measured by the
-        machine's tuning, :mod:`patchbay.worker.tuning`)."""
+        machine's tuning, :mod:`patchbay.worker.cpu.tuning`)."""
         self.backend = backend
         self.builders = builders
         self.sampler = sampler

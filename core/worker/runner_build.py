@@ -21,18 +21,18 @@ from patchbay.contract.settings import ConfigError, ConfigProblem, RuntimeSettin
 from patchbay.interfaces import DrafterConfig, DrafterContext, KVConnectorConfig, KVConnectorWorker, KVShard
 from patchbay.scheduling.kv_cache_spec import group_layers
 from patchbay.scheduling.structured_output import GrammarCompilations
-from patchbay.worker.fused_layer import use_fused_layers
-from patchbay.worker.fused_ops import FusedModules, use_fused_ops
-from patchbay.worker.fused_projections import fuse_shared_input_projections
-from patchbay.worker.hf_model import HFCausalLM, torch_dtype
-from patchbay.worker.kv_transfers import RankTransferReports
+from patchbay.worker.cpu.fused_layer import use_fused_layers
+from patchbay.worker.cpu.fused_ops import FusedModules, use_fused_ops
+from patchbay.worker.cpu.fused_projections import fuse_shared_input_projections
+from patchbay.worker.model.hf_model import HFCausalLM, torch_dtype
+from patchbay.worker.parallel.kv_transfers import RankTransferReports
 from patchbay.worker.model_runner import ModelRunner
-from patchbay.worker.packed_linear import packing_supported
-from patchbay.worker.streaming_linear import tiles_unavailable
-from patchbay.worker.pipeline_parallel import StageLink, samples_on, split_model, stage_layout
-from patchbay.worker.quantization import INT8_MAX_ROWS, quantize_linears
-from patchbay.worker.tensor_parallel import AllGather, AllReduce, shard_layout, shard_model
-from patchbay.worker.tuning import LinearPaths, Tuning, apply_linear_paths
+from patchbay.worker.cpu.packed_linear import packing_supported
+from patchbay.worker.cpu.streaming_linear import tiles_unavailable
+from patchbay.worker.parallel.pipeline_parallel import StageLink, samples_on, split_model, stage_layout
+from patchbay.worker.cpu.quantization import INT8_MAX_ROWS, quantize_linears
+from patchbay.worker.parallel.tensor_parallel import AllGather, AllReduce, shard_layout, shard_model
+from patchbay.worker.cpu.tuning import LinearPaths, Tuning, apply_linear_paths
 
 
 @dataclass(frozen=True)

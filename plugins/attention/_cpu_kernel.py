@@ -15,9 +15,9 @@ run a SIMD path (the query and the value accumulators held in registers, four
 keys' dot products reduced by one add tree, each value row weighed for several
 query heads at once); other shapes and CPUs run plain loops.  The work, one
 task per request and KV head, runs on the tiled products' helper threads where
-the process has them (:func:`patchbay.worker.streaming_linear.chunk_runner`),
+the process has them (:func:`patchbay.worker.cpu.streaming_linear.chunk_runner`),
 else over OpenMP.  It is built like every
-patchbay extension (:mod:`patchbay.worker.native_build`): by ``make`` at
+patchbay extension (:mod:`patchbay.worker.cpu.native_build`): by ``make`` at
 install time (``python -m patchbay.plugins.attention._cpu_kernel``), elsewhere
 by :class:`KernelBuild` in a background thread while decodes run through SDPA;
 :func:`kernel_unavailable` says why it cannot be.
@@ -31,9 +31,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from patchbay.worker.native_build import (
+from patchbay.worker.cpu.native_build import (
+    CSRC,
     NATIVE_CFLAGS,
-    SIMD_HELPERS,
     BackgroundBuild,
     NativeExtension,
     build_at_install,
@@ -45,378 +45,14 @@ logger = logging.getLogger(__name__)
 EXTRA_CFLAGS = (*NATIVE_CFLAGS, "-ffast-math")
 """The kernel's compiler flags: fast math lets the compiler vectorize its softmax's exponentials and sums."""
 
-SOURCE = SIMD_HELPERS + r"""
-#include <torch/extension.h>
-#include <omp.h>
-#include <algorithm>
-#include <cmath>
-#include <type_traits>
-#include <vector>
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+"""The kernel's C++ (package data); it includes the worker's shared SIMD header, in
+:data:`patchbay.worker.cpu.native_build.CSRC`."""
 
-// Shapes, for both paths: query [tokens, heads, head_size], any strides; output the same, contiguous;
-// key_cache, value_cache: [blocks, block_size, kv_heads, head_size]; block_table: int32 [requests, max_blocks];
-// then per query (a decode's one token, or each token of a short prefill or a draft): seq_lens: int32, the keys
-// it attends (itself included); rows: int64, its query row; table_rows: int64, its request's block-table row;
-// window: 0, or the sliding window.
-// A pool's entry point (patchbay.worker.streaming_linear.chunk_runner): runs work(context, i) for every i in
-// [0, chunks) over the calling thread and threads - 1 helpers.
-using RunChunks = void (*)(int threads, int64_t chunks, void (*work)(const void*, int64_t), const void* context);
-
-struct Problem {
-  int64_t requests, heads, head_size, block_size, kv_heads, group, max_blocks;
-  int64_t q_token_stride, q_head_stride, token_stride, block_stride, window;
-  const int32_t* table;
-  const int32_t* lens;
-  const int64_t* row_of;
-  const int64_t* table_row_of;
-  float scale;
-  RunChunks run_chunks;
-  int threads;
-
-  Problem(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& block_table,
-          const torch::Tensor& seq_lens, const torch::Tensor& rows, const torch::Tensor& table_rows, double scale_,
-          int64_t window_, int64_t chunk_runner, int64_t threads_)
-      : requests(rows.size(0)), heads(query.size(1)), head_size(query.size(2)), block_size(key_cache.size(1)),
-        kv_heads(key_cache.size(2)), group(query.size(1) / key_cache.size(2)), max_blocks(block_table.size(1)),
-        q_token_stride(query.stride(0)), q_head_stride(query.stride(1)),
-        token_stride(key_cache.size(2) * key_cache.size(3)),
-        block_stride(key_cache.size(1) * key_cache.size(2) * key_cache.size(3)), window(window_),
-        table(block_table.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()),
-        row_of(rows.data_ptr<int64_t>()), table_row_of(table_rows.data_ptr<int64_t>()),
-        scale(static_cast<float>(scale_)), run_chunks(reinterpret_cast<RunChunks>(chunk_runner)),
-        threads(static_cast<int>(threads_)) {}
-
-  int64_t first_key(int64_t r) const { return window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0; }
-};
-
-// task(i) for every i in [0, tasks): on the caller's pool where it passed one (its helpers are awake between the
-// step's products, where OpenMP's sleeping threads would have to be woken and then contend with them for the
-// cores), else over OpenMP.
-template <typename Task>
-static void for_each_task(const Problem& p, int64_t tasks, const Task& task) {
-  if (p.run_chunks != nullptr && p.threads > 1) {
-    p.run_chunks(p.threads, tasks, [](const void* context, int64_t i) { (*static_cast<const Task*>(context))(i); },
-                 &task);
-    return;
-  }
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < tasks; ++i) task(i);
-}
-
-// Softmax in place over each query head's n scores; they are finite (nothing is masked), so fast math is safe.
-static void softmax_rows(float* scores, int64_t group, int64_t n) {
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * n;
-    float top = sg[0];
-    for (int64_t i = 1; i < n; ++i) top = std::max(top, sg[i]);
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < n; ++i) {
-      sg[i] = std::exp(sg[i] - top);
-      total += sg[i];
-    }
-    const float inverse = 1.0f / total;
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) sg[i] *= inverse;
-  }
-}
-
-// Any head size, any CPU: scalar loops the compiler vectorizes as it can.
-template <typename scalar_t>
-void decode_attention_generic(const Problem& p, const scalar_t* q_base, const scalar_t* k_base,
-                              const scalar_t* v_base, scalar_t* out_base) {
-  const int64_t hs = p.head_size;
-  for_each_task(p, p.requests * p.kv_heads, [&](int64_t task) {
-    const int64_t r = task / p.kv_heads, kvh = task % p.kv_heads;
-    const int64_t seq_len = p.lens[r], first = p.first_key(r), n = seq_len - first;
-    const int32_t* blocks = p.table + p.table_row_of[r] * p.max_blocks;
-    std::vector<float> q(p.group * hs);
-    for (int64_t g = 0; g < p.group; ++g) {
-      const scalar_t* qg = q_base + p.row_of[r] * p.q_token_stride + (kvh * p.group + g) * p.q_head_stride;
-      for (int64_t d = 0; d < hs; ++d) q[g * hs + d] = static_cast<float>(qg[d]) * p.scale;
-    }
-    std::vector<float> scores(p.group * n);
-    for (int64_t pos = first; pos < seq_len; ++pos) {
-      const scalar_t* k = k_base + blocks[pos / p.block_size] * p.block_stride
-                          + (pos % p.block_size) * p.token_stride + kvh * hs;
-      for (int64_t g = 0; g < p.group; ++g) {
-        const float* __restrict qg = q.data() + g * hs;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < hs; ++d) dot += qg[d] * static_cast<float>(k[d]);
-        scores[g * n + pos - first] = dot;
-      }
-    }
-    softmax_rows(scores.data(), p.group, n);
-    std::vector<float> sums(p.group * hs, 0.0f);
-    for (int64_t pos = first; pos < seq_len; ++pos) {
-      const scalar_t* __restrict v = v_base + blocks[pos / p.block_size] * p.block_stride
-                                     + (pos % p.block_size) * p.token_stride + kvh * hs;
-      for (int64_t g = 0; g < p.group; ++g) {
-        const float weight = scores[g * n + pos - first];
-        float* __restrict o = sums.data() + g * hs;
-#pragma omp simd
-        for (int64_t d = 0; d < hs; ++d) o[d] += weight * static_cast<float>(v[d]);
-      }
-    }
-    scalar_t* out = out_base + (p.row_of[r] * p.heads + kvh * p.group) * hs;
-    for (int64_t i = 0; i < p.group * hs; ++i) out[i] = static_cast<scalar_t>(sums[i]);
-  });
-}
-
-#ifdef PATCHBAY_SIMD
-#if defined(__AVX512F__)
-// The sums of four registers, [sum(a), sum(b), sum(c), sum(d)]: a transposing add tree, cheaper than four sums.
-static inline __m128 vsum4(vfloat a, vfloat b, vfloat c, vfloat d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512 lanes = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
-  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(lanes),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
-}
-#else
-static inline __m128 vsum4(vfloat a, vfloat b, vfloat c, vfloat d) {
-  const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
-  const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
-  const __m256 lanes = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
-  return _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
-}
-#endif
-
-// How many query heads the value pass serves at once: their accumulators (heads x kChunks registers) and one
-// widened value row must fit in the register file.
-constexpr int kRegisters = kLanes == 16 ? 32 : 16;
-template <int kChunks>
-constexpr int kValueHeads = std::min(8, std::max(1, (kRegisters - kChunks - 2) / kChunks));
-
-// The outputs of kHeads consecutive query heads of one KV head: each value row is widened once and feeds
-// kHeads x kChunks independent multiply-adds, so neither a reload per head nor one chain of dependent adds per
-// register bounds the pass.  scores: the heads' probabilities, n per head; out: the first head's output row.
-template <int kChunks, typename scalar_t, int kHeads>
-static void weigh_values(const Problem& p, const int32_t* blocks, int64_t first, int64_t seq_len,
-                         const scalar_t* v_head, const float* scores, int64_t n, scalar_t* out) {
-  vfloat acc[kHeads][kChunks];
-  for (int h = 0; h < kHeads; ++h)
-    for (int c = 0; c < kChunks; ++c) acc[h][c] = vbroadcast(0.0f);
-  for (int64_t pos = first; pos < seq_len;) {
-    const int64_t offset = pos % p.block_size;
-    const int64_t count = std::min(p.block_size - offset, seq_len - pos);
-    const scalar_t* v = v_head + blocks[pos / p.block_size] * p.block_stride + offset * p.token_stride;
-    const float* weights = scores + pos - first;
-    for (int64_t j = 0; j < count; ++j, v += p.token_stride) {
-      vfloat row[kChunks];
-      for (int c = 0; c < kChunks; ++c) row[c] = vload(v + c * kLanes);
-      for (int h = 0; h < kHeads; ++h) {
-        const vfloat weight = vbroadcast(weights[h * n + j]);
-        for (int c = 0; c < kChunks; ++c) acc[h][c] = vfma(weight, row[c], acc[h][c]);
-      }
-    }
-    pos += count;
-  }
-  for (int h = 0; h < kHeads; ++h)
-    for (int c = 0; c < kChunks; ++c) vstore(out + h * p.head_size + c * kLanes, acc[h][c]);
-}
-
-template <int kChunks, typename scalar_t>
-using WeighValues = void (*)(const Problem&, const int32_t*, int64_t, int64_t, const scalar_t*, const float*,
-                             int64_t, scalar_t*);
-template <int kChunks, typename scalar_t>
-constexpr WeighValues<kChunks, scalar_t> kWeighValues[8] = {
-    weigh_values<kChunks, scalar_t, 1>, weigh_values<kChunks, scalar_t, 2>, weigh_values<kChunks, scalar_t, 3>,
-    weigh_values<kChunks, scalar_t, 4>, weigh_values<kChunks, scalar_t, 5>, weigh_values<kChunks, scalar_t, 6>,
-    weigh_values<kChunks, scalar_t, 7>, weigh_values<kChunks, scalar_t, 8>};
-
-#if defined(__AVX512BF16__)
-// Bfloat16 caches: one query head's scores against `count` keys `token_stride` apart, pairs of bfloat16 features
-// multiplied exactly and summed in float32 by AVX512-BF16's pair dot product (half the instructions of widening
-// each key to float32 first), then scaled.  kPairRegs registers of 32 features make the head.
-template <int kPairRegs>
-static inline void bf16_scores(const __m512bh* query, const c10::BFloat16* k, int64_t token_stride,
-                               int64_t count, float scale, float* scores) {
-  const __m128 scale4 = _mm_set1_ps(scale);
-  int64_t j = 0;
-  for (; j + 4 <= count; j += 4, k += 4 * token_stride) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    for (int c = 0; c < kPairRegs; ++c) {
-      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(k + c * 32), query[c]);
-      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(k + token_stride + c * 32), query[c]);
-      a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(k + 2 * token_stride + c * 32), query[c]);
-      a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(k + 3 * token_stride + c * 32), query[c]);
-    }
-    _mm_storeu_ps(scores + j, _mm_mul_ps(vsum4(a0, a1, a2, a3), scale4));
-  }
-  for (; j < count; ++j, k += token_stride) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < kPairRegs; ++c) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + c * 32), query[c]);
-    scores[j] = _mm512_reduce_add_ps(acc) * scale;
-  }
-}
-#endif
-
-// Head size = kChunks registers.  Per (request, KV head) task and per query head of its group, the query's
-// registers stay loaded while keys stream past (one dot product per key, reduced once), then the value
-// accumulators stay in registers while values stream past.  The task's keys and values (a few KiB per
-// request) stay in L1/L2 between query heads, so memory sees each of them about once.
-template <int kChunks, typename scalar_t>
-void decode_attention_simd(const Problem& p, const scalar_t* q_base, const scalar_t* k_base,
-                           const scalar_t* v_base, scalar_t* out_base) {
-  const int64_t hs = p.head_size;
-  for_each_task(p, p.requests * p.kv_heads, [&](int64_t task) {
-    const int64_t r = task / p.kv_heads, kvh = task % p.kv_heads;
-    thread_local std::vector<float> scores, q;  // reused by every task a thread runs
-    q.resize(hs);
-    const int64_t seq_len = p.lens[r], first = p.first_key(r), n = seq_len - first;
-    const int32_t* blocks = p.table + p.table_row_of[r] * p.max_blocks;
-    scores.resize(p.group * n);
-    for (int64_t g = 0; g < p.group; ++g) {
-      const scalar_t* qg = q_base + p.row_of[r] * p.q_token_stride + (kvh * p.group + g) * p.q_head_stride;
-      for (int64_t d = 0; d < hs; ++d) q[d] = static_cast<float>(qg[d]) * p.scale;
-#if defined(__AVX512BF16__)
-      constexpr bool kPairDots = std::is_same<scalar_t, c10::BFloat16>::value && kChunks % 2 == 0;
-      __m512bh qpairs[kChunks / 2 > 0 ? kChunks / 2 : 1];
-      if constexpr (kPairDots)
-        for (int c = 0; c < kChunks / 2; ++c) qpairs[c] = (__m512bh)_mm512_loadu_si512(qg + c * 32);
-#else
-      constexpr bool kPairDots = false;
-#endif
-      vfloat qv[kChunks];
-      for (int c = 0; c < kChunks; ++c) qv[c] = vload(q.data() + c * kLanes);
-      float* sg = scores.data() + g * n;
-      for (int64_t pos = first; pos < seq_len;) {
-        const int64_t offset = pos % p.block_size;
-        const int64_t count = std::min(p.block_size - offset, seq_len - pos);
-        const scalar_t* k = k_base + blocks[pos / p.block_size] * p.block_stride + offset * p.token_stride
-                            + kvh * hs;
-        if (g == 0) {
-          // Ask for the values these keys weigh (read next) and for the next block's keys while the dot
-          // products run: one block's rows of one head are too few for the hardware prefetcher to start.
-          const int64_t row_bytes = hs * static_cast<int64_t>(sizeof(scalar_t));
-          const char* v = reinterpret_cast<const char*>(v_base + (k - k_base));
-          for (int64_t t = 0; t < count; ++t)
-            for (int64_t byte = 0; byte < row_bytes; byte += 64)
-              _mm_prefetch(v + t * p.token_stride * sizeof(scalar_t) + byte, _MM_HINT_T1);
-          const int64_t next = pos + count;
-          if (next < seq_len) {
-            const char* k_next = reinterpret_cast<const char*>(
-                k_base + blocks[next / p.block_size] * p.block_stride + kvh * hs);
-            const int64_t next_count = std::min(p.block_size, seq_len - next);
-            for (int64_t t = 0; t < next_count; ++t)
-              for (int64_t byte = 0; byte < row_bytes; byte += 64)
-                _mm_prefetch(k_next + t * p.token_stride * sizeof(scalar_t) + byte, _MM_HINT_T0);
-          }
-        }
-#if defined(__AVX512BF16__)
-        if constexpr (kPairDots) {
-          bf16_scores<kChunks / 2>(qpairs, reinterpret_cast<const c10::BFloat16*>(k), p.token_stride, count,
-                                   p.scale, sg + pos - first);
-          pos += count;
-          continue;
-        }
-#endif
-        int64_t j = 0;
-        for (; j + 4 <= count; j += 4, k += 4 * p.token_stride) {
-          const scalar_t* k1 = k + p.token_stride;
-          const scalar_t* k2 = k1 + p.token_stride;
-          const scalar_t* k3 = k2 + p.token_stride;
-          vfloat a0 = vmul(qv[0], vload(k)), a1 = vmul(qv[0], vload(k1));
-          vfloat a2 = vmul(qv[0], vload(k2)), a3 = vmul(qv[0], vload(k3));
-          for (int c = 1; c < kChunks; ++c) {
-            a0 = vfma(qv[c], vload(k + c * kLanes), a0);
-            a1 = vfma(qv[c], vload(k1 + c * kLanes), a1);
-            a2 = vfma(qv[c], vload(k2 + c * kLanes), a2);
-            a3 = vfma(qv[c], vload(k3 + c * kLanes), a3);
-          }
-          _mm_storeu_ps(sg + pos - first + j, vsum4(a0, a1, a2, a3));
-        }
-        for (; j < count; ++j, k += p.token_stride) {
-          vfloat acc = vmul(qv[0], vload(k));
-          for (int c = 1; c < kChunks; ++c) acc = vfma(qv[c], vload(k + c * kLanes), acc);
-          sg[pos - first + j] = vsum(acc);
-        }
-        pos += count;
-      }
-    }
-    softmax_rows(scores.data(), p.group, n);
-    scalar_t* out = out_base + (p.row_of[r] * p.heads + kvh * p.group) * hs;
-    for (int64_t g = 0; g < p.group;) {
-      const int64_t heads = std::min<int64_t>(kValueHeads<kChunks>, p.group - g);
-      kWeighValues<kChunks, scalar_t>[heads - 1](p, blocks, first, seq_len, v_base + kvh * hs,
-                                                 scores.data() + g * n, n, out + g * hs);
-      g += heads;
-    }
-  });
-}
-
-template <typename scalar_t>
-bool decode_attention_fast(const Problem& p, const scalar_t* q, const scalar_t* k, const scalar_t* v,
-                           scalar_t* out) {
-  if (p.head_size % kLanes != 0) return false;
-  switch (p.head_size / kLanes) {
-    case 1: decode_attention_simd<1>(p, q, k, v, out); return true;
-    case 2: decode_attention_simd<2>(p, q, k, v, out); return true;
-    case 3: decode_attention_simd<3>(p, q, k, v, out); return true;
-    case 4: decode_attention_simd<4>(p, q, k, v, out); return true;
-    case 5: decode_attention_simd<5>(p, q, k, v, out); return true;
-    case 6: decode_attention_simd<6>(p, q, k, v, out); return true;
-    case 8: decode_attention_simd<8>(p, q, k, v, out); return true;
-    case 16: decode_attention_simd<16>(p, q, k, v, out); return true;
-    default: return false;
-  }
-}
-#else
-template <typename scalar_t>
-bool decode_attention_fast(const Problem&, const scalar_t*, const scalar_t*, const scalar_t*, scalar_t*) {
-  return false;
-}
-#endif
-
-template <typename scalar_t>
-void decode_attention(const Problem& p, const torch::Tensor& query, const torch::Tensor& key_cache,
-                      const torch::Tensor& value_cache, torch::Tensor& output) {
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* k = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v = value_cache.data_ptr<scalar_t>();
-  scalar_t* out = output.data_ptr<scalar_t>();
-  if (!decode_attention_fast<scalar_t>(p, q, k, v, out)) decode_attention_generic<scalar_t>(p, q, k, v, out);
-}
-
-// query: [tokens, heads, head_size] with unit stride along head_size; output: the same shape, contiguous;
-// key_cache, value_cache: [blocks, block_size, kv_heads, head_size], contiguous; all float32 or all bfloat16;
-// block_table: int32 [requests, max_blocks]; per query: seq_lens int32 (keys it attends, itself included), rows
-// int64 (its query row), table_rows int64 (its request's block-table row); window: 0, or the window; chunk_runner:
-// a pool's entry point (RunChunks) to run on `threads` threads, or 0 to run over OpenMP.
-void paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                            torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor rows,
-                            torch::Tensor table_rows, double scale, int64_t window, torch::Tensor output,
-                            int64_t chunk_runner, int64_t threads) {
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && key_cache.scalar_type() == dtype
-              && value_cache.scalar_type() == dtype && output.scalar_type() == dtype,
-              "paged_decode_attention runs on float32 or bfloat16, one dtype for query, caches and output");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32
-              && rows.scalar_type() == torch::kInt64 && table_rows.scalar_type() == torch::kInt64,
-              "int32 block table and lengths, int64 rows and table rows expected");
-  TORCH_CHECK(seq_lens.numel() == rows.numel() && table_rows.numel() == rows.numel(),
-              "one length, one row and one table row per query expected");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && query.stride(2) == 1
-              && output.is_contiguous() && block_table.is_contiguous() && seq_lens.is_contiguous()
-              && rows.is_contiguous() && table_rows.is_contiguous(),
-              "contiguous caches, block table, per-query arrays and output, and a query with unit stride along "
-              "head_size expected");
-  const Problem problem(query, key_cache, block_table, seq_lens, rows, table_rows, scale, window, chunk_runner,
-                        threads);
-  if (dtype == torch::kFloat32) {
-    decode_attention<float>(problem, query, key_cache, value_cache, output);
-  } else {
-    decode_attention<at::BFloat16>(problem, query, key_cache, value_cache, output);
-  }
-}
-"""
 
 def extension() -> NativeExtension:
     """The kernel as a :class:`NativeExtension` (its flags read now, so a test can change them)."""
-    return NativeExtension("patchbay_paged_decode", SOURCE, ("paged_decode_attention",), EXTRA_CFLAGS)
+    return NativeExtension("patchbay_paged_decode", (SOURCE,), EXTRA_CFLAGS, (CSRC,))
 
 
 def kernel_unavailable() -> str | None:
@@ -444,7 +80,7 @@ def load_kernel() -> Any:
 
 
 class KernelBuild(BackgroundBuild):
-    """:func:`load_kernel` in a background thread (see :class:`~patchbay.worker.native_build.BackgroundBuild`)."""
+    """:func:`load_kernel` in a background thread (see :class:`~patchbay.worker.cpu.native_build.BackgroundBuild`)."""
 
     def __init__(self) -> None:
         super().__init__(lambda: load_kernel(), "the C++ decode kernel")

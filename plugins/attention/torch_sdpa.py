@@ -41,7 +41,7 @@ from patchbay.plugins.attention.common import (
     as_paged,
     extend_metadata,
 )
-from patchbay.worker.streaming_linear import chunk_runner
+from patchbay.worker.cpu.streaming_linear import chunk_runner
 
 logger = logging.getLogger(__name__)
 
@@ -249,11 +249,10 @@ class TorchSDPAOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     decode_kernel: Literal["auto", "paged_cpp", "sdpa"] = "auto"
-    """Single-token queries on CPU float32 or bfloat16: ``paged_cpp`` attends straight over the paged
-    cache with patchbay's C++ kernel (built once per installation, at install time by ``make``; needs a
-    C++ compiler and ninja), reading each cached key and value once; ``sdpa`` gathers the blocks and
-    calls SDPA; ``auto`` is ``paged_cpp`` once the kernel is built, building it in the background if
-    it is not (decodes use ``sdpa`` meanwhile, and for good if it cannot be built, which is logged)."""
+    """Few-token queries on CPU float32 or bfloat16: ``paged_cpp`` attends straight over the paged cache with
+    patchbay's C++ kernel (needs a C++ compiler and ninja); ``sdpa`` gathers the blocks and calls SDPA; ``auto``
+    uses the kernel once built, SDPA meanwhile or, logged, for good
+    (docs/design/cpu-fast-paths.md#the-decode-attention-kernel)."""
 
 
 class DecodeKernel:

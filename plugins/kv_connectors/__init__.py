@@ -1,1 +1,1 @@
-"""Built-in kv connectors plugins (registered through the patchbay entry points)."""
+"""Built-in KV connectors: host memory, a shared directory and Redis."""

@@ -75,7 +75,7 @@ def target_parts(model: nn.Module) -> TargetParts:
     if lm_head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (lm head); drafters project through it")
     shard = getattr(lm_head, "vocab_shard", None)
-    if shard is not None:  # patchbay.worker.tensor_parallel.VocabShard
+    if shard is not None:  # patchbay.worker.parallel.tensor_parallel.VocabShard
         raise ValueError(f"{type(model).__name__}'s embedding and lm head hold {shard.rows_per_rank} of its "
                          f"{shard.vocab_size} vocabulary rows on each of {shard.world_size} ranks "
                          "(runtime.tensor_parallel_size); a drafter that reads their whole weights declares "
@@ -105,7 +105,7 @@ def model_id(model: nn.Module) -> str:
 
 def default_drafter_dir(target_model_id: str, kind: str) -> Path:
     """``~/.cache/patchbay/drafters/<model-id>/<kind>`` (``$PATCHBAY_CACHE_DIR`` replaces ``~/.cache/patchbay``)."""
-    from patchbay.worker.model_loader import cache_dir
+    from patchbay.worker.model.model_loader import cache_dir
 
     return cache_dir() / "drafters" / target_model_id / kind
 

@@ -276,10 +276,10 @@ def add_aux_hidden_states(model: nn.Module, corpus: Corpus, layers: Sequence[int
 
     One teacher-forced pass over each sequence's tokens (right-padded
     batches; causal attention keeps padding out of the real rows), with the
-    runner's own hooks (:class:`~patchbay.worker.hf_model.AuxHiddenStates`), so
+    runner's own hooks (:class:`~patchbay.worker.model.hf_model.AuxHiddenStates`), so
     training reads what inference will.
     """
-    from patchbay.worker.hf_model import AuxHiddenStates
+    from patchbay.worker.model.hf_model import AuxHiddenStates
 
     decoder = model.base_model
     capture = AuxHiddenStates(model, layers)

@@ -113,7 +113,7 @@ def load_target(model_path: str) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from patchbay.worker.model_loader import resolve_model_dir
+    from patchbay.worker.model.model_loader import resolve_model_dir
 
     model_dir = resolve_model_dir(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -1,0 +1,249 @@
+// RMS norms, SiLU-and-multiply, rotary embeddings and whole decoder layers as single kernels
+// (patchbay.worker.cpu.fused_ops, patchbay.worker.cpu.fused_layer).
+#include <torch/extension.h>
+#include "simd.h"
+#include <omp.h>
+#include <cmath>
+#include <vector>
+
+// Rows below this many elements in all run on the calling thread: waking OpenMP's sleeping threads costs more.
+constexpr int64_t kParallelElements = 1 << 16;
+
+template <typename scalar_t>
+void rms_norm_rows(const scalar_t* x, int64_t x_row_stride, const scalar_t* weight, scalar_t* out, int64_t rows,
+                   int64_t hidden, float eps) {
+#pragma omp parallel for if (rows * hidden >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* row = x + r * x_row_stride;
+    scalar_t* o = out + r * hidden;
+    int64_t i = 0;
+    float squares = 0.0f;
+#ifdef PATCHBAY_SIMD
+    vfloat acc = vbroadcast(0.0f);
+    for (; i + kLanes <= hidden; i += kLanes) {
+      const vfloat value = vload(row + i);
+      acc = vfma(value, value, acc);
+    }
+    squares = vsum(acc);
+#endif
+    for (; i < hidden; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+    const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+    i = 0;
+#ifdef PATCHBAY_SIMD
+    const vfloat scale = vbroadcast(inverse);
+    for (; i + kLanes <= hidden; i += kLanes) {
+      // Rounded to the input's dtype before the weight multiplies it, as transformers does.
+      const vfloat normalized = vround_as(row, vmul(vload(row + i), scale));
+      vstore(o + i, vmul(vload(weight + i), normalized));
+    }
+#endif
+    for (; i < hidden; ++i) {
+      const scalar_t normalized = static_cast<scalar_t>(static_cast<float>(row[i]) * inverse);
+      o[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normalized));
+    }
+  }
+}
+
+// x: [..., hidden] with unit stride along hidden and equal row strides; weight: [hidden]; out: contiguous.
+void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor out) {
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK(x.stride(-1) == 1 && weight.is_contiguous() && out.is_contiguous() && weight.numel() == hidden
+              && out.numel() == x.numel(), "rms_norm: unit-stride rows, a contiguous weight of the row's size and "
+              "a contiguous output of the input's size expected");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && x.scalar_type() == out.scalar_type(),
+              "rms_norm: one dtype for input, weight and output");
+  const int64_t rows = hidden ? x.numel() / hidden : 0;
+  const auto flat = x.reshape({rows, hidden});  // a view for transformers' [1, tokens, hidden] hidden states
+  const int64_t row_stride = rows > 1 ? flat.stride(0) : hidden;
+  if (x.scalar_type() == torch::kFloat32) {
+    rms_norm_rows<float>(flat.data_ptr<float>(), row_stride, weight.data_ptr<float>(), out.data_ptr<float>(), rows,
+                         hidden, static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "rms_norm runs on float32 or bfloat16");
+    rms_norm_rows<at::BFloat16>(flat.data_ptr<at::BFloat16>(), row_stride, weight.data_ptr<at::BFloat16>(),
+                                out.data_ptr<at::BFloat16>(), rows, hidden, static_cast<float>(eps));
+  }
+}
+
+template <typename scalar_t>
+void silu_and_mul_rows(const scalar_t* gate, const scalar_t* up, int64_t in_row_stride, scalar_t* out, int64_t rows,
+                       int64_t width) {
+#pragma omp parallel for if (rows * width >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* g = gate + r * in_row_stride;
+    const scalar_t* u = up + r * in_row_stride;
+    scalar_t* o = out + r * width;
+    int64_t i = 0;
+#ifdef PATCHBAY_SIMD
+    const vfloat one = vbroadcast(1.0f), minus_one = vbroadcast(-1.0f);
+    for (; i + kLanes <= width; i += kLanes) {
+      const vfloat value = vload(g + i);
+      // SiLU rounded to the dtype before the product, as act_fn(gate) * up rounds it.
+      const vfloat activated = vround_as(g, vdiv(value, vadd(one, vexp(vmul(value, minus_one)))));
+      vstore(o + i, vmul(activated, vload(u + i)));
+    }
+#endif
+    for (; i < width; ++i) {
+      const float value = static_cast<float>(g[i]);
+      const scalar_t activated = static_cast<scalar_t>(value / (1.0f + std::exp(-value)));
+      o[i] = static_cast<scalar_t>(static_cast<float>(activated) * static_cast<float>(u[i]));
+    }
+  }
+}
+
+template <typename scalar_t>
+void rotate_heads(const scalar_t* in, int64_t in_row_stride, const scalar_t* cos, const scalar_t* sin,
+                  int64_t angle_stride, scalar_t* out, int64_t rows, int64_t heads, int64_t head_size) {
+  const int64_t half = head_size / 2;
+#pragma omp parallel for if (rows * heads * head_size >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* c = cos + r * angle_stride;
+    const scalar_t* s = sin + r * angle_stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      const scalar_t* x = in + r * in_row_stride + h * head_size;
+      scalar_t* o = out + (r * heads + h) * head_size;
+      int64_t i = 0;
+#ifdef PATCHBAY_SIMD
+      if (half % kLanes == 0) {
+        // Both halves at once: o[i] = x[i] cos[i] - x[i + half] sin[i], o[i + half] = x[i + half] cos[i + half]
+        // + x[i] sin[i + half]; each product and the sum rounded to the dtype, as transformers' ops round them.
+        for (; i < half; i += kLanes) {
+          const vfloat low = vload(x + i), high = vload(x + half + i);
+          const vfloat out_low = vround_as(x, vadd(vround_as(x, vmul(low, vload(c + i))),
+                                                   vround_as(x, vmul(vmul(high, vbroadcast(-1.0f)), vload(s + i)))));
+          const vfloat out_high = vround_as(x, vadd(vround_as(x, vmul(high, vload(c + half + i))),
+                                                    vround_as(x, vmul(low, vload(s + half + i)))));
+          vstore(o + i, out_low);
+          vstore(o + half + i, out_high);
+        }
+      }
+#endif
+      for (; i < half; ++i) {
+        const float low = static_cast<float>(x[i]), high = static_cast<float>(x[half + i]);
+        const scalar_t a = static_cast<scalar_t>(low * static_cast<float>(c[i]));
+        const scalar_t b = static_cast<scalar_t>(-high * static_cast<float>(s[i]));
+        o[i] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
+        const scalar_t d = static_cast<scalar_t>(high * static_cast<float>(c[half + i]));
+        const scalar_t e = static_cast<scalar_t>(low * static_cast<float>(s[half + i]));
+        o[half + i] = static_cast<scalar_t>(static_cast<float>(d) + static_cast<float>(e));
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+void rotate(const torch::Tensor& in, const torch::Tensor& cos, const torch::Tensor& sin, int64_t angle_stride,
+            torch::Tensor& out) {
+  const int64_t rows = out.size(0), heads = out.size(1), head_size = out.size(2);
+  rotate_heads<scalar_t>(in.data_ptr<scalar_t>(), rows > 1 ? in.stride(0) : heads * head_size,
+                         cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), angle_stride, out.data_ptr<scalar_t>(),
+                         rows, heads, head_size);
+}
+
+// query, key: [rows, heads x head_size] with unit stride along the features (views of a fused q/k/v product do);
+// cos, sin: [rows, head_size] (any leading shape) with unit stride along head_size; q_out: [rows, q_heads,
+// head_size], k_out: [rows, kv_heads, head_size], contiguous: the queries and keys rotated as transformers'
+// apply_rotary_pos_emb rotates them.
+void rotary(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin, torch::Tensor q_out,
+            torch::Tensor k_out) {
+  const int64_t rows = q_out.size(0), head_size = q_out.size(2);
+  TORCH_CHECK(query.dim() == 2 && key.dim() == 2 && query.stride(1) == 1 && key.stride(1) == 1
+              && query.size(0) == rows && key.size(0) == rows && k_out.size(0) == rows
+              && query.size(1) == q_out.size(1) * head_size && key.size(1) == k_out.size(1) * head_size
+              && k_out.size(2) == head_size && head_size % 2 == 0 && q_out.is_contiguous() && k_out.is_contiguous(),
+              "rotary: [rows, heads x head_size] queries and keys with unit feature stride, contiguous outputs");
+  TORCH_CHECK(cos.size(-1) == head_size && sin.size(-1) == head_size && cos.stride(-1) == 1 && sin.stride(-1) == 1
+              && cos.numel() == rows * head_size && sin.numel() == rows * head_size,
+              "rotary: [rows, head_size] angles with unit stride along head_size");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(key.scalar_type() == dtype && cos.scalar_type() == dtype && sin.scalar_type() == dtype
+              && q_out.scalar_type() == dtype && k_out.scalar_type() == dtype,
+              "rotary: one dtype for queries, keys, angles and outputs");
+  const auto cos_rows = cos.reshape({rows, head_size}), sin_rows = sin.reshape({rows, head_size});
+  const int64_t angle_stride = rows > 1 ? cos_rows.stride(0) : head_size;
+  TORCH_CHECK(rows <= 1 || sin_rows.stride(0) == angle_stride, "rotary: cos and sin with the same row stride");
+  if (dtype == torch::kFloat32) {
+    rotate<float>(query, cos_rows, sin_rows, angle_stride, q_out);
+    rotate<float>(key, cos_rows, sin_rows, angle_stride, k_out);
+  } else {
+    TORCH_CHECK(dtype == torch::kBFloat16, "rotary runs on float32 or bfloat16");
+    rotate<at::BFloat16>(query, cos_rows, sin_rows, angle_stride, q_out);
+    rotate<at::BFloat16>(key, cos_rows, sin_rows, angle_stride, k_out);
+  }
+}
+
+// gate_up: [rows, 2 * width], gate then up (the fused gate/up product); out: [rows, width], contiguous.
+void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) {
+  const int64_t width = out.size(-1);
+  TORCH_CHECK(gate_up.is_contiguous() && out.is_contiguous() && gate_up.size(-1) == 2 * width
+              && gate_up.numel() == 2 * out.numel() && gate_up.scalar_type() == out.scalar_type(),
+              "silu_and_mul: a contiguous [rows, 2 * width] input and [rows, width] output of one dtype expected");
+  const int64_t rows = width ? out.numel() / width : 0;
+  if (out.scalar_type() == torch::kFloat32) {
+    const float* base = gate_up.data_ptr<float>();
+    silu_and_mul_rows<float>(base, base + width, 2 * width, out.data_ptr<float>(), rows, width);
+  } else {
+    TORCH_CHECK(out.scalar_type() == torch::kBFloat16, "silu_and_mul runs on float32 or bfloat16");
+    const at::BFloat16* base = gate_up.data_ptr<at::BFloat16>();
+    silu_and_mul_rows<at::BFloat16>(base, base + width, 2 * width, out.data_ptr<at::BFloat16>(), rows, width);
+  }
+}
+
+// A tiled product, through the address patchbay.worker.cpu.streaming_linear.tiled_product_entry() hands out.
+using TiledProduct = void (*)(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor* bias,
+                              int64_t out_features, int64_t threads, torch::Tensor& out);
+
+static torch::Tensor tiled(int64_t entry, const torch::Tensor& x, const torch::Tensor& tiles,
+                           const c10::optional<torch::Tensor>& bias, int64_t out_features, int64_t threads) {
+  torch::Tensor out;
+  reinterpret_cast<TiledProduct>(entry)(x, tiles, bias.has_value() ? &*bias : nullptr, out_features, threads, out);
+  return out;
+}
+
+// A Llama-style decoder layer over tiled weights, up to its attention: the input norm, the fused q/k/v product and
+// the rotation of queries and keys.  hidden: [rows, width], contiguous; returns the rotated queries [rows, q_size /
+// head_size, head_size] and keys [rows, k_size / head_size, head_size], and the values (a view of the product).
+std::vector<torch::Tensor> decoder_attention_inputs(int64_t product, torch::Tensor hidden, torch::Tensor norm_weight,
+                                                    double eps, torch::Tensor qkv_tiles,
+                                                    c10::optional<torch::Tensor> qkv_bias, int64_t q_size,
+                                                    int64_t k_size, int64_t v_size, torch::Tensor cos,
+                                                    torch::Tensor sin, int64_t head_size, int64_t threads) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_attention_inputs takes contiguous rows");
+  auto normed = torch::empty_like(hidden);
+  rms_norm(hidden, norm_weight, eps, normed);
+  const auto qkv = tiled(product, normed, qkv_tiles, qkv_bias, q_size + k_size + v_size, threads);
+  const int64_t rows = hidden.size(0);
+  auto query = torch::empty({rows, q_size / head_size, head_size}, hidden.options());
+  auto key = torch::empty({rows, k_size / head_size, head_size}, hidden.options());
+  rotary(qkv.narrow(1, 0, q_size), qkv.narrow(1, q_size, k_size), cos, sin, query, key);
+  return {query, key, qkv.narrow(1, q_size + k_size, v_size).view({rows, v_size / head_size, head_size})};
+}
+
+// The rest of the layer: the output projection and its residual add, the post-attention norm, the fused gate/up
+// product, SiLU-and-multiply, the down projection and its residual add (the adds are torch's, rounding as the
+// model's own).  attended: [rows, q_size]; hidden: the layer's input, [rows, width]; returns the layer's output.
+torch::Tensor decoder_attention_output_and_mlp(int64_t product, torch::Tensor attended, torch::Tensor hidden,
+                                               torch::Tensor o_tiles, c10::optional<torch::Tensor> o_bias,
+                                               torch::Tensor norm_weight, double eps, torch::Tensor gate_up_tiles,
+                                               c10::optional<torch::Tensor> gate_up_bias, int64_t intermediate,
+                                               torch::Tensor down_tiles, c10::optional<torch::Tensor> down_bias,
+                                               int64_t threads) {
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  const auto residual = hidden + tiled(product, attended.contiguous(), o_tiles, o_bias, width, threads);
+  auto normed = torch::empty_like(residual);
+  rms_norm(residual, norm_weight, eps, normed);
+  const auto gate_up = tiled(product, normed, gate_up_tiles, gate_up_bias, 2 * intermediate, threads);
+  auto activated = torch::empty({rows, intermediate}, hidden.options());
+  silu_and_mul(gate_up, activated);
+  return residual + tiled(product, activated, down_tiles, down_bias, width, threads);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
+  m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
+  m.def("rotary", torch::wrap_pybind_function(rotary), "rotary");
+  m.def("decoder_attention_inputs", torch::wrap_pybind_function(decoder_attention_inputs),
+        "decoder_attention_inputs");
+  m.def("decoder_attention_output_and_mlp", torch::wrap_pybind_function(decoder_attention_output_and_mlp),
+        "decoder_attention_output_and_mlp");
+}

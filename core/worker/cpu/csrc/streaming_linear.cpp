@@ -1,0 +1,397 @@
+// Linear products over weights stored in output tiles, and the helper threads that run them
+// (patchbay.worker.cpu.streaming_linear).
+#include <torch/extension.h>
+#include "simd.h"
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#if defined(__x86_64__)
+#include <immintrin.h>
+static inline void cpu_relax() { _mm_pause(); }
+#else
+static inline void cpu_relax() { std::this_thread::yield(); }
+#endif
+
+// Helper threads for one product at a time.  The work is cut into chunks that every thread, the caller
+// included, claims from one counter; the caller never waits for a helper to wake up, only for chunks a helper
+// has already claimed, so a helper that sleeps or is descheduled costs the product its help, not a wait.
+// A helper that found no new work for kSpinMicroseconds sleeps on a futex until the next product: long enough
+// to span the ops between the products of one step, short enough that an idle engine burns no core.
+constexpr int64_t kSpinMicroseconds = 200;
+
+class ChunkPool {
+ public:
+  using Work = void (*)(const void* context, int64_t chunk);
+
+  static ChunkPool& instance() {
+    static ChunkPool* pool = new ChunkPool();  // never destroyed: its helpers are detached and die with the process
+    return *pool;
+  }
+
+  void run(int threads, int64_t chunks, Work work, const void* context) {
+    if (threads <= 1 || chunks <= 1) {
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) work(context, chunk);
+      return;
+    }
+    std::lock_guard<std::mutex> one_product_at_a_time(caller_);
+    start_helpers(threads - 1);
+    work_ = work;
+    context_ = context;
+    chunks_.store(chunks, std::memory_order_relaxed);
+    finished_.store(0, std::memory_order_relaxed);
+    const uint64_t generation = (state_.load(std::memory_order_relaxed) >> 32) + 1;
+    state_.store(generation << 32, std::memory_order_seq_cst);
+    wake_sequence_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0)
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&wake_sequence_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+    drain(generation);
+    while (finished_.load(std::memory_order_acquire) < chunks) cpu_relax();
+  }
+
+  template <typename F>
+  void run(int threads, int64_t chunks, const F& f) {
+    run(threads, chunks, [](const void* context, int64_t chunk) { (*static_cast<const F*>(context))(chunk); }, &f);
+  }
+
+ private:
+  ChunkPool() { pthread_atfork(nullptr, nullptr, [] { instance().helpers_ = 0; }); }
+
+  void start_helpers(int wanted) {
+    for (; helpers_ < wanted; ++helpers_) std::thread([this] { helper(); }).detach();
+  }
+
+  // Claim and run chunks of `generation` until none is left.
+  void drain(uint64_t generation) {
+    uint64_t state = state_.load(std::memory_order_acquire);
+    while ((state >> 32) == generation &&
+           static_cast<int64_t>(state & 0xFFFFFFFFu) < chunks_.load(std::memory_order_relaxed)) {
+      if (state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        // The fields are this generation's: the next product cannot start before this chunk is finished.
+        work_(context_, static_cast<int64_t>(state & 0xFFFFFFFFu));
+        finished_.fetch_add(1, std::memory_order_release);
+        state = state_.load(std::memory_order_acquire);
+      }
+    }
+  }
+
+  void helper() {
+    uint64_t seen = state_.load(std::memory_order_acquire) >> 32;
+    for (;;) {
+      auto idle_since = std::chrono::steady_clock::now();
+      uint64_t generation;
+      for (int spins = 0; (generation = state_.load(std::memory_order_acquire) >> 32) == seen; ++spins) {
+        cpu_relax();
+        if ((spins & 63) != 63) continue;
+        // Hand the core to any other runnable thread (an OpenMP worker of the ops between products).
+        std::this_thread::yield();
+        const auto idle = std::chrono::steady_clock::now() - idle_since;
+        if (std::chrono::duration_cast<std::chrono::microseconds>(idle).count() < kSpinMicroseconds) continue;
+        const uint32_t sequence = wake_sequence_.load(std::memory_order_seq_cst);
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        if ((state_.load(std::memory_order_seq_cst) >> 32) == seen)
+          syscall(SYS_futex, reinterpret_cast<uint32_t*>(&wake_sequence_), FUTEX_WAIT_PRIVATE, sequence, nullptr,
+                  nullptr, 0);
+        sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+        idle_since = std::chrono::steady_clock::now();
+      }
+      seen = generation;
+      drain(generation);
+    }
+  }
+
+  std::mutex caller_;
+  int helpers_ = 0;
+  Work work_ = nullptr;
+  const void* context_ = nullptr;
+  std::atomic<int64_t> chunks_{0};
+  std::atomic<uint64_t> state_{0};  // generation (high 32 bits) and the next chunk to claim (low 32 bits)
+  std::atomic<int64_t> finished_{0};
+  std::atomic<uint32_t> wake_sequence_{0};
+  std::atomic<int> sleepers_{0};
+};
+
+// The pool for other extensions' kernels (the attention's), as a plain C function whose address chunk_runner()
+// hands out: the parts of a decode step between its products then share the helpers the products keep awake.
+extern "C" void patchbay_run_chunks(int threads, int64_t chunks, void (*work)(const void*, int64_t),
+                                    const void* context) {
+  ChunkPool::instance().run(threads, chunks, work, context);
+}
+
+int64_t chunk_runner() { return reinterpret_cast<int64_t>(&patchbay_run_chunks); }
+
+#ifdef PATCHBAY_SIMD
+// Float32 and int8 weights: tiles of kLanes output features, [K][kLanes] each, widened to float32 in registers.
+// int8 weights (weight-only quantization) carry one float32 scale per output feature, float32 ones an optional
+// bias.  A block is up to kLaneTiles tiles by up to six rows; activations and output float32 or bfloat16.
+constexpr int kLaneTiles = kLanes == 16 ? 4 : 2;
+
+static inline vfloat vload_weights(const float* p) { return vload(p); }
+static inline vfloat vload_weights(const int8_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#endif
+}
+
+// How far ahead of its loads a block of several rows asks for each tile's weights: the panel's first rows
+// stream it from memory, four tiles at once, too many streams for the hardware prefetcher to run ahead of.
+constexpr int64_t kPrefetchBytes = 2048;
+
+template <typename X, typename W, int ROWS, int TILES>
+static void lane_block(const X* x, int64_t ldx, const W* tiles, int64_t K, const float* per_feature, X* out,
+                       int64_t ldo, int64_t n0, int64_t N) {
+  constexpr bool kScaled = std::is_same<W, int8_t>::value;  // per_feature: scales (padded to whole tiles), or bias
+  vfloat acc[ROWS][TILES];
+  for (int m = 0; m < ROWS; ++m)
+    for (int t = 0; t < TILES; ++t) acc[m][t] = vbroadcast(0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    vfloat w[TILES];
+    for (int t = 0; t < TILES; ++t) w[t] = vload_weights(tiles + (t * K + k) * kLanes);
+    if constexpr (ROWS > 1)
+      for (int t = 0; t < TILES; ++t)
+        _mm_prefetch(reinterpret_cast<const char*>(tiles + (t * K + k + kPrefetchBytes / (kLanes * sizeof(W))) * kLanes),
+                     _MM_HINT_T0);
+    for (int m = 0; m < ROWS; ++m) {
+      const vfloat xb = vbroadcast(static_cast<float>(x[m * ldx + k]));
+      for (int t = 0; t < TILES; ++t) acc[m][t] = vfma(w[t], xb, acc[m][t]);
+    }
+  }
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n = n0 + t * kLanes;
+    const int64_t valid = std::min<int64_t>(kLanes, N - n);
+    alignas(64) float lanes[kLanes];
+    for (int m = 0; m < ROWS; ++m) {
+      vstore(lanes, kScaled ? vmul(acc[m][t], vload(per_feature + n)) : acc[m][t]);
+      for (int64_t j = 0; j < valid; ++j)
+        out[m * ldo + n + j] = static_cast<X>(lanes[j] + (!kScaled && per_feature ? per_feature[n + j] : 0.0f));
+    }
+  }
+}
+
+template <int ROWS, int TILES>
+static void f32_block(const float* x, int64_t ldx, const float* tiles, int64_t K, const float* bias, float* out,
+                      int64_t ldo, int64_t n0, int64_t N) {
+  lane_block<float, float, ROWS, TILES>(x, ldx, tiles, K, bias, out, ldo, n0, N);
+}
+
+template <int ROWS, int TILES>
+static void int8_block_f32(const float* x, int64_t ldx, const int8_t* tiles, int64_t K, const float* scales,
+                           float* out, int64_t ldo, int64_t n0, int64_t N) {
+  lane_block<float, int8_t, ROWS, TILES>(x, ldx, tiles, K, scales, out, ldo, n0, N);
+}
+
+template <int ROWS, int TILES>
+static void int8_block_bf16(const c10::BFloat16* x, int64_t ldx, const int8_t* tiles, int64_t K,
+                            const float* scales, c10::BFloat16* out, int64_t ldo, int64_t n0, int64_t N) {
+  lane_block<c10::BFloat16, int8_t, ROWS, TILES>(x, ldx, tiles, K, scales, out, ldo, n0, N);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+static inline __m512 vload_masked_bf16(const c10::BFloat16* p, __mmask16 mask) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline void vstore_masked_bf16(c10::BFloat16* p, __m512 a, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(a));  // rounded to nearest even
+}
+
+// Bfloat16 weights: tiles of 16 output features, [K/2][16][2] each (pairs of input features per lane).
+constexpr int kBf16Tiles = 4;
+constexpr int kBf16Rows = 6;
+
+template <int ROWS, int TILES>
+static void bf16_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* tiles, int64_t pairs,
+                       const c10::BFloat16* bias, c10::BFloat16* out, int64_t ldo, int64_t n0, int64_t N) {
+  __m512 acc[ROWS][TILES];
+  for (int m = 0; m < ROWS; ++m)
+    for (int t = 0; t < TILES; ++t) acc[m][t] = _mm512_setzero_ps();
+  const int32_t* xpairs = reinterpret_cast<const int32_t*>(x);
+  const int64_t ldx_pairs = ldx / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh w[TILES];
+    for (int t = 0; t < TILES; ++t)
+      w[t] = (__m512bh)_mm512_loadu_si512(tiles + (t * pairs + p) * 32);
+    if constexpr (ROWS > 1)  // the panel's first rows stream it from memory: ask ahead for each tile's stream
+      for (int t = 0; t < TILES; ++t)
+        _mm_prefetch(reinterpret_cast<const char*>(tiles + (t * pairs + p + kPrefetchBytes / 64) * 32), _MM_HINT_T0);
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xpairs[m * ldx_pairs + p]);
+      for (int t = 0; t < TILES; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], w[t], xb);
+    }
+  }
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n = n0 + t * 16;
+    const int64_t valid = std::min<int64_t>(16, N - n);
+    const __mmask16 mask = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias) b = vload_masked_bf16(bias + n, mask);
+    for (int m = 0; m < ROWS; ++m) vstore_masked_bf16(out + m * ldo + n, _mm512_add_ps(acc[m][t], b), mask);
+  }
+}
+#endif
+
+template <typename Block>
+using BlockTable = Block[4][6];
+#define PATCHBAY_ROWS(F, T) {F<1, T>, F<2, T>, F<3, T>, F<4, T>, F<5, T>, F<6, T>}
+#define PATCHBAY_BLOCKS(F) {PATCHBAY_ROWS(F, 1), PATCHBAY_ROWS(F, 2), PATCHBAY_ROWS(F, 3), PATCHBAY_ROWS(F, 4)}
+
+// Every row of x times the tiles [tile_begin, tile_end), a block of rows by up to `max_tiles` tiles at a time
+// (the block's weights stay in cache while its rows pass); `extra` is the block's bias or scales.
+template <typename X, typename W, typename E, typename Block>
+static void tile_range(const BlockTable<Block>& blocks, int max_tiles, const X* x, int64_t ldx, int64_t rows,
+                       const W* tiles, int64_t tile_elements, int64_t depth, const E* extra, X* out, int64_t ldo,
+                       int64_t lanes, int64_t N, int64_t tile_begin, int64_t tile_end) {
+  for (int64_t t0 = tile_begin; t0 < tile_end; t0 += max_tiles) {
+    const int64_t tiles_here = std::min<int64_t>(max_tiles, tile_end - t0);
+    const W* panel = tiles + t0 * tile_elements;
+    for (int64_t m0 = 0; m0 < rows; m0 += 6) {
+      const int64_t rows_here = std::min<int64_t>(6, rows - m0);
+      blocks[tiles_here - 1][rows_here - 1](x + m0 * ldx, ldx, panel, depth, extra, out + m0 * ldo, ldo,
+                                            t0 * lanes, N);
+    }
+  }
+}
+
+int64_t float32_lanes() {
+#ifdef PATCHBAY_SIMD
+  return kLanes;
+#else
+  return 0;
+#endif
+}
+
+bool bfloat16_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Tiles per chunk: whole blocks, about eight chunks per thread so a late helper leaves little to wait for.
+static int64_t chunk_tiles(int64_t n_tiles, int64_t block_tiles, int64_t threads) {
+  const int64_t wanted = (n_tiles + 8 * threads - 1) / (8 * threads);
+  return std::max<int64_t>(block_tiles, (wanted + block_tiles - 1) / block_tiles * block_tiles);
+}
+
+torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<torch::Tensor> bias,
+                           int64_t out_features, int64_t threads) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "tiled_linear takes rows of contiguous features");
+  TORCH_CHECK(tiles.is_contiguous() && (tiles.dim() == 3 || tiles.dim() == 4), "tiled_linear takes tiled weights");
+  TORCH_CHECK(x.scalar_type() == tiles.scalar_type(), "tiled_linear: inputs and weights differ in dtype");
+  const int64_t rows = x.size(0);
+  const int64_t N = out_features;
+  auto out = torch::empty({rows, N}, x.options());
+  if (rows == 0) return out;
+  const int64_t n_tiles = tiles.size(0);
+  const int64_t tile_elements = tiles.numel() / n_tiles;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->contiguous().to(x.scalar_type());
+  if (x.scalar_type() == torch::kBFloat16) {
+#if defined(__AVX512BF16__)
+    static const BlockTable<decltype(&bf16_block<1, 1>)> blocks = PATCHBAY_BLOCKS(bf16_block);
+    TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == 16 && tiles.size(3) == 2, "bfloat16 tiles are [N/16][K/2][16][2]");
+    TORCH_CHECK(x.size(1) == 2 * tiles.size(1) && x.stride(0) % 2 == 0, "tiled_linear: feature count mismatch");
+    const auto* xp = x.data_ptr<at::BFloat16>();
+    const auto* tp = tiles.data_ptr<at::BFloat16>();
+    const auto* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
+    auto* op = out.data_ptr<at::BFloat16>();
+    const int64_t ldx = x.stride(0), pairs = tiles.size(1);
+    const int64_t per_chunk = chunk_tiles(n_tiles, kBf16Tiles, threads);
+    ChunkPool::instance().run(threads, (n_tiles + per_chunk - 1) / per_chunk, [&](int64_t chunk) {
+      tile_range(blocks, kBf16Tiles, xp, ldx, rows, tp, tile_elements, pairs, bp, op, N, 16, N, chunk * per_chunk,
+                 std::min(n_tiles, (chunk + 1) * per_chunk));
+    });
+    return out;
+#else
+    TORCH_CHECK(false, "tiled_linear: bfloat16 needs AVX512-BF16");
+#endif
+  }
+#ifdef PATCHBAY_SIMD
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "tiled_linear runs on float32 or bfloat16");
+  static const BlockTable<decltype(&f32_block<1, 1>)> blocks = PATCHBAY_BLOCKS(f32_block);
+  TORCH_CHECK(tiles.dim() == 3 && tiles.size(2) == kLanes && x.size(1) == tiles.size(1),
+              "float32 tiles are [N/lanes][K][lanes]");
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  const float* tp = tiles.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), K = tiles.size(1);
+  const int64_t per_chunk = chunk_tiles(n_tiles, kLaneTiles, threads);
+  ChunkPool::instance().run(threads, (n_tiles + per_chunk - 1) / per_chunk, [&](int64_t chunk) {
+    tile_range(blocks, kLaneTiles, xp, ldx, rows, tp, tile_elements, K, bp, op, N, kLanes, N, chunk * per_chunk,
+               std::min(n_tiles, (chunk + 1) * per_chunk));
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "tiled_linear needs AVX-512 or AVX2");
+#endif
+}
+
+// x: [rows, K] float32 or bfloat16; tiles: int8 [N/lanes][K][lanes]; scales: float32, N padded to whole tiles.
+torch::Tensor tiled_int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t out_features,
+                                int64_t threads) {
+#ifdef PATCHBAY_SIMD
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "tiled_int8_linear takes rows of contiguous features");
+  TORCH_CHECK(tiles.scalar_type() == torch::kInt8 && tiles.is_contiguous() && tiles.dim() == 3
+              && tiles.size(2) == kLanes && x.size(1) == tiles.size(1), "int8 tiles are [N/lanes][K][lanes]");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous()
+              && scales.numel() == tiles.size(0) * kLanes, "one float32 scale per padded output feature expected");
+  const int64_t rows = x.size(0), N = out_features, n_tiles = tiles.size(0), K = tiles.size(1);
+  auto out = torch::empty({rows, N}, x.options());
+  if (rows == 0) return out;
+  const int8_t* tp = tiles.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const int64_t ldx = x.stride(0), tile_elements = K * kLanes;
+  const int64_t per_chunk = chunk_tiles(n_tiles, kLaneTiles, threads);
+  const int64_t chunks = (n_tiles + per_chunk - 1) / per_chunk;
+  if (x.scalar_type() == torch::kFloat32) {
+    static const BlockTable<decltype(&int8_block_f32<1, 1>)> blocks = PATCHBAY_BLOCKS(int8_block_f32);
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
+      tile_range(blocks, kLaneTiles, xp, ldx, rows, tp, tile_elements, K, sp, op, N, kLanes, N, chunk * per_chunk,
+                 std::min(n_tiles, (chunk + 1) * per_chunk));
+    });
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "tiled_int8_linear takes float32 or bfloat16 activations");
+    static const BlockTable<decltype(&int8_block_bf16<1, 1>)> blocks = PATCHBAY_BLOCKS(int8_block_bf16);
+    const auto* xp = x.data_ptr<at::BFloat16>();
+    auto* op = out.data_ptr<at::BFloat16>();
+    ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
+      tile_range(blocks, kLaneTiles, xp, ldx, rows, tp, tile_elements, K, sp, op, N, kLanes, N, chunk * per_chunk,
+                 std::min(n_tiles, (chunk + 1) * per_chunk));
+    });
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "tiled_int8_linear needs AVX-512 or AVX2");
+#endif
+}
+
+// tiled_linear for other extensions' kernels (the fused decoder layer's), by the address tiled_product() hands out.
+static void tiled_linear_into(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor* bias,
+                              int64_t out_features, int64_t threads, torch::Tensor& out) {
+  out = tiled_linear(x, tiles, bias ? c10::optional<torch::Tensor>(*bias) : c10::nullopt, out_features, threads);
+}
+
+int64_t tiled_product() { return reinterpret_cast<int64_t>(&tiled_linear_into); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("tiled_linear", torch::wrap_pybind_function(tiled_linear), "tiled_linear");
+  m.def("tiled_int8_linear", torch::wrap_pybind_function(tiled_int8_linear), "tiled_int8_linear");
+  m.def("float32_lanes", torch::wrap_pybind_function(float32_lanes), "float32_lanes");
+  m.def("bfloat16_supported", torch::wrap_pybind_function(bfloat16_supported), "bfloat16_supported");
+  m.def("chunk_runner", torch::wrap_pybind_function(chunk_runner), "chunk_runner");
+  m.def("tiled_product", torch::wrap_pybind_function(tiled_product), "tiled_product");
+}

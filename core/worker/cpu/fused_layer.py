@@ -1,0 +1,146 @@
+"""Llama-style decoder layers as two C++ calls around the attention backend, where every product is tiled.
+
+Once a layer's norms, attention and MLP run through the fused kernels
+(:mod:`patchbay.worker.cpu.fused_ops`) and its four products over tiled weights
+(:mod:`patchbay.worker.cpu.streaming_linear`), what is left of a decode step's
+time outside the products is Python: transformers' module calls, patchbay's
+wrappers around each kernel, the views between them: about 80 us per layer
+on the development machine, a third of a one-request decode step.  This
+module replaces such a layer's ``forward`` by two calls into the fused-ops
+extension, which run the same kernels in the same order without returning to
+Python between them:
+
+1. the input norm, the fused q/k/v product and the rotation of queries and
+   keys (:func:`decoder_attention_inputs` in the extension);
+2. the attention, through the step's backend as every layer's
+   (:func:`patchbay.worker.model.forward_context.attend`);
+3. the output projection and residual add, the post-attention norm, the fused
+   gate/up product, SiLU-and-multiply, the down projection and residual add
+   (torch's adds, so they round as the model's own).
+
+The results are those of the layer's fused modules, bit for bit.  A layer
+qualifies when its class's ``forward`` has the source of transformers' Llama
+decoder layer (Qwen2's and Mistral's are the same), all four of its modules
+were fused, its products are tiled, and none of its modules has a forward hook
+(a tensor-parallel rank's all-reduce is one) — anything else keeps its modules'
+forwards.  Inputs the kernels do not take (angles in another dtype, a
+transformers cache) run the layer's own ``forward``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from patchbay.worker.model.forward_context import attend
+from patchbay.worker.cpu.fused_ops import FusedRMSNorm, FusedRopeAttention, FusedSiluMLP
+from patchbay.worker.cpu.packed_linear import PackedGroupProduct, PackedLinear
+from patchbay.worker.cpu.streaming_linear import TileLayout, tiled_product_entry
+
+
+@functools.cache
+def _llama_layer_source() -> str:
+    from transformers.models.llama import modeling_llama
+
+    return inspect.getsource(modeling_llama.LlamaDecoderLayer.forward)
+
+
+@functools.cache
+def _has_llama_layer_forward(cls: type) -> bool:
+    try:
+        return inspect.getsource(cls.forward) == _llama_layer_source()
+    except (OSError, TypeError):
+        return False
+
+
+def _own_forward(module: nn.Module) -> Any:
+    return vars(module).get("forward")
+
+
+def _tiled_group(fused: FusedRopeAttention | FusedSiluMLP) -> PackedGroupProduct | None:
+    """The fused module's projection group's product, if it multiplies by tiled weights."""
+    product = getattr(fused.group, "product", None)
+    return product if isinstance(product, PackedGroupProduct) and isinstance(product.layout, TileLayout) else None
+
+
+def _tiled_linear(linear: nn.Module) -> PackedLinear | None:
+    product = _own_forward(linear)
+    return product if isinstance(product, PackedLinear) and isinstance(product.layout, TileLayout) else None
+
+
+def _parts(layer: nn.Module) -> tuple[Any, ...] | None:
+    """The fused pieces a qualifying layer is made of, or ``None`` if it does not qualify."""
+    if not _has_llama_layer_forward(type(layer)):
+        return None
+    norm_in, norm_post = _own_forward(layer.input_layernorm), _own_forward(layer.post_attention_layernorm)
+    attention, mlp = _own_forward(layer.self_attn), _own_forward(layer.mlp)
+    if not (isinstance(norm_in, FusedRMSNorm) and isinstance(norm_post, FusedRMSNorm)
+            and isinstance(attention, FusedRopeAttention) and isinstance(mlp, FusedSiluMLP)):
+        return None
+    qkv, gate_up = _tiled_group(attention), _tiled_group(mlp)
+    o_proj, down_proj = _tiled_linear(layer.self_attn.o_proj), _tiled_linear(layer.mlp.down_proj)
+    if qkv is None or gate_up is None or o_proj is None or down_proj is None:
+        return None
+    if any(module._forward_hooks or module._forward_pre_hooks for module in layer.modules() if module is not layer):
+        return None
+    return norm_in, norm_post, attention, mlp, qkv, gate_up, o_proj, down_proj
+
+
+class FusedDecoderLayer:
+    """The ``forward`` of one qualifying decoder layer (see the module's docstring)."""
+
+    def __init__(self, layer: nn.Module, parts: tuple[Any, ...]) -> None:
+        norm_in, norm_post, attention, mlp, qkv, gate_up, o_proj, down_proj = parts
+        self.layer = layer
+        self.build = attention.build
+        self.layer_idx = layer.self_attn.layer_idx
+        self.width = int(norm_in.module.weight.shape[0])
+        self.dtype = qkv.packed.dtype
+        self.layout: TileLayout = qkv.layout
+        q_size, k_size, v_size = attention.group.sizes
+        self.attention_inputs = (norm_in.module.weight, norm_in.eps, qkv.packed.tiles, attention.group.bias,
+                                 q_size, k_size, v_size)
+        self.head_size = attention.head_size
+        self.rest = (o_proj.packed.tiles, o_proj.bias, norm_post.module.weight, norm_post.eps, gate_up.packed.tiles,
+                     mlp.group.bias, gate_up.packed.out_features // 2, down_proj.packed.tiles, down_proj.bias)
+        self.product = tiled_product_entry()
+
+    def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool | None = False,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
+        ops = self.build.ready()
+        if (ops is None or cache is not None or kwargs.get("past_key_values") is not None
+                or position_embeddings is None or hidden_states.dtype != self.dtype
+                or position_embeddings[0].dtype != self.dtype or position_embeddings[1].dtype != self.dtype):
+            return type(self.layer).forward(self.layer, hidden_states, attention_mask=attention_mask,
+                                            position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                            position_embeddings=position_embeddings, **kwargs)
+        rows = hidden_states.reshape(-1, self.width).contiguous()
+        cos, sin = position_embeddings
+        threads = self.layout.threads
+        query, key, value = ops.decoder_attention_inputs(self.product, rows, *self.attention_inputs, cos, sin,
+                                                         self.head_size, threads)
+        attended = attend(self.layer_idx, query, key, value)
+        output = ops.decoder_attention_output_and_mlp(self.product, attended.reshape(rows.shape[0], -1), rows,
+                                                      *self.rest, threads)
+        return output.view(hidden_states.shape)
+
+
+def use_fused_layers(model: nn.Module) -> int:
+    """Give every qualifying decoder layer of ``model`` a :class:`FusedDecoderLayer` forward; say how many.
+
+    Run after :func:`patchbay.worker.cpu.fused_ops.use_fused_ops` (it fuses the layers' modules this builds on).
+    """
+    count = 0
+    for module in model.modules():
+        if "forward" in vars(module):
+            continue
+        parts = _parts(module) if hasattr(module, "self_attn") and hasattr(module, "mlp") else None
+        if parts is not None:
+            module.forward = FusedDecoderLayer(module, parts)  # type: ignore[method-assign]
+            count += 1
+    return count

@@ -1,0 +1,155 @@
+"""Linear products over weights stored in output tiles, for the few-row products of decoding.
+
+A decode step multiplies a handful of rows by every weight of the model, so its
+products are bound by how fast the weights stream from memory, not by
+arithmetic.  oneDNN's packed products (:mod:`patchbay.worker.cpu.packed_linear`)
+reach about 24 GB/s on one core of the development machine (AMD EPYC, AVX-512
+with AVX512-BF16) for one row; a loop that reads each weight once, in the order
+it lies in memory, reaches about 41 GB/s on one core and 79 GB/s on two.
+
+The weights are reordered once, at load, into tiles of output features whose
+weights lie contiguously: bfloat16 in pairs of input features for AVX512-BF16's
+pair dot product (``[N/16][K/2][16][2]``), float32 as ``[N/L][K][L]`` for L-lane
+multiply-adds (AVX-512: 16, AVX2: 8), and int8 weights
+(:class:`patchbay.worker.cpu.quantization.TiledInt8Linear`) in float32's layout,
+widened in registers and scaled per output feature.  The kernel computes blocks of up to six
+rows by up to four tiles in registers (float32 accumulation, one rounding to the
+output dtype), so many-row products reuse each tile from cache as well.
+
+Two cores only pay on a product of tens of microseconds if the second one
+starts at once: OpenMP's sleeping threads take longer to wake than that, and
+its spinning ones make every product wait for a thread a busy neighbour has
+descheduled.  So the products have their own helper threads (``ChunkPool``):
+chunks of tiles are claimed from one counter by the caller and the helpers
+alike, the caller never waits for a helper to start, and helpers spin only
+briefly between products.  Whether tiles beat oneDNN on a machine (they need
+not where oneDNN has AMX for many-row products) is measured there
+(:mod:`patchbay.worker.cpu.tuning`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from patchbay.worker.cpu.native_build import CSRC, NATIVE_CFLAGS, NativeExtension, build_at_install
+
+EXTENSION = NativeExtension("patchbay_streaming_linear", (CSRC / "streaming_linear.cpp",), NATIVE_CFLAGS)
+
+
+@functools.cache
+def load_streaming_linear() -> Any:
+    """Build the extension (once per installation and CPU) and import it."""
+    return EXTENSION.load()
+
+
+def tile(weight: torch.Tensor, lanes: int) -> torch.Tensor:
+    """``weight`` (``[N, K]``) reordered into output tiles: bfloat16 ``[N/16][K/2][16][2]``, float32
+    ``[N/lanes][K][lanes]``; the last tile padded with zero weights."""
+    weight = weight.detach()
+    out_features, in_features = weight.shape
+    if weight.dtype == torch.bfloat16:
+        lanes = 16
+    padded = F.pad(weight, (0, 0, 0, -out_features % lanes))
+    if weight.dtype == torch.bfloat16:
+        return padded.reshape(-1, lanes, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.reshape(-1, lanes, in_features).permute(0, 2, 1).contiguous()
+
+
+
+_helpers_in_use = False  # set once a weight is packed into tiles: this process's products run on the pool
+
+
+def chunk_runner() -> int:
+    """The address of the product helpers' C entry point, for plugins' native kernels that run between a decode
+    step's products (0: none, run over OpenMP).
+
+    The function is ``void run(int threads, int64_t chunks, void (*work)(const void* context, int64_t chunk),
+    const void* context)``: it calls ``work`` once for every chunk in ``[0, chunks)``, on the calling thread and
+    up to ``threads - 1`` helpers, and returns when all are done; ``work`` must not throw.  It is non-zero once
+    this process multiplies by tiled weights: then the helpers are awake between products, where OpenMP's
+    sleeping threads would have to be woken and would then contend with them for the cores.
+    """
+    return load_streaming_linear().chunk_runner() if _helpers_in_use else 0
+
+
+def tiled_product_entry() -> int:
+    """The address of the tiled product for other extensions' kernels (the fused decoder layer's):
+    ``void product(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor* bias, int64_t out_features,
+    int64_t threads, at::Tensor& out)``, :func:`tiled_linear`'s arguments with its result stored in ``out``."""
+    return load_streaming_linear().tiled_product()
+
+
+@functools.cache
+def tiles_unavailable(dtype: torch.dtype) -> str | None:
+    """Why this machine cannot run tiled products of ``dtype`` (None: it can); builds the extension if needed."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"tiled products run on float32 or bfloat16, not {dtype}"
+    try:
+        kernels = load_streaming_linear()
+    except (RuntimeError, OSError, ImportError) as error:
+        return f"the tiled-product kernels could not be built: {error}"
+    if dtype == torch.bfloat16 and not kernels.bfloat16_supported():
+        return "tiled bfloat16 products need AVX512-BF16"
+    if dtype == torch.float32 and not kernels.float32_lanes():
+        return "tiled float32 products need AVX-512 or AVX2"
+    return None
+
+
+@dataclass(frozen=True)
+class TiledWeight:
+    """A weight in output tiles (:func:`tile`) and its shape (the last tile is padded)."""
+
+    tiles: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The plain weight's shape, ``[out_features, in_features]``."""
+        return self.out_features, self.in_features
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tiles.dtype
+
+
+class TileLayout:
+    """Weights in output tiles, multiplied by the extension's kernel on ``threads`` threads (the calling thread
+    and ``threads - 1`` helpers, whatever torch's thread count is when a product runs)."""
+
+    name = "output tiles"
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        if weight.device.type != "cpu" or weight.dim() != 2 or tiles_unavailable(weight.dtype) is not None:
+            return False
+        return weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0  # bfloat16 tiles pair input features
+
+    def pack(self, weight: torch.Tensor) -> TiledWeight:
+        global _helpers_in_use
+        _helpers_in_use = True
+        return TiledWeight(tile(weight, load_streaming_linear().float32_lanes()), *weight.shape)
+
+    def product(self, inputs: torch.Tensor, packed: TiledWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        in_features = inputs.shape[-1]
+        flat = inputs.reshape(-1, in_features)
+        if flat.stride(-1) != 1 or flat.stride(0) % 2:
+            flat = flat.contiguous()
+        output = load_streaming_linear().tiled_linear(flat, packed.tiles, bias, packed.out_features, self.threads)
+        return output.view(*inputs.shape[:-1], packed.out_features)
+
+
+def main() -> int:
+    """Build the kernels now (the Makefile runs this at install time); exit 0 also where they cannot be built."""
+    return build_at_install(load_streaming_linear, "the tiled linear kernels", EXTENSION.build_directory)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

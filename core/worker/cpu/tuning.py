@@ -1,0 +1,417 @@
+"""Defaults measured on the machine at hand: the dtype and the linear-layer paths a CPU runs fastest.
+
+CPUs differ too much for fixed defaults: on one, bfloat16 matrix products are
+several times float32 (AVX512-BF16, AMX); on another bfloat16 is emulated and
+slow; on one torch runs few-row products on a single core (so cutting weights
+into per-thread slices pays), on another its own kernel is faster. So on the
+first start on a machine (and by ``patchbay tune``), a few seconds of
+micro-benchmarks at the model's real shapes — one decoder layer's linears at
+a few row counts — decide:
+
+- the dtype, among those this CPU computes natively (float32 always;
+  bfloat16 with ``avx512_bf16`` or ``amx_bf16``; float16 with ``avx512_fp16``
+  or ``amx_fp16``): the fastest over the row counts, which must beat float32
+  by :data:`MIN_GAIN` to be chosen;
+- up to how many rows float32 linears run row-split (:mod:`patchbay.worker.cpu.cpu_linear`);
+- up to how many rows q/k/v and gate/up run as one product (:mod:`patchbay.worker.cpu.fused_projections`);
+- for each native dtype, whether its linears run over weights packed once into oneDNN's layout
+  (:mod:`patchbay.worker.cpu.packed_linear`), fused projections whole, instead of the paths above;
+- for each native dtype, whether they run over weights in patchbay's output tiles
+  (:mod:`patchbay.worker.cpu.streaming_linear`) instead, where that beats the best path above (geometric mean over
+  the row counts: the tiles win few-row products by streaming weights on every core, oneDNN may win many-row
+  products where it has AMX);
+- for each native dtype, up to how many rows a step runs on one thread: OpenMP threads that sleep between
+  parallel regions (``OMP_WAIT_POLICY=PASSIVE``, see ``patchbay/__init__.py``) cost a wake-up per product,
+  more than a second core gains on a product bound by memory bandwidth.  Tiled products keep their own
+  helper threads, which spin briefly between products instead of sleeping, so for a dtype whose linears run
+  tiled the limit is :data:`STREAMED_MAX_ROWS` by rule: only the small ops around the products go to one thread.
+
+The result is cached per CPU model, CPU flags, torch version, thread count
+and model shape in patchbay's cache directory. The choice (:func:`choose`) is
+a pure function of the CPU's flags and the measured times, so it can be
+checked for any CPU. Attention paths are not tuned here.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patchbay.worker.cpu.cpu_linear import DEFAULT_MAX_ROWS, row_split_linear, use_row_split_linears
+from patchbay.worker.cpu.fused_projections import FUSE_MAX_ROWS, fuse_shared_input_projections
+from patchbay.worker.cpu.packed_linear import ONEDNN, pack, packed_linear, packing_supported, use_packed_linears
+from patchbay.worker.cpu.streaming_linear import TileLayout, tiles_unavailable
+
+logger = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 8, 64, 256)
+"""Rows per product measured: a decode of one request, of a few, of a batch, and a prefill chunk."""
+MIN_GAIN = 1.1
+"""A lower-precision dtype is chosen only when it is this much faster than float32 (geometric mean over buckets)."""
+PATH_GAIN = 1.05
+"""A linear path replaces torch's own product up to the largest bucket where it is this much faster."""
+TUNING_FORMAT = 4
+"""Bumped whenever what is measured or chosen changes, so cached results from older rules are measured again."""
+
+NATIVE_DTYPE_FLAGS = {
+    "bfloat16": ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),
+    "float16": ("avx512_fp16", "amx_fp16", "fphp"),
+}
+"""CPU flags (x86 and Arm, as /proc/cpuinfo spells them) that mean a dtype's products run natively."""
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """What identifies a CPU for tuning: its model name and instruction-set flags."""
+
+    model_name: str
+    flags: frozenset[str]
+
+    @classmethod
+    def read(cls, cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuInfo:
+        """This machine's CPU, from ``/proc/cpuinfo`` where there is one (x86 and Arm spell the fields apart)."""
+        fields: dict[str, str] = {}
+        try:
+            for line in cpuinfo.read_text().splitlines():
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+        except OSError:
+            pass
+        name = fields.get("model name") or fields.get("cpu model") or platform.processor() or platform.machine()
+        return cls(name, frozenset((fields.get("flags") or fields.get("Features") or "").split()))
+
+    def native_dtypes(self) -> tuple[str, ...]:
+        """Dtypes whose products this CPU computes natively, float32 first."""
+        return ("float32", *(dtype for dtype, needed in NATIVE_DTYPE_FLAGS.items() if self.flags & set(needed)))
+
+
+@dataclass(frozen=True)
+class LayerShapes:
+    """The linears of one decoder layer: hidden size, q/k/v output sizes, MLP intermediate size."""
+
+    hidden: int
+    qkv: tuple[int, int, int]
+    intermediate: int
+
+    @classmethod
+    def of(cls, config: object) -> LayerShapes:
+        """From a transformers config (``hidden_size``, heads, ``head_dim``, ``intermediate_size``)."""
+        hidden = int(config.hidden_size)
+        heads = int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+        return cls(hidden, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), intermediate)
+
+    def products(self) -> list[tuple[int, int]]:
+        """``(in_features, out_features)`` of each linear, projections of one input listed one by one."""
+        q, k, v = self.qkv
+        return [(self.hidden, q), (self.hidden, k), (self.hidden, v), (q, self.hidden),
+                (self.hidden, self.intermediate), (self.hidden, self.intermediate), (self.intermediate, self.hidden)]
+
+
+@dataclass
+class Measurements:
+    """Seconds for one decoder layer's linears, per path and rows."""
+
+    by_dtype: dict[str, dict[int, float]] = field(default_factory=dict)
+    """torch's own products, per dtype."""
+    row_split: dict[int, float] = field(default_factory=dict)
+    """float32, every linear row-split over the threads."""
+    fused: dict[int, float] = field(default_factory=dict)
+    """float32, q/k/v and gate/up each as one product."""
+    packed: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per dtype torch can pack: weights packed for oneDNN, q/k/v and gate/up each as one product."""
+    single_thread: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per dtype, its packed path (torch's own where it cannot pack) on one thread, at few rows."""
+    tiled: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per dtype the tiled kernels run here: weights in output tiles, q/k/v and gate/up each as one product."""
+
+
+@dataclass
+class Tuning:
+    """What the measurements chose, and why (the figures behind the choice)."""
+
+    dtype: str
+    row_split_max_rows: int
+    """float32 linears run row-split up to this many rows; 0: never."""
+    fuse_max_rows: int
+    """q/k/v and gate/up run as one product up to this many rows; 0: never."""
+    packed_dtypes: list[str]
+    """Dtypes whose linears run packed for oneDNN (every step, projections fused), replacing the two paths above."""
+    tiled_dtypes: list[str]
+    """Dtypes whose linears run over weights in output tiles (projections fused), replacing every path above."""
+    single_thread_max_tokens: dict[str, int]
+    """Per dtype, steps of up to this many tokens run on one thread; 0: never."""
+    speedup: dict[str, float]
+    """Each native dtype's geometric-mean speed over float32, each on its fastest path."""
+    cpu: str
+    native_dtypes: list[str]
+    threads: int
+    torch_version: str
+    measurements: dict[str, dict[str, float]]
+    """Seconds per layer, by path (``float32``, ``bfloat16``, ``row_split``, ``fused``, ``packed_<dtype>``) and rows."""
+    cached: bool = False
+
+    def describe(self) -> str:
+        """One line for the run summary and the bench."""
+        speedups = ", ".join(f"{dtype} {gain:.2f}x" for dtype, gain in self.speedup.items() if dtype != "float32")
+        packed = ", ".join(dtype for dtype in self.packed_dtypes if dtype not in self.tiled_dtypes) or "none"
+        tiled = ", ".join(self.tiled_dtypes) or "none"
+        return (f"dtype {self.dtype} ({speedups or 'float32 only'} vs float32), "
+                f"tiled linears for {tiled}, oneDNN-packed linears for {packed}, otherwise "
+                f"row-split up to {self.row_split_max_rows} rows, fused projections up to {self.fuse_max_rows} rows; "
+                f"one thread for steps up to {self.single_thread_max_tokens.get(self.dtype, 0)} tokens; "
+                f"{self.cpu}, {self.threads} threads, torch {self.torch_version}"
+                f"{' (cached)' if self.cached else ''}")
+
+
+def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
+    """The dtype and linear paths for ``cpu`` given ``measured`` times (no measuring: a pure decision)."""
+    natives = cpu.native_dtypes()
+    baseline = measured.by_dtype["float32"]
+    row_split_rows = _wins_up_to(measured.row_split, baseline) if threads > 1 else 0
+    fuse_rows = _wins_up_to(measured.fused, baseline)
+    unpacked = {dtype: dict(times) for dtype, times in measured.by_dtype.items() if dtype in natives}
+    for rows in unpacked["float32"]:  # float32 also has the row-split and fused paths, within their limits
+        for path, limit in ((measured.row_split, row_split_rows), (measured.fused, fuse_rows)):
+            if rows <= limit:
+                unpacked["float32"][rows] = min(unpacked["float32"][rows], path[rows])
+    packed_dtypes = [dtype for dtype, times in unpacked.items() if dtype in measured.packed
+                     and _geometric_mean([times[rows] / measured.packed[dtype][rows] for rows in times]) >= PATH_GAIN]
+    fastest = {dtype: measured.packed[dtype] if dtype in packed_dtypes else times for dtype, times in unpacked.items()}
+    tiled_dtypes = [dtype for dtype, times in fastest.items() if dtype in measured.tiled
+                    and _geometric_mean([times[rows] / measured.tiled[dtype][rows] for rows in times]) >= PATH_GAIN]
+    fastest.update({dtype: measured.tiled[dtype] for dtype in tiled_dtypes})
+    speedup = {dtype: _geometric_mean([fastest["float32"][rows] / times[rows] for rows in times])
+               for dtype, times in fastest.items()}
+    best = max(speedup, key=lambda dtype: speedup[dtype])
+    dtype = best if speedup[best] >= MIN_GAIN else "float32"
+    single_thread = {name: STREAMED_MAX_ROWS if name in tiled_dtypes else
+                     _wins_up_to(measured.single_thread.get(name, {}),
+                                 measured.packed[name] if name in packed_dtypes else measured.by_dtype[name])
+                     for name in fastest} if threads > 1 else {name: 0 for name in fastest}
+    return Tuning(
+        dtype=dtype,
+        row_split_max_rows=row_split_rows,
+        fuse_max_rows=fuse_rows,
+        packed_dtypes=packed_dtypes,
+        tiled_dtypes=tiled_dtypes,
+        single_thread_max_tokens=single_thread,
+        speedup={name: round(gain, 3) for name, gain in speedup.items()},
+        cpu=cpu.model_name,
+        native_dtypes=list(natives),
+        threads=threads,
+        torch_version=torch.__version__,
+        measurements={path: {str(rows): seconds for rows, seconds in times.items()}
+                      for path, times in [*measured.by_dtype.items(), ("row_split", measured.row_split),
+                                          ("fused", measured.fused),
+                                          *((f"packed_{dtype}", times) for dtype, times in measured.packed.items()),
+                                          *((f"tiled_{dtype}", times) for dtype, times in measured.tiled.items()),
+                                          *((f"one_thread_{dtype}", times)
+                                            for dtype, times in measured.single_thread.items())]},
+    )
+
+
+def _geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(value) for value in values) / len(values))
+
+
+def _wins_up_to(path: dict[int, float], baseline: dict[int, float]) -> int:
+    """The largest bucket up to which ``path`` beats ``baseline`` by :data:`PATH_GAIN` at every bucket; 0: none."""
+    limit = 0
+    for rows in sorted(baseline):
+        if rows not in path or baseline[rows] < path[rows] * PATH_GAIN:
+            break
+        limit = rows
+    return limit
+
+
+def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_seconds: float = 1.5) -> Measurements:
+    """Time one decoder layer's linears with each path at each of :data:`ROW_BUCKETS` rows (random weights).
+
+    Few-row products stream their weights from memory in a real model (every layer's weights are read once
+    per step), so up to :data:`STREAMED_MAX_ROWS` rows the layer is timed as one of enough copies to overflow
+    the CPU's last-level cache; one layer whose weights stay cached would flatter whichever path reads them
+    most often.
+    """
+    packable = [dtype for dtype in dtypes if packing_supported(getattr(torch, dtype))]
+    tileable = [dtype for dtype in dtypes if tiles_unavailable(getattr(torch, dtype)) is None]
+    streamed_buckets = sum(1 for rows in ROW_BUCKETS if rows <= STREAMED_MAX_ROWS)
+    per_case = budget_seconds / (len(ROW_BUCKETS) * (len(dtypes) + len(packable) + len(tileable) + 2)
+                                 + streamed_buckets * len(dtypes))
+    measured = Measurements()
+
+    def per_layer(product, layers: list[list[torch.Tensor]],  # noqa: ANN001 - a product
+                  max_rows: int = ROW_BUCKETS[-1]) -> dict[int, float]:
+        timed = {}
+        for rows in (bucket for bucket in ROW_BUCKETS if bucket <= max_rows):
+            used = layers if rows <= STREAMED_MAX_ROWS else layers[:1]
+            timed[rows] = _time(lambda x: [product(x[w.shape[1]], w) for layer in used for w in layer],
+                                rows, used[0], per_case) / len(used)
+        return timed
+
+    for dtype in dtypes:
+        layers = _layers(shapes, getattr(torch, dtype))
+        measured.by_dtype[dtype] = per_layer(F.linear, layers)
+        product, weights = F.linear, layers
+        if dtype in packable:
+            product = lambda x, p: packed_linear(x, p, None)  # noqa: E731
+            weights = [[pack(weight) for weight in _fused(layer)] for layer in layers]
+            measured.packed[dtype] = per_layer(product, weights)
+        if threads > 1:
+            previous = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                measured.single_thread[dtype] = per_layer(product, weights, max_rows=STREAMED_MAX_ROWS)
+            finally:
+                torch.set_num_threads(previous)
+        if dtype in tileable:
+            tiles = TileLayout(threads)
+            weights = [[tiles.pack(weight) for weight in _fused(layer)] for layer in layers]
+            measured.tiled[dtype] = per_layer(lambda x, t: tiles.product(x, t, None), weights)
+    layers = _layers(shapes, torch.float32)
+    measured.row_split = per_layer(lambda x, w: row_split_linear(x, w, None, threads, max_rows=1 << 30), layers)
+    measured.fused = per_layer(F.linear, [_fused(layer) for layer in layers])
+    return measured
+
+
+STREAMED_MAX_ROWS = 8
+"""Up to this many rows a product is bound by reading its weights from memory (the decode regime)."""
+
+
+def _fused(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A layer's weights (as :meth:`LayerShapes.products` lists them) with q/k/v and gate/up concatenated."""
+    return [torch.cat(weights[0:3]), weights[3], torch.cat(weights[4:6]), weights[6]]
+
+
+def _layers(shapes: LayerShapes, dtype: torch.dtype) -> list[list[torch.Tensor]]:
+    """Copies of one layer's random weights, together at least twice the last-level cache (64 MiB at least)."""
+    generator = torch.Generator().manual_seed(0)
+    layer = [torch.randn(out_features, in_features, generator=generator).to(dtype) * in_features ** -0.5
+             for in_features, out_features in shapes.products()]
+    layer_bytes = sum(weight.numel() * weight.element_size() for weight in layer)
+    copies = max(1, math.ceil(max(64 << 20, 2 * _last_level_cache_bytes()) / layer_bytes))
+    return [layer] + [[weight.clone() for weight in layer] for _ in range(copies - 1)]
+
+
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache Linux reports for CPU 0 (0 where it reports none)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip().upper()
+        except OSError:
+            continue
+        multiplier = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * multiplier)
+    return max(sizes, default=0)
+
+
+def _time(run, rows: int, weights: list[torch.Tensor], budget: float) -> float:  # noqa: ANN001 - a closure
+    """Median seconds of ``run(inputs)``, inputs of ``rows`` rows for each input width, within ``budget``."""
+    dtype = weights[0].dtype
+    inputs = {width: torch.randn(rows, width).to(dtype) for width in {w.shape[1] for w in weights}}
+    with torch.inference_mode():
+        run(inputs)  # warm-up: first-call allocations and packing
+        samples: list[float] = []
+        deadline = time.perf_counter() + budget
+        while len(samples) < 3 or (time.perf_counter() < deadline and len(samples) < 50):
+            started = time.perf_counter()
+            run(inputs)
+            samples.append(time.perf_counter() - started)
+    return sorted(samples)[len(samples) // 2]
+
+
+def apply_linear_paths(model: nn.Module, *, linear_kernel: str, fuse_projections: bool, dtype: str,
+                       device: torch.device, tuning: Tuning | None) -> LinearPaths:
+    """Give ``model``'s linears the paths chosen (explicitly, or by ``tuning``); say how many took each.
+
+    ``linear_kernel``: ``onednn`` (weights packed, every step), ``row_split`` (always, up to the default row
+    limit), ``torch`` (torch's own products) or ``auto`` (as tuned: packed where the tuning measured packing
+    faster for ``dtype``, else row-split up to the tuned limit; torch's own without a tuning).  Fused projections
+    take their row limit from the tuning too, and run every step when packed.
+    """
+    cpu = device.type == "cpu"
+    tuned = tuning is not None and linear_kernel == "auto"
+    layout = None
+    if cpu and (linear_kernel == "tiles" or (tuned and dtype in tuning.tiled_dtypes)):
+        layout = TileLayout(torch.get_num_threads())
+    elif cpu and (linear_kernel == "onednn" or (tuned and dtype in tuning.packed_dtypes)):
+        layout = ONEDNN
+    if layout is not None:
+        fused = fuse_shared_input_projections(model, max_rows=1 << 62) if fuse_projections else 0
+        return LinearPaths(fused_groups=fused, packed=use_packed_linears(model, layout), layout=layout.name)
+    cpu_float32 = cpu and dtype == "float32"
+    if linear_kernel == "row_split":
+        max_rows = DEFAULT_MAX_ROWS
+    elif linear_kernel == "auto" and cpu_float32 and tuning is not None:
+        max_rows = tuning.row_split_max_rows
+    else:
+        max_rows = 0
+    slices = torch.get_num_threads() if cpu_float32 and max_rows else 1
+    fused = 0
+    if fuse_projections:
+        fuse_rows = tuning.fuse_max_rows if tuning is not None else FUSE_MAX_ROWS
+        product = functools.partial(row_split_linear, slices=slices, max_rows=max_rows) if slices > 1 else F.linear
+        fused = fuse_shared_input_projections(model, product, max_rows=fuse_rows) if fuse_rows else 0
+    return LinearPaths(fused_groups=fused, row_split=use_row_split_linears(model, slices, max_rows) if slices > 1 else 0)
+
+
+@dataclass(frozen=True)
+class LinearPaths:
+    """How many of a model's linears (or projection groups) each path took."""
+
+    fused_groups: int = 0
+    row_split: int = 0
+    packed: int = 0
+    layout: str = "oneDNN blocks"
+    """The layout the packed linears run over (:class:`patchbay.worker.cpu.packed_linear.WeightLayout`)."""
+
+
+def cache_key(cpu: CpuInfo, shapes: LayerShapes, threads: int) -> str:
+    """What a cached result depends on: CPU model and flags, torch version, threads, layer shapes, the rules."""
+    text = json.dumps([TUNING_FORMAT, cpu.model_name, sorted(cpu.flags), torch.__version__, threads, asdict(shapes)])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def tuning_path(key: str) -> Path:
+    """Where the result for ``key`` is cached."""
+    from patchbay.worker.model.model_loader import cache_dir
+
+    return cache_dir() / "tuning" / f"{key}.json"
+
+
+def tune(shapes: LayerShapes, *, threads: int | None = None, cpu: CpuInfo | None = None, fresh: bool = False,
+         budget_seconds: float = 1.5) -> Tuning:
+    """The tuning for this machine and these shapes: cached, or measured now (and cached) when absent or ``fresh``."""
+    cpu = cpu or CpuInfo.read()
+    threads = threads or torch.get_num_threads()
+    path = tuning_path(cache_key(cpu, shapes, threads))
+    if not fresh:
+        try:
+            return Tuning(**{**json.loads(path.read_text()), "cached": True})
+        except (OSError, ValueError, TypeError):
+            pass  # absent or unreadable: measure again
+    started = time.perf_counter()
+    result = choose(cpu, measure(shapes, cpu.native_dtypes(), threads, budget_seconds), threads)
+    logger.info("tuned for this machine in %.1f s: %s", time.perf_counter() - started, result.describe())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(json.dumps({k: v for k, v in asdict(result).items() if k != "cached"}, indent=1))
+    staging.replace(path)
+    return result

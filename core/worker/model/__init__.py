@@ -1,0 +1,1 @@
+"""Finding, loading and wrapping models, and the forward context through which their attention reaches patchbay."""

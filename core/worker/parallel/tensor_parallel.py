@@ -1,0 +1,281 @@
+"""Sharding a loaded Hugging Face model over tensor-parallel ranks, in place.
+
+Megatron-style, on the transformers model itself (no model code is
+changed): in every decoder layer ``q_proj``, ``k_proj`` and ``v_proj`` keep
+the output rows of this rank's attention heads (KV heads are replicated
+when there are fewer than ranks), ``gate_proj`` and ``up_proj`` keep this
+rank's slice of the intermediate features, and ``o_proj`` and ``down_proj``
+keep the matching input columns; a forward hook on each of those two sums
+their partial outputs over the ranks (one all-reduce each, two per layer).
+transformers' attention reshapes with ``-1`` heads, so the narrower
+projections need nothing else.
+
+The vocabulary is sharded too (:func:`shard_vocab`): each rank keeps rows
+``[start, stop)`` of the input embedding and of the LM head, the vocabulary
+padded with zero rows to :attr:`VocabShard.rows_per_rank` per rank (a
+multiple of 16, for the integer and packed CPU kernels) when it does not
+divide.  The embedding looks up the ids of its shard, zeroes the rows of the
+others and sums the partial embeddings over the ranks (one all-reduce per
+step: it cannot be folded into the first layer's, whose input norm needs the
+whole embedding); the LM head computes its slice of the logits and a forward
+hook gathers the slices from every rank and cuts the padding off, so every
+rank still samples from the same full logits.  A tied LM head (SmolLM2) shares
+the embedding's shard, sharded once.  Norms stay replicated.
+
+Sharding runs before the CPU linear paths (fused projections, oneDNN
+packing, quantization), which then work on the shards as on any linear.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patchbay.contract.settings import ConfigError, ConfigProblem
+from patchbay.worker.model.hf_model import HFCausalLM
+
+SHARDABLE_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+"""transformers ``model_type`` values whose decoder layers have the projections sharded here."""
+
+KEY = "runtime.tensor_parallel_size"
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a model's heads and MLP features split over ``world_size`` ranks."""
+
+    world_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+
+    @property
+    def heads_per_rank(self) -> int:
+        """Query heads each rank holds."""
+        return self.num_heads // self.world_size
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads each rank holds: its share, or 1 (replicated) when there are fewer KV heads than ranks."""
+        return max(1, self.num_kv_heads // self.world_size)
+
+    def head_range(self, rank: int) -> tuple[int, int]:
+        """This rank's query heads, ``[start, stop)``."""
+        return rank * self.heads_per_rank, (rank + 1) * self.heads_per_rank
+
+    def kv_head_range(self, rank: int) -> tuple[int, int]:
+        """The KV heads this rank's query heads read (``num_heads / num_kv_heads`` queries share one)."""
+        if self.num_kv_heads >= self.world_size:
+            return rank * self.kv_heads_per_rank, (rank + 1) * self.kv_heads_per_rank
+        ranks_per_kv_head = self.world_size // self.num_kv_heads
+        return rank // ranks_per_kv_head, rank // ranks_per_kv_head + 1
+
+    def feature_range(self, rank: int) -> tuple[int, int]:
+        """This rank's intermediate MLP features, ``[start, stop)``."""
+        share = self.intermediate_size // self.world_size
+        return rank * share, (rank + 1) * share
+
+
+def shard_layout(config: Any, world_size: int) -> ShardLayout:
+    """The layout of ``config`` (a transformers config) over ``world_size`` ranks.
+
+    Raises :class:`ConfigError` naming ``runtime.tensor_parallel_size`` and
+    the model's counts when the model cannot be split that way.
+    """
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    layout = ShardLayout(world_size, num_heads, num_kv_heads,
+                         getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+                         config.intermediate_size)
+    problems = []
+    if config.model_type not in SHARDABLE_MODEL_TYPES:
+        problems.append(f"{architecture} ({config.model_type}) cannot be sharded; tensor parallelism supports "
+                        f"{', '.join(sorted(SHARDABLE_MODEL_TYPES))} models")
+    if num_heads % world_size:
+        problems.append(f"{architecture} has {num_heads} attention heads, not divisible by {world_size} ranks")
+    if num_kv_heads % world_size and world_size % num_kv_heads:
+        problems.append(f"{architecture} has {num_kv_heads} KV heads (and {num_heads} attention heads): the KV "
+                        f"head count must divide or be divisible by the {world_size} ranks")
+    if layout.intermediate_size % world_size:
+        problems.append(f"{architecture} has an MLP of {layout.intermediate_size} features (intermediate_size), "
+                        f"not divisible by {world_size} ranks")
+    if problems:
+        raise ConfigError([ConfigProblem("<run>", KEY, problem) for problem in problems])
+    return layout
+
+
+AllReduce = Callable[[torch.Tensor], None]
+"""Sums a tensor over the ranks, in place."""
+AllGather = Callable[[torch.Tensor], torch.Tensor]
+"""Every rank's tensor (all of one shape), concatenated along the last dimension in rank order."""
+
+VOCAB_ROW_MULTIPLE = 16
+"""Each rank's vocabulary rows are padded to a multiple of this: int4 packing needs output rows in multiples of 16."""
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Which rows of a ``vocab_size``-row embedding or LM head one of ``world_size`` ranks keeps.
+
+    With ``vocab_size`` 1001 over 2 ranks: 512 rows each, rank 0 holds ids 0-511,
+    rank 1 ids 512-1000 and 23 zero rows of padding, never produced as tokens.
+    """
+
+    vocab_size: int
+    world_size: int
+    rank: int
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Rows every rank holds, padding included: the vocabulary's share, rounded up to :data:`VOCAB_ROW_MULTIPLE`."""
+        share = -(-self.vocab_size // self.world_size)
+        return -(-share // VOCAB_ROW_MULTIPLE) * VOCAB_ROW_MULTIPLE
+
+    @property
+    def start(self) -> int:
+        """The first token id of this rank's shard."""
+        return min(self.rank * self.rows_per_rank, self.vocab_size)
+
+    @property
+    def stop(self) -> int:
+        """One past the last real token id of this rank's shard (its rows from there to ``rows_per_rank`` are
+        padding)."""
+        return min(self.start + self.rows_per_rank, self.vocab_size)
+
+    def rows_of(self, weight: torch.Tensor) -> torch.Tensor:
+        """This shard's rows of ``weight`` (``[vocab_size, ...]``), zero-padded to ``rows_per_rank`` rows, as a copy."""
+        kept = weight[self.start : self.stop]
+        padding = self.rows_per_rank - kept.shape[0]
+        if padding == 0:
+            return kept.clone()
+        return torch.cat([kept, kept.new_zeros(padding, *kept.shape[1:])])
+
+
+def shard_model(model: HFCausalLM, layout: ShardLayout, rank: int, all_reduce: AllReduce,
+                all_gather: AllGather, *, shard_vocabulary: bool = True) -> None:
+    """Keep ``rank``'s shard of every decoder layer and, with ``shard_vocabulary``, of the vocabulary
+    (:func:`shard_vocab`) of ``model`` and report per-rank head counts in its layer specs."""
+    layers = getattr(model.model.base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ConfigError([ConfigProblem("<run>", KEY, f"{model.shape.architecture}: its decoder has no `layers` list")])
+    head_start, head_stop = (index * layout.head_size for index in layout.head_range(rank))
+    kv_start, kv_stop = (index * layout.head_size for index in layout.kv_head_range(rank))
+    feature_start, feature_stop = layout.feature_range(rank)
+    reduce_hook = _reducer(all_reduce)
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        _keep_outputs(attention.q_proj, head_start, head_stop)
+        _keep_outputs(attention.k_proj, kv_start, kv_stop)
+        _keep_outputs(attention.v_proj, kv_start, kv_stop)
+        _keep_inputs(attention.o_proj, head_start, head_stop, keep_bias=rank == 0)
+        _keep_outputs(mlp.gate_proj, feature_start, feature_stop)
+        _keep_outputs(mlp.up_proj, feature_start, feature_stop)
+        _keep_inputs(mlp.down_proj, feature_start, feature_stop, keep_bias=rank == 0)
+        attention.o_proj.register_forward_hook(reduce_hook)
+        mlp.down_proj.register_forward_hook(reduce_hook)
+    model.layer_specs = {
+        index: dataclasses.replace(spec, num_heads=layout.heads_per_rank, num_kv_heads=layout.kv_heads_per_rank)
+        for index, spec in model.layer_specs.items()
+    }
+    if shard_vocabulary:
+        shard_vocab(model, layout.world_size, rank, all_reduce, all_gather)
+
+
+def shard_vocab(model: HFCausalLM, world_size: int, rank: int, all_reduce: AllReduce,
+                all_gather: AllGather) -> VocabShard:
+    """Keep ``rank``'s rows of ``model``'s input embedding and LM head (one shared shard when they are tied).
+
+    The embedding's lookups then give the rows of this shard's ids (zeros for the others) summed over the
+    ranks by ``all_reduce``; the LM head's outputs are gathered from the ranks by ``all_gather`` and cut to the
+    model's vocabulary, so both still return what the whole vocabulary would.  Returns this rank's shard.
+    """
+    embedding = model.model.get_input_embeddings()
+    lm_head = model.model.get_output_embeddings()
+    if not isinstance(embedding, nn.Embedding) or not isinstance(lm_head, nn.Linear):
+        raise ConfigError([ConfigProblem(
+            "<run>", KEY, f"{model.shape.architecture}: only an nn.Embedding input embedding and an nn.Linear LM "
+            f"head can be sharded; found {type(embedding).__name__} and {type(lm_head).__name__}")])
+    vocab_size = embedding.num_embeddings
+    if lm_head.out_features != vocab_size:
+        raise ConfigError([ConfigProblem("<run>", KEY, f"{model.shape.architecture}: its LM head has "
+                                                       f"{lm_head.out_features} outputs and its embedding "
+                                                       f"{vocab_size} rows; a sharded vocabulary needs them equal")])
+    shard = VocabShard(vocab_size, world_size, rank)
+    tied = lm_head.weight is embedding.weight
+    with torch.no_grad():
+        embedding.weight = nn.Parameter(shard.rows_of(embedding.weight), requires_grad=False)
+        if tied:
+            lm_head.weight = embedding.weight
+        else:
+            lm_head.weight = nn.Parameter(shard.rows_of(lm_head.weight), requires_grad=False)
+        if lm_head.bias is not None:
+            lm_head.bias = nn.Parameter(shard.rows_of(lm_head.bias), requires_grad=False)
+    embedding.num_embeddings = lm_head.out_features = shard.rows_per_rank
+    embedding.forward = VocabParallelLookup(embedding, shard, all_reduce)  # type: ignore[method-assign]
+    lm_head.register_forward_hook(_gatherer(all_gather, vocab_size))
+    embedding.vocab_shard = lm_head.vocab_shard = shard
+    return shard
+
+
+class VocabParallelLookup:
+    """The forward of an ``nn.Embedding`` that holds one :class:`VocabShard`: whole-vocabulary embeddings.
+
+    Ids ``[3, 700]`` with rank 0 holding 0-511 and rank 1 512-1000: rank 0 looks up local rows ``[3, 0]`` and
+    zeroes the second, rank 1 looks up ``[0, 188]`` and zeroes the first; the all-reduce adds the two.
+    """
+
+    def __init__(self, embedding: nn.Embedding, shard: VocabShard, all_reduce: AllReduce) -> None:
+        self.embedding = embedding
+        self.shard = shard
+        self.all_reduce = all_reduce
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local_ids = input_ids - self.shard.start
+        elsewhere = (local_ids < 0) | (local_ids >= self.shard.stop - self.shard.start)
+        rows = F.embedding(local_ids.masked_fill(elsewhere, 0), self.embedding.weight)
+        rows = rows.masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        self.all_reduce(rows)
+        return rows
+
+
+def _gatherer(all_gather: AllGather, vocab_size: int) -> Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]:
+    def gather_logits(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        logits = all_gather(output.contiguous())
+        return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size].contiguous()
+
+    return gather_logits
+
+
+def _reducer(all_reduce: AllReduce) -> Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]:
+    def reduce_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        all_reduce(output)
+        return output
+
+    return reduce_output
+
+
+def _keep_outputs(linear: nn.Linear, start: int, stop: int) -> None:
+    """Column parallel: keep output features ``[start, stop)``."""
+    with torch.no_grad():
+        linear.weight = nn.Parameter(linear.weight[start:stop].clone(), requires_grad=False)
+        if linear.bias is not None:
+            linear.bias = nn.Parameter(linear.bias[start:stop].clone(), requires_grad=False)
+    linear.out_features = stop - start
+
+
+def _keep_inputs(linear: nn.Linear, start: int, stop: int, *, keep_bias: bool) -> None:
+    """Row parallel: keep input features ``[start, stop)``; the bias is added once, by the rank that keeps it."""
+    with torch.no_grad():
+        linear.weight = nn.Parameter(linear.weight[:, start:stop].clone(), requires_grad=False)
+        if linear.bias is not None and not keep_bias:
+            linear.bias = None
+    linear.in_features = stop - start

@@ -1,0 +1,100 @@
+"""Whole decoder layers as two C++ calls around the attention (patchbay.worker.cpu.fused_layer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import patchbay
+from patchbay.sampling_params import SamplingParams
+from patchbay.worker import runner_build
+from patchbay.worker.cpu import fused_layer, fused_ops
+from patchbay.worker.cpu.native_build import build_unavailable
+from patchbay.worker.cpu.streaming_linear import tiles_unavailable
+from tiny_models import build_tiny_model, transformers_greedy
+
+pytestmark = pytest.mark.skipif(
+    build_unavailable() is not None or tiles_unavailable(torch.float32) is not None,
+    reason=f"cannot build or tile here: {build_unavailable() or tiles_unavailable(torch.float32)}")
+
+PROMPTS = [[5, 9, 11, 3, 7], list(range(20, 90)), [42]]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory):
+    """Qwen2: biases on the q/k/v products, sliding-window layers among full ones."""
+    return build_tiny_model(tmp_path_factory.mktemp("qwen2"), "qwen2-mixed-window")
+
+
+def tiled_llm(model_dir, dtype: str = "float32", **settings) -> patchbay.LLM:
+    fused_ops.load_fused_ops()  # built, so every step runs the kernels
+    return patchbay.LLM(model__path=str(model_dir), model__dtype=dtype, runtime__linear_kernel="tiles", **settings)
+
+
+def fused_layer_count(llm: patchbay.LLM) -> int:
+    layers = llm.engine.model.model.model.layers
+    return sum(isinstance(vars(layer).get("forward"), fused_layer.FusedDecoderLayer) for layer in layers)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
+def test_greedy_tokens_match_transformers_with_whole_layers_fused(model, request):
+    model_dir = request.getfixturevalue(model)
+    llm = tiled_llm(model_dir)
+    layers = llm.engine.model.model.config.num_hidden_layers
+    assert llm.engine.fused_modules.layers == layers == fused_layer_count(llm)
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == transformers_greedy(model_dir, PROMPTS, 12)
+
+
+def test_bfloat16_logprobs_equal_the_fused_modules_bit_for_bit(tiny_llama, monkeypatch):
+    """The two calls run the fused modules' kernels in their order: same tokens, same log-probabilities."""
+    if tiles_unavailable(torch.bfloat16) is not None:
+        pytest.skip(tiles_unavailable(torch.bfloat16))
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
+    fused = tiled_llm(tiny_llama, "bfloat16")
+    assert fused.engine.fused_modules.layers > 0
+    with_layers = fused.generate(PROMPTS, params)
+    monkeypatch.setattr(runner_build, "use_fused_layers", lambda model: 0)
+    modules_only = tiled_llm(tiny_llama, "bfloat16")
+    assert modules_only.engine.fused_modules.layers == fused_layer_count(modules_only) == 0
+    without_layers = modules_only.generate(PROMPTS, params)
+    for a, b in zip(with_layers, without_layers):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+
+
+def test_layers_with_hooks_or_untiled_products_keep_their_modules(tiny_llama):
+    torch_products = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32",
+                                  runtime__linear_kernel="torch")
+    assert torch_products.engine.fused_modules.attentions > 0
+    assert torch_products.engine.fused_modules.layers == fused_layer_count(torch_products) == 0
+
+    # A forward hook on a layer's module (a tensor-parallel rank's all-reduce is one) must keep running.
+    llm = tiled_llm(tiny_llama)
+    layer = llm.engine.model.model.model.layers[0]
+    del layer.forward
+    handle = layer.self_attn.o_proj.register_forward_hook(lambda module, args, output: output)
+    try:
+        assert fused_layer.use_fused_layers(llm.engine.model.model) == 0
+    finally:
+        handle.remove()
+    assert fused_layer.use_fused_layers(llm.engine.model.model) == 1
+
+
+def test_until_the_kernels_are_built_the_layer_runs_its_own_forward(tiny_llama, monkeypatch):
+    llm = tiled_llm(tiny_llama)
+    calls = []
+    for layer in llm.engine.model.model.model.layers:
+        fused = vars(layer)["forward"]
+        monkeypatch.setattr(fused, "build", NotBuilt())
+    original = type(llm.engine.model.model.model.layers[0]).forward
+    monkeypatch.setattr(type(llm.engine.model.model.model.layers[0]), "forward",
+                        lambda self, *args, **kwargs: calls.append(self) or original(self, *args, **kwargs))
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert calls, "the layers' own forward never ran"
+    assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, PROMPTS, 4)
+
+
+class NotBuilt:
+    def ready(self):
+        return None

@@ -1,0 +1,168 @@
+"""The C++ RMS-norm and SiLU-and-multiply kernels: against transformers' modules, and in the engine."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+import patchbay
+from patchbay.sampling_params import SamplingParams
+from patchbay.worker.cpu import fused_ops
+from patchbay.worker.cpu.fused_projections import fuse_shared_input_projections
+from patchbay.worker.cpu.native_build import build_unavailable
+from patchbay.worker.cpu.streaming_linear import TileLayout
+from patchbay.worker.cpu.tuning import CpuInfo
+from tiny_models import transformers_greedy
+
+pytestmark = pytest.mark.skipif(build_unavailable() is not None, reason=f"cannot build here: {build_unavailable()}")
+
+
+class Built:
+    """A build that is done: the kernels as built for this CPU, or limited to AVX2 (the SIMD path of CPUs
+    without AVX-512, built here too where the CPU has both)."""
+
+    def __init__(self, variant: str = "native") -> None:
+        self.variant = variant
+
+    def ready(self):
+        if self.variant == "native":
+            return fused_ops.load_fused_ops()
+        if not {"avx2", "fma"} <= CpuInfo.read().flags:
+            pytest.skip("this CPU has no AVX2 and FMA")
+        return _avx2_ops()
+
+
+@functools.cache
+def _avx2_ops():
+    return fused_ops.EXTENSION.without_avx512().load()
+
+
+VARIANTS = pytest.mark.parametrize("variant", ["native", pytest.param("avx2", marks=pytest.mark.slow)])
+
+
+class NotBuilt:
+    def ready(self):
+        return None
+
+
+@VARIANTS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 is past the kernels' threading threshold
+def test_rms_norm_matches_transformers(dtype, rows, variant):
+    generator = torch.Generator().manual_seed(0)
+    norm = LlamaRMSNorm(580, eps=1e-5).to(dtype)  # 580: whole registers and a tail of plain loops
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(580, generator=generator) + 0.5)
+    hidden = (torch.randn(1, rows, 580, generator=generator) * 3).to(dtype)
+    expected = norm(hidden)
+    norm.forward = fused_ops.FusedRMSNorm(norm, Built(variant))
+    with torch.inference_mode():
+        got = norm(hidden)
+    assert got.dtype == dtype and got.shape == expected.shape
+    if dtype == torch.bfloat16:
+        # Rounded at the same two points as transformers; only the float32 sum's order differs.
+        mismatched = (got != expected).float().mean().item()
+        assert mismatched < 0.01
+        torch.testing.assert_close(got, expected, rtol=8e-3, atol=0)
+    else:
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+
+
+@VARIANTS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_silu_mlp_matches_transformers(dtype, rows, variant):
+    config = LlamaConfig(hidden_size=64, intermediate_size=1540, num_attention_heads=4, hidden_act="silu")
+    torch.manual_seed(0)
+    mlp = LlamaMLP(config).to(dtype).eval()
+    x = torch.randn(1, rows, 64).to(dtype)
+    with torch.inference_mode():
+        expected = mlp(x)
+        gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
+        activated = torch.empty(1, rows, 1540, dtype=dtype)
+        Built(variant).ready().silu_and_mul(gate_up, activated)
+        torch.testing.assert_close(activated, F.silu(mlp.gate_proj(x)) * mlp.up_proj(x),
+                                   rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-6)
+        assert fuse_shared_input_projections(mlp) == 1
+        mlp.forward = fused_ops.FusedSiluMLP(mlp, Built(variant))
+        assert mlp.forward.group is not None  # the gate/up product is the fused group's
+        got = mlp(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5 if dtype == torch.float32 else 2e-2,
+                               atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_modules_run_their_own_forward_until_the_kernels_are_built():
+    norm = LlamaRMSNorm(32)
+    norm.forward = fused_ops.FusedRMSNorm(norm, NotBuilt())
+    hidden = torch.randn(3, 32)
+    torch.testing.assert_close(norm(hidden), LlamaRMSNorm.forward(norm, hidden), rtol=0, atol=0)
+
+
+def test_only_modules_computing_the_llama_formulas_are_replaced():
+    class ScaledNorm(nn.Module):  # Gemma-style: (1 + weight), another formula under the same attributes
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(8))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, hidden_states):
+            return hidden_states * (1 + self.weight)
+
+    class GeluMLP(LlamaMLP):
+        pass
+
+    config = LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, hidden_act="gelu")
+    model = nn.ModuleDict({"norm": LlamaRMSNorm(8), "scaled": ScaledNorm(), "silu": LlamaMLP(
+        LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, hidden_act="silu")), "gelu": GeluMLP(config)})
+    counts = fused_ops.use_fused_ops(model, device=torch.device("cpu"), dtype="float32", build=NotBuilt())
+    assert counts == fused_ops.FusedModules(norms=1, mlps=1)
+    assert isinstance(vars(model["norm"]).get("forward"), fused_ops.FusedRMSNorm)
+    assert isinstance(vars(model["silu"]).get("forward"), fused_ops.FusedSiluMLP)
+    assert "forward" not in vars(model["scaled"]) and "forward" not in vars(model["gelu"])
+    # Off the CPU's float32/bfloat16 nothing changes.
+    assert fused_ops.use_fused_ops(LlamaRMSNorm(8).half(), device=torch.device("cpu"), dtype="float16",
+                                   build=NotBuilt()) == fused_ops.FusedModules()
+
+
+def test_greedy_tokens_match_transformers_with_the_kernels_on(tiny_llama):
+    fused_ops.load_fused_ops()  # built, so every step runs the kernels
+    prompts = [[5, 9, 11, 3, 7], list(range(20, 90)), [42]]
+    llm = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32", runtime__fused_ops=True)
+    config = llm.engine.model.model.config
+    tiled = llm.engine.linear_paths.layout == TileLayout.name  # then whole layers fuse (test_fused_layer.py)
+    assert llm.engine.fused_modules == fused_ops.FusedModules(norms=2 * config.num_hidden_layers + 1,
+                                                              mlps=config.num_hidden_layers,
+                                                              attentions=config.num_hidden_layers,
+                                                              layers=config.num_hidden_layers if tiled else 0)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 12)
+
+
+@VARIANTS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 36])  # 36: halves of 18, past whole registers: the plain loops
+def test_rotary_matches_transformers(dtype, head_size, variant):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    generator = torch.Generator().manual_seed(0)
+    tokens, q_heads, kv_heads = 5, 6, 2
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size, generator=generator).to(dtype)
+    angles = torch.rand(tokens, head_size // 2, generator=generator) * 40
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype)[None], emb.sin().to(dtype)[None]  # [1, tokens, head_size] as transformers has
+    query = torch.empty(tokens, q_heads, head_size, dtype=dtype)
+    key = torch.empty(tokens, kv_heads, head_size, dtype=dtype)
+    q_rows = qkv[:, : q_heads * head_size]
+    k_rows = qkv[:, q_heads * head_size: (q_heads + kv_heads) * head_size]  # views with the fused row stride
+    Built(variant).ready().rotary(q_rows, k_rows, cos, sin, query, key)
+    q = qkv[:, : q_heads * head_size].view(1, tokens, q_heads, head_size).transpose(1, 2)
+    k = qkv[:, q_heads * head_size: (q_heads + kv_heads) * head_size].view(1, tokens, kv_heads, head_size)
+    expected_q, expected_k = apply_rotary_pos_emb(q, k.transpose(1, 2), cos, sin)
+    # The same roundings in the same order: equal, not close.
+    assert torch.equal(query, expected_q[0].transpose(0, 1)) and torch.equal(key, expected_k[0].transpose(0, 1))

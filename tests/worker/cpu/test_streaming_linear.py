@@ -1,0 +1,174 @@
+"""Linears over weights in output tiles: a float64 product is the oracle, whatever the rows, threads and tails."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import patchbay
+from patchbay.contract.settings import ConfigError
+from patchbay.sampling_params import SamplingParams
+from patchbay.worker.cpu import streaming_linear
+from patchbay.worker.cpu.fused_projections import fuse_shared_input_projections
+from patchbay.worker.cpu.packed_linear import use_packed_linears
+from patchbay.worker.cpu.streaming_linear import TileLayout, tiles_unavailable
+from tiny_models import transformers_greedy
+
+pytestmark = pytest.mark.skipif(tiles_unavailable(torch.float32) is not None,
+                                reason=f"no tiled products here: {tiles_unavailable(torch.float32)}")
+
+# bfloat16 inputs and weights are exact in float64; the kernel sums in float32 and rounds the output once.
+TOLERANCE = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+
+
+def _dtypes() -> list[torch.dtype]:
+    return [dtype for dtype in (torch.float32, torch.bfloat16) if tiles_unavailable(dtype) is None]
+
+
+def _oracle(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(inputs.double(), weight.double(), None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("shape", [(96, 48), (49, 32), (200, 130)])  # out features: whole, partial and many tiles
+def test_a_tiled_product_is_the_exact_product_rounded_once(shape, rows, threads, dtype):
+    torch.manual_seed(rows)
+    out_features, in_features = shape
+    weight = torch.randn(out_features, in_features).to(dtype)
+    bias = torch.randn(out_features).to(dtype)
+    inputs = torch.randn(rows, in_features).to(dtype)
+    layout = TileLayout(threads)
+    packed = layout.pack(weight)
+    for with_bias in (None, bias):
+        got = layout.product(inputs, packed, with_bias)
+        assert got.shape == (rows, out_features) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), _oracle(inputs, weight, with_bias), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_leading_dimensions_and_strided_inputs_are_multiplied_as_their_values(dtype):
+    torch.manual_seed(0)
+    weight = torch.randn(40, 64).to(dtype)
+    layout = TileLayout(2)
+    packed = layout.pack(weight)
+    batched = torch.randn(2, 3, 64).to(dtype)
+    torch.testing.assert_close(layout.product(batched, packed, None).double(), _oracle(batched, weight, None),
+                               **TOLERANCE[dtype])
+    strided = torch.randn(5, 128).to(dtype)[:, ::2]  # a view whose features are not contiguous
+    torch.testing.assert_close(layout.product(strided, packed, None).double(), _oracle(strided, weight, None),
+                               **TOLERANCE[dtype])
+    assert layout.product(torch.empty(0, 64, dtype=dtype), packed, None).shape == (0, 40)
+
+
+def test_products_from_several_threads_at_once_stay_apart():
+    """The helper threads serve one product at a time; concurrent callers queue, and none sees another's rows."""
+    torch.manual_seed(0)
+    layout = TileLayout(2)
+    weights = [torch.randn(96 + 16 * i, 64) for i in range(4)]
+    packed = [layout.pack(weight) for weight in weights]
+    failures: list[str] = []
+
+    def work(index: int) -> None:
+        inputs = torch.randn(3, 64)
+        expected = _oracle(inputs, weights[index], None)
+        for _ in range(200):
+            got = layout.product(inputs, packed[index], None)
+            if not torch.allclose(got.double(), expected, rtol=2e-5, atol=2e-5):
+                failures.append(f"caller {index}")
+                return
+
+    callers = [threading.Thread(target=work, args=(index,)) for index in range(4)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert not failures
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_multiplies_with_fresh_helpers():
+    torch.manual_seed(0)
+    layout = TileLayout(2)
+    weight = torch.randn(512, 64)
+    packed = layout.pack(weight)
+    inputs = torch.randn(2, 64)
+    expected = layout.product(inputs, packed, None)  # helpers started in the parent
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child, which only multiplies (OpenMP does not survive fork)
+        os.write(write, layout.product(inputs, packed, None).numpy().tobytes())
+        os._exit(0)
+    os.close(write)
+    received = b""
+    while chunk := os.read(read, 1 << 16):
+        received += chunk
+    os.waitpid(child, 0)
+    assert received == expected.numpy().tobytes()
+
+
+def test_odd_bfloat16_input_widths_are_left_to_another_layout():
+    if tiles_unavailable(torch.bfloat16) is not None:
+        pytest.skip(tiles_unavailable(torch.bfloat16))
+    layout = TileLayout(1)
+    assert layout.supports(torch.zeros(8, 64, dtype=torch.bfloat16))
+    assert not layout.supports(torch.zeros(8, 63, dtype=torch.bfloat16))  # features go in pairs
+    assert not layout.supports(torch.zeros(8, 64, dtype=torch.float16))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(16, 16), nn.Linear(16, 8), nn.Linear(16, 8)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tiling_releases_plain_weights_but_keeps_tied_ones():
+    torch.manual_seed(0)
+    block = _Block()
+    inputs = torch.randn(3, 16)
+    expected = {name: getattr(block, name)(inputs).detach() for name in ("q_proj", "k_proj", "v_proj", "head")}
+    assert fuse_shared_input_projections(block, max_rows=1 << 62) == 1
+    assert use_packed_linears(block, TileLayout(2)) == 4
+    assert block.q_proj.weight.device.type == "meta" and block.embed.weight.device.type == "cpu"
+    for name, values in expected.items():
+        torch.testing.assert_close(getattr(block, name)(inputs), values, rtol=2e-5, atol=2e-5)
+
+
+def test_greedy_tokens_with_tiled_linears_match_transformers(tiny_llama):
+    prompts = [[5, 9, 11, 3, 7], list(range(20, 60)), [42]]
+    llm = patchbay.LLM(model__path=str(tiny_llama), runtime__threads=2, runtime__linear_kernel="tiles")
+    paths = llm.engine.linear_paths
+    assert paths.layout == "output tiles" and paths.packed > 0 and paths.fused_groups > 0
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 12)
+
+
+def test_tiles_on_a_dtype_they_cannot_run_are_refused_naming_the_setting(tiny_llama):
+    with pytest.raises(ConfigError, match="runtime.linear_kernel.*tiles cannot run"):
+        patchbay.LLM(model__path=str(tiny_llama), model__dtype="float16", runtime__linear_kernel="tiles")
+
+
+@pytest.mark.slow
+def test_the_avx2_build_multiplies_like_the_oracle():
+    """CPUs without AVX-512 run the 8-lane float32 path; built here with AVX-512 turned off."""
+    try:
+        kernels = streaming_linear.EXTENSION.without_avx512().load()
+    except RuntimeError as error:
+        pytest.skip(f"no AVX2 build here: {error}")
+    assert kernels.float32_lanes() == 8 and not kernels.bfloat16_supported()
+    torch.manual_seed(0)
+    for out_features, in_features, rows in ((96, 48, 1), (49, 32, 7), (200, 130, 13)):
+        weight = torch.randn(out_features, in_features)
+        bias = torch.randn(out_features)
+        inputs = torch.randn(rows, in_features)
+        got = kernels.tiled_linear(inputs, streaming_linear.tile(weight, 8), bias, out_features, 2)
+        torch.testing.assert_close(got.double(), _oracle(inputs, weight, bias), rtol=2e-5, atol=2e-5)
