@@ -83,3 +83,28 @@ def test_buffers_are_sized_by_what_the_pool_can_hold_not_by_the_raw_limits(tiny_
     assert runner.batch.token_ids.nbytes == 32 * 257 * 4
     assert len(runner._arange) == 32 * 16 + 1  # one token per KV slot at most
     assert len(llm.generate([[1, 2, 3]] * 3, patchbay.SamplingParams(max_tokens=3))) == 3
+
+
+def test_n_is_bounded_offline_before_any_sequence_is_built(tiny_llama, tmp_path, capsys):
+    """Issue 30: ``n`` was unbounded offline; ``LLM.generate`` or a JSONL line with ``n=10**7`` built ten million
+    sequences up front.  Both refuse it with an error naming the request and ``scheduler.max_n``."""
+    from patchbay.entrypoints.cli import main
+
+    llm = patchbay.LLM(model__path=str(tiny_llama), attention__backend="torch_sdpa", cache__num_blocks=64)
+    for n in (10**7, 1025):
+        with pytest.raises(ValueError, match=rf"request 1: n={n} sequences exceeds scheduler.max_n=1024"):
+            llm.generate(["hi", "there"], [patchbay.SamplingParams(max_tokens=2),
+                                           patchbay.SamplingParams(max_tokens=2, n=n)])
+        assert not llm.engine.has_unfinished_requests()
+    outputs = llm.generate("hi", patchbay.SamplingParams(max_tokens=2, n=3))
+    assert len(outputs[0].completions) == 3  # the engine is untouched and n within the bound runs
+
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"prompt": "a", "max_tokens": 2}\n{"prompt": "b", "max_tokens": 2, "n": 5}\n')
+    config = tmp_path / "job.yaml"
+    config.write_text(f"model: {{path: '{tiny_llama}'}}\nscheduler: {{max_n: 4}}\n"
+                      f"inputs: {{chat_template: false, file: '{requests}'}}\noutputs: {{path: '{tmp_path / 'out'}'}}\n")
+    assert main(["run", str(config)]) == 2
+    error = capsys.readouterr().err
+    assert f"{requests}:2" in error and "n=5 sequences exceeds scheduler.max_n=4" in error
+    assert not (tmp_path / "out").exists()

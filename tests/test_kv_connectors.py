@@ -232,7 +232,7 @@ def test_shared_storage_files_are_laid_out_by_identity_and_hash_with_no_temporar
     side = Side(make(SharedStorageConnector, {"path": str(tmp_path)}), caches(random=True))
     request = SuiteRequest("a", PROMPT, 4)
     side.compute_and_finish(request, [5, 2, 9, 7])
-    namespace = store_namespace("tests/tiny", 4, "float32")
+    namespace = store_namespace("tests/tiny", 4, "float32", side.connector.key_bytes)
     expected = {tmp_path / namespace / h.hex()[:2] / f"{h.hex()}.kvb" for h in request.block_hashes}
     assert set(tmp_path.rglob("*.kvb")) == expected
     assert [path for path in tmp_path.rglob("*") if path.is_file() and path.suffix != ".kvb"] == []
@@ -330,7 +330,7 @@ def test_redis_keys_carry_prefix_and_ttl_and_respect_the_size_limit():
     keys = sorted(client.scan_iter(match=f"{prefix}*"))
     assert len(keys) == 3
     assert all(0 < client.ttl(key) <= 120 for key in keys)
-    assert all(key.decode().startswith(prefix + store_namespace("tests/tiny", 4, "float32") + "/") for key in keys)
+    assert all(key.decode().startswith(prefix + connector.namespace + "/") for key in keys)
     small = make(RedisConnector, {"url": REDIS_URL, "key_prefix": prefix + "small:", "max_block_bytes": 100})
     Side(small, caches(random=True)).compute_and_finish(SuiteRequest("b", PROMPT, 4), [5, 2, 9, 7])
     assert small.stats["skipped_saves"] == 3 and small.stats["saved_blocks"] == 0

@@ -78,8 +78,48 @@ def test_entries_written_without_the_key_are_never_loaded(tmp_path):
     path = str(tmp_path / "shared")
     _produce({"path": path, "auth_key": "the-attackers-own-secret"})
     consumer, errors = _consume({"path": path, "auth_key": KEY})
-    assert errors == {3, 8, 1} and consumer.connector.stats["loaded_blocks"] == 0
+    assert consumer.connector.stats["loaded_blocks"] == 0
     assert all(not cache.any() for cache in consumer.caches.values())
+
+
+def test_a_consumer_with_the_wrong_key_deletes_no_valid_entry(tmp_path):
+    """LOSS (issue 30): a shared-storage consumer with the wrong key deleted every valid entry in the store.
+
+    Entries it cannot authenticate are misses: the store keeps them, and a runner with the right key
+    still loads every one."""
+    options = {"path": str(tmp_path / "shared"), "auth_key": KEY}
+    _produce(options)
+    stored = {path: path.read_bytes() for path in (tmp_path / "shared").rglob("*.kvb")}
+    assert len(stored) == 3
+    for role in ("consumer", "both"):
+        wrong = make(SharedStorageConnector, {**options, "auth_key": "some-other-secret-of-this-user"}, role=role)
+        consumer = Side(wrong, caches(random=False))
+        request = SuiteRequest("b", PROMPT, 4)
+        consumer.scheduler.update_state_after_alloc(request, [3, 8, 1, 11], 12)  # as if a lookup had said yes
+        consumer.step(["b"])
+        assert consumer.worker.get_block_ids_with_load_errors() == {3, 8, 1}
+        assert wrong.stats["loaded_blocks"] == 0 and wrong.stats["discarded_entries"] == 0
+        assert {path: path.read_bytes() for path in (tmp_path / "shared").rglob("*.kvb")} == stored
+    right, errors = _consume(options)
+    assert errors == set() and right.connector.stats["loaded_blocks"] == 3
+
+
+def test_an_unsafe_default_store_directory_is_a_one_line_error_naming_it(tmp_path, monkeypatch, tiny_llama, capsys):
+    """Issue 30: an unsafe store directory was refused with a traceback instead of a clear error."""
+    from patchbay.entrypoints.cli import main
+
+    monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path / "cache"))
+    store = tmp_path / "cache" / "kv-store"
+    store.mkdir(parents=True)
+    store.chmod(0o777)
+    config = tmp_path / "job.yaml"
+    config.write_text(f"model: {{path: '{tiny_llama}'}}\nkv_connector: {{name: shared_storage}}\n"
+                      "inputs: {chat_template: false, prompts: [hello], sampling: {max_tokens: 2}}\n")
+    status = main(["run", str(config)])
+    error = capsys.readouterr().err
+    assert status == 2
+    assert f"the default shared_storage directory {store} has mode" in error and "others may write it" in error
+    assert "Traceback" not in error
 
 
 def test_the_default_key_file_is_per_user_0600_and_shared_by_this_users_runs(tmp_path, monkeypatch):
@@ -211,3 +251,56 @@ def test_two_checkpoints_with_one_config_have_different_identities(tiny_llama, t
         save_file({name: tensor + 1e-3 for name, tensor in tensors.items()}, weights, metadata={"format": "pt"})
     assert (copy / "config.json").read_bytes() == (tiny_llama / "config.json").read_bytes()
     assert weights_fingerprint(copy) != weights_fingerprint(tiny_llama)
+
+
+def _unsampled_offset(size: int, start: int) -> int:
+    """A byte offset past ``start`` that the old sampled fingerprint never read (edges and 64 evenly spaced pieces)."""
+    read = [(0, 64 << 10), (max(0, size - (64 << 10)), size)]
+    read += [(size * (index + 1) // 65, size * (index + 1) // 65 + (4 << 10)) for index in range(64)]
+    for offset in range(start, size):
+        if not any(begin <= offset < end for begin, end in read):
+            return offset
+    raise AssertionError("every byte was sampled")
+
+
+def test_weights_that_differ_in_one_tensor_byte_have_different_identities(tiny_llama, tmp_path, monkeypatch):
+    """Issue 30: the weights fingerprint sampled tensors, so entries written for weights that differ in one
+    tensor it missed still loaded.  Every byte counts, also after the digest memo has seen the file."""
+    import json
+    import shutil
+    import struct
+
+    from patchbay.engine.model_identity import MEMO_FILE_NAME, weights_fingerprint
+
+    monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path / "cache"))
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama, copy)
+    original = weights_fingerprint(copy)
+    assert (tmp_path / "cache" / MEMO_FILE_NAME).is_file()  # remembered: the next start does not rehash
+    weights = next(copy.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    header_end = 8 + struct.unpack("<Q", data[:8])[0]
+    assert json.loads(data[8:header_end])  # the offset below is tensor data, not the header
+    offset = _unsampled_offset(len(data), header_end)
+    times = weights.stat()
+    data[offset] ^= 0x01  # one bit of one tensor
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns))  # the same size and modification time
+    assert weights_fingerprint(copy) != original
+    data[offset] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert weights_fingerprint(copy) == original == weights_fingerprint(tiny_llama)
+
+
+def test_an_unwritable_fingerprint_memo_never_fails_a_start(tiny_llama, tmp_path, monkeypatch):
+    """Issue 30 (LOSS, full cache disk): a memo that cannot be saved costs a rehash, not the run."""
+    from patchbay.engine import model_identity
+
+    monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path / "cache"))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(model_identity.tempfile, "mkstemp", disk_full)
+    assert model_identity.weights_fingerprint(tiny_llama) == model_identity.weights_fingerprint(tiny_llama)
+    assert not (tmp_path / "cache" / model_identity.MEMO_FILE_NAME).exists()

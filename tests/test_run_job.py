@@ -119,3 +119,66 @@ def test_sigterm_keeps_the_finished_lines_and_exits_143(job, tmp_path, capsys, m
     lines = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and lines[1] == {"error": "terminated by SIGTERM", "num_results": 1, "num_requests": 2}
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+class _DiskFillsAfter:
+    """``os`` for result_file, whose ``write`` stores ``budget`` more bytes, then fails with ENOSPC (a full disk)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+
+    def __getattr__(self, name):
+        import os
+
+        return getattr(os, name)
+
+    def write(self, descriptor, data):
+        import errno
+        import os
+
+        if self.budget <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written = os.write(descriptor, bytes(data)[:self.budget])
+        self.budget -= written
+        return written
+
+
+def test_a_full_results_disk_keeps_whole_lines_and_names_the_file(job, tmp_path, capsys, monkeypatch):
+    """LOSS (issue 30): when the results disk filled, what the job kept ended in a cut-off line in a hidden
+    ``.partial`` file the error never named.  Lines stay whole, the error names the file, the results stay."""
+    monkeypatch.chdir(tmp_path)
+    first_line = {}
+    write = result_file.ResultFile.write
+
+    def fill_the_disk_after_the_first_line(self, record):
+        if self.num_written == 0:
+            first_line.update(record)
+            write(self, record)
+            # Room for half of the next line: the write that fails has put part of it in the file.
+            monkeypatch.setattr(result_file, "os", _DiskFillsAfter(len(json.dumps(record)) // 2))
+        else:
+            write(self, record)
+
+    monkeypatch.setattr(result_file.ResultFile, "write", fill_the_disk_after_the_first_line)
+    code, error = _run(job(GOOD), capsys)
+    assert code == 1 and "Traceback" not in error
+    assert "could not write result 2 to " in error and ".results.jsonl." in error and "No space left on device" in error
+    assert "the 1 results written before are kept whole there" in error
+    lines = (tmp_path / "out" / "results.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [first_line]  # every line whole; no room for the error line
+    assert not list((tmp_path / "out").glob(".*.partial"))
+
+
+def test_results_that_cannot_be_renamed_into_place_are_named_where_they_are(tmp_path, monkeypatch):
+    """LOSS (issue 30): the error names the hidden file that holds the kept results."""
+    results = result_file.ResultFile(tmp_path / "results.jsonl")
+    results.write({"id": "a"})
+
+    def refuse(source, target):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(result_file.os, "replace", refuse)
+    with pytest.raises(result_file.ResultsNotWritten, match="its 1 results are kept there") as failure:
+        results.close("stopped", num_requests=2)
+    assert str(results.temporary) in str(failure.value)
+    assert results.temporary.read_text().splitlines()[0] == '{"id": "a"}'

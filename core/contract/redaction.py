@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -52,10 +53,28 @@ def redact_url(url: str) -> str:
 def redact(data: Any) -> Any:
     """A copy of JSON-like ``data`` with secret-named keys' values and URL passwords hidden."""
     if isinstance(data, dict):
-        return {key: HIDDEN if is_secret_name(str(key)) and value is not None else redact(value)
+        return {key: HIDDEN if is_secret_name(str(key)) and value not in (None, "", [], {}) else redact(value)
                 for key, value in data.items()}
     if isinstance(data, list):
         return [redact(item) for item in data]
     if isinstance(data, str) and "://" in data:
         return redact_url(data)
     return data
+
+
+def is_secret_path(path: Iterable[str]) -> bool:
+    """Whether a key path (``kv_connector.options.auth_key``, ``server.api_keys.0``) leads into a secret."""
+    return any(is_secret_name(str(part)) for part in path)
+
+
+def redact_assignment(key: str, raw: str) -> str:
+    """A ``--set key=raw`` flag as it may be printed: the value hidden under a secret key path, URL passwords
+    hidden otherwise."""
+    if is_secret_path(key.split(".")):
+        return f"{key}={HIDDEN}"
+    if "://" in raw:
+        text = raw.strip()
+        # A plain URL shows with its password hidden; a YAML list or mapping holding one is hidden whole.
+        shown = redact_url(text) if not any(mark in text for mark in " []{},\"'") else HIDDEN
+        return f"{key}={HIDDEN if shown == '<unparsable url>' else shown}"
+    return f"{key}={raw}"

@@ -42,7 +42,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from patchbay.contract.redaction import redact
+from patchbay.contract.redaction import HIDDEN, is_secret_path, redact, redact_assignment
 from patchbay.contract.bounded_yaml import DocumentTooLarge, check_bounds, load_bounded
 
 if TYPE_CHECKING:
@@ -212,6 +212,10 @@ class SchedulerSettings(Section):
     chunked_prefill: bool = True
     """Split long prompts across steps. When off, a prompt must fit the token budget whole; a longer one is
     rejected."""
+    max_n: PositiveInt = 1024
+    """Most sequences one request may ask for (its ``n``) in ``LLM.generate`` and ``patchbay run``: each sequence
+    is a request of its own, built when the request is added, so a larger ``n`` is refused up front, naming the
+    request.  The server bounds ``n`` by ``scheduler.max_num_seqs + server.max_waiting`` instead."""
 
 
 class AttentionSettings(Section):
@@ -405,6 +409,10 @@ class ServerSettings(Section):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Accepted ``Authorization: Bearer`` keys; empty: no key needed. A comma-separated string works too (handy
     in ``PATCHBAY_SERVER__API_KEYS``)."""
+    api_key_file: Path | None = None
+    """A file of more accepted keys, one per line (blank lines and ``#`` comments skipped), readable by its owner
+    alone (else the server refuses to start, naming it). With ``PATCHBAY_SERVER__API_KEYS``, the way to keep keys
+    off the command line."""
     served_model_name: str | None = None
     """The model name clients send; default: the model directory's name."""
     max_waiting: int = Field(default=256, ge=0)
@@ -414,8 +422,19 @@ class ServerSettings(Section):
     """Seconds after SIGTERM during which requests in flight may finish; the rest are aborted."""
     log_requests: bool = False
     """Log one line per HTTP request (uvicorn's access log)."""
+    max_body_bytes: int = Field(default=32 << 20, ge=1)
+    """Largest request body; a larger one gets 413 before it is read whole."""
+    idle_timeout: float = Field(default=5.0, gt=0.0)
+    """Seconds a kept-alive connection may sit idle between requests before it is closed."""
+    header_timeout: float = Field(default=10.0, gt=0.0)
+    """Seconds a request's headers may take to arrive (from the connection's start or, kept alive, after
+    ``idle_timeout``); a connection that sends nothing or trickles them is closed."""
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """``Host`` names accepted besides ``localhost``/``127.0.0.1``/``::1`` while ``host`` is a loopback address
+    (``*``: any); others get 400, so a DNS-rebound web page cannot call the server."""
 
-    _split = field_validator("api_keys", mode="before")(_split_names)
+    _split = field_validator("api_keys", "allowed_hosts", mode="before")(_split_names)
+    _home = field_validator("api_key_file")(lambda value: _expand_home(value))
 
 
 class Settings(BaseSettings):
@@ -636,7 +655,7 @@ def cli_overrides(assignments: Iterable[str]) -> list[tuple[str, dict[str, Any]]
     found = []
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
-        label = f"--set {assignment}"
+        label = f"--set {redact_assignment(key.strip(), raw) if sep else assignment}"
         if not sep or not key.strip():
             raise ConfigError([ConfigProblem(label, key or "<empty>", "expected KEY.PATH=VALUE")])
         try:
@@ -701,7 +720,7 @@ def _problem_from_error(error: Mapping[str, Any], sources: _Sources, prefix: tup
     elif error["type"] == "missing":
         message = "required key is missing"
     elif "input" in error and not isinstance(error["input"], (dict, list)):
-        message = f"{message} (got {error['input']!r})"
+        message = f"{message} (got {HIDDEN if is_secret_path(loc) else repr(error['input'])})"
     return ConfigProblem(sources.of(loc), ".".join(loc) or "<root>", message, plugin)
 
 

@@ -27,6 +27,8 @@ class AdmissionLimits:
     max_model_len: int
     max_logprobs: int
     """Most logprobs a request may ask for per position (``model.max_logprobs``; ``-1`` there means the vocabulary)."""
+    max_n: int | None = None
+    """Most sequences one request may ask for (``scheduler.max_n``); ``None``: not checked here."""
 
 
 def check_token_ids(request_id: str, field: str, token_ids: Iterable[object], vocab_size: int) -> None:
@@ -40,10 +42,23 @@ def check_token_ids(request_id: str, field: str, token_ids: Iterable[object], vo
                               f"(0..{vocab_size - 1}): {outside[:5]}")
 
 
+def check_num_sequences(request_id: object, params: SamplingParams, max_n: int) -> None:
+    """Refuse a request whose ``n`` is over ``max_n`` (``scheduler.max_n``), before any of its sequences exists.
+
+    Each of the ``n`` sequences is a request of its own in the engine, built
+    when the request is added: ``n=10**7`` would build ten million of them.
+    """
+    if params.n > max_n:
+        raise RequestRejected(f"request {request_id!r}: n={params.n} sequences exceeds scheduler.max_n={max_n}, "
+                              f"the most one request may ask for")
+
+
 def check_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                   limits: AdmissionLimits) -> None:
     """Raise :class:`RequestRejected` naming ``request_id`` if this request cannot run under ``limits``."""
     vocab = limits.vocab_size
+    if limits.max_n is not None:
+        check_num_sequences(request_id, params, limits.max_n)
     if not prompt_token_ids:
         raise RequestRejected(f"request {request_id!r} has an empty prompt")
     check_token_ids(request_id, "the prompt", prompt_token_ids, vocab)

@@ -311,7 +311,8 @@ class _RankZeroBuild:
             kv_connector=kv_connector, kv_cache_manager=kv_cache_manager, grammars=grammars, scheduler=scheduler,
             runner=runner, single_thread_max_tokens=spec.single_thread_max_tokens,
             limits=AdmissionLimits(shape.vocab_size, self.max_model_len,
-                                   effective_max_logprobs(settings.model.max_logprobs, shape.vocab_size)),
+                                   effective_max_logprobs(settings.model.max_logprobs, shape.vocab_size),
+                                   max_n=settings.scheduler.max_n),
             lora=self.lora,
         )
 

@@ -21,6 +21,7 @@ from patchbay.contract.registry import (
 )
 from patchbay.contract.settings import ConfigError, dump_settings, load_settings
 from patchbay.engine import ModelLoadError
+from patchbay.entrypoints.result_file import ResultsNotWritten
 
 
 def _registry(args: argparse.Namespace) -> Registry:
@@ -280,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
+    except ResultsNotWritten as exc:
+        print(f"patchbay: error: {exc}", file=sys.stderr)
+        return 1
     except (ConfigError, PluginError, ModelLoadError, ValueError) as exc:
         # ValueError: a request or size the engine refuses (it names the request or setting at fault).
         print(f"patchbay: error: {exc}", file=sys.stderr)

@@ -9,6 +9,7 @@ from typing import Any
 from patchbay.contract.registry import Registry, registry_for
 from patchbay.contract.settings import Settings, load_settings
 from patchbay.engine import Engine, Prompt, RequestOutput, encode_prompt
+from patchbay.engine.admission import check_num_sequences
 from patchbay.sampling_params import SamplingParams
 
 
@@ -73,6 +74,9 @@ class LLM:
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling parameter sets")
         if request_ids is not None and len(request_ids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(request_ids)} request ids")
+        for index, params in enumerate(params_list):
+            check_num_sequences(index if request_ids is None else request_ids[index], params,
+                                self.settings.scheduler.max_n)
         order: dict[str, int] = {}
         results: list[RequestOutput | None] = [None] * len(prompts)
         try:

@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings
 from patchbay.engine import EngineDeadError, RequestOutput
-from patchbay.entrypoints.result_file import ResultFile, check_output_path
+from patchbay.engine.admission import check_num_sequences
+from patchbay.entrypoints.result_file import ResultFile, ResultsNotWritten, check_output_path
 from patchbay.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -173,6 +174,7 @@ def check_requests(llm: Any, requests: list[JobRequest]) -> list[tuple[str | Non
                 text, token_ids = llm.encode(request.prompt)
             except ValueError as exc:
                 raise ValueError(f"request {request.request_id!r}: {exc}") from None
+            check_num_sequences(request.request_id, request.params, llm.settings.scheduler.max_n)
             llm.engine.check_request(request.request_id, token_ids, request.params)
         except ValueError as exc:
             problems.append(ConfigProblem(request.where, "<request>", str(exc)))
@@ -233,6 +235,10 @@ def run_from_settings(settings: Settings, *, config_path: str | None = None, str
         outputs = llm.generate(prompts, [r.params for r in requests], request_ids=[r.request_id for r in requests],
                                on_finished=finished)
     except EngineDeadError as exc:
+        error = str(exc)
+        print(f"patchbay: error: {exc}", file=sys.stderr)
+        return 1
+    except ResultsNotWritten as exc:
         error = str(exc)
         print(f"patchbay: error: {exc}", file=sys.stderr)
         return 1

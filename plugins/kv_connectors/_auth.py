@@ -34,8 +34,11 @@ class AuthOptions(BaseModel):
     ``<cache dir>/kv-connector.key``, created on first use.  Ignored when ``auth_key`` is set."""
 
 
-class UnsafeLocation(PermissionError):
-    """A key file or store directory someone other than this user could have written."""
+class UnsafeLocation(PermissionError, ValueError):
+    """A key file or store directory someone other than this user could have written.
+
+    Also a ``ValueError``: the setting that names the path is at fault, so the
+    command line reports it as a one-line error, not a traceback."""
 
 
 def check_private(path: Path, what: str, *, allow_group_read: bool = True) -> None:

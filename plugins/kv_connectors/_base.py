@@ -112,14 +112,15 @@ class StoreConnector(KVConnector):
 
     def __init__(self, options=None, *, config=None) -> None:
         super().__init__(options, config=config)
-        self.namespace = store_namespace(self.config.model_id, self.config.block_size, self.config.dtype)
+        self.key_bytes = self.auth_key()
+        self.namespace = store_namespace(self.config.model_id, self.config.block_size, self.config.dtype,
+                                         self.key_bytes)
         self.stats: dict[str, int] = {"loaded_blocks": 0, "saved_blocks": 0, "load_errors": 0, "store_errors": 0,
                                       "unreachable": 0, "skipped_saves": 0, "discarded_entries": 0,
                                       "dropped_saves": 0}
         self._stats_lock = threading.Lock()
         self._warned_unreachable = False
         self._warned: set[str] = set()
-        self.key_bytes = self.auth_key()
 
     def auth_key(self) -> bytes:
         """The secret that signs and checks this store's entries (see ``_auth``)."""
@@ -156,7 +157,7 @@ class StoreConnector(KVConnector):
         config = self.config
         if config.shard.is_whole or not self.capabilities.cross_process:
             return [self.namespace]
-        return [store_namespace(config.with_shard(shard).model_id, config.block_size, config.dtype)
+        return [store_namespace(config.with_shard(shard).model_id, config.block_size, config.dtype, self.key_bytes)
                 for shard in config.shard.siblings()]
 
     def count(self, name: str, amount: int = 1) -> None:
@@ -400,7 +401,11 @@ class StoreWorker(KVConnectorWorker):
         self.connector.count("loaded_blocks", len(good_ids))
 
     def _discard(self, block_hash: str) -> None:
-        """Remove an entry that can never load (damaged, foreign), so the recomputed block is saved in its place."""
+        """Remove an entry that can never load (damaged, foreign), so the recomputed block is saved in its place.
+
+        Only entries under this store key's namespace are read, so what is
+        discarded here was never a valid entry of a runner with another key.
+        """
         try:
             self.store.replace_raw(self.connector.key(block_hash), None)
             self.connector.count("discarded_entries")

@@ -62,13 +62,21 @@ class BlockLayout:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * element
 
 
-def store_namespace(model_id: str, block_size: int, dtype: str) -> str:
-    """A short, filesystem- and key-safe name for (model identity, block size, dtype).
+def key_id(key: bytes) -> str:
+    """A public name of a store's secret ``key``: an HMAC of a constant, which tells keys apart and reveals none."""
+    return hmac.new(key, b"patchbay kv store namespace", hashlib.sha256).hexdigest()[:16]
 
-    The scheduler side knows only these three; a layout mismatch beyond them
-    (heads, head size, layers) is caught by the header when loading.
+
+def store_namespace(model_id: str, block_size: int, dtype: str, key: bytes) -> str:
+    """A short, filesystem- and key-safe name for (model identity, block size, dtype, the store's key).
+
+    The scheduler side knows only these; a layout mismatch beyond them
+    (heads, head size, layers) is caught by the header when loading.  The
+    key's id keeps the entries of runners with different keys apart: a
+    runner never reads, let alone discards, an entry it cannot authenticate
+    because another key signed it.
     """
-    text = json.dumps([model_id, block_size, dtype])
+    text = json.dumps([model_id, block_size, dtype, key_id(key)])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -1,6 +1,7 @@
 """``redis``: KV blocks in a Redis server, so runners on different machines reuse each other's prefills.
 
-Keys are ``<key_prefix><model identity>/<block hash hex>`` (over several
+Keys are ``<key_prefix><namespace>/<block hash hex>``, the namespace a hash of the
+model identity, block layout and the store key's id (over several
 ranks the model identity names the rank's shard: one key per rank) and values the
 encoded block (header with model identity, layout and HMAC, then the
 payload), the same bytes ``shared_storage`` writes to a file.  Saves run on a

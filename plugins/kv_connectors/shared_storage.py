@@ -1,13 +1,15 @@
 """``shared_storage``: KV blocks as files under a directory, shared by every process that can see it.
 
-Layout: ``<path>/<model identity>/<first two hex digits of the hash>/<block hash>.kvb``,
+Layout: ``<path>/<namespace>/<first two hex digits of the hash>/<block hash>.kvb``,
 ``path`` defaulting to ``<cache dir>/kv-store`` (``~/.cache/patchbay/kv-store``), a
 directory of this user's alone: created 0700, and refused when another user
 owns it or others may write it.  Entries are authenticated (see ``_auth``), so
 a shared ``path`` only lets in entries of runners that hold the same key;
 entry files get the usual mode of new files (the umask), so a consumer
 running as another user can read them.
-where the model identity is a hash of the model id, block size and dtype.
+The namespace is a hash of the model identity, block size, dtype and the
+store key's id (see ``_blocks.store_namespace``), so runners with different
+keys never read, nor discard, each other's entries.
 Over several ranks the model id names the rank's shard, so each rank
 writes its heads and layers to a directory of its own, and rank 0 plans a
 load only when every rank's file is there.

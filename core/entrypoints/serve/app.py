@@ -25,6 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from patchbay.contract.settings import DEFAULT_MODEL, Settings
 from patchbay.engine import AsyncLLM, EngineDeadError, RequestDelta, RequestOutput
 from patchbay.entrypoints.serve.metrics import ServerMetrics
+from patchbay.entrypoints.serve.http_errors import answer_http_errors_in_openai_shape
+from patchbay.entrypoints.serve.keys import accepted_api_keys
 from patchbay.entrypoints.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -82,9 +84,11 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
     """The application serving ``llm``; the caller owns ``llm`` (and shuts it down)."""
     model_name = model_name_of(settings)
     state = ServerState(llm, settings, model_name, ServerMetrics(llm, model_name))
-    app = FastAPI(title="patchbay", version=_version())
+    # No /docs, /redoc nor /openapi.json: they would answer without an API key.
+    app = FastAPI(title="patchbay", version=_version(), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.patchbay = state
-    api_keys = set(settings.server.api_keys)
+    answer_http_errors_in_openai_shape(app)
+    api_keys = accepted_api_keys(settings.server)
 
     def check_api_key(request: Request) -> None:
         if not api_keys:

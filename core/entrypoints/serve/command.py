@@ -43,6 +43,8 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
     import uvicorn
 
     from patchbay.entrypoints.serve.app import build_app
+    from patchbay.entrypoints.serve.connections import protocol_with_header_deadline
+    from patchbay.entrypoints.serve.limits import with_limits
 
     app = build_app(llm, settings)
     grace = settings.server.shutdown_grace_period
@@ -54,11 +56,14 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
         await llm.shutdown(grace_period=0.0)  # uvicorn already waited the grace period for responses in flight
 
     app.router.lifespan_context = lifespan
-    config = uvicorn.Config(app, log_level="info" if settings.server.log_requests else "warning",
+    server = settings.server
+    limited = with_limits(app, server.host, server.max_body_bytes, server.allowed_hosts)
+    config = uvicorn.Config(limited, log_level="info" if settings.server.log_requests else "warning",
                             access_log=settings.server.log_requests,
                             # uvicorn annotates an int but hands it to asyncio.wait_for, which takes float seconds.
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
-                            lifespan="on")
+                            timeout_keep_alive=server.idle_timeout, lifespan="on",
+                            http=protocol_with_header_deadline(server.header_timeout, server.idle_timeout))
     return uvicorn.Server(config)
 
 

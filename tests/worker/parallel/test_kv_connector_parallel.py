@@ -127,7 +127,8 @@ def rank_entries(llm: patchbay.LLM, store_dir: Path, rank: int) -> list[Path]:
     connector = llm.engine.kv_connector
     assert connector is not None
     config = connector.config.with_shard(KVShard(tensor_parallel_rank=rank, tensor_parallel_size=2))
-    return sorted((store_dir / store_namespace(config.model_id, config.block_size, config.dtype)).rglob("*.kvb"))
+    namespace = store_namespace(config.model_id, config.block_size, config.dtype, connector.key_bytes)
+    return sorted((store_dir / namespace).rglob("*.kvb"))
 
 
 @pytest.mark.slow
