@@ -264,7 +264,7 @@ def test_check_a_malformed_reference_names_the_kinds(patchbay_cli, example_only_
     result = patchbay_cli("check", "example_argmax", env=example_only_env)
     assert result.returncode != 0
     assert ("expected KIND:NAME (kinds: attention, attention_metadata_builder, drafter, sampler, kv_connector, "
-            "structured_output)") in result.stderr
+            "structured_output, tool_parser, reasoning_parser)") in result.stderr
 
 
 

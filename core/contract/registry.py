@@ -1,4 +1,4 @@
-"""The plugin registry: one generic mechanism serving all six kinds.
+"""The plugin registry: one generic mechanism serving all eight kinds.
 
 Plugins are modules exposed under the ``patchbay`` entry-point group (the
 built-in ones included).  Loading imports each module on its own and calls
@@ -27,8 +27,10 @@ from patchbay.interfaces import (
     Drafter,
     KVConnector,
     Plugin,
+    ReasoningParser,
     SamplerBase,
     StructuredOutputBackend,
+    ToolParser,
 )
 
 ENTRY_POINT_GROUP = "patchbay"
@@ -57,6 +59,8 @@ KINDS: dict[str, Kind] = {
         Kind("kv_connector", "register_kv_connectors", KVConnector, "KV-cache connectors"),
         Kind("structured_output", "register_structured_output_backends", StructuredOutputBackend,
              "structured-output backends"),
+        Kind("tool_parser", "register_tool_parsers", ToolParser, "tool-call parsers"),
+        Kind("reasoning_parser", "register_reasoning_parsers", ReasoningParser, "reasoning parsers"),
     )
 }
 

@@ -210,6 +210,29 @@ class StructuredOutputSettings(Section):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
+class ChatSettings(Section):
+    """Chat prompts and answers: the template that renders messages and tools, the parsers that read answers."""
+
+    template: Path | None = None
+    """A Jinja chat-template file used instead of the tokenizer's; default: the tokenizer's (for the bundled
+    model, patchbay's copy of it with a tools section)."""
+    tool_parser: str = "hermes"
+    """The tool-call parser that reads calls out of answers to requests offering ``tools`` (``tool_choice: auto``)."""
+    tool_parser_options: dict[str, Any] = Field(default_factory=dict)
+    reasoning_parser: str | None = None
+    """A reasoning parser (``think``) that splits answers into ``reasoning_content`` and ``content``; default: none."""
+    reasoning_parser_options: dict[str, Any] = Field(default_factory=dict)
+
+    _home = field_validator("template")(lambda value: _expand_home(value))
+
+    @field_validator("template")
+    @classmethod
+    def _template_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"no chat template file at {value}")
+        return value
+
+
 def _split_names(value: Any) -> Any:
     if isinstance(value, str) and value.lstrip().startswith("["):
         return json.loads(value)
@@ -287,6 +310,7 @@ class Settings(BaseSettings):
     speculative: SpeculativeSettings | None = None
     kv_connector: KVConnectorSettings | None = None
     structured_output: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)
+    chat: ChatSettings = Field(default_factory=ChatSettings)
     plugins: PluginPolicy = Field(default_factory=PluginPolicy)
     inputs: InputSettings = Field(default_factory=InputSettings)
     outputs: OutputSettings = Field(default_factory=OutputSettings)
@@ -325,6 +349,13 @@ class Settings(BaseSettings):
             choices.append(PluginChoice("structured_output", self.structured_output.backend,
                                         self.structured_output.options, ("structured_output", "backend"),
                                         ("structured_output", "options")))
+        if "chat" in self.model_fields_set:  # the default parser is checked when the server starts
+            choices.append(PluginChoice("tool_parser", self.chat.tool_parser, self.chat.tool_parser_options,
+                                        ("chat", "tool_parser"), ("chat", "tool_parser_options")))
+            if self.chat.reasoning_parser is not None:
+                choices.append(PluginChoice("reasoning_parser", self.chat.reasoning_parser,
+                                            self.chat.reasoning_parser_options, ("chat", "reasoning_parser"),
+                                            ("chat", "reasoning_parser_options")))
         return choices
 
 

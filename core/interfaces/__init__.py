@@ -1,4 +1,4 @@
-"""The typed interfaces of the six plugin kinds (the contract plugin authors code against)."""
+"""The typed interfaces of the eight plugin kinds (the contract plugin authors code against)."""
 
 from patchbay.interfaces.attention import (
     AttentionBackend,
@@ -40,6 +40,13 @@ from patchbay.interfaces.sampler import (
     SamplingMetadata,
     SpecDecodeMetadata,
 )
+from patchbay.interfaces.reasoning_parser import (
+    ReasoningDelta,
+    ReasoningParser,
+    ReasoningParserCapabilities,
+    ReasoningSplit,
+    ReasoningStream,
+)
 from patchbay.interfaces.structured_output import (
     GrammarCompileError,
     GrammarMatcher,
@@ -47,6 +54,15 @@ from patchbay.interfaces.structured_output import (
     StructuredOutputCapabilities,
     StructuredOutputConfig,
     StructuredOutputParams,
+)
+from patchbay.interfaces.tool_parser import (
+    ParsedToolCalls,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallDeltaItem,
+    ToolCallStream,
+    ToolParser,
+    ToolParserCapabilities,
 )
 
 __all__ = [
@@ -58,4 +74,7 @@ __all__ = [
     "SamplerOutput", "SamplingMetadata", "ServingConfig", "SpecDecodeMetadata",
     "GrammarCompileError", "GrammarMatcher", "StructuredOutputBackend", "StructuredOutputCapabilities",
     "StructuredOutputConfig", "StructuredOutputParams",
+    "ParsedToolCalls", "ToolCall", "ToolCallDelta", "ToolCallDeltaItem", "ToolCallStream", "ToolParser",
+    "ToolParserCapabilities",
+    "ReasoningDelta", "ReasoningParser", "ReasoningParserCapabilities", "ReasoningSplit", "ReasoningStream",
 ]

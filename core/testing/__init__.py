@@ -11,9 +11,11 @@ from patchbay.contract.registry import kind_of
 from patchbay.testing.attention import AttentionBackendSuite, MetadataBuilderSuite
 from patchbay.testing.drafter import DrafterSuite
 from patchbay.testing.kv_connector import KVConnectorSuite
+from patchbay.testing.reasoning_parser import ReasoningParserSuite
 from patchbay.testing.sampler import SamplerSuite
 from patchbay.testing.structured_output import StructuredOutputSuite
 from patchbay.testing.suite import PluginSuite
+from patchbay.testing.tool_parser import ToolParserSuite
 
 SUITES: dict[str, type[PluginSuite]] = {
     "attention": AttentionBackendSuite,
@@ -22,6 +24,8 @@ SUITES: dict[str, type[PluginSuite]] = {
     "drafter": DrafterSuite,
     "kv_connector": KVConnectorSuite,
     "structured_output": StructuredOutputSuite,
+    "tool_parser": ToolParserSuite,
+    "reasoning_parser": ReasoningParserSuite,
 }
 
 
@@ -33,5 +37,5 @@ def suite_for(kind: str, name: str) -> type[PluginSuite]:
 
 __all__ = [
     "SUITES", "AttentionBackendSuite", "DrafterSuite", "KVConnectorSuite", "MetadataBuilderSuite", "PluginSuite",
-    "SamplerSuite", "StructuredOutputSuite", "suite_for",
+    "ReasoningParserSuite", "SamplerSuite", "StructuredOutputSuite", "ToolParserSuite", "suite_for",
 ]
