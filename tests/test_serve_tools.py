@@ -181,3 +181,23 @@ def test_a_tool_conversation_renders_and_runs(tiny):
     response = post(tiny, {"messages": messages, "tools": TOOLS})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_offline_chat_returns_parsed_calls_like_the_server(tiny_llama):
+    import patchbay
+    from patchbay import SamplingParams
+
+    llm = patchbay.LLM(settings(f"model.path={tiny_llama}", f"chat.template={BUNDLED_TOOLS_TEMPLATE}"))
+    units = {"type": "function", "function": {"name": "set_unit", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
+        "additionalProperties": False}}}
+    for choice in ("required", {"type": "function", "function": {"name": "set_unit"}}):
+        # A random model: only enums to choose from and one call, so the grammar ends within max_tokens.
+        answer = llm.chat(USER, SamplingParams(max_tokens=40), tools=[units], tool_choice=choice,
+                          parallel_tool_calls=False)
+        assert answer.content is None and len(answer.tool_calls) == 1, answer
+        (call,) = answer.tool_calls
+        assert call.id.startswith("call_") and call.name == "set_unit"
+        jsonschema.validate(json.loads(call.arguments), units["function"]["parameters"])
+    with pytest.raises(ValueError, match="tool_choice.function.name"):
+        llm.chat(USER, tools=[units], tool_choice={"type": "function", "function": {"name": "nope"}})
