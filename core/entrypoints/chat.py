@@ -28,9 +28,9 @@ from typing import Any, Literal
 
 from patchbay.contract.settings import plugin_options
 from patchbay.interfaces import ReasoningParser, ReasoningStream, ToolCall, ToolCallStream, ToolParser
-from patchbay.parsing import tool_call_of
+from patchbay.interfaces.parsing import tool_call_of
 
-BUNDLED_TOOLS_TEMPLATE = Path(__file__).resolve().parents[1] / "chat_templates" / "smollm2_tools.jinja"
+BUNDLED_TOOLS_TEMPLATE = Path(__file__).resolve().parent / "chat_templates" / "smollm2_tools.jinja"
 """The bundled model's chat template with a tools section (renders as the model's own template without tools)."""
 
 

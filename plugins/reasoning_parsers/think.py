@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from patchbay.interfaces import ReasoningDelta, ReasoningParser, ReasoningSplit, ReasoningStream
-from patchbay.parsing import partial_marker_length
+from patchbay.interfaces.parsing import partial_marker_length
 
 OPEN = "<think>"
 CLOSE = "</think>"

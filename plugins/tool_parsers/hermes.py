@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 
 from patchbay.interfaces import ParsedToolCalls, ToolCall, ToolCallDelta, ToolCallDeltaItem, ToolCallStream, ToolParser
-from patchbay.parsing import decode_json, partial_marker_length, tool_call_of
+from patchbay.interfaces.parsing import decode_json, partial_marker_length, tool_call_of
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"

@@ -14,7 +14,7 @@ from patchbay.interfaces import (
     ToolParser,
     ToolParserCapabilities,
 )
-from patchbay.parsing import tool_call_of
+from patchbay.interfaces.parsing import tool_call_of
 
 PYTHON_TAG = "<|python_tag|>"
 
