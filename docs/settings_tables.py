@@ -217,8 +217,11 @@ def section_block(section: str, page: Path) -> str:
         lines += [doc_markdown(doc, page), ""]
     if info.default is None:
         required = [f"`{name}`" for name, field in model.model_fields.items() if field.is_required()]
-        lines += [f"Absent by default; when present, {' and '.join(required)} {'is' if len(required) == 1 else 'are'}"
-                  " required.", ""]
+        if required:
+            lines += [f"Absent by default; when present, {' and '.join(required)} "
+                      f"{'is' if len(required) == 1 else 'are'} required.", ""]
+        else:
+            lines += ["Absent by default: the feature is off until the section is given.", ""]
     lines += ["| key | values | default | what it does |", "|---|---|---|---|"]
     lines += rows(model, page, lambda name: [f"`{name}`"])
     kind = OPTIONS_KIND_OF_SECTION.get(section)

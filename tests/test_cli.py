@@ -274,7 +274,7 @@ def test_check_a_malformed_reference_names_the_kinds(patchbay_cli, example_only_
     result = patchbay_cli("check", "example_argmax", env=example_only_env)
     assert result.returncode != 0
     assert ("expected KIND:NAME (kinds: attention, attention_metadata_builder, drafter, sampler, kv_connector, "
-            "structured_output, lora_kernel, lora_resolver)") in result.stderr
+            "structured_output, lora_kernel, lora_resolver, tool_parser, reasoning_parser)") in result.stderr
 
 
 

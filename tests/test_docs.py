@@ -200,7 +200,7 @@ def test_the_feature_table_answers_where_each_feature_lives():
     text = ARCHITECTURE.read_text()
     table = text[text.index("## Where is ...?"):]
     for feature in ("structured output", "speculative decoding", "tensor and pipeline parallelism", "KV connectors",
-                    "LoRA adapters", "multimodal (planned)", "tool calling (planned)"):
+                    "LoRA adapters", "multimodal (planned)", "tool calling, reasoning output"):
         assert re.search(rf"^\| {re.escape(feature)} \|", table, re.MULTILINE), feature
 
 

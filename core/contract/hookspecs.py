@@ -191,3 +191,42 @@ def register_lora_resolvers(register: RegisterCallback) -> None:
     Called once per plugin when the registry loads.  The return value is
     ignored.
     """
+
+
+@hookspec
+def register_tool_parsers(register: RegisterCallback) -> None:
+    """Register tool-call parsers.
+
+    Each target must be a subclass of :class:`patchbay.interfaces.ToolParser`.
+    A parser reads one model family's tool-call format (Hermes ``<tool_call>``
+    tags, Llama 3 JSON, Mistral ``[TOOL_CALLS]``, ...) out of generated text:
+    whole, from a finished output, and incrementally, as a
+    :class:`patchbay.interfaces.ToolCallStream` of OpenAI-shaped deltas while
+    the output streams.  Both must agree for every way the text is cut into
+    pieces; malformed calls come back as content, never as an exception.
+    The server's chat completions use it for ``tool_choice: auto``; the
+    run's parser is chosen by ``chat: {tool_parser: NAME}`` in settings, a
+    request may name another (``tool_parser``).
+
+    Called once per plugin when the registry loads.  The return value is
+    ignored.
+    """
+
+
+@hookspec
+def register_reasoning_parsers(register: RegisterCallback) -> None:
+    """Register reasoning parsers.
+
+    Each target must be a subclass of
+    :class:`patchbay.interfaces.ReasoningParser`.  A parser splits a
+    reasoning model's output into its thinking (``reasoning_content`` in
+    chat responses) and its answer (``content``), whole and as a
+    :class:`patchbay.interfaces.ReasoningStream` of deltas that add up to the
+    whole split for every way the text is cut.  The answer then goes to the
+    tool-call parser, if the request offers tools.  The run's parser is chosen
+    by ``chat: {reasoning_parser: NAME}`` in settings; a request may name
+    another (``reasoning_parser``).
+
+    Called once per plugin when the registry loads.  The return value is
+    ignored.
+    """

@@ -29,8 +29,10 @@ from patchbay.interfaces import (
     LoRAKernel,
     LoRAResolver,
     Plugin,
+    ReasoningParser,
     SamplerBase,
     StructuredOutputBackend,
+    ToolParser,
 )
 
 ENTRY_POINT_GROUP = "patchbay"
@@ -61,6 +63,8 @@ KINDS: dict[str, Kind] = {
              "structured-output backends"),
         Kind("lora_kernel", "register_lora_kernels", LoRAKernel, "LoRA kernels"),
         Kind("lora_resolver", "register_lora_resolvers", LoRAResolver, "LoRA adapter resolvers"),
+        Kind("tool_parser", "register_tool_parsers", ToolParser, "tool-call parsers"),
+        Kind("reasoning_parser", "register_reasoning_parsers", ReasoningParser, "reasoning parsers"),
     )
 }
 

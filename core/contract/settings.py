@@ -328,6 +328,35 @@ class LoRASettings(Section):
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
+class ChatSettings(Section):
+    """How chat messages become a prompt and how answers are read: the template, the tool-call parser and the
+    reasoning parser ([tool calling](tool-calling.md))."""
+
+    template: Path | None = None
+    """A Jinja chat-template file used instead of the tokenizer's; default: the tokenizer's (for the bundled
+    model, patchbay's copy of it with a tools section)."""
+    tool_parser: str = "hermes"
+    """The tool-call parser that reads calls out of answers to requests offering ``tools`` (``tool_choice:
+    auto``): ``hermes``, ``llama3_json`` or ``mistral`` built in; a request may name another (``tool_parser``)."""
+    tool_parser_options: dict[str, Any] = Field(default_factory=dict)
+    """The tool parser's options, validated against its ``Options`` model."""
+    reasoning_parser: str | None = None
+    """A reasoning parser (``think`` built in) that splits answers into ``reasoning_content`` and ``content``;
+    default: none; a request may name one (``reasoning_parser``)."""
+    reasoning_parser_options: dict[str, Any] = Field(default_factory=dict)
+    """The reasoning parser's options (``think``: ``starts_in_reasoning``, for templates that open ``<think>``
+    in the prompt)."""
+
+    _home = field_validator("template")(lambda value: _expand_home(value))
+
+    @field_validator("template")
+    @classmethod
+    def _template_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"no chat template file at {value}")
+        return value
+
+
 def _split_names(value: Any) -> Any:
     if isinstance(value, str) and value.lstrip().startswith("["):
         return json.loads(value)
@@ -454,6 +483,7 @@ class Settings(BaseSettings):
     kv_connector: KVConnectorSettings | None = None
     structured_output: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)
     lora: LoRASettings | None = None
+    chat: ChatSettings = Field(default_factory=ChatSettings)
     plugins: PluginPolicy = Field(default_factory=PluginPolicy)
     inputs: InputSettings = Field(default_factory=InputSettings)
     outputs: OutputSettings = Field(default_factory=OutputSettings)
@@ -501,6 +531,13 @@ class Settings(BaseSettings):
             if self.lora.resolver is not None:
                 choices.append(PluginChoice("lora_resolver", self.lora.resolver, self.lora.resolver_options,
                                             ("lora", "resolver"), ("lora", "resolver_options")))
+        if "chat" in self.model_fields_set:  # the default parser is checked when the server starts
+            choices.append(PluginChoice("tool_parser", self.chat.tool_parser, self.chat.tool_parser_options,
+                                        ("chat", "tool_parser"), ("chat", "tool_parser_options")))
+            if self.chat.reasoning_parser is not None:
+                choices.append(PluginChoice("reasoning_parser", self.chat.reasoning_parser,
+                                            self.chat.reasoning_parser_options, ("chat", "reasoning_parser"),
+                                            ("chat", "reasoning_parser_options")))
         return choices
 
 

@@ -7,11 +7,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from patchbay.contract.registry import Registry, registry_for
-from patchbay.contract.settings import Settings, load_settings
+from patchbay.contract.settings import DEFAULT_MODEL, Settings, load_settings
 from patchbay.engine import Engine, Prompt, RequestOutput, encode_prompt
 from patchbay.engine.admission import check_num_sequences
+from patchbay.entrypoints.chat import (
+    AnswerReader,
+    ChatAnswer,
+    ChatParsers,
+    check_constraint_compiles,
+    plan_tools,
+    render_chat,
+    template_messages,
+)
+from patchbay.interfaces import StructuredOutputParams
 from patchbay.sampling_params import SamplingParams
-
 
 
 class LLM:
@@ -33,6 +42,8 @@ class LLM:
             self.settings = load_settings(settings, overrides=assignments, registry=registry or registry_for)
         self.engine = Engine(self.settings, registry=registry)
         self.tokenizer = self.engine.tokenizer
+        self._registry = registry
+        self._chat: ChatParsers | None = None
 
     @property
     def spec_stats(self):  # noqa: ANN201 - patchbay.worker.spec_decode.SpecDecodeStats
@@ -100,6 +111,40 @@ class LLM:
                 self.engine.discard([request_id for request_id, index in order.items() if results[index] is None])
             raise
         return [result for result in results if result is not None]
+
+
+    def chat(self, messages: Sequence[dict[str, Any]], sampling_params: SamplingParams | None = None, *,
+             tools: Sequence[dict[str, Any]] | None = None, tool_choice: Any = None,
+             parallel_tool_calls: bool | None = None, tool_parser: str | None = None,
+             reasoning_parser: str | None = None) -> ChatAnswer:
+        """Answer one conversation the way ``patchbay serve``'s chat completions do, tools and reasoning included.
+
+        ``tools``, ``tool_choice`` and ``parallel_tool_calls`` take OpenAI's
+        shapes; ``required`` and a named function are enforced by the run's
+        structured-output backend, ``auto`` is read by ``chat.tool_parser``
+        (or ``tool_parser``).  Returns the content, the reasoning (with a
+        reasoning parser) and the calls.  Bad input raises
+        :class:`patchbay.entrypoints.chat.ChatRequestError` naming the field.
+        """
+        if self._chat is None:
+            registry = self._registry or registry_for(self.settings.plugins)
+            self._chat = ChatParsers(self.settings, registry, bundled_model=self.settings.model.path == DEFAULT_MODEL)
+        plan = plan_tools(tools, tool_choice, parallel_tool_calls)
+        parsers = self._chat.for_request(tool_parser, reasoning_parser)
+        text, token_ids = render_chat(self.tokenizer, template_messages(messages), tools=tools,
+                                      template=self._chat.template)
+        params = sampling_params or SamplingParams()
+        if plan.enforced:
+            if params.structured_output is not None:
+                raise ValueError("tool_choice: required and named tool calls are enforced by a JSON schema; "
+                                 "they cannot be combined with structured_output")
+            grammars = self.engine.grammars
+            check_constraint_compiles(plan, lambda schema: grammars.backend.compile(
+                StructuredOutputParams(json_schema=schema)))
+            params = SamplingParams.model_validate({**params.model_dump(exclude_unset=True),
+                                                    "structured_output": plan.constraint()})
+        (output,) = self.generate({"prompt_token_ids": token_ids, "prompt": text}, params)
+        return AnswerReader(plan, *parsers).read(output.completions[0].text)
 
 
 def _yaml_scalar(value: Any) -> str:

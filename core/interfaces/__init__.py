@@ -50,6 +50,13 @@ from patchbay.interfaces.sampler import (
     SamplingMetadata,
     SpecDecodeMetadata,
 )
+from patchbay.interfaces.reasoning_parser import (
+    ReasoningDelta,
+    ReasoningParser,
+    ReasoningParserCapabilities,
+    ReasoningSplit,
+    ReasoningStream,
+)
 from patchbay.interfaces.structured_output import (
     GrammarCompileError,
     GrammarMatcher,
@@ -57,6 +64,15 @@ from patchbay.interfaces.structured_output import (
     StructuredOutputCapabilities,
     StructuredOutputConfig,
     StructuredOutputParams,
+)
+from patchbay.interfaces.tool_parser import (
+    ParsedToolCalls,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallDeltaItem,
+    ToolCallStream,
+    ToolParser,
+    ToolParserCapabilities,
 )
 
 __all__ = [
@@ -70,4 +86,7 @@ __all__ = [
     "StructuredOutputConfig", "StructuredOutputParams",
     "NO_ADAPTER", "LoRAKernel", "LoRAKernelCapabilities", "LoRAKernelConfig", "LoRAMapping", "LoRAResolveError",
     "LoRAResolver", "LoRAResolverCapabilities",
+    "ParsedToolCalls", "ToolCall", "ToolCallDelta", "ToolCallDeltaItem", "ToolCallStream", "ToolParser",
+    "ToolParserCapabilities",
+    "ReasoningDelta", "ReasoningParser", "ReasoningParserCapabilities", "ReasoningSplit", "ReasoningStream",
 ]

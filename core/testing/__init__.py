@@ -12,9 +12,11 @@ from patchbay.testing.attention import AttentionBackendSuite, MetadataBuilderSui
 from patchbay.testing.drafter import DrafterSuite
 from patchbay.testing.kv_connector import KVConnectorSuite
 from patchbay.testing.lora import LoRAKernelSuite, LoRAResolverSuite
+from patchbay.testing.reasoning_parser import ReasoningParserSuite
 from patchbay.testing.sampler import SamplerSuite
 from patchbay.testing.structured_output import StructuredOutputSuite
 from patchbay.testing.suite import PluginSuite
+from patchbay.testing.tool_parser import ToolParserSuite
 
 SUITES: dict[str, type[PluginSuite]] = {
     "attention": AttentionBackendSuite,
@@ -25,6 +27,8 @@ SUITES: dict[str, type[PluginSuite]] = {
     "structured_output": StructuredOutputSuite,
     "lora_kernel": LoRAKernelSuite,
     "lora_resolver": LoRAResolverSuite,
+    "tool_parser": ToolParserSuite,
+    "reasoning_parser": ReasoningParserSuite,
 }
 
 
@@ -35,6 +39,7 @@ def suite_for(kind: str, name: str) -> type[PluginSuite]:
 
 
 __all__ = [
-    "SUITES", "AttentionBackendSuite", "DrafterSuite", "KVConnectorSuite", "LoRAKernelSuite", "LoRAResolverSuite", "MetadataBuilderSuite", "PluginSuite",
-    "SamplerSuite", "StructuredOutputSuite", "suite_for",
+    "SUITES", "AttentionBackendSuite", "DrafterSuite", "KVConnectorSuite", "LoRAKernelSuite", "LoRAResolverSuite",
+    "MetadataBuilderSuite", "PluginSuite", "ReasoningParserSuite", "SamplerSuite", "StructuredOutputSuite",
+    "ToolParserSuite", "suite_for",
 ]

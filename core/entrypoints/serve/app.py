@@ -22,8 +22,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from patchbay.contract.registry import registry_for
 from patchbay.contract.settings import DEFAULT_MODEL, Settings
 from patchbay.engine import AsyncLLM, EngineDeadError, RequestDelta, RequestOutput
+from patchbay.entrypoints.chat import (
+    AnswerReader,
+    AnswerStream,
+    ChatParsers,
+    ChatRequestError,
+    ToolPlan,
+    check_constraint_compiles,
+    plan_tools,
+    render_chat,
+    template_messages,
+)
 from patchbay.entrypoints.serve.metrics import ServerMetrics
 from patchbay.entrypoints.serve.http_errors import answer_http_errors_in_openai_shape
 from patchbay.entrypoints.serve.keys import accepted_api_keys
@@ -35,6 +47,7 @@ from patchbay.entrypoints.serve.protocol import (
     TokenizeRequest,
     sampling_params,
 )
+from patchbay.interfaces import StructuredOutputParams
 from patchbay.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,10 +61,13 @@ class ServerState:
     settings: Settings
     model_name: str
     metrics: ServerMetrics
+    chat: ChatParsers
     admitted: int = 0
     """Sequences of the requests in flight, counted on admission (before the engine sees them)."""
     accepting: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
+    compiled_tool_constraints: dict[str, None] = field(default_factory=dict)
+    """Keys of tool constraints known to compile (insertion-ordered, bounded), so each is checked once."""
 
     @property
     def admission_limit(self) -> int:
@@ -83,7 +99,8 @@ def model_name_of(settings: Settings) -> str:
 def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
     """The application serving ``llm``; the caller owns ``llm`` (and shuts it down)."""
     model_name = model_name_of(settings)
-    state = ServerState(llm, settings, model_name, ServerMetrics(llm, model_name))
+    chat = ChatParsers(settings, registry_for(settings.plugins), bundled_model=settings.model.path == DEFAULT_MODEL)
+    state = ServerState(llm, settings, model_name, ServerMetrics(llm, model_name), chat)
     # No /docs, /redoc nor /openapi.json: they would answer without an API key.
     app = FastAPI(title="patchbay", version=_version(), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.patchbay = state
@@ -177,14 +194,25 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         adapter = _check_model(state, body.model)
         body.check_supported()
-        messages = [message.as_template_message(index) for index, message in enumerate(body.messages)]
         try:
-            text, token_ids = llm.encode({"messages": messages})
-        except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
-            raise APIError(400, f"messages: the chat template failed: {exc}", param="messages") from None
-        prepared = [_prepare(state, text, token_ids, {**body.sampling_fields(), "lora": adapter}, body.output_limit(),
-                             "messages")]
-        return await _respond(state, request, body.stream, body.stream_options, prepared, ChatFormat(state))
+            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+            tool_parser, reasoning_parser = state.chat.for_request(body.tool_parser, body.reasoning_parser)
+            messages = template_messages([message.as_template_message(index)
+                                          for index, message in enumerate(body.messages)])
+            text, token_ids = render_chat(llm.tokenizer, messages, tools=body.tools, template=state.chat.template)
+            fields = {**body.sampling_fields(), "lora": adapter}
+            if plan.enforced:
+                if "structured_output" in fields:
+                    raise ChatRequestError("tool_choice", f"{plan.mode} tool calls are enforced by a JSON schema; "
+                                                          "they cannot be combined with response_format or "
+                                                          "structured_output")
+                fields["structured_output"] = plan.constraint()
+                await _check_tool_constraint(state, plan)
+        except ChatRequestError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        prepared = [_prepare(state, text, token_ids, fields, body.output_limit(), "messages")]
+        reader = AnswerReader(plan, tool_parser, reasoning_parser)
+        return await _respond(state, request, body.stream, body.stream_options, prepared, ChatFormat(state, reader))
 
     return app
 
@@ -214,6 +242,32 @@ def _check_model(state: ServerState, model: str | None) -> str | None:
 def _adapter_names(state: ServerState) -> list[str]:
     lora = state.llm.engine.lora
     return lora.catalog.known_names() if lora is not None else []
+
+
+COMPILED_CONSTRAINTS_KEPT = 256
+
+
+async def _check_tool_constraint(state: ServerState, plan: ToolPlan) -> None:
+    """Compile an enforced tool constraint before admitting the request, so a tool schema the backend refuses is
+    a 400 naming the tool, not a failed generation."""
+    key = json.dumps(plan.constraint(), sort_keys=True)
+    if key in state.compiled_tool_constraints:
+        return
+    grammars = state.llm.engine.grammars
+
+    def compile_schema(schema: dict[str, Any]) -> None:
+        grammars.backend.compile(StructuredOutputParams(json_schema=schema))
+
+    await asyncio.to_thread(check_constraint_compiles, plan, compile_schema)
+    state.compiled_tool_constraints[key] = None
+    while len(state.compiled_tool_constraints) > COMPILED_CONSTRAINTS_KEPT:
+        del state.compiled_tool_constraints[next(iter(state.compiled_tool_constraints))]
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
 
 
 def _prepare(state: ServerState, text: str | None, token_ids: list[int], fields: dict[str, Any],
@@ -520,24 +574,59 @@ class ChatFormat(ResponseFormat):
                                                                            strict=True)]}
                             for entry in entries]}
 
+    def __init__(self, state: ServerState, reader: AnswerReader) -> None:
+        super().__init__(state)
+        self.reader = reader
+        self._streams: dict[int, AnswerStream] = {}
+        self._called: set[int] = set()
+        """Choices that streamed a tool call (their ``stop`` is reported as ``tool_calls``)."""
+
     def first_chunks(self, response_id: str, prepared: list[_Prepared]) -> list[dict[str, Any]]:
         return [self.envelope(response_id, [{"index": index, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}])
                 for index in range(sum(p.params.n for p in prepared))]
 
     def chunk(self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any) -> dict[str, Any]:
-        delta = {"content": choice.text} if choice.text or choice.finish_reason is None else {}
+        index = self.choice_index(prepared, prompt_index, choice.index)
+        stream = self._streams.setdefault(index, self.reader.stream())
+        answer = stream.feed(choice.text)
+        pieces = list(answer.tool_calls)
+        content, reasoning = answer.content, answer.reasoning
+        if choice.finish_reason is not None:
+            last = stream.finish()
+            content, reasoning = content + last.content, reasoning + last.reasoning
+            pieces += last.tool_calls
+        delta: dict[str, Any] = {}
+        if content or (choice.finish_reason is None and not reasoning and not pieces):
+            delta["content"] = content
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if pieces:
+            delta["tool_calls"] = [piece.as_openai() for piece in pieces]
+            self._called.add(index)
         return self.envelope(response_id, [{
-            "index": self.choice_index(prepared, prompt_index, choice.index), "delta": delta,
-            "logprobs": self.logprobs(choice.logprobs), "finish_reason": choice.finish_reason,
+            "index": index, "delta": delta, "logprobs": self.logprobs(choice.logprobs),
+            "finish_reason": _finish_reason(choice.finish_reason, index in self._called),
             "stop_reason": choice.stop_reason,
         }])
 
     def response(self, response_id: str, prepared: list[_Prepared], outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = [{"index": self.choice_index(prepared, p, c.index),
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
-                   for p, output in enumerate(outputs) for c in output.completions]
+        choices = []
+        for p, output in enumerate(outputs):
+            for c in output.completions:
+                answer = self.reader.read(c.text)
+                message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+                if self.reader.reasoning_parser is not None:
+                    message["reasoning_content"] = answer.reasoning
+                if answer.tool_calls:
+                    message["tool_calls"] = [call.as_openai() for call in answer.tool_calls]
+                choices.append({"index": self.choice_index(prepared, p, c.index), "message": message,
+                                "logprobs": self.logprobs(c.logprobs),
+                                "finish_reason": _finish_reason(c.finish_reason, bool(answer.tool_calls)),
+                                "stop_reason": c.stop_reason})
         return self.envelope(response_id, choices, chunk=False, usage=_usage(prepared, list(outputs)))
 
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI reports an answer that ends in tool calls as ``tool_calls``."""
+    return "tool_calls" if called and reason == "stop" else reason

@@ -164,12 +164,15 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    tool_parser: str | None = None
+    """patchbay's: the tool-call parser for this request instead of ``chat.tool_parser``."""
+    reasoning_parser: str | None = None
+    """patchbay's: the reasoning parser for this request instead of ``chat.reasoning_parser``."""
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
     def check_supported(self) -> None:
-        if self.tools:
-            raise APIError(400, "tools: tool calling is not supported by patchbay", param="tools")
         self.structured_output()  # a malformed response_format is a 400 before anything runs
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
