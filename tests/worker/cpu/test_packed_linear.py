@@ -69,6 +69,8 @@ def test_packing_releases_plain_weights_but_keeps_tied_ones():
     torch.testing.assert_close(block.k_proj(other), expected_other, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU cannot pack bfloat16 weights for oneDNN "
+                    "(as on AVX2-only CPUs)")
 def test_quantized_linears_keep_integer_products_for_few_rows_and_run_packed_ones_above():
     from patchbay.worker.cpu.quantization import quantize_linears
 
