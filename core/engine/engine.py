@@ -292,7 +292,9 @@ class Engine:
         """
         self._require_alive()
         try:
-            return self._pipelined_step() if self.settings.runtime.pipeline_parallel_size > 1 else self._step()
+            if self.settings.runtime.pipeline_parallel_size > 1:
+                return self._pipelined_step()
+            return self._step()
         except BaseException as exc:
             self._dead = describe_failure(exc, self._plugins()) if not isinstance(exc, EngineDeadError) else str(exc)
             logger.error("engine stopped: %s", self._dead)

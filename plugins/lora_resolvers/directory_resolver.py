@@ -22,7 +22,10 @@ class DirectoryOptions(BaseModel):
 
 
 class DirectoryResolver(LoRAResolver):
-    """Resolves adapter NAME to ROOT/NAME when that directory holds an adapter_config.json; names are single path parts."""
+    """Resolves adapter NAME to ROOT/NAME when that directory holds an adapter_config.json.
+
+    Names are single path parts.
+    """
 
     Options: ClassVar[type[BaseModel]] = DirectoryOptions
     capabilities: ClassVar[LoRAResolverCapabilities] = LoRAResolverCapabilities(can_list=True)
