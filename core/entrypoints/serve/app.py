@@ -264,12 +264,6 @@ async def _check_tool_constraint(state: ServerState, plan: ToolPlan) -> None:
         del state.compiled_tool_constraints[next(iter(state.compiled_tool_constraints))]
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")
-
-
 def _prepare(state: ServerState, text: str | None, token_ids: list[int], fields: dict[str, Any],
              max_tokens: int | None, prompt_field: str) -> _Prepared:
     """Check the prompt's length against the model and build the sampling parameters (400 naming the field)."""
