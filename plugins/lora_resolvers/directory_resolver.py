@@ -28,6 +28,7 @@ class DirectoryResolver(LoRAResolver):
     """
 
     Options: ClassVar[type[BaseModel]] = DirectoryOptions
+    options: DirectoryOptions  # an instance of Options, validated where the resolver is built
     capabilities: ClassVar[LoRAResolverCapabilities] = LoRAResolverCapabilities(can_list=True)
 
     def __init__(self, options: BaseModel | None = None) -> None:
