@@ -27,7 +27,7 @@ class _RenamedPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname: str, path: object = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        for old, new in RENAMED_PACKAGES.items():
+        for old in RENAMED_PACKAGES:
             if fullname == old or fullname.startswith(old + "."):
                 return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == old)
         return None

@@ -151,6 +151,9 @@ def shared_engines() -> Iterator[SharedEngines]:
 
 @pytest.fixture
 def shared_llm(shared_engines: SharedEngines, request: pytest.FixtureRequest) -> Iterator[Callable[..., object]]:
-    """``shared_llm(**overrides)``: a ``patchbay.LLM`` of those settings, shared with every test that reads one alike."""
+    """``shared_llm(**overrides)``: a ``patchbay.LLM`` of those settings.
+
+    It is shared with every test that reads one alike.
+    """
     with shared_engines.loans(request.node.nodeid) as borrow:
         yield borrow

@@ -113,7 +113,10 @@ def test_api_keys_come_from_an_owner_only_key_file_or_the_environment(tmp_path, 
 
 
 def test_bodies_that_are_not_json_get_400_in_openai_shape(tiny_llama):
-    """Issue 30: deeply nested JSON got a 400 in FastAPI's ``{"detail": ...}`` shape, not OpenAI's ``{"error": ...}``."""
+    """Issue 30: deeply nested JSON got a 400 in FastAPI's ``{"detail": ...}`` shape.
+
+    It must come in OpenAI's ``{"error": ...}`` shape instead.
+    """
     settings = load_settings(None, overrides=[f"model.path={tiny_llama}", "cache.num_blocks=64"])
     bodies = [b"[" * 100_000 + b"]" * 100_000, b'{"prompt": "a", "max_tokens": ', b"\xff\xfe not json"]
     with running_server(settings) as running, httpx.Client(base_url=running.url, timeout=30) as client:

@@ -30,7 +30,7 @@ from patchbay.engine.memory_check import check_fits, format_bytes
 from patchbay.engine.model_identity import weights_fingerprint
 from patchbay.engine.ranks import ParallelRanks, check_parallel
 from patchbay.engine.structured_output import grammar_compilations
-from patchbay.interfaces import AttentionConfig, KVConnector, KVConnectorConfig, SamplerConfig
+from patchbay.interfaces import AttentionBackend, AttentionConfig, KVConnector, KVConnectorConfig, SamplerConfig
 from patchbay.scheduling.kv_cache_manager import KVCacheManager, num_blocks_for_memory
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
 from patchbay.scheduling.scheduler import Scheduler
@@ -158,7 +158,7 @@ class EngineParts:
     """How ``cache.memory: auto`` sized the KV pool (``None``: sized by ``cache.memory`` or ``num_blocks``)."""
     kv_connector: KVConnector | None
     kv_cache_manager: KVCacheManager
-    grammars: GrammarCompilations | None
+    grammars: GrammarCompilations
     scheduler: Scheduler
     runner: ModelRunner
     single_thread_max_tokens: int
@@ -343,7 +343,7 @@ class _RankZeroBuild:
                        "speculative.rejection_sampler",
                        [SamplerConfig(device=self.device.type, dtype=self.dtype, role="verify")])
 
-    def _kv_connector(self, backend: type) -> KVConnector | None:
+    def _kv_connector(self, backend: type[AttentionBackend]) -> KVConnector | None:
         """The connector of ``kv_connector:``, checked against the run; ``None`` without that section."""
         section = self.settings.kv_connector
         if section is None:
@@ -363,7 +363,7 @@ class _RankZeroBuild:
         options = plugin_options(connector_class, section.options, where="kv_connector.options")
         return connector_class(options, config=config)  # type: ignore[call-arg,return-value]
 
-    def _model_id(self, backend: type) -> str:
+    def _model_id(self, backend: type[AttentionBackend]) -> str:
         """What KV blocks depend on: model (directory name, config and weights), dtype and block layout.
 
         e.g. ``SmolLM2-135M-3f2a9c1d0e4b5a67-float32-2x1x16x3x64`` (the hash covers

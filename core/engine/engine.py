@@ -266,11 +266,11 @@ class Engine:
         """The run's plugin objects by ``KIND:NAME``, to name the one an exception came from."""
         settings = self.settings
         runner = self.runner
+        builder_name = settings.attention.metadata_builder or type(runner.backend).metadata_builder
         plugins: dict[str, list[Any]] = {
             f"sampler:{settings.sampler.name}": [self.sampler],
             f"attention:{self.backend_name}": [runner.backend, *(b.impl for b in runner._bindings.values())],
-            f"attention_metadata_builder:{settings.attention.metadata_builder or type(runner.backend).metadata_builder}":
-                list(runner.builders),
+            f"attention_metadata_builder:{builder_name}": list(runner.builders),
         }
         if settings.speculative is not None:
             plugins[f"drafter:{settings.speculative.method}"] = [runner.drafter]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from patchbay.interfaces import AttentionImpl
 from patchbay.worker.model.forward_context import ForwardContext, LayerBinding, forward_context
 from patchbay.worker.model.hf_model import HFCausalLM
 
@@ -47,7 +48,7 @@ def step_activation_bytes(model: HFCausalLM, *, num_tokens: int, num_rows: int, 
     return meter.peak
 
 
-class _AttentionOutput:
+class _AttentionOutput(AttentionImpl):
     """Stands in for attention: its output tensor, without the arithmetic.
 
     The backends attend request by request and block by block, so their working memory is small next to

@@ -22,9 +22,13 @@ class DirectoryOptions(BaseModel):
 
 
 class DirectoryResolver(LoRAResolver):
-    """Resolves adapter NAME to ROOT/NAME when that directory holds an adapter_config.json; names are single path parts."""
+    """Resolves adapter NAME to ROOT/NAME when that directory holds an adapter_config.json.
+
+    Names are single path parts.
+    """
 
     Options: ClassVar[type[BaseModel]] = DirectoryOptions
+    options: DirectoryOptions  # an instance of Options, validated where the resolver is built
     capabilities: ClassVar[LoRAResolverCapabilities] = LoRAResolverCapabilities(can_list=True)
 
     def __init__(self, options: BaseModel | None = None) -> None:

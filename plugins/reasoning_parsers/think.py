@@ -29,6 +29,7 @@ class ThinkReasoningParser(ReasoningParser):
     """
 
     Options = ThinkOptions
+    options: ThinkOptions  # an instance of Options: plugin_options() validated it
 
     def parse(self, text: str) -> ReasoningSplit:
         head = text.lstrip()

@@ -60,9 +60,10 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
     limited = with_limits(app, server.host, server.max_body_bytes, server.allowed_hosts)
     config = uvicorn.Config(limited, log_level="info" if settings.server.log_requests else "warning",
                             access_log=settings.server.log_requests,
-                            # uvicorn annotates an int but hands it to asyncio.wait_for, which takes float seconds.
+                            # uvicorn annotates ints but hands both to asyncio timers, which take float seconds.
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
-                            timeout_keep_alive=server.idle_timeout, lifespan="on",
+                            timeout_keep_alive=server.idle_timeout,  # type: ignore[arg-type]
+                            lifespan="on",
                             http=protocol_with_header_deadline(server.header_timeout, server.idle_timeout))
     return uvicorn.Server(config)
 

@@ -33,8 +33,9 @@ class _HeaderDeadlineProtocol(H11Protocol):
         self._header_deadline = self.loop.call_later(seconds, self._headers_too_slow)
 
     def _disarm_header_deadline(self) -> None:
-        if getattr(self, "_header_deadline", None) is not None:
-            self._header_deadline.cancel()
+        deadline = getattr(self, "_header_deadline", None)
+        if deadline is not None:
+            deadline.cancel()
             self._header_deadline = None
 
     def data_received(self, data: bytes) -> None:

@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from patchbay.entrypoints.serve.protocol import APIError
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -61,7 +57,7 @@ class BodyLimit:
         received = 0
         started = False
 
-        async def counted_receive() -> dict[str, Any]:
+        async def counted_receive() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
@@ -70,7 +66,7 @@ class BodyLimit:
                     raise _BodyTooLarge
             return message
 
-        async def tracked_send(message: dict[str, Any]) -> None:
+        async def tracked_send(message: Message) -> None:
             nonlocal started
             started = started or message["type"] == "http.response.start"
             await send(message)

@@ -49,8 +49,8 @@ class RowSplitLinear:
         self.slices = slices
         self.max_rows = max_rows
 
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        return row_split_linear(inputs, self.linear.weight, self.linear.bias, self.slices, self.max_rows)
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        return row_split_linear(input, self.linear.weight, self.linear.bias, self.slices, self.max_rows)
 
 
 def use_row_split_linears(model: nn.Module, threads: int, max_rows: int = DEFAULT_MAX_ROWS) -> int:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from patchbay.worker.model.forward_context import attend
+from patchbay.worker.model.hf_model import LlamaStyleModule
 from patchbay.worker.cpu.fused_ops import FusedRMSNorm, FusedRopeAttention, FusedSiluMLP
 from patchbay.worker.cpu.packed_linear import PackedGroupProduct, PackedLinear
 from patchbay.worker.cpu.streaming_linear import TileLayout, tiled_product_entry
@@ -50,7 +51,7 @@ def _llama_layer_source() -> str:
 
 
 @functools.cache
-def _has_llama_layer_forward(cls: type) -> bool:
+def _has_llama_layer_forward(cls: type[nn.Module]) -> bool:
     try:
         return inspect.getsource(cls.forward) == _llama_layer_source()
     except (OSError, TypeError):
@@ -72,9 +73,10 @@ def _tiled_linear(linear: nn.Module) -> PackedLinear | None:
     return product if isinstance(product, PackedLinear) and isinstance(product.layout, TileLayout) else None
 
 
-def _parts(layer: nn.Module) -> tuple[Any, ...] | None:
+def _parts(layer: LlamaStyleModule) -> tuple[Any, ...] | None:
     """The fused pieces a qualifying layer is made of, or ``None`` if it does not qualify."""
-    if not _has_llama_layer_forward(type(layer)):
+    # mypy wrongly finds a class from type() unhashable for functools.cache
+    if not _has_llama_layer_forward(type(layer)):  # type: ignore[arg-type]
         return None
     norm_in, norm_post = _own_forward(layer.input_layernorm), _own_forward(layer.post_attention_layernorm)
     attention, mlp = _own_forward(layer.self_attn), _own_forward(layer.mlp)
@@ -93,7 +95,7 @@ def _parts(layer: nn.Module) -> tuple[Any, ...] | None:
 class FusedDecoderLayer:
     """The ``forward`` of one qualifying decoder layer (see the module's docstring)."""
 
-    def __init__(self, layer: nn.Module, parts: tuple[Any, ...]) -> None:
+    def __init__(self, layer: LlamaStyleModule, parts: tuple[Any, ...]) -> None:
         norm_in, norm_post, attention, mlp, qkv, gate_up, o_proj, down_proj = parts
         self.layer = layer
         self.build = attention.build
@@ -141,6 +143,6 @@ def use_fused_layers(model: nn.Module) -> int:
             continue
         parts = _parts(module) if hasattr(module, "self_attn") and hasattr(module, "mlp") else None
         if parts is not None:
-            module.forward = FusedDecoderLayer(module, parts)  # type: ignore[method-assign]
+            module.forward = FusedDecoderLayer(module, parts)
             count += 1
     return count

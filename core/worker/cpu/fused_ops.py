@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from patchbay.worker.model.forward_context import attend
+from patchbay.worker.model.hf_model import LlamaStyleModule
 from patchbay.worker.cpu.fused_projections import Member
 from patchbay.worker.cpu.native_build import (
     CSRC,
@@ -84,7 +85,7 @@ def _attention_sources() -> frozenset[str]:
 
 
 @functools.cache
-def _same_forward(cls: type, reference: int) -> bool:
+def _same_forward(cls: type[nn.Module], reference: int) -> bool:
     try:
         return inspect.getsource(cls.forward) == _reference_sources()[reference]
     except (OSError, TypeError):
@@ -92,7 +93,7 @@ def _same_forward(cls: type, reference: int) -> bool:
 
 
 @functools.cache
-def _llama_style_attention(cls: type) -> bool:
+def _llama_style_attention(cls: type[nn.Module]) -> bool:
     try:
         module = sys.modules[cls.__module__]
         return (inspect.getsource(cls.forward) in _attention_sources()
@@ -103,26 +104,33 @@ def _llama_style_attention(cls: type) -> bool:
 
 def is_llama_rms_norm(module: nn.Module) -> bool:
     """Whether ``module``'s class computes transformers' Llama RMS norm (its ``forward`` has the same source)."""
-    return _same_forward(type(module), 0) and hasattr(module, "variance_epsilon")
+    # mypy wrongly finds a class from type() unhashable for functools.cache
+    return _same_forward(type(module), 0) and hasattr(module, "variance_epsilon")  # type: ignore[arg-type]
 
 
 def is_llama_silu_mlp(module: nn.Module) -> bool:
     """Whether ``module`` is a Llama-style MLP (``down(act(gate(x)) * up(x))``) whose activation is SiLU."""
     act = getattr(module, "act_fn", None)
-    return (_same_forward(type(module), 1) and isinstance(act, nn.Module)
+    # mypy wrongly finds a class from type() unhashable for functools.cache
+    return (_same_forward(type(module), 1) and isinstance(act, nn.Module)  # type: ignore[arg-type]
             and type(act).__name__ in ("SiLU", "SiLUActivation"))
 
 
 def is_llama_style_attention(module: nn.Module) -> bool:
     """Whether ``module``'s class is Llama's, Qwen2's or Mistral's attention (the same ``forward`` source, and
     its module's ``apply_rotary_pos_emb`` the same as Llama's)."""
-    return _llama_style_attention(type(module))
+    # mypy wrongly finds a class from type() unhashable for functools.cache
+    return _llama_style_attention(type(module))  # type: ignore[arg-type]
+
+
+def _gate_and_up_alike(mlp: LlamaStyleModule) -> bool:
+    return bool(mlp.gate_proj.out_features == mlp.up_proj.out_features)
 
 
 class FusedRMSNorm:
     """The ``forward`` of one Llama-style RMS norm through the C++ kernel (its own ``forward`` until it is built)."""
 
-    def __init__(self, module: nn.Module, build: BackgroundBuild) -> None:
+    def __init__(self, module: LlamaStyleModule, build: BackgroundBuild) -> None:
         self.module = module
         self.build = build
         self.eps = float(module.variance_epsilon)
@@ -141,7 +149,7 @@ class FusedSiluMLP:
     """The ``forward`` of one Llama-style SiLU MLP: the fused gate/up product, one SiLU-and-multiply, the down
     projection (its own ``forward`` until the kernel is built)."""
 
-    def __init__(self, module: nn.Module, build: BackgroundBuild) -> None:
+    def __init__(self, module: LlamaStyleModule, build: BackgroundBuild) -> None:
         self.module = module
         self.build = build
         gate = vars(module.gate_proj).get("forward")
@@ -167,7 +175,7 @@ class FusedRopeAttention:
     rotating the queries and keys out of them, patchbay's attention, the output projection (its own ``forward``
     until the kernel is built, or for inputs it does not take)."""
 
-    def __init__(self, module: nn.Module, build: BackgroundBuild) -> None:
+    def __init__(self, module: LlamaStyleModule, build: BackgroundBuild) -> None:
         self.module = module
         self.build = build
         query = vars(module.q_proj).get("forward")
@@ -227,13 +235,13 @@ def use_fused_ops(model: nn.Module, *, device: torch.device, dtype: str,
         if "forward" in vars(module):  # another path owns this module's forward already
             continue
         if is_llama_rms_norm(module) and module.weight.dtype in FUSED_DTYPES:
-            module.forward = FusedRMSNorm(module, build)  # type: ignore[method-assign]
+            module.forward = FusedRMSNorm(module, build)
             norms += 1
-        elif is_llama_silu_mlp(module) and module.gate_proj.out_features == module.up_proj.out_features:
-            module.forward = FusedSiluMLP(module, build)  # type: ignore[method-assign]
+        elif is_llama_silu_mlp(module) and _gate_and_up_alike(module):
+            module.forward = FusedSiluMLP(module, build)
             mlps += 1
         elif is_llama_style_attention(module):
-            module.forward = FusedRopeAttention(module, build)  # type: ignore[method-assign]
+            module.forward = FusedRopeAttention(module, build)
             attentions += 1
     return FusedModules(norms, mlps, attentions)
 

@@ -85,8 +85,8 @@ class Member:
         self.group = group
         self.index = index
 
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.group.output(self.index, inputs)
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        return self.group.output(self.index, input)
 
 
 def fuse_shared_input_projections(model: nn.Module, product: Product = F.linear, max_rows: int = FUSE_MAX_ROWS) -> int:
@@ -97,8 +97,9 @@ def fuse_shared_input_projections(model: nn.Module, product: Product = F.linear,
     count = 0
     for module in model.modules():
         for names in SHARED_INPUT_GROUPS:
-            linears = [getattr(module, name, None) for name in names]
-            if not all(isinstance(linear, nn.Linear) and "forward" not in vars(linear) for linear in linears):
+            found = [getattr(module, name, None) for name in names]
+            linears = [linear for linear in found if isinstance(linear, nn.Linear) and "forward" not in vars(linear)]
+            if len(linears) != len(names):
                 continue
             first = linears[0].weight
             if any(linear.in_features != linears[0].in_features or linear.weight.dtype != first.dtype

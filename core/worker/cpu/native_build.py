@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, cast
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +210,8 @@ class BackgroundBuild:
     """
 
     _shared_lock = threading.Lock()
+    _instance: ClassVar[BackgroundBuild]
+    """A subclass's shared build, set in its own class by :meth:`shared`."""
 
     def __init__(self, load: Callable[[], Any], what: str) -> None:
         """Start building; ``what`` names the extension in the log (``the C++ decode kernel``)."""
@@ -245,7 +247,7 @@ class BackgroundBuild:
         with BackgroundBuild._shared_lock:
             found = cls.__dict__.get("_instance")
             if found is None:
-                found = cls()
+                found = cast(Callable[[], BackgroundBuild], cls)()  # only argument-free subclasses share one
                 cls._instance = found
             return found
 

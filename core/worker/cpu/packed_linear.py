@@ -135,8 +135,8 @@ class PackedLinear:
         if not shared:
             _release(linear, "weight")
 
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.layout.product(inputs, self.packed, self.bias)
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        return self.layout.product(input, self.packed, self.bias)
 
 
 class PackedGroupProduct:

@@ -111,12 +111,12 @@ class IntegerLinear:
         parts = [pool.submit(self.multiply, flat, quantized) for quantized in self.slices]
         return torch.cat([part.result() for part in parts], dim=-1)
 
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
         in_features, out_features = self.linear.in_features, self.linear.out_features
-        rows = inputs.numel() // in_features
-        if rows > self.max_rows or rows == 0 or inputs.dtype != self.activation_dtype:
-            return self.float_forward(inputs)
-        output = self.product(inputs.reshape(rows, in_features).contiguous()).view(*inputs.shape[:-1], out_features)
+        rows = input.numel() // in_features
+        if rows > self.max_rows or rows == 0 or input.dtype != self.activation_dtype:
+            return self.float_forward(input)
+        output = self.product(input.reshape(rows, in_features).contiguous()).view(*input.shape[:-1], out_features)
         return output if self.linear.bias is None else output + self.linear.bias
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from patchbay.interfaces import LoRAResolveError, LoRAResolver
 from patchbay.worker.lora.peft_adapter import LinearShape, LoRAAdapter, LoRAAdapterError, load_adapter
@@ -46,9 +46,9 @@ class AdapterCatalog:
         """The catalog of a run's ``lora:`` section; the resolver plugin, if any, is built here."""
         resolver = None
         if section.resolver is not None:
-            resolver_class = registry.resolve("lora_resolver", section.resolver)
+            resolver_class = cast("type[LoRAResolver]", registry.resolve("lora_resolver", section.resolver))
             options = resolver_class.Options.model_validate(dict(section.resolver_options))
-            resolver = resolver_class(options)  # type: ignore[call-arg]
+            resolver = resolver_class(options)
         return cls(adapters=section.adapters, num_layers=num_layers, shapes=shapes,
                    max_lora_rank=section.max_lora_rank, capacity=section.cpu_capacity, resolver=resolver,
                    resolver_name=f"lora_resolver:{section.resolver}" if section.resolver else None)

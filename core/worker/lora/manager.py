@@ -10,6 +10,7 @@ this step uses), then builds the step's mapping in one vectorised pass.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 
 from patchbay.contract.registry import Registry
 from patchbay.contract.settings import ConfigError, ConfigProblem, LoRASettings, plugin_options
-from patchbay.interfaces import NO_ADAPTER, LoRAKernelConfig
+from patchbay.interfaces import NO_ADAPTER, LoRAKernel, LoRAKernelConfig
 from patchbay.worker.lora.catalog import AdapterCatalog
 from patchbay.worker.lora.layers import LoRALinear, LoRAStep
 from patchbay.worker.lora.mapping import build_lora_mapping
@@ -97,7 +98,7 @@ def install_lora(model: object, section: LoRASettings, registry: Registry, *, de
     The listed adapters are each read and checked now, so a bad one fails the
     run at start, naming it.
     """
-    kernel_class = registry.resolve("lora_kernel", section.kernel)
+    kernel_class = cast("type[LoRAKernel]", registry.resolve("lora_kernel", section.kernel))
     reasons = kernel_class.validate(LoRAKernelConfig(device=device.type, dtype=str(dtype).removeprefix("torch."),
                                                      max_lora_rank=section.max_lora_rank,
                                                      max_loras=section.max_loras))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,7 +22,15 @@ from patchbay.scheduling.kv_cache_spec import KVCacheSpec
 from patchbay.worker.model.forward_context import attend
 from patchbay.worker.model.model_loader import ModelLoadError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 ATTN_IMPLEMENTATION = "patchbay"
+
+LlamaStyleModule = Any
+"""A transformers module used through its architecture's attribute names (``self_attn.q_proj``, ``layer_idx``,
+``variance_epsilon`` ...): torch types such attributes only as ``Tensor | Module``, so code relying on them
+types the module as this."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,7 +40,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def patchbay_attention(
-    module: nn.Module,
+    module: LlamaStyleModule,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -71,7 +79,7 @@ class ModelShape:
 class HFCausalLM:
     """A transformers causal LM whose attention runs through patchbay."""
 
-    def __init__(self, model: nn.Module, layer_specs: dict[int, AttentionLayerSpec], shape: ModelShape) -> None:
+    def __init__(self, model: PreTrainedModel, layer_specs: dict[int, AttentionLayerSpec], shape: ModelShape) -> None:
         self.model = model
         self.layer_specs = layer_specs
         self.shape = shape
@@ -151,7 +159,7 @@ class AuxHiddenStates:
     there has been through the final norm and whose output here has not.
     """
 
-    def __init__(self, model: HFCausalLM | nn.Module, layers: Sequence[int]) -> None:
+    def __init__(self, model: HFCausalLM | PreTrainedModel, layers: Sequence[int]) -> None:
         """Hook decoder layers ``layers`` (indices in ``[0, num_layers)``, repeats allowed) of ``model``.
 
         ``model`` is an :class:`HFCausalLM` or a plain transformers causal LM (the drafter trainer's).
@@ -198,7 +206,7 @@ class AuxHiddenStates:
         self._handles, self._outputs = [], {}
 
 
-def _attention_layers(model: nn.Module, architecture: str) -> dict[int, AttentionLayerSpec]:
+def _attention_layers(model: PreTrainedModel, architecture: str) -> dict[int, AttentionLayerSpec]:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads

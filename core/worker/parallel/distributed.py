@@ -256,11 +256,12 @@ class RankGroup:
 
 def _process_group(setup: RankSetup, store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
     """A process group of ``size`` ranks over ``store`` on the run's backend, joined as ``rank``."""
+    # torch's stubs make these Backends without the collectives; at run time they have ProcessGroup's
     if setup.backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, setup.timeout)
+        return dist.ProcessGroupGloo(store, rank, size, setup.timeout)  # type: ignore[return-value]
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = setup.timeout
-    return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupNCCL(store, rank, size, options)  # type: ignore[return-value]
 
 
 class PausableCollectives:

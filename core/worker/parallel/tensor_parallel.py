@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchbay.contract.settings import ConfigError, ConfigProblem
-from patchbay.worker.model.hf_model import HFCausalLM
+from patchbay.worker.model.hf_model import HFCausalLM, LlamaStyleModule
 
 SHARDABLE_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 """transformers ``model_type`` values whose decoder layers have the projections sharded here."""
@@ -171,6 +171,7 @@ def shard_model(model: HFCausalLM, layout: ShardLayout, rank: int, all_reduce: A
     kv_start, kv_stop = (index * layout.head_size for index in layout.kv_head_range(rank))
     feature_start, feature_stop = layout.feature_range(rank)
     reduce_hook = _reducer(all_reduce)
+    layer: LlamaStyleModule
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
         _keep_outputs(attention.q_proj, head_start, head_stop)
@@ -222,7 +223,8 @@ def shard_vocab(model: HFCausalLM, world_size: int, rank: int, all_reduce: AllRe
     embedding.num_embeddings = lm_head.out_features = shard.rows_per_rank
     embedding.forward = VocabParallelLookup(embedding, shard, all_reduce)  # type: ignore[method-assign]
     lm_head.register_forward_hook(_gatherer(all_gather, vocab_size))
-    embedding.vocab_shard = lm_head.vocab_shard = shard
+    # torch's stubs take only tensors and modules as a module's attributes; any value is allowed at run time
+    embedding.vocab_shard = lm_head.vocab_shard = shard  # type: ignore[assignment]
     return shard
 
 
@@ -238,8 +240,8 @@ class VocabParallelLookup:
         self.shard = shard
         self.all_reduce = all_reduce
 
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        local_ids = input_ids - self.shard.start
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        local_ids = input - self.shard.start
         elsewhere = (local_ids < 0) | (local_ids >= self.shard.stop - self.shard.start)
         rows = F.embedding(local_ids.masked_fill(elsewhere, 0), self.embedding.weight)
         rows = rows.masked_fill(elsewhere.unsqueeze(-1), 0.0)
@@ -277,5 +279,5 @@ def _keep_inputs(linear: nn.Linear, start: int, stop: int, *, keep_bias: bool) -
     with torch.no_grad():
         linear.weight = nn.Parameter(linear.weight[:, start:stop].clone(), requires_grad=False)
         if linear.bias is not None and not keep_bias:
-            linear.bias = None
+            linear.bias = None  # type: ignore[assignment]  # torch's stubs miss that a Linear's bias may be None
     linear.in_features = stop - start

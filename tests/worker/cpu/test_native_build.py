@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from patchbay.plugins.attention import _cpu_kernel
-from patchbay.worker.cpu import fused_ops, native_build, streaming_linear
+from patchbay.worker.cpu import fused_ops, streaming_linear
 from patchbay.worker.cpu.native_build import CSRC, NativeExtension
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
