@@ -73,7 +73,8 @@ def test_a_malformed_field_is_a_400_naming_it_not_coerced_nor_a_500(client, path
 
 
 def test_well_typed_bodies_still_run(client):
-    assert _post(client, "/v1/completions", {**COMPLETION, "prompt": [[5, 6], [7]], "n": 1, "seed": 3}).status_code == 200
+    body = {**COMPLETION, "prompt": [[5, 6], [7]], "n": 1, "seed": 3}
+    assert _post(client, "/v1/completions", body).status_code == 200
     assert _post(client, "/v1/chat/completions", {**CHAT, "max_completion_tokens": 2}).status_code == 200
 
 

@@ -91,7 +91,7 @@ TokenIds = list[StrictInt]
 """Token ids: integers as JSON writes them; ``true`` or ``"5"`` is a 400, not token 1 or 5."""
 
 Prompt = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_checked_texts_and_ids)]
-"""A completion prompt: a text, texts, token ids, or lists of token ids (checked as :data:`Text` and :data:`TokenIds`)."""
+"""A completion prompt: a text, texts, token ids or lists of token ids (texts valid Unicode, ids JSON integers)."""
 
 
 class StreamOptions(BaseModel):
