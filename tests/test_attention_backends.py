@@ -289,3 +289,23 @@ def test_cuda_backend_glue_with_stand_in_kernels(patchbay_registry: Registry, ba
     backend = patchbay_registry.resolve("attention", backend_name)
     builder = patchbay_registry.resolve("attention_metadata_builder", backend.metadata_builder)
     check_attention(backend, builder, GLUE_CASES[case_name])
+
+
+def test_an_explicit_decode_kernel_that_cannot_build_never_falls_back_to_sdpa(tiny_llama, monkeypatch) -> None:
+    """Issue 30 finding: ``decode_kernel: paged_cpp`` where the kernel cannot build fell back to SDPA after one
+    warning (the kernel marked itself resolved before raising, so the replayed step ran on SDPA)."""
+    import patchbay
+    from patchbay.plugins.attention import torch_sdpa
+    from patchbay.sampling_params import SamplingParams
+
+    monkeypatch.setattr(torch_sdpa, "kernel_unavailable", lambda: "no C++ compiler (test)")
+    kernel = torch_sdpa.DecodeKernel("paged_cpp")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="paged_cpp is unavailable: no C\\+\\+ compiler"):
+            kernel.get()
+    llm = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32", attention__backend="torch_sdpa",
+                       attention__options={"decode_kernel": "paged_cpp"}, runtime__threads=2)
+    outputs = llm.generate([[5, 9, 11], [42, 43]], SamplingParams(max_tokens=4, ignore_eos=True))
+    for output in outputs:
+        assert output.finish_reason == "error"
+        assert "decode_kernel paged_cpp is unavailable: no C++ compiler (test)" in output.error

@@ -157,7 +157,8 @@ class OutputProcessor:
 
     def _finish(self, sequence_id: str) -> RequestOutput | None:
         output = self.sequences.pop(sequence_id)
-        if not output.text:
+        cut_at_stop_string = output.finish_reason == "stop" and isinstance(output.stop_reason, str)
+        if not cut_at_stop_string:  # a stop string's cut is final, even when it leaves no text at all
             output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
         request_id = self.group_of.pop(sequence_id, None)
         if request_id is None:

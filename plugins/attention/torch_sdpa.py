@@ -263,13 +263,20 @@ class DecodeKernel:
         self._kernel: Any = None
         self._build: KernelBuild | None = None
         self._resolved = choice == "sdpa"
+        self._error: str | None = None
+        """Why the explicitly chosen kernel cannot run; raised again on every call, never a fallback to SDPA."""
 
     def get(self) -> Any:
-        """The kernel module, or ``None`` when decodes go through SDPA (for now, or for good)."""
+        """The kernel module, or ``None`` when decodes go through SDPA (for now, or for good).
+
+        With ``paged_cpp`` chosen, a kernel that cannot build raises on this call and every later one (a step
+        replayed after the first error must not quietly run on SDPA).
+        """
+        if self._error is not None:
+            raise RuntimeError(self._error)
         if self._resolved:
             return self._kernel
         if self.choice == "paged_cpp":  # asked for explicitly: build it now, or fail saying why
-            self._resolved = True
             reason = kernel_unavailable()
             if reason is None:
                 try:
@@ -277,7 +284,9 @@ class DecodeKernel:
                 except Exception as exc:
                     reason = f"building it failed: {exc}"
             if reason is not None:
-                raise RuntimeError(f"torch_sdpa: decode_kernel paged_cpp is unavailable: {reason}")
+                self._error = f"torch_sdpa: decode_kernel paged_cpp is unavailable: {reason}"
+                raise RuntimeError(self._error)
+            self._resolved = True
             return self._kernel
         reason = kernel_unavailable()
         if reason is not None:

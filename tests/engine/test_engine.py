@@ -50,6 +50,17 @@ def test_a_stop_string_ends_the_text_before_it(llm):
     assert len(stopped.token_ids) < 16
 
 
+def test_a_stop_string_at_the_very_start_of_the_output_is_cut(llm):
+    """Issue 30 finding: a stop string matching at the start of the output was returned instead of cut."""
+    prompt = _prompts(1, seed=5)[0]
+    (free,) = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))
+    stop = free.text[:2]
+    assert stop.strip(), "the random model's text should start with something printable"
+    (stopped,) = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, stop=[stop]))
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop)
+    assert stopped.text == ""
+
+
 def test_abort_finishes_the_request_and_frees_its_blocks(llm):
     engine = llm.engine
     free_before = engine.kv_cache_manager.num_free_blocks

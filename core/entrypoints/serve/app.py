@@ -167,9 +167,11 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            _, token_ids = llm.encode({"messages": [m.as_template_message(i) for i, m in enumerate(body.messages)]})
+            messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
+            _, token_ids = await asyncio.to_thread(llm.encode, {"messages": messages})
         else:
-            token_ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            token_ids = await asyncio.to_thread(llm.tokenizer.encode, body.prompt,
+                                                add_special_tokens=body.add_special_tokens)
         return {"tokens": token_ids, "count": len(token_ids), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize", dependencies=authorized)
@@ -186,8 +188,9 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
         adapter = _check_model(state, body.model)
         body.check_supported()
         fields = {**body.sampling_fields(), "lora": adapter}
-        prepared = [_prepare(state, *llm.encode(prompt), fields, body.max_tokens, "prompt")
-                    for prompt in body.prompts()]
+        # Tokenized off the event loop: a huge prompt must not stall every other client (/health included).
+        encoded = await asyncio.to_thread(lambda: [llm.encode(prompt) for prompt in body.prompts()])
+        prepared = [_prepare(state, text, token_ids, fields, body.max_tokens, "prompt") for text, token_ids in encoded]
         return await _respond(state, request, body.stream, body.stream_options, prepared, CompletionFormat(state))
 
     @app.post("/v1/chat/completions", dependencies=authorized)
@@ -199,7 +202,8 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
             tool_parser, reasoning_parser = state.chat.for_request(body.tool_parser, body.reasoning_parser)
             messages = template_messages([message.as_template_message(index)
                                           for index, message in enumerate(body.messages)])
-            text, token_ids = render_chat(llm.tokenizer, messages, tools=body.tools, template=state.chat.template)
+            text, token_ids = await asyncio.to_thread(render_chat, llm.tokenizer, messages, tools=body.tools,
+                                                      template=state.chat.template)
             fields = {**body.sampling_fields(), "lora": adapter}
             if plan.enforced:
                 if "structured_output" in fields:

@@ -9,9 +9,9 @@ unknown one is a 400 naming it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError
 
 from patchbay.sampling_params import SamplingParams
 
@@ -49,6 +49,51 @@ def validation_error(exc: ValidationError, prefix: str = "") -> APIError:
     return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 
+def _encodable(text: str, where: str = "") -> str:
+    """``text`` if it is valid Unicode; a lone surrogate (``"\\ud800"`` in JSON) cannot reach a tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{where}holds a lone surrogate at character {exc.start}; send valid Unicode text") from None
+    return text
+
+
+def _checked_texts_and_ids(value: Any) -> Any:
+    """``value`` (a text, or a list of texts, of token ids or of lists of token ids) with every text valid Unicode
+    and every token id a JSON integer: ``true`` or ``"5"`` is refused, not read as token 1 or 5."""
+    if isinstance(value, str):
+        return _encodable(value)
+    if not isinstance(value, list):
+        return value
+    texts = value and isinstance(value[0], str)
+    for index, item in enumerate(value):
+        if texts:
+            if not isinstance(item, str):
+                raise ValueError(f"item {index}: a list of texts holds a {type(item).__name__}")
+            _encodable(item, f"item {index}: ")
+            continue
+        for inner, token_id in enumerate(item) if isinstance(item, list) else [(None, item)]:
+            if type(token_id) is not int:
+                where = f"item {index}: " if inner is None else f"item {index}.{inner}: "
+                raise ValueError(f"{where}token ids must be integers, got {type(token_id).__name__} {token_id!r}")
+    return value
+
+
+def _checked_text(value: Any) -> Any:
+    """``value``, checked as valid Unicode if it is a string (anything else is for the field's type to judge)."""
+    return _encodable(value) if isinstance(value, str) else value
+
+
+Text = Annotated[str, BeforeValidator(_checked_text)]
+"""A string a tokenizer can take: refused (400 naming the field) if it holds a lone surrogate."""
+
+TokenIds = list[StrictInt]
+"""Token ids: integers as JSON writes them; ``true`` or ``"5"`` is a 400, not token 1 or 5."""
+
+Prompt = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_checked_texts_and_ids)]
+"""A completion prompt: a text, texts, token ids or lists of token ids (texts valid Unicode, ids JSON integers)."""
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -62,15 +107,15 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    n: int = Field(default=1, ge=1)
+    n: StrictInt = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, BeforeValidator(_checked_texts_and_ids)] = None
     temperature: float | None = None
     top_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     """Accepted and ignored (OpenAI uses it for abuse monitoring)."""
@@ -103,9 +148,9 @@ def sampling_params(fields: dict[str, Any], *, max_tokens: int | None, default_m
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt: Prompt
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -138,7 +183,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None, BeforeValidator(_checked_text)] = None
 
     def as_template_message(self, index: int) -> dict[str, Any]:
         """The message as the chat template takes it (text parts joined)."""
@@ -149,7 +194,10 @@ class ChatMessage(BaseModel):
                 if part.get("type") != "text":
                     raise APIError(400, f"messages.{index}.content: only text parts are supported, got "
                                         f"{part.get('type')!r}", param=f"messages.{index}.content")
-                texts.append(str(part.get("text", "")))
+                try:
+                    texts.append(_encodable(str(part.get("text", ""))))
+                except ValueError as exc:
+                    raise APIError(400, f"messages.{index}.content: {exc}", param=f"messages.{index}.content") from None
             content = "".join(texts)
         return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
 
@@ -158,10 +206,10 @@ class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -188,7 +236,11 @@ class ChatCompletionRequest(_GenerationRequest):
         if kind == "json_object":
             return {"json_object": True}
         if kind == "json_schema":
-            schema = (response_format.get("json_schema") or {}).get("schema")
+            json_schema = response_format.get("json_schema")
+            if not isinstance(json_schema, dict):
+                raise APIError(400, "response_format.json_schema: an object with a 'schema' is required, got "
+                                    f"{type(json_schema).__name__}", param="response_format.json_schema")
+            schema = json_schema.get("schema")
             if not isinstance(schema, dict):
                 raise APIError(400, "response_format.json_schema.schema: a JSON schema object is required",
                                param="response_format.json_schema.schema")
@@ -218,7 +270,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
@@ -229,5 +281,5 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
