@@ -305,6 +305,9 @@ class LoRASettings(Section):
     does not list; default: none, so only listed adapters exist."""
     resolver_options: dict[str, Any] = Field(default_factory=dict)
     """Options of the resolver plugin (``directory``: ``{root: FOLDER}``)."""
+    allow_runtime_updates: bool = False
+    """Whether the server's ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (behind the API key)
+    may add and remove adapters while it runs; off by default, so they answer 404."""
 
     @field_validator("adapters", mode="before")
     @classmethod

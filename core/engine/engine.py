@@ -38,6 +38,8 @@ from patchbay.interfaces import Sampler, SamplerConfig
 from patchbay.sampling_params import SamplingParams
 from patchbay.scheduling.request import Request
 from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from patchbay.worker.lora.catalog import AdapterInUseError
+from patchbay.worker.lora.manager import LoRAManager
 from patchbay.worker.lora.peft_adapter import LoRAAdapterError
 
 logger = logging.getLogger(__name__)
@@ -205,6 +207,27 @@ class Engine:
             self.lora.check(params.lora)
         except LoRAAdapterError as exc:
             raise type(exc)(f"request {request_id!r}: {exc}") from None  # UnknownAdapterError stays one
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name`` from now on; ``LoRAAdapterError`` naming it if it cannot
+        run (``AdapterExistsError`` if an adapter of that name is loaded)."""
+        self._runtime_lora(name).load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``; ``AdapterInUseError`` while unfinished requests use it,
+        ``UnknownAdapterError`` if it is not loaded."""
+        lora = self._runtime_lora(name)
+        users = sorted(request_id for request_id, request in self.scheduler.requests.items()
+                       if request.sampling_params.lora == name)
+        if users:
+            raise AdapterInUseError(f"LoRA adapter {name!r} is used by {len(users)} unfinished request(s) "
+                                    f"({', '.join(users[:3])}); unload it when they have finished")
+        lora.unload(name)
+
+    def _runtime_lora(self, name: str) -> LoRAManager:
+        if self.lora is None:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: this run has no lora: section")
+        return self.lora
 
     def _check_sampling(self, request_id: str, params: SamplingParams) -> None:
         # Prompt logprobs come from the runner, not the sampler.

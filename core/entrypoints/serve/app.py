@@ -39,6 +39,7 @@ from patchbay.entrypoints.chat import (
 from patchbay.entrypoints.serve.metrics import ServerMetrics
 from patchbay.entrypoints.serve.http_errors import answer_http_errors_in_openai_shape
 from patchbay.entrypoints.serve.keys import accepted_api_keys
+from patchbay.entrypoints.serve.lora_routes import add_lora_routes
 from patchbay.entrypoints.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -218,6 +219,7 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
         reader = AnswerReader(plan, tool_parser, reasoning_parser)
         return await _respond(state, request, body.stream, body.stream_options, prepared, ChatFormat(state, reader))
 
+    add_lora_routes(app, state, authorized)
     return app
 
 
@@ -320,6 +322,7 @@ async def _respond(state: ServerState, request: Request, stream: bool, stream_op
         state.admitted -= sequences
         raise
     response_id = f"{format.id_prefix}-{request_id}"
+    format.model = prepared[0].params.lora or state.model_name  # responses name the adapter that answered
     include_usage = bool(stream_options and stream_options.include_usage)
 
     released = False
@@ -493,11 +496,13 @@ class ResponseFormat:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.tokenizer = state.llm.tokenizer
+        self.model = state.model_name
+        """The ``model`` responses report: the base model's name, or the adapter's when one answered."""
 
     def envelope(self, response_id: str, choices: list[dict[str, Any]], *, chunk: bool = True,
                  usage: dict[str, Any] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"id": response_id, "object": self.chunk_object_name if chunk else self.object_name,
-                                "created": int(time.time()), "model": self.state.model_name, "choices": choices}
+                                "created": int(time.time()), "model": self.model, "choices": choices}
         if usage is not None or not chunk:
             body["usage"] = usage
         return body

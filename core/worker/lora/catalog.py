@@ -25,6 +25,14 @@ class UnknownAdapterError(LoRAAdapterError, LookupError):
     """A request named an adapter that neither the settings nor the resolver know."""
 
 
+class AdapterExistsError(LoRAAdapterError):
+    """A runtime load named an adapter that is already served."""
+
+
+class AdapterInUseError(LoRAAdapterError):
+    """An unload named an adapter that requests in flight still use."""
+
+
 class AdapterCatalog:
     """Adapter names -> directories -> loaded :class:`LoRAAdapter`, keeping at most ``capacity`` loaded."""
 
@@ -84,14 +92,41 @@ class AdapterCatalog:
             return adapter
         adapter = load_adapter(name, self.path_of(name), num_layers=self.num_layers, shapes=self.shapes,
                                max_lora_rank=self.max_lora_rank)
+        self._keep(adapter, pinned=pinned)
+        return adapter
+
+    def _keep(self, adapter: LoRAAdapter, *, pinned: Iterable[str]) -> None:
+        """Hold ``adapter`` loaded, evicting the least recently used ones not in ``pinned`` beyond capacity."""
         keep = set(pinned)
         while len(self._loaded) >= self.capacity:
             victim = next((loaded for loaded in self._loaded if loaded not in keep), None)
             if victim is None:
                 break  # every loaded adapter is in use this step; go over capacity rather than fail the step
             del self._loaded[victim]
-        self._loaded[name] = adapter
+        self._loaded[adapter.name] = adapter
+
+    def add(self, name: str, path: Path | str) -> LoRAAdapter:
+        """Read and check the adapter at ``path`` and serve it as ``name`` from now on (runtime loading).
+
+        Raises :class:`AdapterExistsError` for a name already served and
+        :class:`LoRAAdapterError` (naming the adapter) for one that cannot run.
+        """
+        if name in self.paths or name in self._loaded:
+            raise AdapterExistsError(f"LoRA adapter {name!r} is already loaded; unload it first to replace it")
+        adapter = load_adapter(name, Path(path), num_layers=self.num_layers, shapes=self.shapes,
+                               max_lora_rank=self.max_lora_rank)
+        self.paths[name] = Path(path)
+        self._keep(adapter, pinned=())
         return adapter
+
+    def remove(self, name: str) -> None:
+        """Stop serving adapter ``name`` (listed in settings or loaded at runtime); :class:`UnknownAdapterError`
+        for any other name (an adapter the resolver finds is not unloaded: it would be found again)."""
+        if name not in self.paths:
+            listed = ", ".join(sorted(self.paths)) or "none"
+            raise UnknownAdapterError(f"LoRA adapter {name!r} is not loaded (loaded: {listed})")
+        del self.paths[name]
+        self._loaded.pop(name, None)
 
     @property
     def loaded_names(self) -> list[str]:

@@ -46,6 +46,19 @@ class LoRAManager:
         """What prefix-cache and KV-connector keys of adapter ``name`` carry: its weights' fingerprint."""
         return self.check(name).fingerprint.encode()
 
+    def load(self, name: str, path: str) -> LoRAAdapter:
+        """Serve the adapter at ``path`` as ``name`` from now on (read and checked now: :meth:`AdapterCatalog.add`)."""
+        return self.catalog.add(name, path)
+
+    def unload(self, name: str) -> None:
+        """Stop serving adapter ``name`` and free its slot (the caller makes sure no request uses it)."""
+        self.catalog.remove(name)
+        if name in self.slot_names:
+            slot = self.slot_names.index(name)
+            self.slot_names[slot] = None
+            if slot in self._recency:
+                self._recency.remove(slot)
+
     def begin_step(self, names: Sequence[str | None], num_scheduled: np.ndarray) -> None:
         """Put the step's adapters in slots and publish the mapping of its tokens (request ``i`` has
         ``num_scheduled[i]`` tokens and adapter ``names[i]``)."""

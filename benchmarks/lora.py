@@ -1,0 +1,131 @@
+"""LoRA throughput: 32 concurrent requests over 4 adapters + the base model against base-only, in one run.
+
+    .venv/bin/python benchmarks/lora.py                       # 32 requests, 64 tokens each
+    .venv/bin/python benchmarks/lora.py --num-requests 4 --max-tokens 4   # a quick check that it works
+
+Four adapters are made with PEFT on the bundled SmolLM2-135M-Instruct
+(ranks 8 and 16, attention, MLP and all targets, random non-zero B) and saved
+in PEFT's format in a temporary folder.  The same prompts then run greedily,
+with a fixed output length, all submitted at once, three ways in this process:
+
+- ``base``: no ``lora:`` section (the fused CPU paths as the settings have them);
+- ``base, lora section``: a ``lora:`` section but every request on the base model
+  (the cost of leaving the fused CPU paths, which a ``lora:`` section turns off);
+- ``mixed``: the requests spread round-robin over the 4 adapters and the base model.
+
+It prints generated tokens per second of each and their ratio to ``base``,
+naming the CPU.
+"""
+
+from __future__ import annotations
+
+import patchbay  # first: it sets the OpenMP wait policy, which torch reads when it starts
+import argparse
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from patchbay.bench.machine import describe_machine
+from patchbay.bench.report import append_json_lines
+
+ADAPTERS: dict[str, dict[str, Any]] = {
+    "attn-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "mlp-r16": dict(r=16, lora_alpha=32, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "all-r8": dict(r=8, lora_alpha=8, target_modules="all-linear"),
+    "all-r16-rslora": dict(r=16, lora_alpha=16, use_rslora=True, target_modules="all-linear"),
+}
+
+
+def make_adapters(model_dir: Path, folder: Path) -> dict[str, Path]:
+    """Each adapter of :data:`ADAPTERS` made with PEFT over ``model_dir`` (random non-zero B), saved in ``folder``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    paths = {}
+    for seed, (name, spec) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(seed)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", init_lora_weights=False, **spec))
+        with torch.no_grad():
+            for parameter_name, parameter in model.named_parameters():
+                if "lora_B" in parameter_name:
+                    parameter.normal_(0.0, 0.05)
+        model.save_pretrained(folder / name)
+        paths[name] = folder / name
+    return paths
+
+
+def run(
+    label: str, args: argparse.Namespace, prompts: list[list[int]], names: list[str | None], lora: dict[str, Any] | None
+) -> dict[str, Any]:
+    from patchbay.sampling_params import SamplingParams
+
+    overrides: dict[str, Any] = {"runtime__threads": args.threads, "scheduler__max_num_seqs": args.num_requests}
+    if lora is not None:
+        overrides["lora"] = lora
+    llm = patchbay.LLM(**overrides)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
+    params = [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, lora=name) for name in names]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(output.token_ids) for output in outputs)
+    return {
+        "run": label,
+        "seconds": elapsed,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / elapsed,
+        "fused_modules": str(llm.engine.fused_modules),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--json", type=Path, help="also append the results as JSON lines here")
+    args = parser.parse_args()
+
+    from patchbay.worker.model.model_loader import resolve_model_dir
+
+    rng = random.Random(25)
+    prompts = [[rng.randrange(1, 40000) for _ in range(args.prompt_tokens)] for _ in range(args.num_requests)]
+    choices: list[str | None] = [None, *ADAPTERS]
+    mixed = [choices[index % len(choices)] for index in range(args.num_requests)]
+    with tempfile.TemporaryDirectory(prefix="patchbay-lora-bench-") as folder:
+        paths = make_adapters(resolve_model_dir("default"), Path(folder))
+        lora = {
+            "adapters": {name: str(path) for name, path in paths.items()},
+            "max_loras": len(paths),
+            "max_lora_rank": 16,
+        }
+        base_only = [None] * args.num_requests
+        results = [
+            run("base", args, prompts, base_only, None),
+            run("base, lora section", args, prompts, base_only, lora),
+            run("mixed", args, prompts, mixed, lora),
+        ]
+    baseline = results[0]["tokens_per_s"]
+    print(f"\n{describe_machine()}")
+    print(
+        f"{args.num_requests} concurrent requests, {args.prompt_tokens} prompt + {args.max_tokens} greedy tokens "
+        f"each, {args.threads} threads, float32; mixed = round-robin over base + {', '.join(ADAPTERS)}"
+    )
+    print(f"{'run':<20} {'seconds':>8} {'tok/s':>8} {'vs base':>8}")
+    for result in results:
+        result["vs_base"] = result["tokens_per_s"] / baseline
+        print(
+            f"{result['run']:<20} {result['seconds']:>8.2f} {result['tokens_per_s']:>8.1f} {result['vs_base']:>7.2f}x"
+        )
+    if args.json:
+        append_json_lines(args.json, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Runtime LoRA updates: vLLM's ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``.
+
+Both are off unless ``lora.allow_runtime_updates`` is set (they answer 404
+saying so) and sit behind the API key.  Each change runs in the engine
+thread between steps, so no step sees half an adapter.  Unloading an adapter
+that unfinished requests use is refused with 409 (the client retries once
+they finish) rather than waiting or aborting them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi.params import Depends
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from patchbay.entrypoints.serve.protocol import APIError
+from patchbay.worker.lora.catalog import AdapterExistsError, AdapterInUseError, UnknownAdapterError
+from patchbay.worker.lora.peft_adapter import LoRAAdapterError
+
+if TYPE_CHECKING:
+    from patchbay.engine import Engine
+    from patchbay.entrypoints.serve.app import ServerState
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's body: the name requests will use as ``model`` and the adapter's PEFT directory on the server."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's body: the adapter to stop serving (``lora_int_id`` is accepted and ignored, as names identify)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
+def add_lora_routes(app: FastAPI, state: ServerState, authorized: list[Depends]) -> None:
+    """Register the two routes on ``app``."""
+
+    @app.post("/v1/load_lora_adapter", dependencies=authorized)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> JSONResponse:
+        _check_enabled(state)
+        name = body.lora_name
+        if name == state.model_name:
+            raise APIError(400, f"lora_name: {name!r} is the base model's name", param="lora_name")
+
+        def load(engine: Engine) -> None:
+            engine.load_lora_adapter(name, body.lora_path)
+
+        await _change(state, load, name)
+        return JSONResponse({"status": "loaded", "lora_name": name}, status_code=200)
+
+    @app.post("/v1/unload_lora_adapter", dependencies=authorized)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> JSONResponse:
+        _check_enabled(state)
+        name = body.lora_name
+
+        def unload(engine: Engine) -> None:
+            engine.unload_lora_adapter(name)
+
+        await _change(state, unload, name)
+        return JSONResponse({"status": "unloaded", "lora_name": name}, status_code=200)
+
+
+def _check_enabled(state: ServerState) -> None:
+    section = state.settings.lora
+    if section is None:
+        raise APIError(
+            404, "runtime LoRA updates need a lora: section (with allow_runtime_updates: true)", code="not_found"
+        )
+    if not section.allow_runtime_updates:
+        raise APIError(
+            404, "runtime LoRA updates are off; set lora.allow_runtime_updates: true to enable them", code="not_found"
+        )
+
+
+async def _change(state: ServerState, change: Any, name: str) -> None:
+    """Run ``change(engine)`` in the engine thread; the adapter errors become OpenAI-shaped answers."""
+    try:
+        await state.llm.call(change)
+    except UnknownAdapterError as exc:
+        raise APIError(404, str(exc), param="lora_name", code="lora_adapter_not_found") from None
+    except AdapterInUseError as exc:
+        raise APIError(409, str(exc), param="lora_name", code="lora_adapter_in_use") from None
+    except AdapterExistsError as exc:
+        raise APIError(400, str(exc), param="lora_name", code="lora_adapter_exists") from None
+    except LoRAAdapterError as exc:
+        raise APIError(400, str(exc), param="lora_path", code="invalid_lora_adapter") from None
