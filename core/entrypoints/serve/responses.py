@@ -161,7 +161,7 @@ def input_messages(items: str | list[dict[str, Any]], known_calls: set[str]) -> 
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            known_calls.add(call["id"])
+            known_calls.add(str(call_id))  # checked to be a string above
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if call_id not in known_calls:
