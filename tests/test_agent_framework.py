@@ -1,5 +1,6 @@
 """An agent framework nobody here wrote, the OpenAI Agents SDK (``openai-agents`` from PyPI), runs a two-tool
-agent loop against ``patchbay serve`` on the bundled model, through chat completions, to its final answer.
+agent loop against ``patchbay serve`` on the bundled model, through chat completions and through the Responses
+API (``OpenAIResponsesModel``: function calls come back as ``function_call_output`` items), to its final answer.
 
 The first turn must call a tool (``tool_choice: required``, enforced by patchbay's grammar); the SDK runs the
 tools, sends their results back as ``tool`` messages answering the calls' ids, resets the choice to ``auto``
@@ -18,7 +19,8 @@ agents = pytest.importorskip("agents")
 pytestmark = pytest.mark.slow
 
 
-def test_an_agents_sdk_loop_with_two_tools_runs_to_its_final_answer():
+@pytest.mark.parametrize("model_class", ["OpenAIChatCompletionsModel", "OpenAIResponsesModel"])
+def test_an_agents_sdk_loop_with_two_tools_runs_to_its_final_answer(model_class):
     from openai import AsyncOpenAI
 
     ran: list[tuple[str, object]] = []
@@ -43,7 +45,7 @@ def test_an_agents_sdk_loop_with_two_tools_runs_to_its_final_answer():
         client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
         agent = agents.Agent(
             name="assistant", instructions="Use the tools to answer.", tools=[get_weather, add],
-            model=agents.OpenAIChatCompletionsModel(model="smollm2", openai_client=client),
+            model=getattr(agents, model_class)(model="smollm2", openai_client=client),
             model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=60))
         result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=6)
 

@@ -450,6 +450,9 @@ class ServerSettings(Section):
     max_waiting: int = Field(default=256, ge=0)
     """Sequences admitted beyond ``scheduler.max_num_seqs``; a request over the limit gets 503 instead of an
     unbounded queue."""
+    stored_responses: int = Field(default=256, ge=0)
+    """Responses kept in memory for ``previous_response_id`` and ``GET /v1/responses/{id}`` (least recently used
+    dropped first; 0: none kept). A request with ``store: false`` is never kept."""
     shutdown_grace_period: float = Field(default=30.0, ge=0.0)
     """Seconds after SIGTERM during which requests in flight may finish; the rest are aborted."""
     log_requests: bool = False

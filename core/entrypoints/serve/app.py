@@ -220,6 +220,9 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
         return await _respond(state, request, body.stream, body.stream_options, prepared, ChatFormat(state, reader))
 
     add_lora_routes(app, state, authorized)
+    from patchbay.entrypoints.serve.responses import add_responses_routes  # it builds on this module
+
+    add_responses_routes(app, state, authorized)
     return app
 
 
@@ -455,7 +458,8 @@ async def _sse(format: ResponseFormat, response_id: str, prepared: list[_Prepare
             if errors and delta.output is not None:
                 yield _event(APIError(500, _error_message(delta.output), code="engine_error").body())
                 break
-            chunks = [format.chunk(response_id, prepared, prompt_index, choice) for choice in delta.choices]
+            chunks = [chunk for choice in delta.choices
+                      for chunk in format.chunks(response_id, prepared, prompt_index, choice, delta.output)]
             yield from_chunks(chunks)
         else:
             if include_usage:
@@ -522,6 +526,11 @@ class ResponseFormat:
 
     def chunk(self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any) -> dict[str, Any]:
         raise NotImplementedError
+
+    def chunks(self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any,
+               output: RequestOutput | None) -> list[dict[str, Any]]:
+        """The stream's chunks for one choice's delta (``output``: the request's, once finished)."""
+        return [self.chunk(response_id, prepared, prompt_index, choice)]
 
     def response(self, response_id: str, prepared: list[_Prepared], outputs: list[RequestOutput]) -> dict[str, Any]:
         raise NotImplementedError
