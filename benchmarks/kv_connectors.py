@@ -56,8 +56,13 @@ def measure(connector: str, args: argparse.Namespace, prompts: list[list[int]], 
         ttfts.append(output.metrics.time_to_first_token)
         tokens.append(output.token_ids)
     stats = llm.engine.scheduler.kv_connector_stats
-    return {"connector": connector, "ttft_p50_s": statistics.median(ttfts), "ttft_mean_s": statistics.fmean(ttfts),
-            "tokens_loaded": getattr(stats, "num_loaded_tokens", 0), "token_ids": tokens}
+    return {
+        "connector": connector,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "tokens_loaded": getattr(stats, "num_loaded_tokens", 0),
+        "token_ids": tokens,
+    }
 
 
 def main() -> None:
@@ -75,19 +80,24 @@ def main() -> None:
 
     from patchbay.worker.model.model_loader import resolve_model_dir
 
-    prompts = make_prompts(AutoTokenizer.from_pretrained(resolve_model_dir("default")), args.prefix_tokens,
-                           args.num_requests)
+    prompts = make_prompts(
+        AutoTokenizer.from_pretrained(resolve_model_dir("default")), args.prefix_tokens, args.num_requests
+    )
     with tempfile.TemporaryDirectory(prefix="patchbay-kv-bench-") as store:
         results = [measure(name, args, prompts, Path(store)) for name in args.connectors]
     baseline = next((r for r in results if r["connector"] == "none"), None)
-    print(f"\n{args.num_requests} requests sharing a {args.prefix_tokens}-token prefix, "
-          f"{len(prompts[0])} prompt tokens each, run one at a time on a fresh engine")
+    print(
+        f"\n{args.num_requests} requests sharing a {args.prefix_tokens}-token prefix, "
+        f"{len(prompts[0])} prompt tokens each, run one at a time on a fresh engine"
+    )
     print(f"{'connector':<16} {'TTFT p50':>9} {'TTFT mean':>10} {'vs none':>8} {'tokens loaded':>14}  same tokens")
     for result in results:
         ratio = baseline["ttft_p50_s"] / result["ttft_p50_s"] if baseline else float("nan")
         same = "-" if baseline is None or result is baseline else str(result["token_ids"] == baseline["token_ids"])
-        print(f"{result['connector']:<16} {result['ttft_p50_s'] * 1e3:>7.1f}ms {result['ttft_mean_s'] * 1e3:>8.1f}ms "
-              f"{ratio:>7.2f}x {result['tokens_loaded']:>14}  {same}")
+        print(
+            f"{result['connector']:<16} {result['ttft_p50_s'] * 1e3:>7.1f}ms {result['ttft_mean_s'] * 1e3:>8.1f}ms "
+            f"{ratio:>7.2f}x {result['tokens_loaded']:>14}  {same}"
+        )
     if args.json:
         append_json_lines(args.json, results, drop=("token_ids",))
 

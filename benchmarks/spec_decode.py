@@ -37,8 +37,11 @@ def run(method: str, args: argparse.Namespace, prompts: list[dict]) -> dict:
         path = getattr(args, f"{method}_path", None)
         if path:
             options["path"] = path
-        overrides["speculative"] = {"method": method, "num_speculative_tokens": args.num_speculative_tokens,
-                                    "options": options}
+        overrides["speculative"] = {
+            "method": method,
+            "num_speculative_tokens": args.num_speculative_tokens,
+            "options": options,
+        }
     llm = patchbay.LLM(**overrides)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
@@ -48,8 +51,14 @@ def run(method: str, args: argparse.Namespace, prompts: list[dict]) -> dict:
     elapsed = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outputs)
     stats = llm.spec_stats.as_dict() if llm.spec_stats.num_draft_tokens > drafted_before else {}
-    return {"method": method, "seconds": elapsed, "generated_tokens": generated,
-            "tokens_per_s": generated / elapsed, "spec": stats, "token_ids": [o.token_ids for o in outputs]}
+    return {
+        "method": method,
+        "seconds": elapsed,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / elapsed,
+        "spec": stats,
+        "token_ids": [o.token_ids for o in outputs],
+    }
 
 
 def main() -> None:
@@ -69,15 +78,19 @@ def main() -> None:
     prompts = make_prompts(args.num_requests)
     results = [run(method, args, prompts) for method in args.methods]
     baseline = next((r for r in results if r["method"] == "none"), None)
-    print(f"\n{args.num_requests} requests, {args.max_tokens} greedy tokens each, k={args.num_speculative_tokens}, "
-          f"{args.threads} threads, float32")
+    print(
+        f"\n{args.num_requests} requests, {args.max_tokens} greedy tokens each, k={args.num_speculative_tokens}, "
+        f"{args.threads} threads, float32"
+    )
     print(f"{'method':<8} {'seconds':>8} {'tok/s':>8} {'speed-up':>9} {'accept':>7} {'mean len':>9}  same tokens")
     for result in results:
         speedup = result["tokens_per_s"] / baseline["tokens_per_s"] if baseline else float("nan")
         same = "-" if baseline is None or result is baseline else str(result["token_ids"] == baseline["token_ids"])
         spec = result["spec"]
-        print(f"{result['method']:<8} {result['seconds']:>8.2f} {result['tokens_per_s']:>8.1f} {speedup:>8.2f}x "
-              f"{spec.get('acceptance_rate', 0):>7.2f} {spec.get('mean_accepted_length', 1.0):>9.2f}  {same}")
+        print(
+            f"{result['method']:<8} {result['seconds']:>8.2f} {result['tokens_per_s']:>8.1f} {speedup:>8.2f}x "
+            f"{spec.get('acceptance_rate', 0):>7.2f} {spec.get('mean_accepted_length', 1.0):>9.2f}  {same}"
+        )
         if spec:
             rates = ", ".join(f"{r:.2f}" for r in spec["acceptance_rate_per_position"])
             print(f"{'':<8} acceptance per position: {rates}")

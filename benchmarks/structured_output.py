@@ -57,8 +57,9 @@ def compile_times(llm: patchbay.LLM) -> dict:
         params = StructuredOutputParams(**constraint)
         started = time.perf_counter()
         backend.compile(params)
-        times[params.kind + (":" + params.spec[:24] if params.kind != "json_object" else "")] = \
+        times[params.kind + (":" + params.spec[:24] if params.kind != "json_object" else "")] = (
             time.perf_counter() - started
+        )
     return {"backend_init_s": init_s, "compile_s": times}
 
 
@@ -71,9 +72,15 @@ def run(llm: patchbay.LLM, prompts: list, params: list) -> dict:
     wall = time.perf_counter() - started
     steps = engine.stats.num_steps - steps_before
     timings = engine.step_timings()
-    return {"wall_s": wall, "steps": steps, "tokens": sum(len(o.token_ids) for o in outputs),
-            "step_ms": 1e3 * wall / steps, "structure_ms_per_step": 1e3 * timings.get("structure", 0.0) / steps,
-            "lengths": [len(o.token_ids) for o in outputs], "finish": [o.finish_reason for o in outputs]}
+    return {
+        "wall_s": wall,
+        "steps": steps,
+        "tokens": sum(len(o.token_ids) for o in outputs),
+        "step_ms": 1e3 * wall / steps,
+        "structure_ms_per_step": 1e3 * timings.get("structure", 0.0) / steps,
+        "lengths": [len(o.token_ids) for o in outputs],
+        "finish": [o.finish_reason for o in outputs],
+    }
 
 
 def main() -> None:
@@ -102,21 +109,38 @@ def main() -> None:
         for _ in range(args.repeats - 1):
             constrained = min(constrained, run(llm, prompts, constrained_params), key=lambda r: r["wall_s"])
             free = min(free, run(llm, prompts, free_params), key=lambda r: r["wall_s"])
-        results.append({"backend": backend, **compiled, "constrained": constrained, "unconstrained": free,
-                        "wall_ratio": constrained["wall_s"] / free["wall_s"],
-                        "step_ratio": constrained["step_ms"] / free["step_ms"]})
-    print(f"\n{args.num_requests} greedy chat requests (JSON schema, JSON object, regex, choice), {args.threads} threads")
+        results.append(
+            {
+                "backend": backend,
+                **compiled,
+                "constrained": constrained,
+                "unconstrained": free,
+                "wall_ratio": constrained["wall_s"] / free["wall_s"],
+                "step_ratio": constrained["step_ms"] / free["step_ms"],
+            }
+        )
+    print(
+        f"\n{args.num_requests} greedy chat requests (JSON schema, JSON object, regex, choice), {args.threads} threads"
+    )
     for result in results:
         c, f = result["constrained"], result["unconstrained"]
-        print(f"\n{result['backend']}: backend init {result['backend_init_s'] * 1e3:.0f} ms; cold compile "
-              + ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in result["compile_s"].items()))
-        print(f"  constrained:   {c['steps']} steps, {c['tokens']} tokens, {c['wall_s']:.2f} s, "
-              f"{c['step_ms']:.1f} ms/step, structure {c['structure_ms_per_step']:.2f} ms/step "
-              f"({100 * c['structure_ms_per_step'] / c['step_ms']:.1f}%), "
-              f"finish {sorted(set(c['finish']))}")
-        print(f"  unconstrained: {f['steps']} steps, {f['tokens']} tokens, {f['wall_s']:.2f} s, "
-              f"{f['step_ms']:.1f} ms/step")
-        print(f"  ratio constrained/unconstrained: wall {result['wall_ratio']:.3f}, per step {result['step_ratio']:.3f}")
+        print(
+            f"\n{result['backend']}: backend init {result['backend_init_s'] * 1e3:.0f} ms; cold compile "
+            + ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in result["compile_s"].items())
+        )
+        print(
+            f"  constrained:   {c['steps']} steps, {c['tokens']} tokens, {c['wall_s']:.2f} s, "
+            f"{c['step_ms']:.1f} ms/step, structure {c['structure_ms_per_step']:.2f} ms/step "
+            f"({100 * c['structure_ms_per_step'] / c['step_ms']:.1f}%), "
+            f"finish {sorted(set(c['finish']))}"
+        )
+        print(
+            f"  unconstrained: {f['steps']} steps, {f['tokens']} tokens, {f['wall_s']:.2f} s, "
+            f"{f['step_ms']:.1f} ms/step"
+        )
+        print(
+            f"  ratio constrained/unconstrained: wall {result['wall_ratio']:.3f}, per step {result['step_ratio']:.3f}"
+        )
     if args.json:
         append_json_lines(args.json, results)
 

@@ -96,8 +96,10 @@ class SamplingParams(BaseModel):
     @classmethod
     def _sampling_temperature(cls, temperature: float) -> float:
         if 0.0 < temperature < MIN_RANDOM_TEMPERATURE:
-            raise ValueError(f"temperature {temperature!r} is too small to sample with (logits overflow): "
-                             f"use 0 for greedy decoding or at least {MIN_RANDOM_TEMPERATURE}")
+            raise ValueError(
+                f"temperature {temperature!r} is too small to sample with (logits overflow): "
+                f"use 0 for greedy decoding or at least {MIN_RANDOM_TEMPERATURE}"
+            )
         return temperature
 
     @field_validator("seed", "max_tokens", "min_tokens", "n", "top_k", "logprobs", "prompt_logprobs", mode="before")
@@ -110,12 +112,15 @@ class SamplingParams(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> SamplingParams:
         if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
-            raise ValueError(f"seed {self.seed} + n - 1 exceeds {MAX_SEED} (each of the n sequences takes the next seed)")
+            raise ValueError(
+                f"seed {self.seed} + n - 1 exceeds {MAX_SEED} (each of the n sequences takes the next seed)"
+            )
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.structured_output is not None and self.ignore_eos:
-            raise ValueError("structured_output ends where the grammar does, with EOS; it cannot be combined with "
-                             "ignore_eos")
+            raise ValueError(
+                "structured_output ends where the grammar does, with EOS; it cannot be combined with ignore_eos"
+            )
         return self
 
     @property
@@ -127,10 +132,21 @@ class SamplingParams(BaseModel):
         defaults = type(self)()
         # structured_output is applied by the runner before the sampler, and lora in the model, so no sampler
         # needs to support them.
-        neutral = {"max_tokens", "stop", "stop_token_ids", "ignore_eos", "n", "bad_words_token_ids", "structured_output",
-                   "lora"}
-        used = {name for name in type(self).model_fields
-                if name not in neutral and getattr(self, name) != getattr(defaults, name)}
+        neutral = {
+            "max_tokens",
+            "stop",
+            "stop_token_ids",
+            "ignore_eos",
+            "n",
+            "bad_words_token_ids",
+            "structured_output",
+            "lora",
+        }
+        used = {
+            name
+            for name in type(self).model_fields
+            if name not in neutral and getattr(self, name) != getattr(defaults, name)
+        }
         if self.bad_words_token_ids:
             used.add("bad_words")
         return frozenset(used)

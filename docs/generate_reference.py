@@ -145,13 +145,25 @@ def render_class(cls: type, infos: dict[type, ClassInfo], linker: Linker) -> lis
         decorators = [d for d in method.decorators if d in ("classmethod", "staticmethod", "property")]
         prefix = "".join(f"@{d}\n" for d in decorators)
         must = " — **must implement**" if method.name in abstract else ""
-        lines += [f"#### `{cls.__name__}.{method.name}`{must}", "", "```python", f"{prefix}def {method.signature}",
-                  "```", ""]
+        lines += [
+            f"#### `{cls.__name__}.{method.name}`{must}",
+            "",
+            "```python",
+            f"{prefix}def {method.signature}",
+            "```",
+            "",
+        ]
         if method.doc:
             lines += [docstring_markdown(method.doc, linker), ""]
         else:
-            base = next((b for b in patchbay_bases(cls) if b in infos and method.name in infos[b].methods
-                         and infos[b].methods[method.name].doc), None)
+            base = next(
+                (
+                    b
+                    for b in patchbay_bases(cls)
+                    if b in infos and method.name in infos[b].methods and infos[b].methods[method.name].doc
+                ),
+                None,
+            )
             if base is not None:
                 lines += [f"Overrides {linker.link(f'{base.__name__}.{method.name}', base.__name__)}.", ""]
 
@@ -222,18 +234,26 @@ def render() -> str:
     documented |= {name for constants in constants_by_module.values() for name, _, _ in constants}
     missing = sorted(public - documented)
     if missing:
-        raise SystemExit(f"generate_reference: patchbay.interfaces exports {missing}, which no section shows; "
-                         "place them with KIND_OF_SHARED_CLASS")
+        raise SystemExit(
+            f"generate_reference: patchbay.interfaces exports {missing}, which no section shows; "
+            "place them with KIND_OF_SHARED_CLASS"
+        )
 
-    all_classes = [*common_classes, *(cls for classes in by_kind.values() for cls in classes),
-                   hookspecs.RegisterCallback]
+    all_classes = [
+        *common_classes,
+        *(cls for classes in by_kind.values() for cls in classes),
+        hookspecs.RegisterCallback,
+    ]
     infos: dict[type, ClassInfo] = {}
     for cls in all_classes:
         for klass in (cls, *patchbay_bases(cls)):
             if klass not in infos:
                 infos[klass] = class_info(klass)
-    hooks = [name for name, value in vars(hookspecs).items()
-             if callable(value) and hasattr(value, f"{hookspecs.PROJECT_NAME}_spec")]
+    hooks = [
+        name
+        for name, value in vars(hookspecs).items()
+        if callable(value) and hasattr(value, f"{hookspecs.PROJECT_NAME}_spec")
+    ]
     for cls in all_classes:
         linker.add(cls.__name__, anchor_of(cls.__name__))
     for hook in hooks:
@@ -268,8 +288,11 @@ def render() -> str:
         lines += [f"### {hook}", "", "```python", "@hookspec", f"def {signature(source, node)}", "```", ""]
         if kinds:
             kind = kinds[0]
-            lines += [f"Kind `{kind.name}` ({kind.label}); implementations subclass "
-                      f"{linker.link(kind.interface.__name__, kind.interface.__name__)}.", ""]
+            lines += [
+                f"Kind `{kind.name}` ({kind.label}); implementations subclass "
+                f"{linker.link(kind.interface.__name__, kind.interface.__name__)}.",
+                "",
+            ]
         lines += [docstring_markdown(inspect.cleandoc(ast.get_docstring(node, clean=False) or ""), linker), ""]
     lines += render_class(hookspecs.RegisterCallback, infos, linker)
 
@@ -291,7 +314,12 @@ def render() -> str:
         ]
         if module.__name__ not in shown_module_docs:
             shown_module_docs.add(module.__name__)
-            lines += [f"`{module.__name__}`", "", docstring_markdown(inspect.cleandoc(module.__doc__ or ""), linker), ""]
+            lines += [
+                f"`{module.__name__}`",
+                "",
+                docstring_markdown(inspect.cleandoc(module.__doc__ or ""), linker),
+                "",
+            ]
         for name, value, doc in constants_by_module[kind.name]:
             lines += [f"### {name}", "", f"`{module.__name__}.{name}`", "", "```python", f"{name} = {value}", "```", ""]
             if doc:
@@ -310,16 +338,20 @@ def fill_marked_blocks(text: str, blocks: dict[str, str], page: Path) -> str:
     def fill(match: re.Match[str]) -> str:
         name = match.group(2)
         if name not in blocks:
-            raise SystemExit(f"generate_reference: {page.name} marks a block {name!r} that nothing generates "
-                             f"(known: {', '.join(blocks)})")
+            raise SystemExit(
+                f"generate_reference: {page.name} marks a block {name!r} that nothing generates "
+                f"(known: {', '.join(blocks)})"
+            )
         seen.append(name)
         return f"{match.group(1)}{blocks[name]}{match.group(3)}"
 
     filled = MARKED_BLOCK.sub(fill, text)
     missing = [name for name in blocks if name not in seen]
     if missing:
-        raise SystemExit(f"generate_reference: {page.name} has no markers for {', '.join(missing)}; add "
-                         "<!-- generated: NAME --> and <!-- end generated: NAME --> lines where each belongs")
+        raise SystemExit(
+            f"generate_reference: {page.name} has no markers for {', '.join(missing)}; add "
+            "<!-- generated: NAME --> and <!-- end generated: NAME --> lines where each belongs"
+        )
     return filled
 
 
@@ -352,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {name}")
             continue
         stale.append(str(name))
-        diff = difflib.unified_diff(current.splitlines(), text.splitlines(), f"{name} (file)",
-                                    f"{name} (from the code)", lineterm="", n=1)
+        diff = difflib.unified_diff(
+            current.splitlines(), text.splitlines(), f"{name} (file)", f"{name} (from the code)", lineterm="", n=1
+        )
         print("\n".join(list(diff)[:60]))
     if stale:
         print(f"\n{', '.join(stale)} out of date; run: python docs/generate_reference.py", file=sys.stderr)

@@ -39,8 +39,9 @@ def skipped(path: Path) -> bool:
 
 def source_files(folder: Path) -> str:
     """A non-package folder (``csrc/``) as its name and its files' names."""
-    names = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*")
-                   if path.is_file() and not skipped(path.parent))
+    names = sorted(
+        path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file() and not skipped(path.parent)
+    )
     return f"`{folder.name}/` ({', '.join(names)})"
 
 
@@ -48,11 +49,11 @@ def room_rows(folder: Path, package: str) -> list[str]:
     """The table row of the package in ``folder``, then those of its subpackages, depth first."""
     line = first_line(folder / "__init__.py")
     if not line:
-        raise MissingDocstring(f"{folder / '__init__.py'} has no docstring; its first line is the room's "
-                               "line in docs/architecture.md")
+        raise MissingDocstring(
+            f"{folder / '__init__.py'} has no docstring; its first line is the room's line in docs/architecture.md"
+        )
     children = sorted(child for child in folder.iterdir() if not skipped(child))
-    modules = [f"`{child.stem}`" for child in children
-               if child.suffix == ".py" and child.name != "__init__.py"]
+    modules = [f"`{child.stem}`" for child in children if child.suffix == ".py" and child.name != "__init__.py"]
     others = [child for child in children if child.is_dir() and not is_package(child)]
     contents = modules + [source_files(other) for other in others]
     relative = folder.relative_to(REPO_ROOT).as_posix()
@@ -111,8 +112,9 @@ def module_index() -> str:
         for module in modules:
             line = first_line(module)
             if not line:
-                raise MissingDocstring(f"{module} has no docstring; its first line is its entry in "
-                                       "docs/design/modules.md")
+                raise MissingDocstring(
+                    f"{module} has no docstring; its first line is its entry in docs/design/modules.md"
+                )
             lines.append(f"| `{module.name}` | {inline(line, Linker()).replace('|', chr(92) + '|')} |")
         for other in others:
             lines.append(f"| {source_files(other)} | sources other than Python |")

@@ -93,8 +93,10 @@ def describe_values(annotation: Any, metadata: Sequence[Any] = ()) -> str:
         if isinstance(item, (BeforeValidator, PlainValidator, WrapValidator)):
             name = getattr(item.func, "__name__", repr(item.func))
             if name not in VALUES_OF_VALIDATOR:
-                raise UndocumentedKey(f"a field's values are widened by the validator {name!r}; say what it "
-                                      "accepts in VALUES_OF_VALIDATOR of docs/settings_tables.py")
+                raise UndocumentedKey(
+                    f"a field's values are widened by the validator {name!r}; say what it "
+                    "accepts in VALUES_OF_VALIDATOR of docs/settings_tables.py"
+                )
             return VALUES_OF_VALIDATOR[name]
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Annotated:
@@ -176,8 +178,10 @@ def rows(model: type[BaseModel], page: Path, first_columns: Callable[[str], list
     for name, info in model.model_fields.items():
         doc = docs.get(name, "")
         if not doc:
-            raise UndocumentedKey(f"{model.__module__}.{model.__qualname__}.{name} has no docstring; "
-                                  "the configuration guide's row is made of it")
+            raise UndocumentedKey(
+                f"{model.__module__}.{model.__qualname__}.{name} has no docstring; "
+                "the configuration guide's row is made of it"
+            )
         values = describe_values(info.annotation, info.metadata)
         cells = [*first_columns(name), values, describe_default(info), doc_cell(doc, page)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -193,8 +197,11 @@ def builtin_options(kind: str) -> list[tuple[str, type[BaseModel]]]:
 
     from patchbay.contract.registry import ENTRY_POINT_GROUP, Registry
 
-    builtin = [entry for entry in metadata.entry_points(group=ENTRY_POINT_GROUP)
-               if entry.dist is not None and entry.dist.name == "patchbay"]
+    builtin = [
+        entry
+        for entry in metadata.entry_points(group=ENTRY_POINT_GROUP)
+        if entry.dist is not None and entry.dist.name == "patchbay"
+    ]
     registry = Registry.from_entry_points(strict=True, entry_points=builtin)
     found = []
     for registration in registry.registrations(kind):
@@ -209,8 +216,11 @@ def section_block(section: str, page: Path) -> str:
     from patchbay.contract.settings import Section, Settings
 
     info = Settings.model_fields[section]
-    model = next(arg for arg in (info.annotation, *typing.get_args(info.annotation))
-                 if isinstance(arg, type) and issubclass(arg, Section))
+    model = next(
+        arg
+        for arg in (info.annotation, *typing.get_args(info.annotation))
+        if isinstance(arg, type) and issubclass(arg, Section)
+    )
     lines = [f"### `{section}`", ""]
     doc = inspect.cleandoc(model.__doc__ or "")
     if doc:
@@ -218,8 +228,11 @@ def section_block(section: str, page: Path) -> str:
     if info.default is None:
         required = [f"`{name}`" for name, field in model.model_fields.items() if field.is_required()]
         if required:
-            lines += [f"Absent by default; when present, {' and '.join(required)} "
-                      f"{'is' if len(required) == 1 else 'are'} required.", ""]
+            lines += [
+                f"Absent by default; when present, {' and '.join(required)} "
+                f"{'is' if len(required) == 1 else 'are'} required.",
+                "",
+            ]
         else:
             lines += ["Absent by default: the feature is off until the section is given.", ""]
     lines += ["| key | values | default | what it does |", "|---|---|---|---|"]
@@ -227,8 +240,13 @@ def section_block(section: str, page: Path) -> str:
     kind = OPTIONS_KIND_OF_SECTION.get(section)
     plugins = builtin_options(kind) if kind else []
     if plugins:
-        lines += ["", f"Options of the built-in plugins (`{section}.options`):", "",
-                  "| option | plugin | values | default | what it does |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Options of the built-in plugins (`{section}.options`):",
+            "",
+            "| option | plugin | values | default | what it does |",
+            "|---|---|---|---|---|",
+        ]
         for name, options in plugins:
             lines += rows(options, page, lambda option, plugin=name: [f"`{option}`", f"`{plugin}`"])
     return "\n".join(lines) + "\n"

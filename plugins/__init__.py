@@ -25,8 +25,9 @@ class _RenamedPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
         """The new modules' own specs by alias, between ``create_module`` and ``exec_module``."""
 
-    def find_spec(self, fullname: str, path: object = None,
-                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: object = None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         for old in RENAMED_PACKAGES:
             if fullname == old or fullname.startswith(old + "."):
                 return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == old)
@@ -34,7 +35,7 @@ class _RenamedPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         old = next(old for old in RENAMED_PACKAGES if spec.name == old or spec.name.startswith(old + "."))
-        new_name = RENAMED_PACKAGES[old] + spec.name[len(old):]
+        new_name = RENAMED_PACKAGES[old] + spec.name[len(old) :]
         warnings.warn(f"{spec.name} is deprecated: import {new_name}", DeprecationWarning, stacklevel=2)
         module = importlib.import_module(new_name)
         self._specs[spec.name] = module.__spec__  # the import system overwrites it: exec_module puts it back

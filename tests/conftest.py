@@ -48,8 +48,18 @@ DENY_BROKEN_AND_DUPLICATE = "patchbay-broken-plugin,patchbay-duplicate-plugin"
 def pip_install_into(target: Path, packages: Iterable[Path]) -> None:
     """``pip install --no-deps --no-build-isolation --target target packages...`` with this interpreter, offline."""
     env = clean_env(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
-    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-               "--target", str(target), *(str(package) for package in packages)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        "--target",
+        str(target),
+        *(str(package) for package in packages),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
@@ -60,8 +70,7 @@ def clean_env(site: Path | None = None, **overrides: str) -> dict[str, str]:
 
     With ``site``, PYTHONPATH points at it so its distributions' entry points are discovered.
     """
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith("PATCHBAY_") and key != "PYTHONPATH"}
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PATCHBAY_") and key != "PYTHONPATH"}
     if site is not None:
         env["PYTHONPATH"] = str(site)
     env.update(overrides)
@@ -77,11 +86,18 @@ def patchbay_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "patchbay.entrypoints.cli"]
 
 
-def run_patchbay(*args: str, site: Path | None, env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                 timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run_patchbay(
+    *args: str, site: Path | None, env: Mapping[str, str] | None = None, cwd: Path | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     """Run ``patchbay ARGS...`` in a subprocess that sees the distributions installed in ``site``."""
-    return subprocess.run([*patchbay_command(), *args], capture_output=True, text=True, timeout=timeout,
-                          env=clean_env(site, **dict(env or {})), cwd=cwd)
+    return subprocess.run(
+        [*patchbay_command(), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(site, **dict(env or {})),
+        cwd=cwd,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -103,8 +119,9 @@ def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def patchbay_cli(plugin_site: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
     """``patchbay_cli("plugins", "--json", env={...})`` runs the CLI with the plugin packages installed."""
 
-    def run(*args: str, env: Mapping[str, str] | None = None, cwd: Path | None = None,
-            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    def run(
+        *args: str, env: Mapping[str, str] | None = None, cwd: Path | None = None, timeout: float = 300
+    ) -> subprocess.CompletedProcess[str]:
         return run_patchbay(*args, site=plugin_site, env=env, cwd=cwd, timeout=timeout)
 
     return run

@@ -11,8 +11,12 @@ ADAPTER_SPECS: dict[str, dict[str, Any]] = {
     # name: LoraConfig keywords; different ranks, target sets and scalings.
     "attn-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     "mlp-r8": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"]),
-    "all-r2-rslora": dict(r=2, lora_alpha=6, use_rslora=True,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "all-r2-rslora": dict(
+        r=2,
+        lora_alpha=6,
+        use_rslora=True,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
 }
 
 
@@ -42,7 +46,9 @@ def peft_model(model_dir: Path, adapter_dir: Path) -> Any:
     return PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
-def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+def peft_greedy(
+    model_dir: Path, adapter_dir: Path | None, prompts: list[list[int]], num_tokens: int
+) -> list[list[int]]:
     """PEFT's own ``generate`` for each prompt alone, greedily, exactly ``num_tokens`` long (EOS does not stop it);
     ``adapter_dir`` ``None``: the base model through transformers."""
     from tiny_models import transformers_greedy
@@ -53,7 +59,12 @@ def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompts: list[list[in
     model.generation_config.eos_token_id = None
     with torch.inference_mode():
         return [
-            model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                           max_new_tokens=num_tokens, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+            model.generate(
+                input_ids=torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=num_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
             for p in prompts
         ]

@@ -41,8 +41,11 @@ class RunningServer:
         deadline = time.monotonic() + timeout
         while True:
             values = self.metrics()
-            if (values["patchbay_num_requests_running"] == 0 and values["patchbay_num_requests_waiting"] == 0
-                    and values["patchbay_kv_cache_blocks_in_use"] == 0):
+            if (
+                values["patchbay_num_requests_running"] == 0
+                and values["patchbay_num_requests_waiting"] == 0
+                and values["patchbay_kv_cache_blocks_in_use"] == 0
+            ):
                 return values
             if time.monotonic() > deadline:
                 raise AssertionError(f"the server did not return to idle within {timeout} s: {values}")

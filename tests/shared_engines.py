@@ -63,8 +63,10 @@ DEFAULT_CAPACITY = 1
 
 def resolve_settings(**overrides: Any) -> Settings:
     """The settings ``patchbay.LLM(**overrides)`` would build from: defaults, the environment, then ``overrides``."""
-    assignments = [f"{key.replace('__', '.')}={value if isinstance(value, str) else json.dumps(value)}"
-                   for key, value in overrides.items()]
+    assignments = [
+        f"{key.replace('__', '.')}={value if isinstance(value, str) else json.dumps(value)}"
+        for key, value in overrides.items()
+    ]
     return load_settings(None, overrides=assignments, registry=registry_for)
 
 
@@ -127,8 +129,9 @@ class SharedEngines:
             if self.evictions > evictions:
                 gc.collect()  # a closed engine's reference cycles hold its weights and pool until collected
             if problems:
-                raise AssertionError(f"{owner} broke a shared engine (build your own to do that): "
-                                     + "; ".join(problems))
+                raise AssertionError(
+                    f"{owner} broke a shared engine (build your own to do that): " + "; ".join(problems)
+                )
 
     def close(self) -> None:
         """Close every idle engine (engines on loan are their borrowers' to finish)."""

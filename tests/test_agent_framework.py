@@ -37,16 +37,25 @@ def test_an_agents_sdk_loop_with_two_tools_runs_to_its_final_answer(model_class)
         ran.append(("add", (a, b)))
         return a + b
 
-    settings = load_settings(None, overrides=["cache.num_blocks=256", "model.max_model_len=2048",
-                                              "server.served_model_name=smollm2",
-                                              "structured_output.options.any_whitespace=false"])
+    settings = load_settings(
+        None,
+        overrides=[
+            "cache.num_blocks=256",
+            "model.max_model_len=2048",
+            "server.served_model_name=smollm2",
+            "structured_output.options.any_whitespace=false",
+        ],
+    )
     agents.set_tracing_disabled(True)
     with running_server(settings) as server:
         client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
         agent = agents.Agent(
-            name="assistant", instructions="Use the tools to answer.", tools=[get_weather, add],
+            name="assistant",
+            instructions="Use the tools to answer.",
+            tools=[get_weather, add],
             model=getattr(agents, model_class)(model="smollm2", openai_client=client),
-            model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=60))
+            model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=60),
+        )
         result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=6)
 
     assert ran and {name for name, _ in ran} <= {"get_weather", "add"}

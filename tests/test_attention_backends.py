@@ -91,6 +91,7 @@ def test_flex_compiled_matches_the_oracle(patchbay_registry: Registry) -> None:
 
 # -- the suite is not vacuous: broken backends fail it -------------------------------------------
 
+
 class _NoCausalMaskImpl(ReferenceImpl):
     """Sees the whole request, future keys included."""
 
@@ -109,7 +110,7 @@ class _DefaultScaleImpl(TorchSDPAImpl):
     """Ignores the layer's scale and uses 1/sqrt(head_size)."""
 
     def __init__(self, layer: AttentionLayerSpec) -> None:
-        super().__init__(dataclasses.replace(layer, scale=layer.head_size ** -0.5))
+        super().__init__(dataclasses.replace(layer, scale=layer.head_size**-0.5))
 
 
 class _PaddingIntoCacheImpl(TorchSDPAImpl):
@@ -120,7 +121,7 @@ class _PaddingIntoCacheImpl(TorchSDPAImpl):
         padding = key.shape[0] - metadata.num_actual_tokens
         if padding:
             key_cache = kv_cache[0].view(-1, *kv_cache.shape[-2:])
-            key_cache[-padding:] = key[metadata.num_actual_tokens:]
+            key_cache[-padding:] = key[metadata.num_actual_tokens :]
         return output
 
 
@@ -135,14 +136,22 @@ def _backend_with(base, impl_class):
     return type(f"Broken{impl_class.__name__}", (base,), {"make_impl": lambda self, layer: impl_class(layer)})
 
 
-@pytest.mark.parametrize(("base", "impl_class", "builder", "case", "message"), [
-    (ReferenceBackend, _NoCausalMaskImpl, CommonMetadataBuilder, MIXED, "output differs"),
-    (TorchSDPABackend, _KeysIntoValuesImpl, TorchSDPAMetadataBuilder, MIXED, "new values written wrongly"),
-    (TorchSDPABackend, _DefaultScaleImpl, TorchSDPAMetadataBuilder, MIXED, "output differs"),
-    (TorchSDPABackend, _PaddingIntoCacheImpl, TorchSDPAMetadataBuilder, MIXED, "outside slot_mapping were changed"),
-    (TorchSDPABackend, _IgnoresWindowImpl, TorchSDPAMetadataBuilder,
-     AttentionCase(num_computed=(20, 0), num_new=(1, 30), sliding_window=8), "output differs"),
-])
+@pytest.mark.parametrize(
+    ("base", "impl_class", "builder", "case", "message"),
+    [
+        (ReferenceBackend, _NoCausalMaskImpl, CommonMetadataBuilder, MIXED, "output differs"),
+        (TorchSDPABackend, _KeysIntoValuesImpl, TorchSDPAMetadataBuilder, MIXED, "new values written wrongly"),
+        (TorchSDPABackend, _DefaultScaleImpl, TorchSDPAMetadataBuilder, MIXED, "output differs"),
+        (TorchSDPABackend, _PaddingIntoCacheImpl, TorchSDPAMetadataBuilder, MIXED, "outside slot_mapping were changed"),
+        (
+            TorchSDPABackend,
+            _IgnoresWindowImpl,
+            TorchSDPAMetadataBuilder,
+            AttentionCase(num_computed=(20, 0), num_new=(1, 30), sliding_window=8),
+            "output differs",
+        ),
+    ],
+)
 def test_the_suite_catches_a_broken_backend(base, impl_class, builder, case, message) -> None:
     with pytest.raises(AssertionError, match=message):
         check_attention(_backend_with(base, impl_class), builder, case)
@@ -154,6 +163,7 @@ def test_the_suite_passes_the_unbroken_originals() -> None:
 
 
 # -- torch_sdpa specifics --------------------------------------------------------------------------
+
 
 def _step(num_computed, num_new, block_size=16, seed=0):
     seq_lens = [c + n for c, n in zip(num_computed, num_new, strict=True)]
@@ -195,6 +205,7 @@ def test_sdpa_works_with_the_common_builder() -> None:
 # semantics of the two library calls in plain torch, so that the backends' own arithmetic
 # (cu_seqlens, gathered slots, window translation, GQA layout) is checked on every machine.
 
+
 def _reference_varlen(queries, keys, values, scale, window_left, soft_cap):
     """One sequence, causal from the bottom right, keys within window_left behind (-1: no window)."""
     group = queries.shape[1] // keys.shape[1]
@@ -213,8 +224,20 @@ def _reference_varlen(queries, keys, values, scale, window_left, soft_cap):
     return torch.einsum("hqk,khd->qhd", weights, values).to(queries.dtype)
 
 
-def _fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                 causal, window_size, softcap, block_table):
+def _fake_flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    block_table,
+):
     assert causal and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
     out = torch.empty_like(q)
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -223,7 +246,7 @@ def _fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
         num_keys = starts_k[request + 1] - starts_k[request]
         assert num_keys <= max_seqlen_k and rows.stop - rows.start <= max_seqlen_q
         if block_table is None:
-            keys, values = k[starts_k[request]:starts_k[request + 1]], v[starts_k[request]:starts_k[request + 1]]
+            keys, values = k[starts_k[request] : starts_k[request + 1]], v[starts_k[request] : starts_k[request + 1]]
         else:
             blocks = block_table[request, : -(-num_keys // k.shape[1])].long()
             keys, values = k[blocks].flatten(0, 1)[:num_keys], v[blocks].flatten(0, 1)[:num_keys]
@@ -263,8 +286,10 @@ def fake_gpu_libraries(monkeypatch: pytest.MonkeyPatch) -> None:
 
     flash = types.ModuleType("flash_attn")
     flash.flash_attn_varlen_func = _fake_flash_attn_varlen_func
-    xformers, ops, fmha, attn_bias = (types.ModuleType(name) for name in
-                                      ("xformers", "xformers.ops", "xformers.ops.fmha", "xformers.ops.fmha.attn_bias"))
+    xformers, ops, fmha, attn_bias = (
+        types.ModuleType(name)
+        for name in ("xformers", "xformers.ops", "xformers.ops.fmha", "xformers.ops.fmha.attn_bias")
+    )
     ops.memory_efficient_attention = _fake_memory_efficient_attention
     attn_bias.BlockDiagonalCausalFromBottomRightMask = attn_bias.BlockDiagonalMask = _FakeBias
     xformers.ops, ops.fmha, fmha.attn_bias = ops, fmha, attn_bias
@@ -284,8 +309,9 @@ GLUE_CASES = {
 @pytest.mark.usefixtures("fake_gpu_libraries")
 @pytest.mark.parametrize("backend_name", ["flash_attn", "xformers"])
 @pytest.mark.parametrize("case_name", list(GLUE_CASES))
-def test_cuda_backend_glue_with_stand_in_kernels(patchbay_registry: Registry, backend_name: str,
-                                                 case_name: str) -> None:
+def test_cuda_backend_glue_with_stand_in_kernels(
+    patchbay_registry: Registry, backend_name: str, case_name: str
+) -> None:
     backend = patchbay_registry.resolve("attention", backend_name)
     builder = patchbay_registry.resolve("attention_metadata_builder", backend.metadata_builder)
     check_attention(backend, builder, GLUE_CASES[case_name])
@@ -303,8 +329,13 @@ def test_an_explicit_decode_kernel_that_cannot_build_never_falls_back_to_sdpa(ti
     for _ in range(2):
         with pytest.raises(RuntimeError, match="paged_cpp is unavailable: no C\\+\\+ compiler"):
             kernel.get()
-    llm = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32", attention__backend="torch_sdpa",
-                       attention__options={"decode_kernel": "paged_cpp"}, runtime__threads=2)
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama),
+        model__dtype="float32",
+        attention__backend="torch_sdpa",
+        attention__options={"decode_kernel": "paged_cpp"},
+        runtime__threads=2,
+    )
     outputs = llm.generate([[5, 9, 11], [42, 43]], SamplingParams(max_tokens=4, ignore_eos=True))
     for output in outputs:
         assert output.finish_reason == "error"

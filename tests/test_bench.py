@@ -27,8 +27,9 @@ def test_workloads_are_seeded_and_sized_as_asked():
 
 
 def test_request_flops_count_the_lm_head_only_where_tokens_are_sampled():
-    cost = ModelCost(linear_params=100, lm_head_params=10, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1,
-                     bytes_per_param=4)
+    cost = ModelCost(
+        linear_params=100, lm_head_params=10, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, bytes_per_param=4
+    )
     # 3 prompt tokens + 2 generated: 4 tokens go through the model, 2 through the lm head,
     # causal attention over 1 + 2 + 3 + 4 positions at 4 FLOPs each.
     assert cost.request_flops(3, 2) == 2 * 100 * 4 + 2 * 10 * 2 + 4 * (1 + 2 + 3 + 4)
@@ -37,9 +38,33 @@ def test_request_flops_count_the_lm_head_only_where_tokens_are_sampled():
 @pytest.mark.slow
 def test_bench_runs_every_workload_against_both_peers(tiny_llama, tmp_path, capsys):
     out = tmp_path / "bench"
-    code = main(["bench", "all", "--model", str(tiny_llama), "--num-requests", "4", "--concurrency", "2", "4",
-                 "--prompt-range", "8", "64", "--output-range", "4", "24", "--latency-prompts", "32",
-                 "--prefix-length", "200", "--threads", "2", "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "all",
+            "--model",
+            str(tiny_llama),
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "2",
+            "4",
+            "--prompt-range",
+            "8",
+            "64",
+            "--output-range",
+            "4",
+            "24",
+            "--latency-prompts",
+            "32",
+            "--prefix-length",
+            "200",
+            "--threads",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "ceilings: batch-1 decode" in printed
@@ -51,7 +76,9 @@ def test_bench_runs_every_workload_against_both_peers(tiny_llama, tmp_path, caps
         assert row["machine"]["read_bandwidth_gb_s"] > 0 and row["model"]["linear_params"] > 0
         if row["workload"] == "quality":
             # A random model is near uniform over its vocabulary: its perplexity is in the thousands, not ~1.
-            assert row["engine"] == "patchbay" and 100 < row["perplexity"] < 10 * 49152  # the tiny models share SmolLM2's vocabulary
+            assert (
+                row["engine"] == "patchbay" and 100 < row["perplexity"] < 10 * 49152
+            )  # the tiny models share SmolLM2's vocabulary
             continue
         if row["workload"] != "latency":
             # Greedy, float32: patchbay with a drafter is exact; transformers' padded batches may flip a
@@ -68,9 +95,29 @@ def test_bench_runs_every_workload_against_both_peers(tiny_llama, tmp_path, caps
 @pytest.mark.slow
 def test_bench_over_two_ranks_reports_the_all_reduce_share_and_the_whole_model(tiny_llama, tmp_path, capsys):
     out = tmp_path / "bench"
-    code = main(["bench", "throughput", "--model", str(tiny_llama), "--num-requests", "4", "--concurrency", "4",
-                 "--prompt-range", "8", "32", "--output-range", "4", "8", "--peers", "--tensor-parallel-size", "2",
-                 "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "throughput",
+            "--model",
+            str(tiny_llama),
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "4",
+            "--prompt-range",
+            "8",
+            "32",
+            "--output-range",
+            "4",
+            "8",
+            "--peers",
+            "--tensor-parallel-size",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     assert "all_reduce" in capsys.readouterr().out
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

@@ -17,7 +17,7 @@ from patchbay.bench.workloads import BenchRequest, Workload
 # A stand-in for the vllm package: the parts of its API the driver uses.  Request ``i`` of a prompt yields
 # tokens (sum(prompt) + step) % 1000; it refuses sampling other than greedy-without-EOS, and records
 # the most requests it ever held unfinished.
-FAKE_VLLM = '''
+FAKE_VLLM = """
 import json, os
 __version__ = "0.0.fake"
 
@@ -62,7 +62,7 @@ class LLM:
             raise ValueError(f"no model directory {model}")
         print("fake vLLM log line on standard output")
         self.llm_engine = _Engine()
-'''
+"""
 
 
 def _expected(prompt: list[int], count: int) -> list[int]:
@@ -172,25 +172,52 @@ def test_a_request_the_peer_refuses_fails_that_run_alone(fake_peer_python, tmp_p
 
 
 @pytest.mark.slow
-def test_bench_runs_the_fake_vllm_beside_patchbay_and_skips_an_absent_llamacpp(fake_peer_python, tiny_llama,
-                                                                               tmp_path, monkeypatch, capsys):
+def test_bench_runs_the_fake_vllm_beside_patchbay_and_skips_an_absent_llamacpp(
+    fake_peer_python, tiny_llama, tmp_path, monkeypatch, capsys
+):
     from patchbay.entrypoints.cli import main
 
     monkeypatch.setenv("FAKE_VLLM_RECORD", str(tmp_path / "record.json"))
     out = tmp_path / "bench"
-    code = main(["bench", "latency", "--model", str(tiny_llama), "--latency-prompts", "16", "--threads", "2",
-                 "--dtype", "float32", "bfloat16", "--peers", "vllm", "llamacpp", "--vllm-python",
-                 str(fake_peer_python), "--llamacpp-python", str(tmp_path / "absent" / "python"), "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "latency",
+            "--model",
+            str(tiny_llama),
+            "--latency-prompts",
+            "16",
+            "--threads",
+            "2",
+            "--dtype",
+            "float32",
+            "bfloat16",
+            "--peers",
+            "vllm",
+            "llamacpp",
+            "--vllm-python",
+            str(fake_peer_python),
+            "--llamacpp-python",
+            str(tmp_path / "absent" / "python"),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert f"skipped llamacpp: no interpreter at {tmp_path / 'absent' / 'python'}" in printed
     lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     rows = {row["engine"]: row for row in lines if "skipped" not in row}
-    assert set(rows) == {"patchbay (float32)", "patchbay (bfloat16)", "vLLM-CPU 0.0.fake (float32)",
-                         "vLLM-CPU 0.0.fake (bfloat16)"}
+    assert set(rows) == {
+        "patchbay (float32)",
+        "patchbay (bfloat16)",
+        "vLLM-CPU 0.0.fake (float32)",
+        "vLLM-CPU 0.0.fake (bfloat16)",
+    }
     assert [row["skipped"] for row in lines if "skipped" in row] == [
         f"no interpreter at {tmp_path / 'absent' / 'python'} (make bench-peers installs it, or point "
-        "--llamacpp-python at an interpreter that has it)"]
+        "--llamacpp-python at an interpreter that has it)"
+    ]
     for dtype in ("float32", "bfloat16"):
         ours, peer = rows[f"patchbay ({dtype})"], rows[f"vLLM-CPU 0.0.fake ({dtype})"]
         assert ours["dtype"] == peer["dtype"] == dtype and peer["compared_with"] == f"patchbay ({dtype})"

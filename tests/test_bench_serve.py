@@ -33,19 +33,49 @@ def test_percentiles_are_in_milliseconds():
 @pytest.mark.slow
 def test_bench_serve_streams_every_requested_token_and_reports_the_overhead(tiny_llama, tmp_path, capsys):
     out = tmp_path / "bench"
-    code = main(["bench", "serve", "--model", str(tiny_llama), "--num-requests", "12", "--prompt-range", "8", "32",
-                 "--output-range", "4", "12", "--rates", "30", "inf", "--concurrency", "8", "--max-concurrency", "8",
-                 "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "serve",
+            "--model",
+            str(tiny_llama),
+            "--num-requests",
+            "12",
+            "--prompt-range",
+            "8",
+            "32",
+            "--output-range",
+            "4",
+            "12",
+            "--rates",
+            "30",
+            "inf",
+            "--concurrency",
+            "8",
+            "--max-concurrency",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "serving overhead" in printed
     rows = [json.loads(line) for line in (out / "serve.jsonl").read_text().splitlines()]
-    assert [row["run"] for row in rows] == ["serve @ 30 req/s", "serve @ inf req/s", "offline (patchbay run)",
-                                            "in-process AsyncLLM"]
+    assert [row["run"] for row in rows] == [
+        "serve @ 30 req/s",
+        "serve @ inf req/s",
+        "offline (patchbay run)",
+        "in-process AsyncLLM",
+    ]
     from transformers import AutoTokenizer
 
-    workload = wl.throughput(wl.source_corpus(AutoTokenizer.from_pretrained(tiny_llama)), num_requests=12,
-                             prompt_range=(8, 32), output_range=(4, 12))
+    workload = wl.throughput(
+        wl.source_corpus(AutoTokenizer.from_pretrained(tiny_llama)),
+        num_requests=12,
+        prompt_range=(8, 32),
+        output_range=(4, 12),
+    )
     for row in rows:
         assert row["errors"] == 0 and row["generated_tokens"] == workload.generated_tokens, row
         assert row["ttft"]["p50_ms"] > 0 and row["itl"]["p50_ms"] > 0

@@ -71,30 +71,63 @@ class Rule:
 
 
 RULES = (
-    Rule("no-plugins", "the core never imports patchbay.plugins (it learns of plugins through entry points)",
-         ("patchbay",), (FORBIDDEN,), type_checking_counts=True),
-    Rule("scheduling-device-free", "the scheduling side imports neither torch nor the worker or the rooms above it",
-         ("patchbay.scheduling",), ("torch", "patchbay.worker", *_UPPER_ROOMS)),
-    Rule("contract-device-free", "the contract imports neither torch nor the rooms that use it",
-         ("patchbay.contract", "patchbay.interfaces", "patchbay.sampling_params"),
-         ("torch", "patchbay.worker", "patchbay.scheduling", *_UPPER_ROOMS)),
-    Rule("worker-below-engine", "the worker never imports the engine or the entry points",
-         ("patchbay.worker",), _UPPER_ROOMS),
-    Rule("engine-below-entrypoints", "the engine never imports the entry points, the bench or the kit",
-         ("patchbay.engine",), ("patchbay.entrypoints", "patchbay.bench", "patchbay.testing")),
-    Rule("entrypoints-use-engine-api", "the entry points reach the engine only through patchbay.engine's public API",
-         ("patchbay.entrypoints",), ("patchbay.worker", "patchbay.scheduling"), public_api_of="patchbay.engine"),
-    Rule("worker-model-stands-alone",
-         "worker/model/ (finding, loading, wrapping models) imports nothing else of the worker: neither the runner's "
-         "step nor another room",
-         ("patchbay.worker.model",),
-         (*RUNNER_STEP, *(room for room in WORKER_ROOMS if room != "patchbay.worker.model"))),
-    Rule("worker-cpu-below-runner",
-         "worker/cpu/ (CPU fast paths) imports neither the runner's step nor worker/parallel/",
-         ("patchbay.worker.cpu",), (*RUNNER_STEP, "patchbay.worker.parallel")),
-    Rule("worker-parallel-builds-runner-only",
-         "worker/parallel/ (one rank's side) reaches the runner's step only through runner_build, never its internals",
-         ("patchbay.worker.parallel",), tuple(module for module in RUNNER_STEP if module != RUNNER_BUILD)),
+    Rule(
+        "no-plugins",
+        "the core never imports patchbay.plugins (it learns of plugins through entry points)",
+        ("patchbay",),
+        (FORBIDDEN,),
+        type_checking_counts=True,
+    ),
+    Rule(
+        "scheduling-device-free",
+        "the scheduling side imports neither torch nor the worker or the rooms above it",
+        ("patchbay.scheduling",),
+        ("torch", "patchbay.worker", *_UPPER_ROOMS),
+    ),
+    Rule(
+        "contract-device-free",
+        "the contract imports neither torch nor the rooms that use it",
+        ("patchbay.contract", "patchbay.interfaces", "patchbay.sampling_params"),
+        ("torch", "patchbay.worker", "patchbay.scheduling", *_UPPER_ROOMS),
+    ),
+    Rule(
+        "worker-below-engine",
+        "the worker never imports the engine or the entry points",
+        ("patchbay.worker",),
+        _UPPER_ROOMS,
+    ),
+    Rule(
+        "engine-below-entrypoints",
+        "the engine never imports the entry points, the bench or the kit",
+        ("patchbay.engine",),
+        ("patchbay.entrypoints", "patchbay.bench", "patchbay.testing"),
+    ),
+    Rule(
+        "entrypoints-use-engine-api",
+        "the entry points reach the engine only through patchbay.engine's public API",
+        ("patchbay.entrypoints",),
+        ("patchbay.worker", "patchbay.scheduling"),
+        public_api_of="patchbay.engine",
+    ),
+    Rule(
+        "worker-model-stands-alone",
+        "worker/model/ (finding, loading, wrapping models) imports nothing else of the worker: neither the runner's "
+        "step nor another room",
+        ("patchbay.worker.model",),
+        (*RUNNER_STEP, *(room for room in WORKER_ROOMS if room != "patchbay.worker.model")),
+    ),
+    Rule(
+        "worker-cpu-below-runner",
+        "worker/cpu/ (CPU fast paths) imports neither the runner's step nor worker/parallel/",
+        ("patchbay.worker.cpu",),
+        (*RUNNER_STEP, "patchbay.worker.parallel"),
+    ),
+    Rule(
+        "worker-parallel-builds-runner-only",
+        "worker/parallel/ (one rank's side) reaches the runner's step only through runner_build, never its internals",
+        ("patchbay.worker.parallel",),
+        tuple(module for module in RUNNER_STEP if module != RUNNER_BUILD),
+    ),
 )
 
 
@@ -140,7 +173,8 @@ def _is_type_checking_guard(node: ast.AST) -> bool:
     test = getattr(node, "test", None)
     return isinstance(node, ast.If) and (
         (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
 
 
 def imports_of(path: Path, root: Path = CORE, package: str = CORE_PACKAGE) -> list[Import]:
@@ -158,8 +192,12 @@ def imports_of(path: Path, root: Path = CORE, package: str = CORE_PACKAGE) -> li
         elif isinstance(node, ast.Call):
             function = node.func
             name = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)
-            if name in _DYNAMIC_IMPORTERS and node.args and isinstance(node.args[0], ast.Constant) \
-                    and isinstance(node.args[0].value, str):
+            if (
+                name in _DYNAMIC_IMPORTERS
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
                 found.append(Import(node, node.args[0].value, (), type_checking))
         guarded = type_checking or _is_type_checking_guard(node)
         for child in ast.iter_child_nodes(node):
@@ -196,8 +234,9 @@ def _breaks(rule: Rule, item: Import, root: Path, package: str) -> bool:
     return False
 
 
-def violations_in(path: Path, root: Path = CORE, package: str = CORE_PACKAGE,
-                  rules: tuple[Rule, ...] = RULES) -> list[str]:
+def violations_in(
+    path: Path, root: Path = CORE, package: str = CORE_PACKAGE, rules: tuple[Rule, ...] = RULES
+) -> list[str]:
     """Every rule the module at ``path`` breaks, as ``file:line: [rule] what the rule says: the import``."""
     current = module_name(path, root, package)
     applicable = [rule for rule in rules if any(_under(current, prefix) for prefix in rule.applies_to)]
@@ -250,8 +289,9 @@ def test_every_room_of_the_worker_is_a_package_with_a_one_line_docstring():
         source = room / "__init__.py"
         assert source.is_file(), f"{room} holds no __init__.py: each room of the worker is a package"
         docstring = ast.get_docstring(ast.parse(source.read_text()))
-        assert docstring and "\n" not in docstring.strip(), \
+        assert docstring and "\n" not in docstring.strip(), (
             f"{source} needs a one-line docstring saying what lives there"
+        )
 
 
 def _fresh_import(modules: list[str], watched: list[str]) -> dict:
@@ -268,10 +308,10 @@ def _fresh_import(modules: list[str], watched: list[str]) -> dict:
         "loaded = sorted(m for m in sys.modules if any(m == w or m.startswith(w + '.') for w in watched))\n"
         "print(json.dumps({'loaded': loaded, 'errors': errors}))\n"
     )
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith("PATCHBAY_") and key != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
-                            cwd=REPO_ROOT)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PATCHBAY_") and key != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -284,8 +324,9 @@ def test_importing_every_core_module_loads_no_plugin_module():
 
 def test_importing_the_device_free_rooms_loads_no_torch():
     rooms = ("patchbay.scheduling", "patchbay.contract", "patchbay.interfaces", "patchbay.sampling_params")
-    modules = [name for path in sorted(CORE.rglob("*.py"))
-               if any(_under(name := module_name(path), room) for room in rooms)]
+    modules = [
+        name for path in sorted(CORE.rglob("*.py")) if any(_under(name := module_name(path), room) for room in rooms)
+    ]
     report = _fresh_import(modules, ["torch", "patchbay.worker"])
     assert report["errors"] == {}
     assert report["loaded"] == [], f"the device-free rooms loaded: {report['loaded'][:10]}"
@@ -349,26 +390,41 @@ def test_the_scan_flags_a_core_module_that_imports_plugins(tmp_path, where, line
         ("engine-below-entrypoints", "engine/core.py", "from patchbay.entrypoints import cli"),
         ("entrypoints-use-engine-api", "entrypoints/llm.py", "from patchbay.engine.core import Engine"),
         ("entrypoints-use-engine-api", "entrypoints/llm.py", "from patchbay.engine import core"),
-        ("entrypoints-use-engine-api", "entrypoints/llm.py",
-         "from patchbay.worker.model.model_loader import ModelLoadError"),
+        (
+            "entrypoints-use-engine-api",
+            "entrypoints/llm.py",
+            "from patchbay.worker.model.model_loader import ModelLoadError",
+        ),
         ("entrypoints-use-engine-api", "entrypoints/cli.py", "from patchbay.scheduling.scheduler import Scheduler"),
         ("entrypoints-use-engine-api", "entrypoints/cli.py", "import patchbay.engine.outputs"),
-        ("worker-model-stands-alone", "worker/model/hf_model.py",
-         "from patchbay.worker.model_runner import ModelRunner"),
+        (
+            "worker-model-stands-alone",
+            "worker/model/hf_model.py",
+            "from patchbay.worker.model_runner import ModelRunner",
+        ),
         ("worker-model-stands-alone", "worker/model/hf_model.py", "from patchbay.worker import input_batch"),
-        ("worker-model-stands-alone", "worker/model/hf_model.py",
-         "def f():\n    from patchbay.worker.parallel.pipeline_parallel import PassThroughLayer"),
+        (
+            "worker-model-stands-alone",
+            "worker/model/hf_model.py",
+            "def f():\n    from patchbay.worker.parallel.pipeline_parallel import PassThroughLayer",
+        ),
         ("worker-model-stands-alone", "worker/model/model_loader.py", "from patchbay.worker.cpu import tuning"),
         ("worker-model-stands-alone", "worker/model/model_loader.py", "from ..cpu.heap import keep_freed_memory"),
         ("worker-cpu-below-runner", "worker/cpu/fused_ops.py", "from patchbay.worker.model_runner import ModelRunner"),
         ("worker-cpu-below-runner", "worker/cpu/fused_layer.py", "from .. import logprobs"),
         ("worker-cpu-below-runner", "worker/cpu/tuning.py", "import patchbay.worker.runner_build"),
         ("worker-cpu-below-runner", "worker/cpu/heap.py", "from patchbay.worker.parallel.distributed import RankSetup"),
-        ("worker-parallel-builds-runner-only", "worker/parallel/rank_worker.py",
-         "from patchbay.worker.model_runner import ModelRunner"),
+        (
+            "worker-parallel-builds-runner-only",
+            "worker/parallel/rank_worker.py",
+            "from patchbay.worker.model_runner import ModelRunner",
+        ),
         ("worker-parallel-builds-runner-only", "worker/parallel/rank_worker.py", "from .. import input_batch"),
-        ("worker-parallel-builds-runner-only", "worker/parallel/tensor_parallel.py",
-         "importlib.import_module('patchbay.worker.sampling_state')"),
+        (
+            "worker-parallel-builds-runner-only",
+            "worker/parallel/tensor_parallel.py",
+            "importlib.import_module('patchbay.worker.sampling_state')",
+        ),
     ],
 )
 def test_the_scan_flags_each_layering_rule_by_name(tmp_path, rule, where, line):

@@ -23,12 +23,25 @@ from patchbay.entrypoints.chat import (
 from patchbay.interfaces import ToolCall
 from patchbay.testing.structured_output import bundled_tokenizer
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                                  "required": ["a", "b"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 
 
 def parser(kind: str, name: str):
@@ -47,30 +60,40 @@ def test_tool_choice_modes_and_their_constraints():
     required = plan_tools([WEATHER, ADD], "required", parallel_tool_calls=False)
     schema = required.constraint()["json_schema"]
     assert schema == calls_schema(required.functions, parallel=False) and schema["maxItems"] == 1
-    assert [option["properties"]["name"] for option in schema["items"]["anyOf"]] == [{"enum": ["get_weather"]},
-                                                                                    {"enum": ["add"]}]
+    assert [option["properties"]["name"] for option in schema["items"]["anyOf"]] == [
+        {"enum": ["get_weather"]},
+        {"enum": ["add"]},
+    ]
 
 
 def test_the_required_schema_accepts_exactly_calls_to_the_offered_tools():
     jsonschema = pytest.importorskip("jsonschema")
     schema = plan_tools([WEATHER, ADD], "required").constraint()["json_schema"]
-    jsonschema.validate([{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather",
-                                                                          "arguments": {"city": "Oslo"}}], schema)
-    for bad in ([], [{"name": "add", "arguments": {"a": 1}}], [{"name": "sub", "arguments": {}}],
-                [{"name": "add", "arguments": {"a": 1, "b": 2}, "extra": 1}]):
+    jsonschema.validate(
+        [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}], schema
+    )
+    for bad in (
+        [],
+        [{"name": "add", "arguments": {"a": 1}}],
+        [{"name": "sub", "arguments": {}}],
+        [{"name": "add", "arguments": {"a": 1, "b": 2}, "extra": 1}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
 
 
-@pytest.mark.parametrize(("tools", "choice", "param"), [
-    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
-    ([WEATHER], "sometimes", "tool_choice"),
-    (None, "required", "tool_choice"),
-    ([{"type": "retrieval"}], None, "tools.0.type"),
-    ([{"type": "function", "function": {"description": "no name"}}], None, "tools.0.function.name"),
-    ([WEATHER, WEATHER], None, "tools.1.function.name"),
-    ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], None, "tools.0.function.parameters"),
-])
+@pytest.mark.parametrize(
+    ("tools", "choice", "param"),
+    [
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
+        ([WEATHER], "sometimes", "tool_choice"),
+        (None, "required", "tool_choice"),
+        ([{"type": "retrieval"}], None, "tools.0.type"),
+        ([{"type": "function", "function": {"description": "no name"}}], None, "tools.0.function.name"),
+        ([WEATHER, WEATHER], None, "tools.1.function.name"),
+        ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], None, "tools.0.function.parameters"),
+    ],
+)
 def test_bad_tool_fields_name_the_field(tools, choice, param):
     with pytest.raises(ChatRequestError) as raised:
         plan_tools(tools, choice)
@@ -98,25 +121,42 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
 
 
 def test_tool_messages_must_answer_an_earlier_call():
-    messages = template_messages([{"role": "user", "content": "Weather?"},
-                                  {"role": "assistant", "content": "", "tool_calls": [CALL]},
-                                  {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    messages = template_messages(
+        [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+    )
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
-    for bad, param in ([{"role": "tool", "tool_call_id": "call_9", "content": "x"}], "messages.1.tool_call_id"), \
-                      ([{"role": "tool", "content": "x"}], "messages.1.tool_call_id"):
+    for bad, param in (
+        ([{"role": "tool", "tool_call_id": "call_9", "content": "x"}], "messages.1.tool_call_id"),
+        ([{"role": "tool", "content": "x"}], "messages.1.tool_call_id"),
+    ):
         with pytest.raises(ChatRequestError) as raised:
             template_messages([{"role": "assistant", "content": "", "tool_calls": [CALL]}, *bad])
         assert raised.value.param == param
     with pytest.raises(ChatRequestError) as raised:
-        template_messages([{"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c", "function": {"name": "f", "arguments": "{oops"}}]}])
+        template_messages(
+            [
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{oops"}}],
+                }
+            ]
+        )
     assert raised.value.param == "messages.0.tool_calls.0.function.arguments"
 
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "2+2?"},
+    ],
     [{"role": "user", "content": "a"}, {"role": "system", "content": "late system"}],
 ]
 
@@ -131,9 +171,13 @@ def test_the_bundled_tools_template_renders_as_the_models_own_without_tools(mess
 
 def test_the_bundled_tools_template_renders_tools_calls_and_results_in_the_hermes_format():
     tokenizer = bundled_tokenizer()
-    messages = template_messages([{"role": "user", "content": "Weather in Paris?"},
-                                  {"role": "assistant", "content": "", "tool_calls": [CALL]},
-                                  {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    messages = template_messages(
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+    )
     text, _ = render_chat(tokenizer, messages, tools=[WEATHER], template=BUNDLED_TOOLS_TEMPLATE.read_text())
     assert json.dumps(WEATHER["function"]) in text
     rendered_call = parser("tool_parser", "hermes").render("", [ToolCall("get_weather", '{"city": "Paris"}')])
@@ -153,7 +197,7 @@ ANSWERS = [
     '\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>\n'
     '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
     "<think>no tools needed</think>It is 4.",
-    "Plain answer with a broken <tool_call>{\"name\": </tool_call>",
+    'Plain answer with a broken <tool_call>{"name": </tool_call>',
 ]
 
 
@@ -170,17 +214,22 @@ def read_streamed(reader: AnswerReader, pieces: list[str]) -> ChatAnswer:
                 names[piece.index] = shaped["function"]["name"]
             arguments[piece.index] = arguments.get(piece.index, "") + shaped["function"]["arguments"]
     text = "".join(content)
-    return ChatAnswer(text if text or not names else None, "".join(reasoning) or None,
-                      tuple((names[i], arguments[i]) for i in sorted(names)))
+    return ChatAnswer(
+        text if text or not names else None,
+        "".join(reasoning) or None,
+        tuple((names[i], arguments[i]) for i in sorted(names)),
+    )
 
 
 @pytest.mark.parametrize("answer", ANSWERS)
 def test_an_answer_reads_alike_whole_and_streamed(answer):
-    reader = AnswerReader(plan_tools([WEATHER, ADD]), parser("tool_parser", "hermes"),
-                          parser("reasoning_parser", "think"))
+    reader = AnswerReader(
+        plan_tools([WEATHER, ADD]), parser("tool_parser", "hermes"), parser("reasoning_parser", "think")
+    )
     whole = reader.read(answer)
-    expected = ChatAnswer(whole.content, whole.reasoning or None,
-                          tuple((call.name, call.arguments) for call in whole.tool_calls))
+    expected = ChatAnswer(
+        whole.content, whole.reasoning or None, tuple((call.name, call.arguments) for call in whole.tool_calls)
+    )
     rng = random.Random(7)
     for _ in range(40):
         cuts = sorted(rng.sample(range(1, len(answer)), rng.randint(1, 10)))
@@ -189,8 +238,9 @@ def test_an_answer_reads_alike_whole_and_streamed(answer):
 
 
 def test_what_the_answers_hold():
-    reader = AnswerReader(plan_tools([WEATHER, ADD]), parser("tool_parser", "hermes"),
-                          parser("reasoning_parser", "think"))
+    reader = AnswerReader(
+        plan_tools([WEATHER, ADD]), parser("tool_parser", "hermes"), parser("reasoning_parser", "think")
+    )
     first = reader.read(ANSWERS[0])
     assert (first.reasoning, first.content) == ("Paris is in France.", "Let me check.\n\n")
     assert [(c.name, json.loads(c.arguments)) for c in first.tool_calls] == [("get_weather", {"city": "Paris"})]
@@ -206,7 +256,8 @@ def test_enforced_answers_are_the_calls_json():
     required = AnswerReader(plan_tools([WEATHER, ADD], "required"), parser("tool_parser", "hermes"), None)
     answer = required.read('[{"name": "add", "arguments": {"a": 1, "b": 2}}]')
     assert answer.content is None and [(c.name, json.loads(c.arguments)) for c in answer.tool_calls] == [
-        ("add", {"a": 1, "b": 2})]
+        ("add", {"a": 1, "b": 2})
+    ]
     named = AnswerReader(plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}), None, None)
     assert [c.name for c in named.read('{"city": "Oslo"}').tool_calls] == ["get_weather"]
     cut_short = named.read('{"city": "Os')

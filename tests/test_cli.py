@@ -71,8 +71,9 @@ def test_plugins_lists_builtin_and_third_party_plugins_with_distribution_and_ver
     for kind, name in EXAMPLE_IMPLEMENTATIONS.items():
         if name == "example_argmax":
             continue  # conflicted while the duplicate plugin is installed; see the conflict test
-        assert any(re.match(rf"\s+{name}\s+patchbay-example-plugin 0\.3\.1\s+\[available\]", line) for line in lines), \
+        assert any(re.match(rf"\s+{name}\s+patchbay-example-plugin 0\.3\.1\s+\[available\]", line) for line in lines), (
             f"{kind}:{name} not listed with its distribution and version"
+        )
     assert any(re.match(r"\s+greedy\s+patchbay \d+\.\d+\.\d+", line) for line in lines)
     assert any(re.match(r"\s+reference\s+patchbay \d+\.\d+\.\d+", line) for line in lines)
     for kind in EXAMPLE_IMPLEMENTATIONS:
@@ -82,8 +83,9 @@ def test_plugins_lists_builtin_and_third_party_plugins_with_distribution_and_ver
 def test_plugins_names_a_broken_plugin_with_its_error_and_still_lists_the_rest(plugins_listing):
     result = plugins_listing
     assert result.returncode == 0, result.stderr
-    assert ("broken plugin 'broken' from patchbay-broken-plugin 0.0.1: "
-            "ImportError: this plugin is broken on purpose") in result.stdout
+    assert (
+        "broken plugin 'broken' from patchbay-broken-plugin 0.0.1: ImportError: this plugin is broken on purpose"
+    ) in result.stdout
     assert "patchbay_broken/hooks.py:3" in result.stdout  # where it broke
     assert "example_dense" in result.stdout and "greedy" in result.stdout
 
@@ -132,7 +134,9 @@ def test_plugins_json_reports_plugins_failures_and_conflicts(patchbay_cli):
     (conflict,) = report["conflicts"]
     assert (conflict["kind"], conflict["name"]) == ("sampler", "example_argmax")
     assert {claimant["distribution"] for claimant in conflict["claimants"]} == {
-        "patchbay-duplicate-plugin", "patchbay-example-plugin"}
+        "patchbay-duplicate-plugin",
+        "patchbay-example-plugin",
+    }
     assert "is registered twice" in conflict["message"]
     assert dense["metadata_builder"] == "common" and dense["known_gaps"] == {}
 
@@ -195,17 +199,26 @@ def test_config_validate_rejects_a_conflicted_name_naming_both_distributions(pat
 
 def test_config_validate_names_the_set_flag_at_fault(patchbay_cli, example_only_env, write_yaml):
     path = write_yaml("sampler: {name: example_argmax}\n")
-    result = patchbay_cli("config", "validate", str(path), "--set", "sampler.options.vocab_limit=-3",
-                          env=example_only_env)
+    result = patchbay_cli(
+        "config", "validate", str(path), "--set", "sampler.options.vocab_limit=-3", env=example_only_env
+    )
     assert result.returncode != 0
-    assert "--set sampler.options.vocab_limit=-3: sampler.options.vocab_limit (plugin sampler:example_argmax)" \
+    assert (
+        "--set sampler.options.vocab_limit=-3: sampler.options.vocab_limit (plugin sampler:example_argmax)"
         in result.stderr
+    )
 
 
 def test_config_show_prints_the_effective_config_with_overrides(patchbay_cli, example_only_env, write_yaml):
     path = write_yaml(EVERY_EXAMPLE_PLUGIN_YAML)
-    result = patchbay_cli("config", "show", str(path), "--set", "sampler.options.vocab_limit=100",
-                          env={**example_only_env, "PATCHBAY_SCHEDULER__MAX_NUM_SEQS": "8"})
+    result = patchbay_cli(
+        "config",
+        "show",
+        str(path),
+        "--set",
+        "sampler.options.vocab_limit=100",
+        env={**example_only_env, "PATCHBAY_SCHEDULER__MAX_NUM_SEQS": "8"},
+    )
     assert result.returncode == 0, result.stderr
     effective = yaml.safe_load(result.stdout)
     assert effective["sampler"] == {"name": "example_argmax", "options": {"vocab_limit": 100}}  # --set
@@ -273,9 +286,10 @@ def test_check_an_unknown_plugin_names_the_available_ones(patchbay_cli, example_
 def test_check_a_malformed_reference_names_the_kinds(patchbay_cli, example_only_env):
     result = patchbay_cli("check", "example_argmax", env=example_only_env)
     assert result.returncode != 0
-    assert ("expected KIND:NAME (kinds: attention, attention_metadata_builder, drafter, sampler, kv_connector, "
-            "structured_output, lora_kernel, lora_resolver, tool_parser, reasoning_parser)") in result.stderr
-
+    assert (
+        "expected KIND:NAME (kinds: attention, attention_metadata_builder, drafter, sampler, kv_connector, "
+        "structured_output, lora_kernel, lora_resolver, tool_parser, reasoning_parser)"
+    ) in result.stderr
 
 
 def test_plugins_shows_builders_known_gaps_and_what_the_policy_kept_out(patchbay_cli, example_only_env):

@@ -127,7 +127,7 @@ class EagerSampler(Sampler):
         return SamplerOutput(sampled_token_ids=logits.argmax(-1, keepdim=True))
 '''
 
-BAD_HOOKS = '''
+BAD_HOOKS = """
 from patchbay import hookimpl
 
 import bad_eager_impl  # imports an implementation at registration: the kit must catch this
@@ -142,9 +142,11 @@ def register_samplers(register):
     register("bad_undocumented", "bad_samplers:UndocumentedSampler")
     register("declared_gap", "bad_samplers:DeclaredGapSampler")
     register("bad_eager", "bad_eager_impl:EagerSampler")
-'''
+"""
 
-OUTCOME_LINE = re.compile(r"^\S+::(\w+)::(\w+)(?:\[[^\]]*\])? (PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR)\b", re.MULTILINE)
+OUTCOME_LINE = re.compile(
+    r"^\S+::(\w+)::(\w+)(?:\[[^\]]*\])? (PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR)\b", re.MULTILINE
+)
 
 
 def outcomes(result: pytest.RunResult) -> dict[tuple[str, str], set[str]]:
@@ -184,8 +186,12 @@ def test_a_few_lines_run_the_whole_kit_against_an_installed_plugin(third_party):
     result = run_suites(third_party, THIRD_PARTY_TEST_FILE)
     found = outcomes(result)
 
-    for suite_name, suite in [("TestExampleArgmax", SamplerSuite), ("TestExampleRepeat", DrafterSuite),
-                              ("TestExampleMemory", KVConnectorSuite), ("TestExamplePassthrough", MetadataBuilderSuite)]:
+    for suite_name, suite in [
+        ("TestExampleArgmax", SamplerSuite),
+        ("TestExampleRepeat", DrafterSuite),
+        ("TestExampleMemory", KVConnectorSuite),
+        ("TestExamplePassthrough", MetadataBuilderSuite),
+    ]:
         ran = {test: found.get((suite_name, test)) for test in kit_tests(suite)}
         assert None not in ran.values(), f"{suite_name}: kit tests that never ran: {ran}"
         # Not vacuous: every registration-level check passed rather than skipped; numeric checks skip only by
@@ -263,7 +269,9 @@ def test_each_bad_plugin_fails_exactly_the_check_it_breaks(third_party):
 
 
 def test_a_suite_that_names_no_plugin_or_a_missing_one_does_not_pass(third_party):
-    result = run_suites(third_party, """
+    result = run_suites(
+        third_party,
+        """
         from patchbay.testing import SamplerSuite
 
 
@@ -273,7 +281,8 @@ def test_a_suite_that_names_no_plugin_or_a_missing_one_does_not_pass(third_party
 
         class TestPluginNotInstalled(SamplerSuite):
             plugin_name = "not_installed_anywhere"
-    """)
+    """,
+    )
     found = outcomes(result)
     assert {outcome for outcomes_of_test in found.values() for outcome in outcomes_of_test} == {"ERROR"}
     assert len(found) == 2 * len(kit_tests(SamplerSuite))
@@ -286,7 +295,9 @@ def test_a_suite_that_names_no_plugin_or_a_missing_one_does_not_pass(third_party
 
 
 def test_known_gaps_turn_failures_into_expected_failures_and_stale_gaps_fail(third_party):
-    result = run_suites(third_party, """
+    result = run_suites(
+        third_party,
+        """
         from patchbay.testing import SamplerSuite
 
 
@@ -302,7 +313,8 @@ def test_known_gaps_turn_failures_into_expected_failures_and_stale_gaps_fail(thi
         class TestStaleGap(SamplerSuite):
             plugin_name = "example_argmax"
             known_gaps = {"test_options_have_defaults": "fixed in 0.3.0, entry left behind"}
-    """)
+    """,
+    )
     found = outcomes(result)
     assert found[("TestGapListedByTheTestFile", "test_options_have_defaults")] == {"XFAIL"}
     assert found[("TestGapDeclaredByThePluginClass", "test_options_have_defaults")] == {"XFAIL"}
@@ -317,7 +329,9 @@ def test_known_gaps_turn_failures_into_expected_failures_and_stale_gaps_fail(thi
 
 
 def test_a_plugin_class_gap_applies_when_the_registry_fixture_is_overridden(third_party):
-    result = run_suites(third_party, """
+    result = run_suites(
+        third_party,
+        """
         import pytest
 
         from patchbay import hookimpl
@@ -341,7 +355,8 @@ def test_a_plugin_class_gap_applies_when_the_registry_fixture_is_overridden(thir
                 registry = Registry()
                 registry.add_plugin(LocalPlugin(), name="local")
                 return registry
-    """)
+    """,
+    )
     assert outcomes(result)[("TestLocalPluginWithDeclaredGap", "test_options_have_defaults")] == {"XFAIL"}
 
 
@@ -410,7 +425,9 @@ def defective_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return site
 
 
-def check_defect(site: Path, reference: str, *pytest_args: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+def check_defect(
+    site: Path, reference: str, *pytest_args: str, flags: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     """``patchbay check FLAGS... REFERENCE PYTEST_ARGS...`` with the defective plugin installed."""
     from conftest import run_patchbay
 
@@ -423,31 +440,37 @@ FAILED_TEST = re.compile(r"^FAILED \S+::(\w+(?:\[[^\]]*\])?)", re.MULTILINE)
 DEFECTS = {
     # Escape: a builder that returns its first result forever passed 35/35 builder checks.
     "attention_metadata_builder:defect_stale": (
-        "test_one_instance_builds_each_batch_afresh", "of one instance differs from a new instance's build"),
+        "test_one_instance_builds_each_batch_afresh",
+        "of one instance differs from a new instance's build",
+    ),
     # ... and, read by a backend, 32/32 attention checks; the engine then crashed at step 2.
     "attention:defect_stale_reader": (
-        "test_one_builder_serves_changing_batches", "step 2 of a run with one StaleBuilder instance"),
+        "test_one_builder_serves_changing_batches",
+        "step 2 of a run with one StaleBuilder instance",
+    ),
     # Escape: a builder whose own custom field is wrong (only well-known field names were compared).
     "attention_metadata_builder:defect_wrong_field": (
         "test_backends_reading_it_attend_correctly",
-        "attention:defect_wrong_field_reader, which reads this builder's metadata"),
+        "attention:defect_wrong_field_reader, which reads this builder's metadata",
+    ),
     # Escape: a class target skipped the hygiene check, although registering imported the implementation.
     "sampler:defect_class_target": (
         "test_registration_has_no_side_effects",
-        "it imported the implementation module patchbay_defective.sampler (registered as a class)"),
+        "it imported the implementation module patchbay_defective.sampler (registered as a class)",
+    ),
     # Escape: a hooks module importing torch passed with string targets.
     "sampler:defect_torch_hooks": ("test_registration_has_no_side_effects", "torch ("),
     # A hooks module writing a file while registering (a class defined in the hooks module itself).
-    "sampler:defect_writes_files": (
-        "test_registration_has_no_side_effects", "it wrote files: "),
+    "sampler:defect_writes_files": ("test_registration_has_no_side_effects", "it wrote files: "),
     # Escape: a connector without the fault hook skipped every fault test.
     "kv_connector:defect_no_fault_hook": ("test_damaged_entry_is_a_load_error", "has no fault hook"),
     # Escape: check pointed `path` at a temporary directory, so the default mode went untested.
-    "kv_connector:defect_default_mode": (
-        "test_save_then_load_is_bit_exact[defaults]", "differs from the saved block"),
+    "kv_connector:defect_default_mode": ("test_save_then_load_is_bit_exact[defaults]", "differs from the saved block"),
     # Escape: request_finished True for a request with nothing to save, never reported: the engine stepped forever.
     "kv_connector:defect_holds_forever": (
-        "test_request_with_nothing_to_save_is_released", "get_finished never reported it"),
+        "test_request_with_nothing_to_save_is_released",
+        "get_finished never reported it",
+    ),
 }
 
 
@@ -458,7 +481,10 @@ def test_patchbay_check_fails_each_defective_plugin_naming_the_defect(defective_
     result = check_defect(defective_site, reference, "-k", failing_test.partition("[")[0])
     assert result.returncode != 0, result.stdout[-3000:] + result.stderr
     failed = set(FAILED_TEST.findall(result.stdout))
-    assert any(test == failing_test or test.startswith(failing_test + "[") for test in failed), (failed, result.stdout[-3000:])
+    assert any(test == failing_test or test.startswith(failing_test + "[") for test in failed), (
+        failed,
+        result.stdout[-3000:],
+    )
     assert message in result.stdout, result.stdout[-4000:]
     if reference == "kv_connector:defect_default_mode":
         # Why `check` runs a connector's defaults: with `path` in a temporary directory it passes.
@@ -472,16 +498,18 @@ def test_an_unavailable_plugin_fails_check_unless_allowed_and_strict_fails_its_s
     assert "sampler:defect_unavailable is unavailable here: needs the (imaginary) FooAccelerator" in refused.stderr
     assert "--allow-unavailable" in refused.stderr
 
-    allowed = check_defect(defective_site, "sampler:defect_unavailable", "-k", "greedy",
-                           flags=("--allow-unavailable",))
+    allowed = check_defect(defective_site, "sampler:defect_unavailable", "-k", "greedy", flags=("--allow-unavailable",))
     assert allowed.returncode == 0, allowed.stdout[-3000:]
     assert "SKIPPED" in allowed.stdout and "unavailable: needs the (imaginary) FooAccelerator" in allowed.stdout
 
-    strict = check_defect(defective_site, "sampler:defect_unavailable", "-k", "greedy",
-                          flags=("--allow-unavailable", "--strict"))
+    strict = check_defect(
+        defective_site, "sampler:defect_unavailable", "-k", "greedy", flags=("--allow-unavailable", "--strict")
+    )
     assert strict.returncode != 0
-    assert "strict mode: a skip of a behavioural check is a failure: unavailable: needs the (imaginary) FooAccelerator" \
-        in strict.stdout, strict.stdout[-3000:]
+    assert (
+        "strict mode: a skip of a behavioural check is a failure: unavailable: needs the (imaginary) FooAccelerator"
+        in strict.stdout
+    ), strict.stdout[-3000:]
 
 
 def test_strict_mode_accepts_skips_of_what_the_plugin_declares_it_does_not_do(defective_site):
@@ -492,17 +520,26 @@ def test_strict_mode_accepts_skips_of_what_the_plugin_declares_it_does_not_do(de
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("reference", "message"), [
-    # Escape: saving a prefix-hit block in the step it is admitted stored garbage; the warm run's text changed.
-    ("kv_connector:defect_early_save", "warm run with KV connector 'defect_early_save': prompt"),
-    # The same hang, inside the engine: the run fails within kv_connector.stall_timeout, naming the connector.
-    ("kv_connector:defect_holds_forever", "KV connector 'defect_holds_forever' holds requests"),
-    # The stale builder, inside the engine over a changing batch: it used to crash the engine at step 2.
-    ("attention:defect_stale_reader", "the engine run with attention backend 'defect_stale_reader' (requests joining"),
-])
+@pytest.mark.parametrize(
+    ("reference", "message"),
+    [
+        # Escape: saving a prefix-hit block in the step it is admitted stored garbage; the warm run's text changed.
+        ("kv_connector:defect_early_save", "warm run with KV connector 'defect_early_save': prompt"),
+        # The same hang, inside the engine: the run fails within kv_connector.stall_timeout, naming the connector.
+        ("kv_connector:defect_holds_forever", "KV connector 'defect_holds_forever' holds requests"),
+        # The stale builder, inside the engine over a changing batch: it used to crash the engine at step 2.
+        (
+            "attention:defect_stale_reader",
+            "the engine run with attention backend 'defect_stale_reader' (requests joining",
+        ),
+    ],
+)
 def test_the_engine_runs_of_the_kit_catch_what_breaks_a_real_run(defective_site, reference, message):
-    test = "test_engine_cold_then_warm_runs_keep_greedy_output" if reference.startswith("kv") else \
-        "test_engine_run_matches_the_reference_backend"
+    test = (
+        "test_engine_cold_then_warm_runs_keep_greedy_output"
+        if reference.startswith("kv")
+        else "test_engine_run_matches_the_reference_backend"
+    )
     result = check_defect(defective_site, reference, "-k", test)
     assert result.returncode != 0
     assert message in result.stdout, result.stdout[-4000:]
@@ -518,25 +555,32 @@ def run_yaml(site: Path, directory: Path, body: str) -> subprocess.CompletedProc
     from patchbay.testing.end_to_end import tiny_model_dir
 
     config = directory / "run.yaml"
-    config.write_text(textwrap.dedent(f"""\
+    config.write_text(
+        textwrap.dedent(f"""\
         model: {{path: {tiny_model_dir()}, dtype: float32}}
         runtime: {{threads: 1, device: cpu}}
         attention: {{backend: reference}}
-        outputs: {{path: {directory / 'results.jsonl'}, progress: false}}
-        """) + textwrap.dedent(body))
+        outputs: {{path: {directory / "results.jsonl"}, progress: false}}
+        """)
+        + textwrap.dedent(body)
+    )
     return run_patchbay("run", str(config), site=site, timeout=300)
 
 
 @pytest.mark.slow
 def test_a_connector_holding_a_request_forever_ends_the_run_naming_it_after_writing_results(defective_site, tmp_path):
-    result = run_yaml(defective_site, tmp_path, f"""\
+    result = run_yaml(
+        defective_site,
+        tmp_path,
+        f"""\
         kv_connector: {{name: defect_holds_forever, stall_timeout: 2}}
         inputs:
           sampling: {{max_tokens: 3, ignore_eos: true}}
           prompts:
             - {{id: long, prompt_token_ids: {list(range(1000, 1040))}}}
             - {{id: short, prompt_token_ids: [2000, 2001, 2002, 2003, 2004, 2005]}}
-        """)
+        """,
+    )
     assert result.returncode != 0
     assert "KV connector 'defect_holds_forever' holds requests 'short'" in result.stderr, result.stderr[-3000:]
     assert "2 s (kv_connector.stall_timeout)" in result.stderr
@@ -549,17 +593,23 @@ def test_a_connector_holding_a_request_forever_ends_the_run_naming_it_after_writ
 
 @pytest.mark.slow
 def test_a_drafter_proposing_an_id_outside_the_vocabulary_fails_the_run_naming_it(defective_site, tmp_path):
-    result = run_yaml(defective_site, tmp_path, """\
+    result = run_yaml(
+        defective_site,
+        tmp_path,
+        """\
         speculative: {method: defect_out_of_range, num_speculative_tokens: 2}
         inputs:
           sampling: {max_tokens: 4, ignore_eos: true}
           prompts:
             - {id: only, prompt_token_ids: [1000, 1001, 1002, 1003]}
-        """)
+        """,
+    )
     # The request fails alone (the run goes on for others) and the exit status says that one failed.
     assert result.returncode == 3, result.stderr[-3000:]
-    assert "drafter:defect_out_of_range proposed for request 'only' token ids outside the vocabulary (0..49151): " \
-        "[49152]" in result.stderr, result.stderr[-3000:]
+    assert (
+        "drafter:defect_out_of_range proposed for request 'only' token ids outside the vocabulary (0..49151): "
+        "[49152]" in result.stderr
+    ), result.stderr[-3000:]
     assert "IndexError" not in result.stderr
     (row,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert row["finish_reason"] == "error" and "drafter:defect_out_of_range" in row["error"]

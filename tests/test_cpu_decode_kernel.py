@@ -21,8 +21,9 @@ from patchbay.sampling_params import SamplingParams
 from patchbay.testing.attention import AttentionCase, check_attention, make_batch
 from tiny_models import transformers_greedy
 
-pytestmark = pytest.mark.skipif(_cpu_kernel.kernel_unavailable() is not None,
-                                reason=f"kernel cannot build here: {_cpu_kernel.kernel_unavailable()}")
+pytestmark = pytest.mark.skipif(
+    _cpu_kernel.kernel_unavailable() is not None, reason=f"kernel cannot build here: {_cpu_kernel.kernel_unavailable()}"
+)
 
 
 def kernel_variant(name: str):
@@ -49,8 +50,9 @@ def _avx2_kernel():
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (14, 1)])
 # OpenMP's threads, or the tiled products' pool (its C entry point) with two and three threads.
 @pytest.mark.parametrize("pool_threads", [0, 2, 3])
-def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, tolerance, head_size, variant, heads,
-                                                                 kv_heads, pool_threads):
+def test_kernel_matches_dense_attention_over_the_gathered_blocks(
+    window, dtype, tolerance, head_size, variant, heads, kv_heads, pool_threads
+):
     generator = torch.Generator().manual_seed(0)
     num_reqs, block_size, num_blocks = 7, 4, 128
     runner = load_streaming_linear().chunk_runner() if pool_threads else 0
@@ -62,10 +64,21 @@ def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, 
     # transformers hands queries as [heads, tokens, head_size]; the kernel reads that layout through strides.
     query = torch.randn(heads, num_reqs, head_size, generator=generator).to(dtype).transpose(0, 1)
     output = torch.full(query.shape, float("nan"), dtype=dtype)
-    scale = head_size ** -0.5
-    kernel_variant(variant).paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, rows,
-                                                   torch.arange(num_reqs), scale, window, output, runner,
-                                                   pool_threads)
+    scale = head_size**-0.5
+    kernel_variant(variant).paged_decode_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        rows,
+        torch.arange(num_reqs),
+        scale,
+        window,
+        output,
+        runner,
+        pool_threads,
+    )
     for request in range(num_reqs):
         length = int(seq_lens[request])
         blocks = block_table[request, : -(-length // block_size)].long()
@@ -74,7 +87,8 @@ def test_kernel_matches_dense_attention_over_the_gathered_blocks(window, dtype, 
         values = value_cache[blocks].reshape(-1, kv_heads, head_size)[first:length].double()
         row = int(rows[request])
         expected = F.scaled_dot_product_attention(
-            query[row].double()[:, None], keys.transpose(0, 1), values.transpose(0, 1), scale=scale, enable_gqa=True)
+            query[row].double()[:, None], keys.transpose(0, 1), values.transpose(0, 1), scale=scale, enable_gqa=True
+        )
         # The reference computes in float64 from the same (rounded) inputs; bfloat16 output adds one rounding.
         torch.testing.assert_close(output[row].float(), expected[:, 0].float(), rtol=tolerance, atol=tolerance)
 
@@ -187,8 +201,13 @@ def test_greedy_tokens_are_the_same_with_the_kernel_and_with_sdpa(tiny_llama):
     prompts = [[5, 9, 11, 3, 7], list(range(20, 90)), [42], list(range(300, 333))]
     tokens = {}
     for choice in ("sdpa", "paged_cpp"):
-        llm = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32", attention__backend="torch_sdpa",
-                           attention__options={"decode_kernel": choice}, cache__block_size=4)
+        llm = patchbay.LLM(
+            model__path=str(tiny_llama),
+            model__dtype="float32",
+            attention__backend="torch_sdpa",
+            attention__options={"decode_kernel": choice},
+            cache__block_size=4,
+        )
         outputs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
         tokens[choice] = [o.token_ids for o in outputs]
     assert tokens["paged_cpp"] == tokens["sdpa"] == transformers_greedy(tiny_llama, prompts, 16)
@@ -215,14 +234,22 @@ def test_a_built_kernel_loads_past_a_lock_left_after_it_was_built(tmp_path, monk
         _cpu_kernel.load_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("case", [
-    # decodes, a 4-token draft, a prefill chunk after cached tokens, a fresh prefill,
-    # one longer than the kernel takes
-    AttentionCase(num_computed=(40, 7, 0, 20, 0), num_new=(1, 4, 33, 17, torch_sdpa.KERNEL_MAX_QUERY_LEN + 5),
-                  num_heads=8, num_kv_heads=2),
-    AttentionCase(num_computed=(30, 0, 12), num_new=(1, 40, 9), sliding_window=16, num_heads=4, num_kv_heads=4),
-    AttentionCase(num_computed=(25, 0), num_new=(1, 20), dtype="bfloat16", num_heads=6, num_kv_heads=2),
-], ids=["mixed", "window", "bf16"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        # decodes, a 4-token draft, a prefill chunk after cached tokens, a fresh prefill,
+        # one longer than the kernel takes
+        AttentionCase(
+            num_computed=(40, 7, 0, 20, 0),
+            num_new=(1, 4, 33, 17, torch_sdpa.KERNEL_MAX_QUERY_LEN + 5),
+            num_heads=8,
+            num_kv_heads=2,
+        ),
+        AttentionCase(num_computed=(30, 0, 12), num_new=(1, 40, 9), sliding_window=16, num_heads=4, num_kv_heads=4),
+        AttentionCase(num_computed=(25, 0), num_new=(1, 20), dtype="bfloat16", num_heads=6, num_kv_heads=2),
+    ],
+    ids=["mixed", "window", "bf16"],
+)
 def test_the_kernel_attends_every_token_of_short_queries_like_the_dense_oracle(case):
     # paged_cpp: the kernel takes every request of up to KERNEL_MAX_QUERY_LEN tokens, SDPA the longer ones.
     options = torch_sdpa.TorchSDPABackend.Options(decode_kernel="paged_cpp")

@@ -22,8 +22,15 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "disaggregated"
 def _run(config: str, *overrides: str) -> subprocess.CompletedProcess[str]:
     # float32: in bfloat16 (the tuned default on some CPUs) the producer's prefill and a plain run round their
     # products differently (other batch shapes), so "the same tokens" would test rounding, not the transfer.
-    command = [*patchbay_command(), "run", str(EXAMPLES / config), "--set", "runtime.threads=2",
-               "--set", "model.dtype=float32"]
+    command = [
+        *patchbay_command(),
+        "run",
+        str(EXAMPLES / config),
+        "--set",
+        "runtime.threads=2",
+        "--set",
+        "model.dtype=float32",
+    ]
     for override in overrides:
         command += ["--set", override]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=clean_env())

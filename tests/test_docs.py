@@ -74,11 +74,17 @@ def doc_id(path: Path) -> str:
 
 
 def test_the_generated_pages_are_what_the_generator_makes_of_the_code():
-    result = subprocess.run([sys.executable, str(DOCS / "generate_reference.py"), "--check"],
-                            capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    result = subprocess.run(
+        [sys.executable, str(DOCS / "generate_reference.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode == 0, (
         "a generated page is stale; regenerate it with: python docs/generate_reference.py\n"
-        + result.stdout[-4000:] + result.stderr[-2000:]
+        + result.stdout[-4000:]
+        + result.stderr[-2000:]
     )
 
 
@@ -168,10 +174,15 @@ def table_cells(text: str) -> list[str]:
 
 @pytest.mark.parametrize("doc", DOC_FILES, ids=doc_id)
 def test_no_table_cell_runs_past_sixty_words(doc: Path):
-    long = [f"{len(cell.split())} words: {cell[:80]}..." for cell in table_cells(doc.read_text())
-            if len(cell.split()) > CELL_WORD_LIMIT]
-    assert not long, (f"{doc_id(doc)} has table cells over {CELL_WORD_LIMIT} words (generated rows come from field "
-                      "docstrings; move the long explanation to docs/design/ and link it):\n  " + "\n  ".join(long))
+    long = [
+        f"{len(cell.split())} words: {cell[:80]}..."
+        for cell in table_cells(doc.read_text())
+        if len(cell.split()) > CELL_WORD_LIMIT
+    ]
+    assert not long, (
+        f"{doc_id(doc)} has table cells over {CELL_WORD_LIMIT} words (generated rows come from field "
+        "docstrings; move the long explanation to docs/design/ and link it):\n  " + "\n  ".join(long)
+    )
 
 
 def test_the_cell_check_counts_words_per_cell():
@@ -198,9 +209,16 @@ def test_every_path_the_feature_table_names_exists():
 
 def test_the_feature_table_answers_where_each_feature_lives():
     text = ARCHITECTURE.read_text()
-    table = text[text.index("## Where is ...?"):]
-    for feature in ("structured output", "speculative decoding", "tensor and pipeline parallelism", "KV connectors",
-                    "LoRA adapters", "multimodal (planned)", "tool calling, reasoning output"):
+    table = text[text.index("## Where is ...?") :]
+    for feature in (
+        "structured output",
+        "speculative decoding",
+        "tensor and pipeline parallelism",
+        "KV connectors",
+        "LoRA adapters",
+        "multimodal (planned)",
+        "tool calling, reasoning output",
+    ):
         assert re.search(rf"^\| {re.escape(feature)} \|", table, re.MULTILINE), feature
 
 
@@ -280,8 +298,9 @@ def documented_command_lines(text: str) -> list[str]:
 
 def documented_commands(text: str) -> set[tuple[str, str | None]]:
     """``(subcommand, next word)`` of every ``patchbay ...`` command line the text shows."""
-    return {(match.group(1), match.group(2))
-            for line in documented_command_lines(text) if (match := COMMAND.match(line))}
+    return {
+        (match.group(1), match.group(2)) for line in documented_command_lines(text) if (match := COMMAND.match(line))
+    }
 
 
 @pytest.mark.parametrize("doc", DOC_FILES, ids=doc_id)
@@ -293,16 +312,25 @@ def test_every_patchbay_command_shown_exists(doc: Path):
             continue  # `patchbay --help`
         if command not in commands:
             wrong.append(f"patchbay {command}: no such subcommand (the CLI has {', '.join(sorted(commands))})")
-        elif commands[command] and argument is not None and not argument.startswith(("-", "<")) \
-                and argument not in commands[command] and argument.isidentifier():
-            wrong.append(f"patchbay {command} {argument}: no such subcommand "
-                         f"(`patchbay {command}` has {', '.join(sorted(commands[command]))})")
+        elif (
+            commands[command]
+            and argument is not None
+            and not argument.startswith(("-", "<"))
+            and argument not in commands[command]
+            and argument.isidentifier()
+        ):
+            wrong.append(
+                f"patchbay {command} {argument}: no such subcommand "
+                f"(`patchbay {command}` has {', '.join(sorted(commands[command]))})"
+            )
     assert not wrong, f"{doc_id(doc)} shows commands the CLI does not have:\n  " + "\n  ".join(wrong)
 
 
 def test_the_command_scan_finds_the_commands_of_the_readme():
     found = documented_commands((REPO_ROOT / "README.md").read_text())
-    assert ("config", "validate") in found and ("plugins", None) in found and ("run", "examples/quickstart.yaml") in found
+    assert (
+        ("config", "validate") in found and ("plugins", None) in found and ("run", "examples/quickstart.yaml") in found
+    )
 
 
 # -- examples of the configuration guide -----------------------------------------------------------------
@@ -318,14 +346,17 @@ def no_patchbay_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(key)
 
 
-YAML_EXAMPLES = [(doc, index, body) for doc in (CONFIGURATION, PLUGIN_GUIDE)
-                 for index, body in enumerate(blocks_of(doc, "yaml"))]
+YAML_EXAMPLES = [
+    (doc, index, body) for doc in (CONFIGURATION, PLUGIN_GUIDE) for index, body in enumerate(blocks_of(doc, "yaml"))
+]
 
 
-@pytest.mark.parametrize(("doc", "index", "body"), YAML_EXAMPLES,
-                         ids=[f"{doc.name}-yaml{index}" for doc, index, _ in YAML_EXAMPLES])
-def test_every_yaml_example_is_a_valid_settings_file(doc: Path, index: int, body: str, tmp_path: Path,
-                                                     no_patchbay_env: None):
+@pytest.mark.parametrize(
+    ("doc", "index", "body"), YAML_EXAMPLES, ids=[f"{doc.name}-yaml{index}" for doc, index, _ in YAML_EXAMPLES]
+)
+def test_every_yaml_example_is_a_valid_settings_file(
+    doc: Path, index: int, body: str, tmp_path: Path, no_patchbay_env: None
+):
     path = tmp_path / f"{doc.stem}-{index}.yaml"
     path.write_text(body)
     settings = load_settings(path)
@@ -356,8 +387,11 @@ def test_every_settings_key_has_a_row_in_the_configuration_guide():
     text = CONFIGURATION.read_text()
     missing = []
     for section, field in Settings.model_fields.items():
-        model = next(arg for arg in (field.annotation, *getattr(field.annotation, "__args__", ()))
-                     if isinstance(arg, type) and issubclass(arg, Section))
+        model = next(
+            arg
+            for arg in (field.annotation, *getattr(field.annotation, "__args__", ()))
+            if isinstance(arg, type) and issubclass(arg, Section)
+        )
         documented = table_keys(text, f"### `{section}`")
         missing += [f"{section}.{key}" for key in model.model_fields if key not in documented]
     assert not missing, f"docs/configuration.md has no row for: {', '.join(missing)}"
@@ -397,29 +431,59 @@ def test_the_worked_example_installs_lists_and_passes_the_kit(tmp_path: Path):
     env.update(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
     # Install from a copy, as a user would; offline, and never into the venv.
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(site),
-         str(tmp_path / "src" / "patchbay-temperature")],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(tmp_path / "src" / "patchbay-temperature"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert install.returncode == 0, install.stdout + install.stderr
     env["PYTHONPATH"] = str(site)
 
-    listing = subprocess.run([sys.executable, "-m", "patchbay.entrypoints.cli", "plugins", "--kind", "sampler"],
-                             capture_output=True, text=True, env=env, timeout=300)
+    listing = subprocess.run(
+        [sys.executable, "-m", "patchbay.entrypoints.cli", "plugins", "--kind", "sampler"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert listing.returncode == 0, listing.stderr
     assert re.search(r"temperature\s+patchbay-temperature 0\.1\.0\s+\[available\]", listing.stdout), listing.stdout
 
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-                           capture_output=True, text=True, env=env, timeout=300,
-                           cwd=tmp_path / "src" / "patchbay-temperature")
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path / "src" / "patchbay-temperature",
+    )
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
     assert "passed" in tests.stdout and "failed" not in tests.stdout
 
-    check = subprocess.run([sys.executable, "-m", "patchbay.entrypoints.cli", "check", "--strict", "sampler:temperature"],
-                           capture_output=True, text=True, env=env, timeout=300)
+    check = subprocess.run(
+        [sys.executable, "-m", "patchbay.entrypoints.cli", "check", "--strict", "sampler:temperature"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stdout[-4000:] + check.stderr[-2000:]
     # The guide's sample output is this run's: the same tests, in the same order, with the same outcomes.
-    assert check_outcomes(check.stdout) == check_outcomes(guide_check_sample()), "the guide's patchbay check sample is stale"
+    assert check_outcomes(check.stdout) == check_outcomes(guide_check_sample()), (
+        "the guide's patchbay check sample is stale"
+    )
 
 
 def check_outcomes(text: str) -> list[tuple[str, str]]:
@@ -428,8 +492,11 @@ def check_outcomes(text: str) -> list[tuple[str, str]]:
 
 
 def guide_check_sample() -> str:
-    (sample,) = [body for _, body in fenced_blocks(PLUGIN_GUIDE.read_text())
-                 if body.startswith("$ patchbay check --strict sampler:temperature")]
+    (sample,) = [
+        body
+        for _, body in fenced_blocks(PLUGIN_GUIDE.read_text())
+        if body.startswith("$ patchbay check --strict sampler:temperature")
+    ]
     return sample
 
 
@@ -457,8 +524,10 @@ def patchbay_names() -> dict[str, object]:
     import patchbay.plugins
 
     found: dict[str, object] = {}
-    modules = [*pkgutil.walk_packages(patchbay.__path__, "patchbay."),
-               *pkgutil.walk_packages(patchbay.plugins.__path__, "patchbay.plugins.")]
+    modules = [
+        *pkgutil.walk_packages(patchbay.__path__, "patchbay."),
+        *pkgutil.walk_packages(patchbay.plugins.__path__, "patchbay.plugins."),
+    ]
     for module_info in modules:
         if module_info.name.endswith("__main__"):
             continue
@@ -495,6 +564,8 @@ def third_party_name(name: str) -> bool:
     import transformers
 
     return any(hasattr(module, name) for module in (builtins, pydantic, torch, transformers))
+
+
 MEMBER = re.compile(r"^([A-Z]\w+)\.(\w+)(?:\(\))?$")
 DOTTED_MODULE = re.compile(r"^patchbay(?:\.\w+)+$")
 
@@ -591,7 +662,7 @@ def test_every_cli_flag_the_docs_show_exists(doc: Path):
     every_option = set().union(*(options_of(parser) for parser in parsers.values())) | {"--patchbay-strict"}
     wrong = []
     for line in documented_command_lines(doc.read_text()):
-        words = line[COMMAND.match(line).start(1):].split()
+        words = line[COMMAND.match(line).start(1) :].split()
         command: tuple[str, ...] = ()
         while words and (*command, words[0]) in parsers:
             command = (*command, words.pop(0))
@@ -610,14 +681,18 @@ def test_every_cli_flag_the_docs_show_exists(doc: Path):
 def test_the_name_checks_catch_a_name_that_does_not_exist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Not vacuous: a doc naming a missing class, member, settings key or flag fails each check."""
     doc = tmp_path / "bad.md"
-    doc.write_text("Use `KVConnectorSchedular`, `KVConnectorWorker.save_layer`, `patchbay.testing.no_such_thing`,\n"
-                   "`kv_connector.stall_timout` and `patchbay check --no-such-flag sampler:greedy`.\n")
+    doc.write_text(
+        "Use `KVConnectorSchedular`, `KVConnectorWorker.save_layer`, `patchbay.testing.no_such_thing`,\n"
+        "`kv_connector.stall_timout` and `patchbay check --no-such-flag sampler:greedy`.\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "doc_id", lambda path: path.name)
-    for check, fragment in ((test_every_class_member_and_module_the_docs_name_exists, "KVConnectorSchedular"),
-                            (test_every_class_member_and_module_the_docs_name_exists, "has no 'save_layer'"),
-                            (test_every_class_member_and_module_the_docs_name_exists, "no_such_thing"),
-                            (test_every_settings_key_the_docs_name_exists, "kv_connector.stall_timout"),
-                            (test_every_cli_flag_the_docs_show_exists, "has no --no-such-flag")):
+    for check, fragment in (
+        (test_every_class_member_and_module_the_docs_name_exists, "KVConnectorSchedular"),
+        (test_every_class_member_and_module_the_docs_name_exists, "has no 'save_layer'"),
+        (test_every_class_member_and_module_the_docs_name_exists, "no_such_thing"),
+        (test_every_settings_key_the_docs_name_exists, "kv_connector.stall_timout"),
+        (test_every_cli_flag_the_docs_show_exists, "has no --no-such-flag"),
+    ):
         with pytest.raises(AssertionError, match=re.escape(fragment)):
             check(doc)
 
@@ -631,16 +706,19 @@ def config_error_samples(doc: Path) -> list[tuple[str, str, str]]:
     samples = []
     for (_, yaml_body), (_, error) in pairwise(blocks):
         names = set(re.findall(r"^  (\S+\.yaml): ", error, re.MULTILINE))
-        if error.startswith("patchbay: error: invalid configuration:\n") and error.count("patchbay: error") == 1 \
-                and len(names) == 1:
+        if (
+            error.startswith("patchbay: error: invalid configuration:\n")
+            and error.count("patchbay: error") == 1
+            and len(names) == 1
+        ):
             samples.append((names.pop(), yaml_body, error))
     return samples
 
 
 @pytest.mark.parametrize("index", range(len(config_error_samples(CONFIGURATION))))
-def test_the_configuration_guides_error_samples_are_what_validation_says(index: int, tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch,
-                                                                         no_patchbay_env: None):
+def test_the_configuration_guides_error_samples_are_what_validation_says(
+    index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_patchbay_env: None
+):
     from patchbay.contract.registry import registry_for
     from patchbay.contract.settings import ConfigError
 

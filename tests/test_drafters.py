@@ -63,8 +63,9 @@ def test_ngram_end_to_end(patchbay_registry: Registry) -> None:
 
 def propose(tokens: list[int], k: int = 3, max_model_len: int = 1000, **options: int) -> list[int]:
     drafter = NgramDrafter(NgramDrafter.Options(**options))
-    batch = DraftBatch(req_ids=["r"], token_ids=[np.array(tokens)], num_speculative_tokens=k,
-                       max_model_len=max_model_len)
+    batch = DraftBatch(
+        req_ids=["r"], token_ids=[np.array(tokens)], num_speculative_tokens=k, max_model_len=max_model_len
+    )
     return drafter.propose(batch).draft_token_ids[0]
 
 
@@ -120,8 +121,7 @@ def test_num_speculative_tokens_comes_from_the_batch() -> None:
 
 def test_skipped_and_short_requests_get_nothing_in_a_mixed_batch() -> None:
     sequences = [np.array([1, 2, 1]), np.array([3, 3]), np.array([9]), np.array([1, 2, 1, 2])]
-    batch = DraftBatch(req_ids=list("abcd"), token_ids=sequences, num_speculative_tokens=2, max_model_len=100,
-                       skip={1})
+    batch = DraftBatch(req_ids=list("abcd"), token_ids=sequences, num_speculative_tokens=2, max_model_len=100, skip={1})
     assert NgramDrafter().propose(batch).draft_token_ids == [[2, 1], [], [], [1, 2]]
 
 
@@ -142,9 +142,9 @@ def brute_force_continuation(tokens: list[int], min_n: int, max_n: int) -> int:
     for n in range(max_n, min_n - 1, -1):
         if n >= len(tokens):
             continue
-        suffix = tokens[len(tokens) - n:]
+        suffix = tokens[len(tokens) - n :]
         for end in range(len(tokens) - 2, n - 2, -1):
-            if tokens[end - n + 1:end + 1] == suffix:
+            if tokens[end - n + 1 : end + 1] == suffix:
                 return end + 1
     return -1
 
@@ -190,7 +190,8 @@ class StepEchoDrafter(Drafter):
     """Proposes the lm-head argmax of each request's hidden state, after checking the step it was handed."""
 
     capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities(
-        needs_hidden_states=True, needs_attention_metadata=True, needs_aux_hidden_states=(0, 2))
+        needs_hidden_states=True, needs_attention_metadata=True, needs_aux_hidden_states=(0, 2)
+    )
 
     def load(self, context: DrafterContext) -> None:
         self.lm_head = context.model.get_output_embeddings()
@@ -208,13 +209,15 @@ class StepEchoDrafter(Drafter):
         for index, tokens in enumerate(batch.token_ids):
             start, end = int(step.query_start_loc[index]), int(step.query_start_loc[index + 1])
             kept = end - start - int(step.num_rejected[index])
-            positions = step.positions[start:start + kept].numpy()
+            positions = step.positions[start : start + kept].numpy()
             # The rows the target ran and kept are the request's own tokens at their positions: every token
             # up to the one it sampled last, which it has not run yet.
             assert kept >= 1 and positions[-1] == len(tokens) - 2
-            assert np.array_equal(step.token_ids[start:start + kept].numpy(), tokens[positions])
+            assert np.array_equal(step.token_ids[start : start + kept].numpy(), tokens[positions])
             assert int(common.seq_lens_cpu[index]) == int(step.positions[end - 1]) + 1
-            assert batch.sampled_token_ids[index] == tokens[len(tokens) - len(batch.sampled_token_ids[index]):].tolist()
+            assert (
+                batch.sampled_token_ids[index] == tokens[len(tokens) - len(batch.sampled_token_ids[index]) :].tolist()
+            )
         with torch.no_grad():
             best = self.lm_head(batch.hidden_states).argmax(dim=-1).tolist()
         drafts = []
@@ -235,11 +238,11 @@ class TestModelStateDrafter(DrafterSuite):
 
 
 def test_token_only_batches_carry_no_tensors() -> None:
-    batch = make_draft_batch(make_cases(VOCAB, MAX_LEN)["repetitive"], num_speculative_tokens=3,
-                             max_model_len=MAX_LEN)
+    batch = make_draft_batch(make_cases(VOCAB, MAX_LEN)["repetitive"], num_speculative_tokens=3, max_model_len=MAX_LEN)
     assert batch.hidden_states is None and batch.step is None
-    assert [tokens[-len(gained):].tolist() for tokens, gained in zip(batch.token_ids, batch.sampled_token_ids, strict=True)] == \
-        batch.sampled_token_ids
+    assert [
+        tokens[-len(gained) :].tolist() for tokens, gained in zip(batch.token_ids, batch.sampled_token_ids, strict=True)
+    ] == batch.sampled_token_ids
 
 
 # -- the suite is not vacuous: each deliberately wrong drafter fails the check of its mistake -------------------
@@ -261,8 +264,9 @@ class IgnoresMaxModelLen(NgramDrafter):
     """Always proposes the full number of drafts."""
 
     def propose(self, batch: DraftBatch) -> DraftProposals:
-        wide = DraftBatch(batch.req_ids, batch.token_ids, batch.num_speculative_tokens, max_model_len=1 << 30,
-                          skip=batch.skip)
+        wide = DraftBatch(
+            batch.req_ids, batch.token_ids, batch.num_speculative_tokens, max_model_len=1 << 30, skip=batch.skip
+        )
         return super().propose(wide)
 
 
@@ -270,8 +274,9 @@ class IgnoresSkip(NgramDrafter):
     """Drafts for finished requests too."""
 
     def propose(self, batch: DraftBatch) -> DraftProposals:
-        return super().propose(DraftBatch(batch.req_ids, batch.token_ids, batch.num_speculative_tokens,
-                                          batch.max_model_len))
+        return super().propose(
+            DraftBatch(batch.req_ids, batch.token_ids, batch.num_speculative_tokens, batch.max_model_len)
+        )
 
 
 class OneDraftTooMany(NgramDrafter):
@@ -279,8 +284,12 @@ class OneDraftTooMany(NgramDrafter):
 
     def propose(self, batch: DraftBatch) -> DraftProposals:
         drafts = super().propose(batch).draft_token_ids
-        return DraftProposals([d + d[-1:] if d and len(t) + len(d) < batch.max_model_len else d
-                               for d, t in zip(drafts, batch.token_ids, strict=True)])
+        return DraftProposals(
+            [
+                d + d[-1:] if d and len(t) + len(d) < batch.max_model_len else d
+                for d, t in zip(drafts, batch.token_ids, strict=True)
+            ]
+        )
 
 
 class DropsEmptyLists(NgramDrafter):

@@ -25,8 +25,9 @@ from patchbay.worker.model_runner import ModelRunner
 PROMPT = list(range(300, 337))
 
 
-def assert_layer_outputs(model_dir: Path, token_ids: list[int], layers: tuple[int, ...],
-                         captured: list[torch.Tensor], first_row: int = 0) -> None:
+def assert_layer_outputs(
+    model_dir: Path, token_ids: list[int], layers: tuple[int, ...], captured: list[torch.Tensor], first_row: int = 0
+) -> None:
     """``captured[j]`` is layer ``layers[j]``'s output at rows ``first_row..`` of a plain transformers forward.
 
     That is ``output_hidden_states[i + 1]``, but for the last layer, whose entry there is after the final
@@ -78,9 +79,11 @@ def test_the_runner_hands_eagle3_the_layers_of_every_row_it_ran(tiny_llama, monk
         return original(self, batch)
 
     monkeypatch.setattr(Eagle3Drafter, "propose", spy)
-    llm = patchbay.LLM(model__path=str(tiny_llama), runtime__threads=2,
-                       speculative={"method": "eagle3", "num_speculative_tokens": 2,
-                                    "options": {"aux_layers": [0, -1, 2]}})
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama),
+        runtime__threads=2,
+        speculative={"method": "eagle3", "num_speculative_tokens": 2, "options": {"aux_layers": [0, -1, 2]}},
+    )
     output = llm.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert llm.engine.runner.aux_hidden_states.layers == (0, 3, 2)
     full = PROMPT + output.token_ids

@@ -22,14 +22,21 @@ from patchbay.sampling_params import SamplingParams
 VOCAB = 49152  # tiny_llama's vocabulary
 MAX_MODEL_LEN = 48
 
-FUZZ = settings(derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                        HealthCheck.too_slow])
+FUZZ = settings(
+    derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama) -> patchbay.LLM:
-    return patchbay.LLM(model__path=str(tiny_llama), attention__backend="torch_sdpa", runtime__threads=2,
-                        model__max_model_len=MAX_MODEL_LEN, cache__num_blocks=48, cache__block_size=4)
+    return patchbay.LLM(
+        model__path=str(tiny_llama),
+        attention__backend="torch_sdpa",
+        runtime__threads=2,
+        model__max_model_len=MAX_MODEL_LEN,
+        cache__num_blocks=48,
+        cache__block_size=4,
+    )
 
 
 # Values that have broken parsers: edges of every numeric type, wrong types, NaN and infinities.
@@ -118,15 +125,31 @@ def test_random_sampling_parameters_are_refused_by_name_or_complete(llm, raw):
 prompt_shapes = st.one_of(
     st.text(max_size=20),
     st.lists(token_ids, max_size=MAX_MODEL_LEN + 2),
-    st.fixed_dictionaries({"prompt_token_ids": st.one_of(st.lists(token_ids, max_size=8), st.integers(),
-                                                         st.none(), st.text(max_size=3))}),
+    st.fixed_dictionaries(
+        {"prompt_token_ids": st.one_of(st.lists(token_ids, max_size=8), st.integers(), st.none(), st.text(max_size=3))}
+    ),
     st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=10), st.integers(), st.none())}),
-    st.fixed_dictionaries({"messages": st.one_of(
-        st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", 3]),
-                                        "content": st.one_of(st.text(max_size=10), st.none())}), max_size=3),
-        st.text(max_size=5), st.none(), st.lists(st.integers(), max_size=2))}),
+    st.fixed_dictionaries(
+        {
+            "messages": st.one_of(
+                st.lists(
+                    st.fixed_dictionaries(
+                        {
+                            "role": st.sampled_from(["user", "system", "assistant", 3]),
+                            "content": st.one_of(st.text(max_size=10), st.none()),
+                        }
+                    ),
+                    max_size=3,
+                ),
+                st.text(max_size=5),
+                st.none(),
+                st.lists(st.integers(), max_size=2),
+            )
+        }
+    ),
     st.dictionaries(st.sampled_from(["prompt", "messages", "prompt_token_ids", "other"]), st.none(), max_size=2),
-    st.integers(), st.none(),
+    st.integers(),
+    st.none(),
 )
 
 
@@ -138,11 +161,32 @@ def test_random_request_shapes_are_refused_by_name_or_complete(llm, prompts):
     _assert_clean(llm)
 
 
-settings_keys = st.sampled_from([
-    "model", "runtime", "cache", "scheduler", "sampler", "attention", "inputs", "outputs", "kv_connector",
-    "speculative", "plugins", "max_num_seqs", "num_blocks", "memory", "path", "name", "options", "block_size",
-    "prompts", "sampling", "device", "unknown",
-])
+settings_keys = st.sampled_from(
+    [
+        "model",
+        "runtime",
+        "cache",
+        "scheduler",
+        "sampler",
+        "attention",
+        "inputs",
+        "outputs",
+        "kv_connector",
+        "speculative",
+        "plugins",
+        "max_num_seqs",
+        "num_blocks",
+        "memory",
+        "path",
+        "name",
+        "options",
+        "block_size",
+        "prompts",
+        "sampling",
+        "device",
+        "unknown",
+    ]
+)
 yaml_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=8)),
     lambda children: st.one_of(st.lists(children, max_size=4), st.dictionaries(settings_keys, children, max_size=4)),
@@ -151,8 +195,7 @@ yaml_values = st.recursive(
 
 
 @settings(FUZZ, max_examples=200)
-@given(document=st.one_of(st.dictionaries(settings_keys, yaml_values, max_size=5), yaml_values,
-                          st.text(max_size=60)))
+@given(document=st.one_of(st.dictionaries(settings_keys, yaml_values, max_size=5), yaml_values, st.text(max_size=60)))
 def test_random_yaml_documents_load_or_fail_with_a_config_error(tmp_path_factory, document):
     path = tmp_path_factory.getbasetemp() / "fuzz.yaml"
     path.write_text(document if isinstance(document, str) else yaml.safe_dump(document))

@@ -14,8 +14,14 @@ from patchbay.worker.input_batch import InputBatch
 
 def _request(req_id: str, num_tokens: int, blocks: list[int]) -> NewRequestData:
     tokens = [hash((req_id, i)) % 1000 for i in range(num_tokens)]
-    return NewRequestData(req_id, tokens, [], SamplingParams(max_tokens=num_tokens + 1), (blocks, [b + 100 for b in blocks]),
-                          num_computed_tokens=num_tokens // 2)
+    return NewRequestData(
+        req_id,
+        tokens,
+        [],
+        SamplingParams(max_tokens=num_tokens + 1),
+        (blocks, [b + 100 for b in blocks]),
+        num_computed_tokens=num_tokens // 2,
+    )
 
 
 def _snapshot(batch: InputBatch) -> dict[str, tuple]:
@@ -23,8 +29,12 @@ def _snapshot(batch: InputBatch) -> dict[str, tuple]:
     for req_id, row in batch.req_id_to_index.items():
         count = batch.num_tokens[row]
         tables = tuple(tuple(t.table[row, : t.num_blocks[row]]) for t in batch.block_tables)
-        found[req_id] = (tuple(batch.token_ids[row, :count]), int(batch.num_computed_tokens[row]), tables,
-                         batch.sampling_params[row].max_tokens)
+        found[req_id] = (
+            tuple(batch.token_ids[row, :count]),
+            int(batch.num_computed_tokens[row]),
+            tables,
+            batch.sampling_params[row].max_tokens,
+        )
     return found
 
 

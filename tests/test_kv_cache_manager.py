@@ -21,8 +21,9 @@ def full_group(block_size: int = BLOCK_SIZE) -> KVCacheGroup:
 
 
 def sliding_group(window: int, block_size: int = BLOCK_SIZE) -> KVCacheGroup:
-    return KVCacheGroup(KVCacheSpec(block_size=block_size, num_kv_heads=1, head_size=8, sliding_window=window),
-                        ["layers.1"])
+    return KVCacheGroup(
+        KVCacheSpec(block_size=block_size, num_kv_heads=1, head_size=8, sliding_window=window), ["layers.1"]
+    )
 
 
 def make_request(request_id: str, tokens: list[int], **params) -> Request:

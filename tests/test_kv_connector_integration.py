@@ -55,7 +55,8 @@ class DictOptions(BaseModel):
 class DictConnector(KVConnector):
     Options: ClassVar[type[BaseModel]] = DictOptions
     capabilities: ClassVar[KVConnectorCapabilities] = KVConnectorCapabilities(
-        devices=("cpu", "cuda"), async_load=True, async_save=True)
+        devices=("cpu", "cuda"), async_load=True, async_save=True
+    )
 
     def __init__(self, options: Any = None, *, config: Any = None) -> None:
         super().__init__(options, config=config)
@@ -100,7 +101,9 @@ class DictScheduler(KVConnectorScheduler):
         found = max(0, self._hit_tokens(request) - num_computed_tokens)
         return found, self.connector.options.async_load and found > 0
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
         self.connector.calls.append("update_state_after_alloc")
         if num_external_tokens <= 0:
             return
@@ -118,8 +121,11 @@ class DictScheduler(KVConnectorScheduler):
         if self.connector.config.role == "consumer":
             return False
         full = min(len(request.block_hashes), request.num_computed_tokens // BLOCK_SIZE, len(block_ids))
-        saves = [(request.request_id, self.connector.key(request.block_hashes[i]), block_ids[i]) for i in range(full)
-                 if self.connector.key(request.block_hashes[i]) not in self.connector.store]
+        saves = [
+            (request.request_id, self.connector.key(request.block_hashes[i]), block_ids[i])
+            for i in range(full)
+            if self.connector.key(request.block_hashes[i]) not in self.connector.store
+        ]
         self.saves.extend(saves)
         return bool(saves)
 
@@ -216,8 +222,13 @@ def registry() -> Registry:
 
 
 def _llm(tiny_llama: Path, registry: Registry, connector: dict | None = None, **overrides: Any) -> patchbay.LLM:
-    settings: dict[str, Any] = dict(model__path=str(tiny_llama), attention__backend="torch_sdpa", runtime__threads=2,
-                                    cache__block_size=BLOCK_SIZE, **overrides)
+    settings: dict[str, Any] = dict(
+        model__path=str(tiny_llama),
+        attention__backend="torch_sdpa",
+        runtime__threads=2,
+        cache__block_size=BLOCK_SIZE,
+        **overrides,
+    )
     if connector is not None:
         settings["kv_connector"] = connector
     return patchbay.LLM(registry=registry, **settings)
@@ -279,8 +290,11 @@ def test_an_async_load_parks_its_request_while_others_keep_running(tiny_llama, r
     prompts = _prompts(4, seed=3)
     _llm(tiny_llama, registry, {"name": "dict_test", "options": {"namespace": "async"}}).generate(prompts[:1], GREEDY)
 
-    llm = _llm(tiny_llama, registry,
-               {"name": "dict_test", "options": {"namespace": "async", "async_load": True, "load_delay": 3}})
+    llm = _llm(
+        tiny_llama,
+        registry,
+        {"name": "dict_test", "options": {"namespace": "async", "async_load": True, "load_delay": 3}},
+    )
     engine = llm.engine
     # An unrelated request first, so something runs while the load is pending.
     other = engine.add_request(_prompts(1, seed=99)[0], SamplingParams(max_tokens=12, ignore_eos=True))
@@ -303,9 +317,14 @@ def test_an_async_load_parks_its_request_while_others_keep_running(tiny_llama, r
 
 def test_an_async_load_with_errors_is_recomputed(tiny_llama, registry, reference):
     prompts = _prompts(4, seed=4)
-    _llm(tiny_llama, registry, {"name": "dict_test", "options": {"namespace": "async-faults"}}).generate(prompts, GREEDY)
-    llm = _llm(tiny_llama, registry, {"name": "dict_test", "options": {
-        "namespace": "async-faults", "async_load": True, "fail_loads": 2}})
+    _llm(tiny_llama, registry, {"name": "dict_test", "options": {"namespace": "async-faults"}}).generate(
+        prompts, GREEDY
+    )
+    llm = _llm(
+        tiny_llama,
+        registry,
+        {"name": "dict_test", "options": {"namespace": "async-faults", "async_load": True, "fail_loads": 2}},
+    )
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference[4]
     assert llm.engine.scheduler.kv_connector_stats.num_recomputed_blocks == 2
 
@@ -367,8 +386,11 @@ def test_the_run_summary_reports_the_connector(tiny_llama, registry):
     assert f"kv connector:        {loaded} tokens loaded, 0 blocks recomputed after load errors" in summary
 
 
-@pytest.mark.parametrize("options", [{}, {"fail_loads": 2}, {"async_load": True}, {"async_load": True, "fail_loads": 2}],
-                         ids=["sync", "sync-faults", "async", "async-faults"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"fail_loads": 2}, {"async_load": True}, {"async_load": True, "fail_loads": 2}],
+    ids=["sync", "sync-faults", "async", "async-faults"],
+)
 def test_loads_survive_preemption_and_chunked_prefill(tiny_llama, registry, options):
     limits = dict(model__max_model_len=128, cache__num_blocks=14, scheduler__max_num_batched_tokens=32)
     prompts = _prompts(5, seed=12)
@@ -386,5 +408,9 @@ def test_loads_survive_preemption_and_chunked_prefill(tiny_llama, registry, opti
 def test_a_model_with_several_kv_cache_groups_refuses_a_connector(tmp_path, registry):
     model_dir = build_tiny_model(tmp_path, "qwen2-mixed-window")
     with pytest.raises(ConfigError, match="one KV-cache group; this model has 2"):
-        patchbay.LLM(model__path=str(model_dir), attention__backend="reference", registry=registry,
-                     kv_connector={"name": "dict_test", "options": {"namespace": "groups"}})
+        patchbay.LLM(
+            model__path=str(model_dir),
+            attention__backend="reference",
+            registry=registry,
+            kv_connector={"name": "dict_test", "options": {"namespace": "groups"}},
+        )

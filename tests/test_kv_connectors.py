@@ -34,8 +34,9 @@ from patchbay.testing import KVConnectorSuite
 from patchbay.testing.kv_connector import Side, SuiteRequest, split_kv_cache
 
 REDIS_URL = os.environ.get("PATCHBAY_TEST_REDIS_URL")
-needs_redis = pytest.mark.skipif(not REDIS_URL,
-                                 reason="PATCHBAY_TEST_REDIS_URL is not set (.ci/run starts a redis-server)")
+needs_redis = pytest.mark.skipif(
+    not REDIS_URL, reason="PATCHBAY_TEST_REDIS_URL is not set (.ci/run starts a redis-server)"
+)
 
 
 def damaged(raw: bytes, how: str, key: bytes = b"test-key-0123456789") -> bytes | None:
@@ -51,6 +52,7 @@ class TestHostOffloadConformance(KVConnectorSuite):
     @pytest.fixture
     def connector_options(self):
         return {"namespace": f"test-{uuid.uuid4().hex}", "max_bytes": "64MiB"}
+
     # corrupt_entry: the connector's own backdoor (HostOffloadConnector.corrupt_entry)
 
 
@@ -99,8 +101,9 @@ def make(connector_class, options, *, model_id="tests/tiny", role="both", block_
 def caches(random: bool, seed: int = 0, num_blocks: int = 16, block_size: int = 4):
     generator = torch.Generator().manual_seed(seed)
     shape = (2, num_blocks, block_size, 2, 8)
-    return {f"layer{index}": torch.randn(shape, generator=generator) if random else torch.zeros(shape)
-            for index in range(2)}
+    return {
+        f"layer{index}": torch.randn(shape, generator=generator) if random else torch.zeros(shape) for index in range(2)
+    }
 
 
 PROMPT = [(11 * index) % 97 for index in range(13)]  # 3 full blocks of 4 before the last token
@@ -111,8 +114,11 @@ PROMPT = [(11 * index) % 97 for index in range(13)]  # 3 full blocks of 4 before
 
 def test_all_three_are_registered_lazily():
     registry = default_registry()
-    for name, cls in (("host_offload", HostOffloadConnector), ("shared_storage", SharedStorageConnector),
-                      ("redis", RedisConnector)):
+    for name, cls in (
+        ("host_offload", HostOffloadConnector),
+        ("shared_storage", SharedStorageConnector),
+        ("redis", RedisConnector),
+    ):
         assert name in registry.names("kv_connector")
         assert registry.get("kv_connector", name).target == f"{cls.__module__}:{cls.__qualname__}"
         assert registry.resolve("kv_connector", name) is cls
@@ -128,9 +134,16 @@ def test_encoded_block_round_trips_and_rejects_every_kind_of_damage():
         return decode_block(data, model_id="m", layout=layout, block_hash=block_hash, key=key)
 
     assert bytes(decode(entry)) == payload
-    expectations = {"truncated": "truncated", "corrupted": "authentication code mismatch", "other_model": "model",
-                    "other_layout": "layout", "forged": "forged", "not_an_object": "JSON list, expected an object",
-                    "deeply_nested": "RecursionError", "non_finite": "NaN or infinite"}
+    expectations = {
+        "truncated": "truncated",
+        "corrupted": "authentication code mismatch",
+        "other_model": "model",
+        "other_layout": "layout",
+        "forged": "forged",
+        "not_an_object": "JSON list, expected an object",
+        "deeply_nested": "RecursionError",
+        "non_finite": "NaN or infinite",
+    }
     for how, words in expectations.items():
         with pytest.raises(BlockDecodeError, match=words):
             decode(damaged(entry, how, key))
@@ -156,8 +169,11 @@ def test_the_metadata_payload_survives_json():
     assert (num_tokens, load_async) == (12, False)
     scheduler.update_state_after_alloc(request, [3, 8, 1, 11], num_tokens)
     metadata = scheduler.build_connector_meta(["b"])
-    assert metadata.payload["load"] == [[3, request.block_hashes[0].hex()], [8, request.block_hashes[1].hex()],
-                                        [1, request.block_hashes[2].hex()]]
+    assert metadata.payload["load"] == [
+        [3, request.block_hashes[0].hex()],
+        [8, request.block_hashes[1].hex()],
+        [1, request.block_hashes[2].hex()],
+    ]
     worker.start_load_kv(KVConnectorMetadata(payload=json.loads(json.dumps(metadata.payload))))
     for name in target:
         assert torch.equal(target[name][:, 8], producer.caches[name][:, 2])
@@ -220,7 +236,8 @@ def test_host_offload_lookup_does_not_refresh_the_lru():
 def test_another_model_identity_never_matches():
     namespace = f"ident-{uuid.uuid4().hex}"
     Side(make(HostOffloadConnector, {"namespace": namespace}), caches(random=True)).compute_and_finish(
-        SuiteRequest("a", PROMPT, 4), [5, 2, 9, 7])
+        SuiteRequest("a", PROMPT, 4), [5, 2, 9, 7]
+    )
     other = make(HostOffloadConnector, {"namespace": namespace}, model_id="another/model")
     assert other.scheduler_side().get_num_new_matched_tokens(SuiteRequest("b", PROMPT, 4), 0)[0] == 0
 
@@ -256,8 +273,13 @@ SAVE_IN_A_SUBPROCESS = textwrap.dedent("""
 
 def test_shared_storage_across_processes(tmp_path):
     """A producer process saves a prompt's blocks; this process (the consumer) loads them bit for bit."""
-    result = subprocess.run([sys.executable, "-c", SAVE_IN_A_SUBPROCESS, str(tmp_path), ",".join(map(str, PROMPT))],
-                            capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", SAVE_IN_A_SUBPROCESS, str(tmp_path), ",".join(map(str, PROMPT))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "3"
     consumer = Side(make(SharedStorageConnector, {"path": str(tmp_path)}, role="consumer"), caches(random=False))
@@ -357,8 +379,9 @@ def test_half_precision_caches_round_trip_bit_exactly(tmp_path, dtype):
     producer.compute_and_finish(SuiteRequest("a", PROMPT, 4), [5, 2, 9, 7])
     consumer = Side(make(SharedStorageConnector, {"path": str(tmp_path)}), half_caches(False))
     request = SuiteRequest("b", PROMPT, 4)
-    consumer.scheduler.update_state_after_alloc(request, [3, 8, 1, 11],
-                                                consumer.scheduler.get_num_new_matched_tokens(request, 0)[0])
+    consumer.scheduler.update_state_after_alloc(
+        request, [3, 8, 1, 11], consumer.scheduler.get_num_new_matched_tokens(request, 0)[0]
+    )
     consumer.step(["b"])
     for name in producer.caches:
         assert torch.equal(producer.caches[name][:, [5, 2, 9]], consumer.caches[name][:, [3, 8, 1]])

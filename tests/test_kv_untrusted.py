@@ -30,8 +30,9 @@ def make(connector_class, options, *, model_id="tests/tiny", role="both"):
 def caches(random: bool, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     shape = (2, 16, 4, 2, 8)
-    return {f"layer{index}": torch.randn(shape, generator=generator) if random else torch.zeros(shape)
-            for index in range(2)}
+    return {
+        f"layer{index}": torch.randn(shape, generator=generator) if random else torch.zeros(shape) for index in range(2)
+    }
 
 
 def _produce(options) -> Side:
@@ -46,7 +47,9 @@ def _consume(options, damage=None) -> tuple[Side, set[int]]:
     request = SuiteRequest("b", PROMPT, 4)
     num_tokens, _ = consumer.scheduler.get_num_new_matched_tokens(request, 0)
     consumer.scheduler.update_state_after_alloc(request, [3, 8, 1, 11], num_tokens)
-    consumer.step(["b"], before_load=(lambda _: damage(consumer.connector, request.block_hashes[1])) if damage else None)
+    consumer.step(
+        ["b"], before_load=(lambda _: damage(consumer.connector, request.block_hashes[1])) if damage else None
+    )
     return consumer, consumer.worker.get_block_ids_with_load_errors()
 
 
@@ -113,8 +116,10 @@ def test_an_unsafe_default_store_directory_is_a_one_line_error_naming_it(tmp_pat
     store.mkdir(parents=True)
     store.chmod(0o777)
     config = tmp_path / "job.yaml"
-    config.write_text(f"model: {{path: '{tiny_llama}'}}\nkv_connector: {{name: shared_storage}}\n"
-                      "inputs: {chat_template: false, prompts: [hello], sampling: {max_tokens: 2}}\n")
+    config.write_text(
+        f"model: {{path: '{tiny_llama}'}}\nkv_connector: {{name: shared_storage}}\n"
+        "inputs: {chat_template: false, prompts: [hello], sampling: {max_tokens: 2}}\n"
+    )
     status = main(["run", str(config)])
     error = capsys.readouterr().err
     assert status == 2
@@ -173,6 +178,7 @@ class _FakeRedis(socketserver.ThreadingTCPServer):
 
 def _server(answer: bytes | None) -> tuple[_FakeRedis, str]:
     """A TCP server answering every request with ``answer`` (``None``: accept, read, never answer)."""
+
     class Handler(socketserver.BaseRequestHandler):
         def handle(self):
             self.request.settimeout(5)
@@ -188,9 +194,15 @@ def _server(answer: bytes | None) -> tuple[_FakeRedis, str]:
     return server, f"redis://127.0.0.1:{server.server_address[1]}/0"
 
 
-@pytest.mark.parametrize("answer", [b"-ERR unknown command\r\n", b"-WRONGTYPE Operation against a key holding the "
-                                    b"wrong kind of value\r\n", b"HTTP/1.1 400 Bad Request\r\n\r\n",
-                                    b"-OOM command not allowed when used memory > 'maxmemory'\r\n"])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"-ERR unknown command\r\n",
+        b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n",
+        b"HTTP/1.1 400 Bad Request\r\n\r\n",
+        b"-OOM command not allowed when used memory > 'maxmemory'\r\n",
+    ],
+)
 def test_a_redis_answering_errors_or_not_speaking_redis_gives_misses_and_counted_dropped_saves(answer, caplog):
     server, url = _server(answer)
     try:
@@ -228,9 +240,13 @@ def test_a_redis_that_never_answers_opens_the_breaker_after_a_few_timeouts():
 def test_a_redis_password_is_never_shown():
     assert redacted_url("redis://h:6379/0?password=s3cret&db=1") == "redis://h:6379/0?password=***&db=1"
     assert redacted_url("redis://user:s3cret@h:6379/0") == "redis://user:***@h:6379/0"
-    settings = load_settings(overrides=["kv_connector.name=redis",
-                                        "kv_connector.options.url=redis://u:s3cret@h:1/0?password=s3cret",
-                                        f"kv_connector.options.auth_key={KEY}"])
+    settings = load_settings(
+        overrides=[
+            "kv_connector.name=redis",
+            "kv_connector.options.url=redis://u:s3cret@h:1/0?password=s3cret",
+            f"kv_connector.options.auth_key={KEY}",
+        ]
+    )
     shown = dump_settings(settings)
     assert "s3cret" not in shown and KEY not in shown and "redis://u:***@h:1/0?password=***" in shown
 

@@ -20,8 +20,10 @@ from patchbay.worker.lora.peft_adapter import LoRAAdapterError, base_model_shape
 @pytest.fixture(scope="module")
 def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("adapters")
-    return {name: make_peft_adapter(tiny_llama, folder / name, seed=index, **spec)
-            for index, (name, spec) in enumerate(ADAPTER_SPECS.items())}
+    return {
+        name: make_peft_adapter(tiny_llama, folder / name, seed=index, **spec)
+        for index, (name, spec) in enumerate(ADAPTER_SPECS.items())
+    }
 
 
 def _load(tiny_llama: Path, name: str, path: Path, max_lora_rank: int = 16):
@@ -52,8 +54,11 @@ def test_merged_weights_give_peft_s_logits(tiny_llama: Path, adapters: dict[str,
     merged = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     with torch.no_grad():
         for (layer, module), (a, b) in adapter.weights.items():
-            block = merged.model.layers[layer].self_attn if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) \
+            block = (
+                merged.model.layers[layer].self_attn
+                if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
                 else merged.model.layers[layer].mlp
+            )
             getattr(block, module).weight += adapter.scaling * (b @ a)
     reference = peft_model(tiny_llama, adapters[name])
     tokens = torch.tensor([[1, 17, 400, 9, 33, 250, 7]])
@@ -75,8 +80,11 @@ def test_an_adapter_for_another_base_model_is_refused(tiny_llama, tmp_path):
     config.hidden_size, config.intermediate_size = 32, 64
     AutoModelForCausalLM.from_config(config).save_pretrained(other)
     adapter = make_peft_adapter(other, tmp_path / "for-wider", seed=3, r=2, lora_alpha=4, target_modules=["q_proj"])
-    with pytest.raises(LoRAAdapterError, match=r"'for-wider' was built for another base model: "
-                                               r"layers.0.self_attn.q_proj has lora_A \(2, 32\)"):
+    with pytest.raises(
+        LoRAAdapterError,
+        match=r"'for-wider' was built for another base model: "
+        r"layers.0.self_attn.q_proj has lora_A \(2, 32\)",
+    ):
         _load(tiny_llama, "for-wider", adapter)
 
 
@@ -86,20 +94,26 @@ def test_an_adapter_for_a_deeper_model_is_refused(tiny_llama, tmp_path):
     config.num_hidden_layers = 6
     AutoModelForCausalLM.from_config(config).save_pretrained(deeper)
     adapter = make_peft_adapter(deeper, tmp_path / "deep", seed=4, r=2, lora_alpha=4, target_modules=["v_proj"])
-    with pytest.raises(LoRAAdapterError, match=r"'deep' was built for another base model: .*layer 4, but the model "
-                                               r"has 4 layers"):
+    with pytest.raises(
+        LoRAAdapterError,
+        match=r"'deep' was built for another base model: .*layer 4, but the model "
+        r"has 4 layers",
+    ):
         _load(tiny_llama, "deep", adapter)
 
 
-@pytest.mark.parametrize(("change", "reason"), [
-    ({"use_dora": True}, "DoRA"),
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-    ({"bias": "lora_only"}, "trained biases"),
-    ({"fan_in_fan_out": True}, "fan_in_fan_out"),
-    ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
-    ({"peft_type": "IA3"}, "not LORA"),
-    ({"r": 0}, "positive integer r"),
-])
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "lora_only"}, "trained biases"),
+        ({"fan_in_fan_out": True}, "fan_in_fan_out"),
+        ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+        ({"peft_type": "IA3"}, "not LORA"),
+        ({"r": 0}, "positive integer r"),
+    ],
+)
 def test_unsupported_features_are_refused_naming_the_adapter(tiny_llama, adapters, tmp_path, change, reason):
     path = _copy(adapters["attn-r4"], tmp_path / "odd", **change)
     with pytest.raises(LoRAAdapterError, match=rf"LoRA adapter 'odd': .*{reason}"):
@@ -107,8 +121,9 @@ def test_unsupported_features_are_refused_naming_the_adapter(tiny_llama, adapter
 
 
 def test_an_embedding_target_is_refused(tiny_llama, tmp_path):
-    adapter = make_peft_adapter(tiny_llama, tmp_path / "embed", seed=5, r=2, lora_alpha=4,
-                                target_modules=["q_proj", "embed_tokens"])
+    adapter = make_peft_adapter(
+        tiny_llama, tmp_path / "embed", seed=5, r=2, lora_alpha=4, target_modules=["q_proj", "embed_tokens"]
+    )
     with pytest.raises(LoRAAdapterError, match=r"'embed': weight .*embed_tokens.*supported targets: q_proj"):
         _load(tiny_llama, "embed", adapter)
 
@@ -144,8 +159,9 @@ def test_a_legacy_bin_state_dict_is_read(tiny_llama, adapters, tmp_path):
 
 def _catalog(tiny_llama, adapters, capacity, **extra):
     num_layers, shapes = base_model_shapes(AutoConfig.from_pretrained(tiny_llama))
-    return AdapterCatalog(adapters=adapters, num_layers=num_layers, shapes=shapes, max_lora_rank=16,
-                          capacity=capacity, **extra)
+    return AdapterCatalog(
+        adapters=adapters, num_layers=num_layers, shapes=shapes, max_lora_rank=16, capacity=capacity, **extra
+    )
 
 
 def test_the_catalog_keeps_the_most_recently_used_adapters(tiny_llama, adapters):
@@ -161,8 +177,11 @@ def test_the_catalog_keeps_the_most_recently_used_adapters(tiny_llama, adapters)
 
 def test_an_unknown_name_lists_the_known_ones(tiny_llama, adapters):
     catalog = _catalog(tiny_llama, adapters, capacity=2)
-    with pytest.raises(UnknownAdapterError, match=r"unknown LoRA adapter 'nope': not in lora.adapters "
-                                                  r"\(known: all-r2-rslora, attn-r4, mlp-r8\)"):
+    with pytest.raises(
+        UnknownAdapterError,
+        match=r"unknown LoRA adapter 'nope': not in lora.adapters "
+        r"\(known: all-r2-rslora, attn-r4, mlp-r8\)",
+    ):
         catalog.get("nope")
 
 
@@ -181,5 +200,7 @@ def test_settings_check_the_lora_section(tmp_path):
         LoRASettings(max_loras=2, max_cpu_loras=1)
     path = tmp_path / "run.yaml"
     path.write_text("lora:\n  kernel: nope\n")
-    with pytest.raises(ConfigError, match=r"run.yaml: lora.kernel: no LoRA kernel named 'nope' is installed; available: torch"):
+    with pytest.raises(
+        ConfigError, match=r"run.yaml: lora.kernel: no LoRA kernel named 'nope' is installed; available: torch"
+    ):
         load_settings(path, registry=default_registry())

@@ -18,8 +18,10 @@ NUM_NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("adapters")
-    return {name: make_peft_adapter(tiny_llama, folder / name, seed=index, **spec)
-            for index, (name, spec) in enumerate(ADAPTER_SPECS.items())}
+    return {
+        name: make_peft_adapter(tiny_llama, folder / name, seed=index, **spec)
+        for index, (name, spec) in enumerate(ADAPTER_SPECS.items())
+    }
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +31,13 @@ def prompts() -> list[list[int]]:
 
 
 def _llm(tiny_llama: Path, adapters: dict[str, Path], **lora) -> patchbay.LLM:
-    settings = Settings(model={"path": str(tiny_llama)}, runtime={"threads": 2},
-                        cache={"block_size": 16}, scheduler={"max_num_batched_tokens": 64},
-                        lora={"adapters": {name: str(path) for name, path in adapters.items()}, "max_lora_rank": 8,
-                              **lora})
+    settings = Settings(
+        model={"path": str(tiny_llama)},
+        runtime={"threads": 2},
+        cache={"block_size": 16},
+        scheduler={"max_num_batched_tokens": 64},
+        lora={"adapters": {name: str(path) for name, path in adapters.items()}, "max_lora_rank": 8, **lora},
+    )
     return patchbay.LLM(settings)
 
 
@@ -68,8 +73,10 @@ def test_the_prefix_cache_never_shares_blocks_between_adapters(tiny_llama, adapt
     llm = _llm(tiny_llama, adapters)
     prompt = prompts[6]  # 40 tokens: two full blocks to reuse
     order = [None, "attn-r4", "mlp-r8", None, "attn-r4"]
-    got = [llm.generate([prompt], SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True, lora=name))[0].token_ids
-           for name in order]
+    got = [
+        llm.generate([prompt], SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True, lora=name))[0].token_ids
+        for name in order
+    ]
     expected = _expected(tiny_llama, adapters, [prompt] * len(order), order)
     assert got == expected
     # The repeats of the base model and of attn-r4 found their own earlier blocks (and only those).
@@ -78,8 +85,11 @@ def test_the_prefix_cache_never_shares_blocks_between_adapters(tiny_llama, adapt
 
 def test_a_request_naming_an_unknown_adapter_is_refused_naming_it(tiny_llama, adapters):
     llm = _llm(tiny_llama, {"attn-r4": adapters["attn-r4"]})
-    with pytest.raises(ValueError, match=r"request '0': unknown LoRA adapter 'nope': not in lora.adapters "
-                                         r"\(known: attn-r4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"request '0': unknown LoRA adapter 'nope': not in lora.adapters "
+        r"\(known: attn-r4\)",
+    ):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, lora="nope"))
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, lora="attn-r4"))[0].token_ids
 
@@ -91,10 +101,18 @@ def test_a_run_without_a_lora_section_refuses_adapter_requests(tiny_llama):
 
 
 def test_a_bad_listed_adapter_fails_the_run_at_start_naming_it(tiny_llama, adapters):
-    with pytest.raises(ConfigError, match=r"lora.adapters.mlp-r8: LoRA adapter 'mlp-r8': rank 8 exceeds "
-                                          r"lora.max_lora_rank \(4\)"):
-        patchbay.LLM(Settings(model={"path": str(tiny_llama)}, runtime={"threads": 2},
-                              lora={"adapters": {"mlp-r8": str(adapters["mlp-r8"])}, "max_lora_rank": 4}))
+    with pytest.raises(
+        ConfigError,
+        match=r"lora.adapters.mlp-r8: LoRA adapter 'mlp-r8': rank 8 exceeds "
+        r"lora.max_lora_rank \(4\)",
+    ):
+        patchbay.LLM(
+            Settings(
+                model={"path": str(tiny_llama)},
+                runtime={"threads": 2},
+                lora={"adapters": {"mlp-r8": str(adapters["mlp-r8"])}, "max_lora_rank": 4},
+            )
+        )
 
 
 @pytest.mark.slow
@@ -103,9 +121,13 @@ def test_the_server_s_model_field_picks_the_adapter(tiny_llama, adapters, prompt
     import openai
     from serving import running_server
 
-    settings = Settings(model={"path": str(tiny_llama)}, runtime={"threads": 2}, cache={"num_blocks": 256},
-                        server={"served_model_name": "tiny"},
-                        lora={"adapters": {name: str(path) for name, path in adapters.items()}, "max_lora_rank": 8})
+    settings = Settings(
+        model={"path": str(tiny_llama)},
+        runtime={"threads": 2},
+        cache={"num_blocks": 256},
+        server={"served_model_name": "tiny"},
+        lora={"adapters": {name: str(path) for name, path in adapters.items()}, "max_lora_rank": 8},
+    )
     offline = patchbay.LLM(settings)
     with running_server(settings) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -124,17 +146,22 @@ def test_the_server_s_model_field_picks_the_adapter(tiny_llama, adapters, prompt
         for name in ADAPTER_SPECS:
             assert metrics[f'patchbay_lora_requests_total{{lora_name="{name}"}}'] == 1
             assert metrics[f'patchbay_lora_generation_tokens_total{{lora_name="{name}"}}'] == counts[name]
-        missing = httpx.post(f"{server.url}/v1/completions", json={"model": "nope", "prompt": "a", "max_tokens": 2},
-                             timeout=60)
+        missing = httpx.post(
+            f"{server.url}/v1/completions", json={"model": "nope", "prompt": "a", "max_tokens": 2}, timeout=60
+        )
         assert missing.status_code == 404 and "'nope' does not exist" in missing.json()["error"]["message"]
 
 
 @pytest.mark.slow
 def test_ngram_speculative_decoding_stays_lossless_with_adapters(tiny_llama, adapters, prompts):
     """Drafts are verified by the adapter model itself: the tokens are PEFT's, as without drafts."""
-    settings = Settings(model={"path": str(tiny_llama)}, runtime={"threads": 2}, cache={"block_size": 16},
-                        speculative={"method": "ngram", "num_speculative_tokens": 3},
-                        lora={"adapters": {name: str(path) for name, path in adapters.items()}, "max_lora_rank": 8})
+    settings = Settings(
+        model={"path": str(tiny_llama)},
+        runtime={"threads": 2},
+        cache={"block_size": 16},
+        speculative={"method": "ngram", "num_speculative_tokens": 3},
+        lora={"adapters": {name: str(path) for name, path in adapters.items()}, "max_lora_rank": 8},
+    )
     llm = patchbay.LLM(settings)
     # Repetitive prompts, so the n-gram drafter finds matches and proposes.
     looped = [(p[:6] * 4)[:24] for p in prompts[:4]]

@@ -14,13 +14,23 @@ BLOCK_SIZE = 4
 
 def _scheduler(max_loras: int) -> Scheduler:
     groups = [KVCacheGroup(KVCacheSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8), ["layers.0"])]
-    return Scheduler(KVCacheManager(groups, 200, True), max_num_seqs=16, max_num_batched_tokens=256,
-                     max_model_len=64, block_size=BLOCK_SIZE, max_loras=max_loras)
+    return Scheduler(
+        KVCacheManager(groups, 200, True),
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        max_model_len=64,
+        block_size=BLOCK_SIZE,
+        max_loras=max_loras,
+    )
 
 
 def _request(request_id: str, lora: str | None, max_tokens: int = 3) -> Request:
-    return Request(request_id, [1, 2, 3, 4, 5], SamplingParams(max_tokens=max_tokens, ignore_eos=True, lora=lora),
-                   block_size=BLOCK_SIZE)
+    return Request(
+        request_id,
+        [1, 2, 3, 4, 5],
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, lora=lora),
+        block_size=BLOCK_SIZE,
+    )
 
 
 def test_a_step_never_runs_more_than_max_loras_adapters():

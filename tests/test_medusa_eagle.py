@@ -70,14 +70,21 @@ def context_for(model, backend: str = "reference", block_size: int = BLOCK_SIZE)
     registry = default_registry()
     backend_class = registry.resolve("attention", backend)
     builder_class = registry.resolve("attention_metadata_builder", backend_class.metadata_builder)
-    return DrafterContext(model=model, attention_backend=backend_class(),
-                          metadata_builder=builder_class(block_size=block_size), block_size=block_size,
-                          num_blocks=NUM_BLOCKS, device=torch.device("cpu"), dtype=torch.float32)
+    return DrafterContext(
+        model=model,
+        attention_backend=backend_class(),
+        metadata_builder=builder_class(block_size=block_size),
+        block_size=block_size,
+        num_blocks=NUM_BLOCKS,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
 
 
 def drafter_config(model, num_speculative_tokens: int = 3, max_model_len: int = 256) -> DrafterConfig:
-    return DrafterConfig(num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len,
-                         vocab_size=model.config.vocab_size)
+    return DrafterConfig(
+        num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len, vocab_size=model.config.vocab_size
+    )
 
 
 def hidden_of(model, token_ids: list[int]) -> torch.Tensor:
@@ -141,8 +148,12 @@ def test_greedy_output_is_unchanged_on_the_bundled_model(patchbay_registry, meth
         if not (directory / "config.json").is_file():
             pytest.skip(f"no trained {method} weights at {directory} (run `patchbay-train-drafter {method}`)")
         options = {"path": "auto"}
-    kit.check_end_to_end(method, options, registry=patchbay_registry, settings={"scheduler__chunked_prefill": True,
-                                                                              "scheduler__max_num_batched_tokens": 64})
+    kit.check_end_to_end(
+        method,
+        options,
+        registry=patchbay_registry,
+        settings={"scheduler__chunked_prefill": True, "scheduler__max_num_batched_tokens": 64},
+    )
 
 
 # -- medusa ----------------------------------------------------------------------------------------
@@ -152,8 +163,14 @@ def test_untrained_medusa_proposes_the_lm_head_choice_within_limits(tiny_model):
     drafter = MedusaDrafter(MedusaOptions(), config=drafter_config(tiny_model, max_model_len=40))
     drafter.load(context_for(tiny_model))
     hidden = torch.randn(3, tiny_model.config.hidden_size)
-    batch = DraftBatch(req_ids=["a", "b", "c"], token_ids=[np.arange(10), np.arange(39), np.arange(12)],
-                       num_speculative_tokens=3, max_model_len=40, hidden_states=hidden, skip={2})
+    batch = DraftBatch(
+        req_ids=["a", "b", "c"],
+        token_ids=[np.arange(10), np.arange(39), np.arange(12)],
+        num_speculative_tokens=3,
+        max_model_len=40,
+        hidden_states=hidden,
+        skip={2},
+    )
     drafts = drafter.propose(batch).draft_token_ids
     assert [len(d) for d in drafts] == [3, 1, 0]  # "b" has room for one token, "c" is skipped
     # Identity blocks over the lm head: every head repeats the lm head's own choice.
@@ -168,16 +185,27 @@ def test_trained_medusa_heads_round_trip_through_a_directory(tiny_model, tmp_pat
     torch.manual_seed(1)
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
-    save_drafter(tmp_path, {"kind": "medusa", "num_heads": 4, "num_layers": 2, "hidden_size": parts.hidden_size,
-                            "vocab_size": parts.vocab_size, "target": target_identity(tiny_model)}, heads)
+    save_drafter(
+        tmp_path,
+        {
+            "kind": "medusa",
+            "num_heads": 4,
+            "num_layers": 2,
+            "hidden_size": parts.hidden_size,
+            "vocab_size": parts.vocab_size,
+            "target": target_identity(tiny_model),
+        },
+        heads,
+    )
 
     drafter = MedusaDrafter(MedusaOptions(path=str(tmp_path)), config=drafter_config(tiny_model, 4))
     drafter.load(context_for(tiny_model))
     for name, tensor in heads.state_dict().items():
         assert torch.equal(drafter.heads.state_dict()[name], tensor), name
     hidden = torch.randn(2, parts.hidden_size)
-    drafts = drafter.propose(DraftBatch(["a", "b"], [np.arange(5), np.arange(7)], 4, 256,
-                                        hidden_states=hidden)).draft_token_ids
+    drafts = drafter.propose(
+        DraftBatch(["a", "b"], [np.arange(5), np.arange(7)], 4, 256, hidden_states=hidden)
+    ).draft_token_ids
     with torch.no_grad():
         expected = torch.stack([tiny_model.lm_head(head(hidden)).argmax(-1) for head in heads.heads], 1)
     assert drafts == expected.tolist()
@@ -200,8 +228,11 @@ def test_path_auto_finds_the_training_commands_default_directory(tiny_model, tmp
         drafter.load(context_for(tiny_model))
     parts = target_parts(tiny_model)
     directory = heads_module.default_drafter_dir(heads_module.model_id(tiny_model), "medusa")
-    save_drafter(directory, {"kind": "medusa", "num_heads": 2, "target": target_identity(tiny_model)},
-                 MedusaHeads(parts.hidden_size, 2))
+    save_drafter(
+        directory,
+        {"kind": "medusa", "num_heads": 2, "target": target_identity(tiny_model)},
+        MedusaHeads(parts.hidden_size, 2),
+    )
     drafter.load(context_for(tiny_model))
     assert drafter.heads.num_heads == 2
 
@@ -221,15 +252,21 @@ class PagedRequest:
         return np.asarray(self.blocks)[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
 
 
-def make_step(requests: list[PagedRequest], runs: list[tuple[int, list[int]]],
-              num_rejected: list[int], aux_layers: tuple[int, ...] = ()) -> DraftStep:
+def make_step(
+    requests: list[PagedRequest],
+    runs: list[tuple[int, list[int]]],
+    num_rejected: list[int],
+    aux_layers: tuple[int, ...] = (),
+) -> DraftStep:
     """The DraftStep of a target step where request ``i`` ran ``runs[i] = (first_position, tokens)``."""
     token_rows, positions, hidden, slots, lens = [], [], [], [], []
     aux: list[list[torch.Tensor]] = [[] for _ in aux_layers]
     for request, (first, tokens) in zip(requests, runs, strict=True):
         # The target's hidden states for what actually ran (drafts included, rejected or not).
         full = hidden_of(request.model, request.token_ids[:first] + tokens)
-        for layer_rows, layer_states in zip(aux, aux_of(request.model, request.token_ids[:first] + tokens, aux_layers), strict=True):
+        for layer_rows, layer_states in zip(
+            aux, aux_of(request.model, request.token_ids[:first] + tokens, aux_layers), strict=True
+        ):
             layer_rows.append(layer_states[first:])
         rows = np.arange(first, first + len(tokens))
         token_rows.extend(tokens)
@@ -242,17 +279,28 @@ def make_step(requests: list[PagedRequest], runs: list[tuple[int, list[int]]],
     width = max(len(r.blocks) for r in requests)
     table = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in requests], dtype=torch.int32)
     common = CommonAttentionMetadata(
-        query_start_loc=torch.from_numpy(query_start), query_start_loc_cpu=torch.from_numpy(query_start),
-        seq_lens=seq_lens, seq_lens_cpu=seq_lens,
+        query_start_loc=torch.from_numpy(query_start),
+        query_start_loc_cpu=torch.from_numpy(query_start),
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens,
         num_computed_tokens_cpu=torch.tensor([first for first, _ in runs], dtype=torch.int32),
-        block_table=table, slot_mapping=torch.tensor(slots, dtype=torch.int64), num_reqs=len(requests),
-        num_actual_tokens=len(token_rows), max_query_len=max(lens), max_seq_len=int(seq_lens.max()),
+        block_table=table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        num_reqs=len(requests),
+        num_actual_tokens=len(token_rows),
+        max_query_len=max(lens),
+        max_seq_len=int(seq_lens.max()),
         block_size=BLOCK_SIZE,
     )
-    return DraftStep(token_ids=torch.tensor(token_rows), positions=torch.tensor(positions),
-                     hidden_states=torch.cat(hidden), query_start_loc=query_start,
-                     num_rejected=np.asarray(num_rejected, dtype=np.int32), attention_metadata=common,
-                     aux_hidden_states=[torch.cat(rows) for rows in aux] or None)
+    return DraftStep(
+        token_ids=torch.tensor(token_rows),
+        positions=torch.tensor(positions),
+        hidden_states=torch.cat(hidden),
+        query_start_loc=query_start,
+        num_rejected=np.asarray(num_rejected, dtype=np.int32),
+        attention_metadata=common,
+        aux_hidden_states=[torch.cat(rows) for rows in aux] or None,
+    )
 
 
 def dense_drafts(model, draft_model: EagleDraftModel, token_ids: list[int], num_drafts: int) -> list[int]:
@@ -268,13 +316,18 @@ def dense_drafts(model, draft_model: EagleDraftModel, token_ids: list[int], num_
     return [int(model.lm_head(output[0, len(token_ids) - 2]).argmax()) for output in outputs]
 
 
-@pytest.mark.parametrize(("kind", "backend"), [("eagle", backend) for backend in CPU_BACKENDS] + [
-    ("eagle3", "reference"), ("eagle3", "torch_sdpa")])
+@pytest.mark.parametrize(
+    ("kind", "backend"),
+    [("eagle", backend) for backend in CPU_BACKENDS] + [("eagle3", "reference"), ("eagle3", "torch_sdpa")],
+)
 def test_paged_eagle_drafts_equal_the_dense_rollout_across_steps(tiny_model, tokenizer, kind, backend):
     """EAGLE-3 (layers 0, 3 and 1) drafts from the aux states on the first pass, then from its own outputs."""
     config = drafter_config(tiny_model, num_speculative_tokens=4)
-    drafter = EagleDrafter(EagleOptions(seed=3), config=config) if kind == "eagle" else \
-        Eagle3Drafter(Eagle3Options(seed=3, aux_layers=[0, -1, 1]), config=config)
+    drafter = (
+        EagleDrafter(EagleOptions(seed=3), config=config)
+        if kind == "eagle"
+        else Eagle3Drafter(Eagle3Options(seed=3, aux_layers=[0, -1, 1]), config=config)
+    )
     drafter.load(context_for(tiny_model, backend))
     aux_layers = drafter.aux_hidden_state_layers()
     assert aux_layers == (() if kind == "eagle" else (0, 3, 1))
@@ -329,22 +382,19 @@ def test_eagle_respects_max_model_len_skip_and_empty_batches(tiny_model, tokeniz
     request = PagedRequest(tiny_model, prompt + [5], [4, 8, 12])
     other = PagedRequest(tiny_model, prompt[:6] + [5], [20, 21])
     step = make_step([request, other], [(0, prompt), (0, prompt[:6])], [0, 0])
-    batch = DraftBatch(["a", "b"], [np.array(request.token_ids), np.array(other.token_ids)], 3, 12, step=step,
-                       skip={1})
+    batch = DraftBatch(["a", "b"], [np.array(request.token_ids), np.array(other.token_ids)], 3, 12, step=step, skip={1})
     drafts = drafter.propose(batch).draft_token_ids
     assert len(drafts[0]) == 1 and drafts[1] == []  # 11 tokens, max_model_len 12: room for one
     assert all(0 <= t < tiny_model.config.vocab_size for t in drafts[0])
     assert drafter.propose(DraftBatch([], [], 3, 12)).draft_token_ids == []
 
 
-def test_trained_eagle_layer_round_trips_through_a_directory_with_its_draft_vocabulary(tiny_model, tokenizer,
-                                                                                       tmp_path):
+def test_trained_eagle_layer_round_trips_through_a_directory_with_its_draft_vocabulary(tiny_model, tokenizer, tmp_path):
     parts = target_parts(tiny_model)
     torch.manual_seed(5)
     draft_model = EagleDraftModel.for_target(parts, intermediate_size=96, draft_vocab_size=300)
     draft_model.token_map.copy_(torch.arange(0, 3000, 10))
-    save_drafter(tmp_path, {"kind": "eagle", **draft_model.sizes(), "target": target_identity(tiny_model)},
-                 draft_model)
+    save_drafter(tmp_path, {"kind": "eagle", **draft_model.sizes(), "target": target_identity(tiny_model)}, draft_model)
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["intermediate_size"], config["draft_vocab_size"]) == (96, 300)
     drafter = EagleDrafter(EagleOptions(path=str(tmp_path)), config=drafter_config(tiny_model))
@@ -380,8 +430,9 @@ def test_the_draft_token_map_takes_the_most_emitted_tokens_then_the_lowest_ids()
 
 
 def test_the_corpus_records_the_targets_greedy_generation(tiny_model, corpus):
-    for token_ids, hidden, greedy, prompt_len in zip(corpus.token_ids, corpus.hidden, corpus.next_token_ids,
-                                                     corpus.prompt_lens, strict=True):
+    for token_ids, hidden, greedy, prompt_len in zip(
+        corpus.token_ids, corpus.hidden, corpus.next_token_ids, corpus.prompt_lens, strict=True
+    ):
         assert hidden.shape == (len(token_ids) - 1, tiny_model.config.hidden_size)
         torch.testing.assert_close(hidden, hidden_of(tiny_model, token_ids.tolist())[:-1], atol=1e-4, rtol=1e-4)
         assert torch.equal(greedy[prompt_len - 1 :], token_ids[prompt_len:])
@@ -411,14 +462,35 @@ def test_a_few_training_steps_lower_both_losses(tiny_model, corpus):
 
 def assert_eagle_training_lowers_loss(draft_model, parts, batch, train_set, held_out) -> None:
     """30 steps of ``train_eagle`` cut the two-step loss on ``batch`` by 10 % and report held-out points."""
+
     def eagle_loss() -> float:
         with torch.no_grad():
-            return float(train.eagle_loss(draft_model, parts, batch, 2, feature_noise=0.0, token_weight=0.5,
-                                          token_rows=10**6, generator=torch.Generator().manual_seed(0)))
+            return float(
+                train.eagle_loss(
+                    draft_model,
+                    parts,
+                    batch,
+                    2,
+                    feature_noise=0.0,
+                    token_weight=0.5,
+                    token_rows=10**6,
+                    generator=torch.Generator().manual_seed(0),
+                )
+            )
 
     before = eagle_loss()
-    report = train.train_eagle(draft_model, parts, train_set, held_out, seconds=float("inf"), max_steps=30,
-                               num_steps=2, lr=1e-2, batch_size=2, token_rows=32)
+    report = train.train_eagle(
+        draft_model,
+        parts,
+        train_set,
+        held_out,
+        seconds=float("inf"),
+        max_steps=30,
+        num_steps=2,
+        lr=1e-2,
+        batch_size=2,
+        token_rows=32,
+    )
     assert eagle_loss() < 0.9 * before
     assert report.after.num_points > 0
 
@@ -454,8 +526,9 @@ def test_medusa_heads_learn_a_deterministic_pattern(tiny_model):
     train_set, held_out = pattern_corpus(tiny_model, 12).split(0.25)
     heads = MedusaHeads(parts.hidden_size, 3, draft_vocab_size=2048)  # ids 0-2047: a twentieth of the work
     heads.token_map.copy_(torch.arange(2048))
-    report = train.train_medusa(heads, parts, train_set, held_out, seconds=float("inf"), max_steps=120, lr=1e-2,
-                                batch_size=64)
+    report = train.train_medusa(
+        heads, parts, train_set, held_out, seconds=float("inf"), max_steps=120, lr=1e-2, batch_size=64
+    )
     assert report.before.mean_accepted < 0.5
     assert min(report.after.accepted_rate) > 0.85
     assert report.after.mean_accepted_length > 3.5
@@ -474,13 +547,34 @@ def test_the_training_command_writes_weights_the_drafters_load(tiny_model, tmp_p
     from patchbay.plugins.drafters.train_cli import main
 
     model_dir = tiny_model.name_or_path
-    drafters = {"medusa": (MedusaDrafter, MedusaOptions), "eagle": (EagleDrafter, EagleOptions),
-                "eagle3": (Eagle3Drafter, Eagle3Options)}
+    drafters = {
+        "medusa": (MedusaDrafter, MedusaOptions),
+        "eagle": (EagleDrafter, EagleOptions),
+        "eagle3": (Eagle3Drafter, Eagle3Options),
+    }
     for kind, (drafter_class, options) in drafters.items():
         out = tmp_path / kind
-        status = main([kind, "--model", model_dir, "--out", str(out), "--sequences", "6", "--max-new-tokens", "12",
-                       "--max-steps", "2", "--corpus", str(tmp_path / "corpus.pt"), "--batch-size", "2",
-                       "--draft-vocab", "512"])
+        status = main(
+            [
+                kind,
+                "--model",
+                model_dir,
+                "--out",
+                str(out),
+                "--sequences",
+                "6",
+                "--max-new-tokens",
+                "12",
+                "--max-steps",
+                "2",
+                "--corpus",
+                str(tmp_path / "corpus.pt"),
+                "--batch-size",
+                "2",
+                "--draft-vocab",
+                "512",
+            ]
+        )
         assert status == 0
         printed = capsys.readouterr().out
         assert "mean accepted length" in printed and str(out) in printed

@@ -14,15 +14,20 @@ from patchbay.contract.registry import KINDS
 from patchbay.contract.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-NUMBER_WORDS = {word: value for value, word in enumerate(
-    ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"])}
+NUMBER_WORDS = {
+    word: value
+    for value, word in enumerate(
+        ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
+    )
+}
 
 
 def test_every_plugin_folder_is_named_after_the_kind_it_holds():
     names = {kind for name in KINDS for kind in (name, f"{name}s")}
     folders = [path.name for path in (REPO_ROOT / "plugins").iterdir() if (path / "__init__.py").exists()]
     assert folders and not [folder for folder in folders if folder not in names], (
-        f"plugin folders not named after a kind ({', '.join(KINDS)}, or their plurals): {sorted(folders)}")
+        f"plugin folders not named after a kind ({', '.join(KINDS)}, or their plurals): {sorted(folders)}"
+    )
 
 
 def test_every_kind_has_a_conformance_suite():
@@ -32,8 +37,12 @@ def test_every_kind_has_a_conformance_suite():
 
 
 def _sources() -> list[Path]:
-    return [REPO_ROOT / "README.md", *(REPO_ROOT / "docs").glob("*.md"), *(REPO_ROOT / "core").rglob("*.py"),
-            *(REPO_ROOT / "plugins").rglob("*.py")]
+    return [
+        REPO_ROOT / "README.md",
+        *(REPO_ROOT / "docs").glob("*.md"),
+        *(REPO_ROOT / "core").rglob("*.py"),
+        *(REPO_ROOT / "plugins").rglob("*.py"),
+    ]
 
 
 def test_texts_that_count_the_kinds_count_the_registry_s():

@@ -25,8 +25,9 @@ PACKAGE_DIRS = {"core": "patchbay", "plugins": "patchbay/plugins"}
 def _pip(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("PATCHBAY_") and key != "PYTHONPATH"}
     env.update(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
-    result = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, env=env, cwd=cwd,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
+    )
     assert result.returncode == 0, f"pip {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
     return result
 
@@ -40,8 +41,11 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if (REPO_ROOT / name).exists():
             shutil.copy2(REPO_ROOT / name, source / name)
     for directory in PACKAGE_DIRS:
-        shutil.copytree(REPO_ROOT / directory, source / directory,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+        shutil.copytree(
+            REPO_ROOT / directory,
+            source / directory,
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"),
+        )
     out = tmp_path_factory.mktemp("wheelhouse")
     _pip("wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(out), str(source))
     (built,) = out.glob("patchbay-*.whl")
@@ -64,11 +68,19 @@ def _entry_points(wheel: Path) -> configparser.ConfigParser:
 
 
 def test_the_wheel_holds_the_core_the_plugins_and_the_kit(wheel_files):
-    for expected in ("patchbay/entrypoints/cli.py", "patchbay/contract/registry.py", "patchbay/scheduling/scheduler.py",
-                     "patchbay/worker/model_runner.py", "patchbay/engine/core.py", "patchbay/interfaces/attention.py",
-                     "patchbay/plugins/attention/hooks.py", "patchbay/plugins/samplers/hooks.py",
-                     "patchbay/plugins/drafters/hooks.py",
-                     "patchbay/testing/suite.py", "patchbay/testing/pytest_plugin.py"):
+    for expected in (
+        "patchbay/entrypoints/cli.py",
+        "patchbay/contract/registry.py",
+        "patchbay/scheduling/scheduler.py",
+        "patchbay/worker/model_runner.py",
+        "patchbay/engine/core.py",
+        "patchbay/interfaces/attention.py",
+        "patchbay/plugins/attention/hooks.py",
+        "patchbay/plugins/samplers/hooks.py",
+        "patchbay/plugins/drafters/hooks.py",
+        "patchbay/testing/suite.py",
+        "patchbay/testing/pytest_plugin.py",
+    ):
         assert expected in wheel_files, f"{expected} missing from the wheel"
 
 
@@ -133,8 +145,9 @@ print(json.dumps({
 """
     env = {key: value for key, value in os.environ.items() if not key.startswith("PATCHBAY_")}
     env["PYTHONPATH"] = str(target)  # ahead of the venv's editable install
-    result = subprocess.run([sys.executable, "-c", script, str(target)], capture_output=True, text=True, env=env,
-                            cwd=tmp_path, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(target)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -60,9 +60,14 @@ def expected(llm_default, prompts) -> list[list[int]]:
     results = []
     with torch.inference_mode():
         for prompt in prompts:
-            generated = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False,
-                                       min_new_tokens=NUM_NEW_TOKENS, pad_token_id=0)
-            results.append(generated[0, len(prompt):].tolist())
+            generated = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NUM_NEW_TOKENS,
+                do_sample=False,
+                min_new_tokens=NUM_NEW_TOKENS,
+                pad_token_id=0,
+            )
+            results.append(generated[0, len(prompt) :].tolist())
     return results
 
 
@@ -73,7 +78,9 @@ def _generate(llm, prompts):
 
 def _assert_same(actual, expected, prompts):
     mismatched = [(len(p), e, a) for p, e, a in zip(prompts, expected, actual, strict=True) if e != a]
-    assert not mismatched, f"{len(mismatched)} of {len(prompts)} prompts differ (length, expected, got): {mismatched[:3]}"
+    assert not mismatched, (
+        f"{len(mismatched)} of {len(prompts)} prompts differ (length, expected, got): {mismatched[:3]}"
+    )
 
 
 def test_one_batch_matches_transformers(llm_default, prompts, expected):

@@ -89,8 +89,9 @@ class FakeSite:
         """Write a hooks module: ``from patchbay import hookimpl`` followed by ``body``."""
         return self.module(name, "from patchbay import hookimpl\n\n" + textwrap.dedent(body))
 
-    def distribution(self, name: str, version: str, entry_points: dict[str, str]
-                     ) -> list[importlib.metadata.EntryPoint]:
+    def distribution(
+        self, name: str, version: str, entry_points: dict[str, str]
+    ) -> list[importlib.metadata.EntryPoint]:
         """Install distribution ``name`` with these ``patchbay`` entry points; return them (with ``.dist`` set)."""
         values = {ep_name: value.replace("{pkg}", self.package) for ep_name, value in entry_points.items()}
         dist_info = write_dist_info(self.root, name, version, values)
@@ -113,12 +114,15 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def two_samplers(site: FakeSite) -> list[importlib.metadata.EntryPoint]:
     """Distribution ``good-plugin`` 1.2.0 registering samplers ``first`` and ``second`` lazily."""
     site.module("impl", SAMPLER_MODULE)
-    site.hooks("good_hooks", """
+    site.hooks(
+        "good_hooks",
+        """
         @hookimpl
         def register_samplers(register):
             register("first", "{pkg}.impl:FirstTokenSampler", description="always token 0")
             register("second", "{pkg}.impl:SecondTokenSampler")
-    """)
+    """,
+    )
     return site.distribution("good-plugin", "1.2.0", {"good": "{pkg}.good_hooks"})
 
 
@@ -172,12 +176,19 @@ def test_an_installed_third_party_distribution_registers_every_kind_lazily(plugi
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
 
-    assert sorted(report["rows"]) == sorted([
-        [reference, "patchbay-example-plugin", "0.3.1"] for reference in (
-            "attention:example_dense", "attention_metadata_builder:example_passthrough",
-            "drafter:example_repeat", "sampler:example_argmax", "sampler:example_verify",
-            "kv_connector:example_memory")
-    ])
+    assert sorted(report["rows"]) == sorted(
+        [
+            [reference, "patchbay-example-plugin", "0.3.1"]
+            for reference in (
+                "attention:example_dense",
+                "attention_metadata_builder:example_passthrough",
+                "drafter:example_repeat",
+                "sampler:example_argmax",
+                "sampler:example_verify",
+                "kv_connector:example_memory",
+            )
+        ]
+    )
     assert report["example_modules"] == ["patchbay_example", "patchbay_example.hooks"]
     assert report["torch"] is False
 
@@ -240,12 +251,15 @@ def test_adding_two_plugins_under_one_name_is_an_error(registry_with_constant_sa
 @pytest.fixture
 def faulty_hook(site: FakeSite) -> list[importlib.metadata.EntryPoint]:
     """Distribution ``faulty-plugin`` 2.0: registers one sampler, then its hook raises."""
-    site.hooks("faulty_hooks", """
+    site.hooks(
+        "faulty_hooks",
+        """
         @hookimpl
         def register_samplers(register):
             register("half_registered", "{pkg}.impl:FirstTokenSampler")
             raise RuntimeError("no GPU found during registration")
-    """)
+    """,
+    )
     return site.distribution("faulty-plugin", "2.0", {"faulty": "{pkg}.faulty_hooks"})
 
 
@@ -280,11 +294,14 @@ def test_strict_mode_turns_a_failing_plugin_into_an_error(two_samplers, faulty_h
 
 
 def test_a_hook_with_the_wrong_signature_is_reported(site, two_samplers):
-    site.hooks("misnamed_argument", """
+    site.hooks(
+        "misnamed_argument",
+        """
         @hookimpl
         def register_samplers(callback):
             callback("never", "{pkg}.impl:FirstTokenSampler")
-    """)
+    """,
+    )
     wrong = site.distribution("wrong-signature-plugin", "1.0", {"wrong": "{pkg}.misnamed_argument"})
 
     registry = Registry.from_entry_points(entry_points=[*wrong, *two_samplers])
@@ -306,11 +323,14 @@ def test_a_hook_with_the_wrong_signature_is_reported(site, two_samplers):
 )
 def test_invalid_names_and_targets_are_rejected(site, registration, complaint):
     site.module("impl", SAMPLER_MODULE)
-    site.hooks("invalid", f"""
+    site.hooks(
+        "invalid",
+        f"""
         @hookimpl
         def register_samplers(register):
             {registration}
-    """)
+    """,
+    )
     entry_points = site.distribution("sloppy-plugin", "0.0.1", {"sloppy": "{pkg}.invalid"})
 
     registry = Registry.from_entry_points(entry_points=entry_points)
@@ -325,11 +345,14 @@ def test_invalid_names_and_targets_are_rejected(site, registration, complaint):
 @pytest.fixture
 def typo_hook(site: FakeSite) -> list[importlib.metadata.EntryPoint]:
     """Distribution ``typo-plugin`` 0.2, whose hook is misspelled ``register_sampler``."""
-    site.hooks("typo_hooks", """
+    site.hooks(
+        "typo_hooks",
+        """
         @hookimpl
         def register_sampler(register):  # the hook is register_samplers
             register("never_registered", "{pkg}.impl:FirstTokenSampler")
-    """)
+    """,
+    )
     return site.distribution("typo-plugin", "0.2", {"typo": "{pkg}.typo_hooks"})
 
 
@@ -361,7 +384,9 @@ def test_a_misspelled_hook_is_contained_like_any_other_plugin_failure(two_sample
 @pytest.fixture
 def clashing(site: FakeSite, two_samplers) -> list[importlib.metadata.EntryPoint]:
     """``good-plugin`` 1.2.0 and ``rival-plugin`` 3.1 both register sampler ``first``."""
-    site.hooks("rival_hooks", """
+    site.hooks(
+        "rival_hooks",
+        """
         @hookimpl
         def register_samplers(register):
             register("first", "{pkg}.impl:SecondTokenSampler")
@@ -370,7 +395,8 @@ def clashing(site: FakeSite, two_samplers) -> list[importlib.metadata.EntryPoint
         @hookimpl
         def register_drafters(register):
             register("second", "{pkg}.impl:NotADrafterButNeverResolved")  # another kind: no clash
-    """)
+    """,
+    )
     return [*two_samplers, *site.distribution("rival-plugin", "3.1", {"rival": "{pkg}.rival_hooks"})]
 
 
@@ -402,11 +428,14 @@ def test_denying_one_side_of_a_conflict_resolves_it(clashing):
 
 
 def test_two_distributions_with_the_same_entry_point_name_both_load_or_are_reported(site, two_samplers):
-    site.hooks("other_hooks", """
+    site.hooks(
+        "other_hooks",
+        """
         @hookimpl
         def register_samplers(register):
             register("third", "{pkg}.impl:SecondTokenSampler")
-    """)
+    """,
+    )
     same_name = site.distribution("other-plugin", "0.9", {"good": "{pkg}.other_hooks"})
 
     registry = Registry.from_entry_points(entry_points=[*two_samplers, *same_name])
@@ -450,7 +479,9 @@ def test_unknown_kinds_and_malformed_references_list_the_kinds():
 
 
 def test_registration_is_lazy_until_resolve(site):
-    site.module("heavy_impl", """
+    site.module(
+        "heavy_impl",
+        """
         import sys
         sys.modules[__name__].imported_once = True
         from patchbay.interfaces import Sampler, SamplerOutput
@@ -460,13 +491,19 @@ def test_registration_is_lazy_until_resolve(site):
 
             def sample(self, logits, metadata):
                 return SamplerOutput(sampled_token_ids=logits.argmax(-1, keepdim=True))
-    """)
-    site.hooks("lazy_hooks", """
+    """,
+    )
+    site.hooks(
+        "lazy_hooks",
+        """
         @hookimpl
         def register_samplers(register):
             register("heavy", "{pkg}.heavy_impl:HeavySampler")
-    """)
-    registry = Registry.from_entry_points(entry_points=site.distribution("lazy-plugin", "1.0", {"lazy": "{pkg}.lazy_hooks"}))
+    """,
+    )
+    registry = Registry.from_entry_points(
+        entry_points=site.distribution("lazy-plugin", "1.0", {"lazy": "{pkg}.lazy_hooks"})
+    )
 
     assert registry.names("sampler") == ["heavy"]
     assert not site.imported("{pkg}.heavy_impl")
@@ -478,7 +515,9 @@ def test_registration_is_lazy_until_resolve(site):
 
 def test_resolving_a_target_that_is_not_the_kind_interface_fails(site):
     site.module("impl", SAMPLER_MODULE)
-    site.hooks("mixed_up_hooks", """
+    site.hooks(
+        "mixed_up_hooks",
+        """
         @hookimpl
         def register_samplers(register):
             register("plain_class", "{pkg}.impl:NotASampler")
@@ -488,12 +527,17 @@ def test_resolving_a_target_that_is_not_the_kind_interface_fails(site):
         @hookimpl
         def register_drafters(register):
             register("a_sampler", "{pkg}.impl:FirstTokenSampler")
-    """)
+    """,
+    )
     registry = Registry.from_entry_points(
-        entry_points=site.distribution("mixed-up-plugin", "1.0", {"mixed": "{pkg}.mixed_up_hooks"}))
+        entry_points=site.distribution("mixed-up-plugin", "1.0", {"mixed": "{pkg}.mixed_up_hooks"})
+    )
 
-    with pytest.raises(PluginLoadError, match=r"sampler:plain_class .*mixed-up-plugin.* not a subclass of "
-                                              r"patchbay\.interfaces\.sampler\.SamplerBase"):
+    with pytest.raises(
+        PluginLoadError,
+        match=r"sampler:plain_class .*mixed-up-plugin.* not a subclass of "
+        r"patchbay\.interfaces\.sampler\.SamplerBase",
+    ):
         registry.resolve("sampler", "plain_class")
     with pytest.raises(PluginLoadError, match=r"not a subclass of patchbay\.interfaces\.drafter\.Drafter"):
         registry.resolve("drafter", "a_sampler")
@@ -509,9 +553,12 @@ def test_resolving_a_target_that_is_not_the_kind_interface_fails(site):
 @pytest.fixture
 def with_unwanted(site: FakeSite, two_samplers) -> list[importlib.metadata.EntryPoint]:
     """``good-plugin`` plus ``unwanted-plugin``, whose module must never be imported when denied."""
-    site.module("unwanted_hooks", """
+    site.module(
+        "unwanted_hooks",
+        """
         raise AssertionError("the unwanted plugin was imported although it was denied")
-    """)
+    """,
+    )
     return [*two_samplers, *site.distribution("unwanted-plugin", "6.6.6", {"unwanted": "{pkg}.unwanted_hooks"})]
 
 
@@ -556,8 +603,11 @@ def test_a_denied_implementation_is_said_to_be_denied_not_missing(two_samplers):
 
 def test_an_implementation_outside_the_allow_list_is_said_to_be_not_allowed(two_samplers):
     registry = Registry.from_entry_points(allow=["sampler:second"], entry_points=two_samplers)
-    with pytest.raises(UnknownPluginError, match=r"^sampler:first \(plugin 'good' from good-plugin 1\.2\.0\) is not "
-                                                 r"in plugins\.allow"):
+    with pytest.raises(
+        UnknownPluginError,
+        match=r"^sampler:first \(plugin 'good' from good-plugin 1\.2\.0\) is not "
+        r"in plugins\.allow",
+    ):
         registry.get("sampler", "first")
 
 
@@ -570,5 +620,7 @@ def test_a_missing_name_lists_the_plugins_that_were_denied_or_failed_to_import(s
     message = str(caught.value)
     assert "no sampler named 'from_the_unwanted_plugin' is installed; available: first, second\n" in message
     assert "plugin 'unwanted' from unwanted-plugin 6.6.6 is denied by plugins.deny" in message
-    assert ("plugin 'needs_more' from needs-more-plugin 0.1 failed to load: ModuleNotFoundError: No module named "
-            "'a_module_that_is_not_installed_anywhere'") in message
+    assert (
+        "plugin 'needs_more' from needs-more-plugin 0.1 failed to load: ModuleNotFoundError: No module named "
+        "'a_module_that_is_not_installed_anywhere'"
+    ) in message

@@ -16,18 +16,23 @@ VOCAB = 49152  # tiny_llama's vocabulary
 @pytest.fixture
 def job(tmp_path, tiny_llama):
     """Write a job: JSONL request lines and a YAML naming them, the tiny model and ``outputs.path``."""
+
     def write(lines: list[dict], output: str = "out/results.jsonl", **settings) -> str:
         (tmp_path / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-        config = {"model": {"path": str(tiny_llama), "max_model_len": 64},
-                  "runtime": {"threads": 2}, "cache": {"num_blocks": 64},
-                  "attention": {"backend": "torch_sdpa"},
-                  "inputs": {"file": "requests.jsonl", "sampling": {"max_tokens": 3}},
-                  "outputs": {"path": output, "progress": False}}
+        config = {
+            "model": {"path": str(tiny_llama), "max_model_len": 64},
+            "runtime": {"threads": 2},
+            "cache": {"num_blocks": 64},
+            "attention": {"backend": "torch_sdpa"},
+            "inputs": {"file": "requests.jsonl", "sampling": {"max_tokens": 3}},
+            "outputs": {"path": output, "progress": False},
+        }
         for key, value in settings.items():
             section, _, name = key.partition("__")
             config[section][name] = value
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
         return str(tmp_path / "job.yaml")
+
     return write
 
 
@@ -40,7 +45,8 @@ def _run(config: str, capsys) -> tuple[int, str]:
 
 
 def test_a_bad_request_found_after_loading_names_file_and_line_and_leaves_old_results_alone(
-        job, tmp_path, capsys, monkeypatch):
+    job, tmp_path, capsys, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     assert _run(job(GOOD), capsys)[0] == 0
     results = tmp_path / "out" / "results.jsonl"
@@ -54,12 +60,18 @@ def test_a_bad_request_found_after_loading_names_file_and_line_and_leaves_old_re
     assert not list(results.parent.glob(".*.partial"))
 
 
-@pytest.mark.parametrize(("line", "message"), [
-    ({"id": None, "prompt": "hi"}, "requests.jsonl:1: id: a request id is a string or an integer, got null"),
-    ({"id": [1], "prompt": "hi"}, "requests.jsonl:1: id: a request id is a string or an integer, got [1]"),
-    ({"messages": "hello"}, "requests.jsonl:1: <request>: request 'requests-1': 'messages' must be a non-empty list"),
-    ({"prompt": "x", "stop": [""]}, "requests.jsonl:1: stop: Value error, a stop string must not be empty"),
-])
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ({"id": None, "prompt": "hi"}, "requests.jsonl:1: id: a request id is a string or an integer, got null"),
+        ({"id": [1], "prompt": "hi"}, "requests.jsonl:1: id: a request id is a string or an integer, got [1]"),
+        (
+            {"messages": "hello"},
+            "requests.jsonl:1: <request>: request 'requests-1': 'messages' must be a non-empty list",
+        ),
+        ({"prompt": "x", "stop": [""]}, "requests.jsonl:1: stop: Value error, a stop string must not be empty"),
+    ],
+)
 def test_a_malformed_request_is_a_one_line_error_naming_file_and_line(job, capsys, line, message):
     code, err = _run(job([line]), capsys)
     assert code == 2 and message in err and "Traceback" not in err
@@ -138,7 +150,7 @@ class _DiskFillsAfter:
 
         if self.budget <= 0:
             raise OSError(errno.ENOSPC, "No space left on device")
-        written = os.write(descriptor, bytes(data)[:self.budget])
+        written = os.write(descriptor, bytes(data)[: self.budget])
         self.budget -= written
         return written
 

@@ -139,8 +139,14 @@ def test_logprobs_of_the_wrong_mode_fail() -> None:
 class AlwaysAccept(StandardRejectionSampler):
     """Accepts every draft and appends the bonus token."""
 
-    def verify(self, metadata: SpecDecodeMetadata, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-               bonus_token_ids: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:
+    def verify(
+        self,
+        metadata: SpecDecodeMetadata,
+        draft_probs: torch.Tensor | None,
+        target_logits: torch.Tensor,
+        bonus_token_ids: torch.Tensor,
+        sampling: SamplingMetadata,
+    ) -> torch.Tensor:
         width = max(metadata.num_draft_tokens) + 1
         output = torch.full((len(metadata.num_draft_tokens), width), -1, dtype=torch.int64)
         for request, drafts in enumerate(metadata.draft_token_ids.split(metadata.num_draft_tokens)):
@@ -152,11 +158,22 @@ class AlwaysAccept(StandardRejectionSampler):
 class TargetTemperatureIgnored(StandardRejectionSampler):
     """Verifies against the target at temperature 1, whatever the request asked."""
 
-    def verify(self, metadata: SpecDecodeMetadata, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-               bonus_token_ids: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:
+    def verify(
+        self,
+        metadata: SpecDecodeMetadata,
+        draft_probs: torch.Tensor | None,
+        target_logits: torch.Tensor,
+        bonus_token_ids: torch.Tensor,
+        sampling: SamplingMetadata,
+    ) -> torch.Tensor:
         temperature = torch.where(sampling.temperature > 0, 1.0, 0.0)
-        return super().verify(metadata, draft_probs, target_logits, bonus_token_ids,
-                              dataclasses.replace(sampling, temperature=temperature))
+        return super().verify(
+            metadata,
+            draft_probs,
+            target_logits,
+            bonus_token_ids,
+            dataclasses.replace(sampling, temperature=temperature),
+        )
 
 
 @pytest.mark.parametrize("case", ["draft_probs", "no_draft_probs"])

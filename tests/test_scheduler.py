@@ -61,8 +61,9 @@ class FakeRunner:
             self.states.pop(request_id, None)
         for new in output.scheduled_new_reqs:
             assert new.req_id not in self.states
-            self.states[new.req_id] = RunnerState(new.all_token_ids, new.num_computed_tokens,
-                                                  [list(ids) for ids in new.block_ids])
+            self.states[new.req_id] = RunnerState(
+                new.all_token_ids, new.num_computed_tokens, [list(ids) for ids in new.block_ids]
+            )
         cached = output.scheduled_cached_reqs
         for request_id, new_block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -99,8 +100,7 @@ class FakeRunner:
             state.token_ids = state.token_ids + sampled
             sampled_token_ids.append(sampled)
             draft_token_ids.append(self.drafter(state.token_ids) if self.drafter and sampled else [])
-        return ModelRunnerOutput(list(output.num_scheduled_tokens), sampled_token_ids,
-                                 draft_token_ids=draft_token_ids)
+        return ModelRunnerOutput(list(output.num_scheduled_tokens), sampled_token_ids, draft_token_ids=draft_token_ids)
 
     def _read_context(self, state: RunnerState, position: int) -> list[int]:
         """The tokens a model would attend to at ``position``, read back from the cache.
@@ -164,15 +164,21 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
     assert sorted(new_ids + output.scheduled_cached_reqs.req_ids) == sorted(counts)
     for new in output.scheduled_new_reqs:
         assert new.num_computed_tokens + counts[new.req_id] <= scheduler.max_model_len
-    for request_id, num_computed in zip(output.scheduled_cached_reqs.req_ids,
-                                        output.scheduled_cached_reqs.num_computed_tokens, strict=True):
+    for request_id, num_computed in zip(
+        output.scheduled_cached_reqs.req_ids, output.scheduled_cached_reqs.num_computed_tokens, strict=True
+    ):
         assert num_computed + counts[request_id] <= scheduler.max_model_len
         drafts = output.scheduled_spec_decode_tokens.get(request_id, [])
         assert len(drafts) <= scheduler.num_speculative_tokens
 
 
-def reference_output(prompt: list[int], params: SamplingParams, next_token: NextToken, max_model_len: int,
-                     eos_token_id: int | None = None) -> list[int]:
+def reference_output(
+    prompt: list[int],
+    params: SamplingParams,
+    next_token: NextToken,
+    max_model_len: int,
+    eos_token_id: int | None = None,
+) -> list[int]:
     """What a request must produce, computed without any cache."""
     tokens, output = list(prompt), []
     while True:
@@ -203,14 +209,22 @@ def make_scheduler(
     if groups is None:
         groups = [KVCacheGroup(KVCacheSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8), ["layers.0"])]
     manager = KVCacheManager(groups, num_blocks, prefix_caching)
-    return Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                     max_model_len=max_model_len, block_size=BLOCK_SIZE, chunked_prefill=chunked_prefill,
-                     num_speculative_tokens=num_speculative_tokens, max_batches_in_flight=max_batches_in_flight,
-                     pipelined=pipelined)
+    return Scheduler(
+        manager,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        block_size=BLOCK_SIZE,
+        chunked_prefill=chunked_prefill,
+        num_speculative_tokens=num_speculative_tokens,
+        max_batches_in_flight=max_batches_in_flight,
+        pipelined=pipelined,
+    )
 
 
-def make_request(request_id: str, prompt: list[int], eos_token_id: int | None = None, arrival_time: float = 0.0,
-                 **params) -> Request:
+def make_request(
+    request_id: str, prompt: list[int], eos_token_id: int | None = None, arrival_time: float = 0.0, **params
+) -> Request:
     return Request(request_id, prompt, SamplingParams(**params), eos_token_id, arrival_time, block_size=BLOCK_SIZE)
 
 
@@ -227,8 +241,10 @@ def workload() -> list[tuple[str, list[int], SamplingParams]]:
         "r5": rng.integers(0, 97, size=17).tolist(),
     }
     max_tokens = {"r0": 20, "r1": 14, "r2": 18, "r3": 25, "r4": 11, "r5": 16}
-    return [(request_id, prompt, SamplingParams(max_tokens=max_tokens[request_id]))
-            for request_id, prompt in prompts.items()]
+    return [
+        (request_id, prompt, SamplingParams(max_tokens=max_tokens[request_id]))
+        for request_id, prompt in prompts.items()
+    ]
 
 
 def run_workload(scheduler: Scheduler, **runner_options) -> RunResult:
@@ -241,8 +257,10 @@ def run_workload(scheduler: Scheduler, **runner_options) -> RunResult:
 
 
 def expected_workload_outputs(max_model_len: int = 64) -> dict[str, list[int]]:
-    return {request_id: reference_output(prompt, params, weighted_sum_token, max_model_len)
-            for request_id, prompt, params in workload()}
+    return {
+        request_id: reference_output(prompt, params, weighted_sum_token, max_model_len)
+        for request_id, prompt, params in workload()
+    }
 
 
 # -- end to end ------------------------------------------------------------------
@@ -270,8 +288,9 @@ def test_preemption_takes_the_latest_arrival_first():
     scheduler = make_scheduler(num_blocks=17, max_num_batched_tokens=64)
     runner = FakeRunner(scheduler.kv_cache_manager)
     for index, request_id in enumerate(["early", "middle", "late"]):
-        scheduler.add_request(make_request(request_id, list(range(index, index + 15)), arrival_time=index,
-                                           max_tokens=40, ignore_eos=True))
+        scheduler.add_request(
+            make_request(request_id, list(range(index, index + 15)), arrival_time=index, max_tokens=40, ignore_eos=True)
+        )
     first_preemption = None
     while scheduler.has_unfinished_requests() and first_preemption is None:
         output = scheduler.schedule()
@@ -290,16 +309,17 @@ def test_chunked_prefill_splits_a_long_prompt_across_steps_next_to_decodes():
     result = run_to_completion(scheduler, runner)
 
     long_steps = [step for step in result.steps if "long" in step.num_scheduled_tokens]
-    prefill_steps = long_steps[: next(i for i, step in enumerate(long_steps)
-                                      if step.num_scheduled_tokens["long"] == 1)]
+    prefill_steps = long_steps[: next(i for i, step in enumerate(long_steps) if step.num_scheduled_tokens["long"] == 1)]
     assert len(prefill_steps) >= 4
     assert sum(step.num_scheduled_tokens["long"] for step in prefill_steps) == len(long_prompt)
-    mixed = [step for step in prefill_steps
-             if step.num_scheduled_tokens.get("short-a") == 1 and step.num_scheduled_tokens.get("short-b") == 1]
+    mixed = [
+        step
+        for step in prefill_steps
+        if step.num_scheduled_tokens.get("short-a") == 1 and step.num_scheduled_tokens.get("short-b") == 1
+    ]
     assert mixed, "prefill chunks should share steps with decodes"
     assert all(step.total_num_scheduled_tokens <= 8 for step in result.steps)
-    assert result.outputs["long"] == reference_output(long_prompt, SamplingParams(max_tokens=5),
-                                                      weighted_sum_token, 64)
+    assert result.outputs["long"] == reference_output(long_prompt, SamplingParams(max_tokens=5), weighted_sum_token, 64)
 
 
 def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole():
@@ -309,8 +329,7 @@ def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole():
     scheduler.add_request(make_request("whole", list(range(10)), max_tokens=3))
     scheduler.add_request(make_request("small", [7, 8, 9], max_tokens=3))
     result = run_to_completion(scheduler, runner)
-    whole_counts = [step.num_scheduled_tokens["whole"] for step in result.steps
-                    if "whole" in step.num_scheduled_tokens]
+    whole_counts = [step.num_scheduled_tokens["whole"] for step in result.steps if "whole" in step.num_scheduled_tokens]
     assert whole_counts[0] == 10 and set(whole_counts[1:]) == {1}
     # "small" fits next to the decoder while "whole" cannot: it is admitted first.
     first_step = result.steps[0].num_scheduled_tokens
@@ -340,9 +359,10 @@ def test_prefix_cache_hit_is_reported_to_the_runner_and_in_metrics():
 
 def test_sliding_window_model_runs_correctly_in_a_tiny_pool():
     spec = KVCacheSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8)
-    groups = [KVCacheGroup(spec, ["layers.0"]),
-              KVCacheGroup(KVCacheSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, sliding_window=8),
-                           ["layers.1"])]
+    groups = [
+        KVCacheGroup(spec, ["layers.0"]),
+        KVCacheGroup(KVCacheSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, sliding_window=8), ["layers.1"]),
+    ]
     large = run_workload(make_scheduler(num_blocks=1000, groups=groups))
     tiny = run_workload(make_scheduler(num_blocks=17, groups=groups))
     assert tiny.preempted
@@ -351,8 +371,11 @@ def test_sliding_window_model_runs_correctly_in_a_tiny_pool():
 
 def test_sliding_window_only_model_fits_a_pool_smaller_than_max_model_len():
     window = 8
-    groups = [KVCacheGroup(KVCacheSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, sliding_window=window),
-                           ["layers.0"])]
+    groups = [
+        KVCacheGroup(
+            KVCacheSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, sliding_window=window), ["layers.0"]
+        )
+    ]
 
     def windowed_token(context: list[int]) -> int:
         return weighted_sum_token(context[-window:])
@@ -361,8 +384,9 @@ def test_sliding_window_only_model_fits_a_pool_smaller_than_max_model_len():
     scheduler = make_scheduler(num_blocks=12, groups=groups, max_model_len=64, max_num_batched_tokens=32)
     result = run_workload(scheduler, next_token=windowed_token)
     assert result.preempted
-    assert result.outputs == {request_id: reference_output(prompt, params, windowed_token, 64)
-                              for request_id, prompt, params in workload()}
+    assert result.outputs == {
+        request_id: reference_output(prompt, params, windowed_token, 64) for request_id, prompt, params in workload()
+    }
     with pytest.raises(ValueError, match="needs 11 blocks"):
         make_scheduler(num_blocks=11, groups=groups, max_model_len=64, max_num_batched_tokens=32)
 
@@ -377,8 +401,9 @@ def test_empty_scheduler_schedules_nothing():
 # -- stop conditions -------------------------------------------------------------
 
 
-def run_single(prompt: list[int], eos_token_id: int | None = None, max_model_len: int = 64,
-               **params) -> tuple[list[int], str, RequestUpdate]:
+def run_single(
+    prompt: list[int], eos_token_id: int | None = None, max_model_len: int = 64, **params
+) -> tuple[list[int], str, RequestUpdate]:
     scheduler = make_scheduler(max_model_len=max_model_len)
     scheduler.add_request(make_request("r", prompt, eos_token_id, **params))
     result = run_to_completion(scheduler, FakeRunner(scheduler.kv_cache_manager, position_token))
@@ -475,6 +500,7 @@ def test_abort_between_schedule_and_update_ignores_the_stale_result():
 
 def half_right_drafter(num_right: int, num_drafts: int = 3) -> Callable[[list[int]], list[int]]:
     """Proposes the true next ``num_right`` tokens, then wrong ones."""
+
     def propose(token_ids: list[int]) -> list[int]:
         context, drafts = list(token_ids), []
         for index in range(num_drafts):
@@ -482,6 +508,7 @@ def half_right_drafter(num_right: int, num_drafts: int = 3) -> Callable[[list[in
             drafts.append(token if index < num_right else (token + 1) % 97)
             context.append(token)
         return drafts
+
     return propose
 
 
@@ -550,10 +577,12 @@ def test_drafts_are_cut_by_the_token_budget_and_max_model_len():
 
 
 def test_spec_decode_with_preemption_in_a_tiny_pool_matches_the_reference():
-    large = run_workload(make_scheduler(num_blocks=1000, num_speculative_tokens=3),
-                         drafter=half_right_drafter(num_right=2))
-    tiny = run_workload(make_scheduler(num_blocks=17, num_speculative_tokens=3),
-                        drafter=half_right_drafter(num_right=2))
+    large = run_workload(
+        make_scheduler(num_blocks=1000, num_speculative_tokens=3), drafter=half_right_drafter(num_right=2)
+    )
+    tiny = run_workload(
+        make_scheduler(num_blocks=17, num_speculative_tokens=3), drafter=half_right_drafter(num_right=2)
+    )
     assert tiny.preempted
     assert tiny.outputs == large.outputs == expected_workload_outputs()
 
@@ -664,8 +693,7 @@ def add_workload(scheduler: Scheduler) -> None:
 def test_overlapped_batches_produce_the_reference_outputs_with_one_batch_in_flight_per_stage(depth):
     # A budget of 16 tokens spreads the six prompts over several batches, so three stages find three to run.
     # Depth 1: stages in lockstep (a KV connector's), whose first stages still learn the tokens from the scheduler.
-    scheduler = make_scheduler(num_blocks=1000, max_num_batched_tokens=16, max_batches_in_flight=depth,
-                               pipelined=True)
+    scheduler = make_scheduler(num_blocks=1000, max_num_batched_tokens=16, max_batches_in_flight=depth, pipelined=True)
     add_workload(scheduler)
     run = run_pipelined(scheduler, FakeRunner(scheduler.kv_cache_manager), depth)
     assert run.result.outputs == expected_workload_outputs()
@@ -711,8 +739,9 @@ def test_an_aborted_request_s_late_output_never_reaches_a_new_request_with_its_i
     runner.execute(waiting)  # empty, but it tells the runners to drop the old "r"
     assert scheduler.update_from_output(stale, stale_output) == []
     run = run_pipelined(scheduler, runner, depth=2)
-    assert run.result.outputs == {"r": reference_output([9, 8, 7, 6], SamplingParams(max_tokens=3),
-                                                        weighted_sum_token, 64)}
+    assert run.result.outputs == {
+        "r": reference_output([9, 8, 7, 6], SamplingParams(max_tokens=3), weighted_sum_token, 64)
+    }
 
 
 def test_a_request_preempted_in_flight_is_admitted_again_only_once_its_late_output_is_dropped():
@@ -736,8 +765,9 @@ def test_a_request_preempted_in_flight_is_admitted_again_only_once_its_late_outp
     assert scheduler.update_from_output(second, second_output) == []  # the late output of a preempted request
     assert scheduler.update_from_output(third, third_output) == []  # and of an aborted one
     result = run_to_completion(scheduler, runner)
-    assert result.outputs["x"] == reference_output(list(range(50, 82)), SamplingParams(max_tokens=4),
-                                                       weighted_sum_token, 64)
+    assert result.outputs["x"] == reference_output(
+        list(range(50, 82)), SamplingParams(max_tokens=4), weighted_sum_token, 64
+    )
 
 
 def test_each_overlapped_batch_takes_its_share_of_the_requests_so_the_next_finds_some_not_in_flight():
@@ -748,6 +778,7 @@ def test_each_overlapped_batch_takes_its_share_of_the_requests_so_the_next_finds
     run = run_pipelined(scheduler, FakeRunner(scheduler.kv_cache_manager), depth=2)
     # 16 requests of 6 steps each (one prefill, five decodes) in two groups of 8 taking turns, not one batch of 16.
     assert [len(step.num_scheduled_tokens) for step in run.result.steps if not step.is_empty] == [8] * 12
-    assert run.result.outputs == {request_id: reference_output(prompt, SamplingParams(max_tokens=6),
-                                                               weighted_sum_token, 64)
-                                  for request_id, prompt in prompts.items()}
+    assert run.result.outputs == {
+        request_id: reference_output(prompt, SamplingParams(max_tokens=6), weighted_sum_token, 64)
+        for request_id, prompt in prompts.items()
+    }

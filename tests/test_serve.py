@@ -28,11 +28,18 @@ MESSAGES = [{"role": "user", "content": "What is 12 times 12?"}]
 
 
 def serve_settings(model_dir, *extra: str):
-    return load_settings(None, overrides=[
-        f"model.path={model_dir}", "cache.num_blocks=256", f"scheduler.max_num_seqs={MAX_NUM_SEQS}",
-        f"server.max_waiting={MAX_WAITING}", f"server.api_keys=[{API_KEY}]", "server.served_model_name=tiny",
-        *extra,
-    ])
+    return load_settings(
+        None,
+        overrides=[
+            f"model.path={model_dir}",
+            "cache.num_blocks=256",
+            f"scheduler.max_num_seqs={MAX_NUM_SEQS}",
+            f"server.max_waiting={MAX_WAITING}",
+            f"server.api_keys=[{API_KEY}]",
+            "server.served_model_name=tiny",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +68,9 @@ def post(server: RunningServer, path: str, body: dict, *, key: str | None = API_
 
 def test_greedy_completions_are_those_of_llm_generate(client, offline):
     expected = offline.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
-    response = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [choice.text for choice in sorted(response.choices, key=lambda c: c.index)] == [o.text for o in expected]
     assert all(choice.finish_reason == "length" for choice in response.choices)
     assert response.usage.completion_tokens == 12 * len(PROMPTS)
@@ -73,8 +81,9 @@ def test_a_streamed_batch_of_prompts_interleaves_its_choices_by_index(client, of
     expected = offline.generate(PROMPTS[:2], SamplingParams(max_tokens=10, ignore_eos=True))
     texts = ["", ""]
     finish = [None, None]
-    for chunk in client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=10, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True}):
+    for chunk in client.completions.create(
+        model="tiny", prompt=PROMPTS[:2], max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    ):
         (choice,) = chunk.choices
         texts[choice.index] += choice.text
         finish[choice.index] = choice.finish_reason or finish[choice.index]
@@ -83,9 +92,15 @@ def test_a_streamed_batch_of_prompts_interleaves_its_choices_by_index(client, of
 
 def test_streamed_greedy_chat_is_the_offline_text_in_pieces(client, offline):
     (expected,) = offline.generate({"messages": MESSAGES}, SamplingParams(max_tokens=20, ignore_eos=True))
-    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_completion_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(pieces) > 5, "the answer should arrive in many chunks"
@@ -122,10 +137,12 @@ def test_seeded_sampling_is_reproducible_and_matches_offline(client, offline):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_choices_are_those_of_offline_n(client, offline, stream: bool):
-    (expected,) = offline.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=3,
-                                                              ignore_eos=True))
-    body = dict(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=5, n=3,
-                extra_body={"ignore_eos": True})
+    (expected,) = offline.generate(
+        PROMPTS[0], SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    )
+    body = dict(
+        model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=5, n=3, extra_body={"ignore_eos": True}
+    )
     if stream:
         texts = ["", "", ""]
         for chunk in client.completions.create(**body, stream=True):
@@ -145,8 +162,17 @@ def test_a_stop_string_split_across_stream_chunks_ends_the_text_before_it(client
     stop = pieces[index][-2:] + pieces[index + 1][:2]
     (expected,) = offline.generate(PROMPTS[2], SamplingParams(max_tokens=16, ignore_eos=True, stop=[stop]))
     assert expected.finish_reason == "stop" and stop not in expected.text
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0,
-                                            stop=[stop], stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPTS[2],
+            max_tokens=16,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert len([c for c in chunks if c.choices[0].text]) > 2
@@ -154,33 +180,53 @@ def test_a_stop_string_split_across_stream_chunks_ends_the_text_before_it(client
 
 def test_logprobs_are_the_offline_ones(client, offline):
     (expected,) = offline.generate(PROMPTS[0], SamplingParams(max_tokens=5, logprobs=2, ignore_eos=True))
-    response = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}],
-                                              max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
-                                              extra_body={"ignore_eos": True})
-    (expected_chat,) = offline.generate({"messages": [{"role": "user", "content": PROMPTS[0]}]},
-                                        SamplingParams(max_tokens=5, logprobs=2, ignore_eos=True))
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    (expected_chat,) = offline.generate(
+        {"messages": [{"role": "user", "content": PROMPTS[0]}]},
+        SamplingParams(max_tokens=5, logprobs=2, ignore_eos=True),
+    )
     content = response.choices[0].logprobs.content
     assert [round(item.logprob, 4) for item in content] == [round(e.logprobs[0], 4) for e in expected_chat.logprobs]
     assert all(len(item.top_logprobs) == 2 for item in content)
-    completion = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2,
-                                           extra_body={"ignore_eos": True})
+    completion = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
     logprobs = completion.choices[0].logprobs
     assert [round(v, 4) for v in logprobs.token_logprobs] == [round(e.logprobs[0], 4) for e in expected.logprobs]
     assert "".join(logprobs.tokens) == completion.choices[0].text
 
 
 def test_response_format_json_schema_constrains_the_chat_as_offline_structured_output_does(server, client, offline):
-    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
-              "required": ["answer"], "additionalProperties": False}
-    (expected,) = offline.generate({"messages": MESSAGES},
-                                   SamplingParams(max_tokens=40, structured_output={"json_schema": schema}))
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    (expected,) = offline.generate(
+        {"messages": MESSAGES}, SamplingParams(max_tokens=40, structured_output={"json_schema": schema})
+    )
     reply = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=40, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
     assert reply.choices[0].message.content == expected.text
     if reply.choices[0].finish_reason == "stop":  # the grammar finished (a random model may ramble in whitespace)
         assert json.loads(expected.text)["answer"] in ("yes", "no")
-    bad = post(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "response_format": {"type": "xml"}})
+    bad = post(
+        server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "response_format": {"type": "xml"}}
+    )
     assert bad.status_code == 400 and error_of(bad)["param"] == "response_format.type"
 
 
@@ -221,18 +267,21 @@ def test_an_unknown_model_is_404(server):
     assert response.status_code == 404 and error_of(response)["param"] == "model"
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"n": 0}, "n"),
-    ({"frequency_penalty": 5}, "frequency_penalty"),
-    ({"no_such_parameter": 1}, "no_such_parameter"),
-    ({"min_p": 2.0}, "min_p"),
-    ({"logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"echo": True}, "echo"),
-    ({"prompt": 123}, "prompt"),
-    ({"n": 1000}, "n"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"frequency_penalty": 5}, "frequency_penalty"),
+        ({"no_such_parameter": 1}, "no_such_parameter"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"echo": True}, "echo"),
+        ({"prompt": 123}, "prompt"),
+        ({"n": 1000}, "n"),
+    ],
+)
 def test_a_bad_field_is_400_naming_it(server, body, param):
     response = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", **body})
     assert response.status_code == 400, response.text
@@ -250,8 +299,9 @@ def test_a_prompt_longer_than_the_context_is_400(server, offline):
 
 def test_a_sampler_that_cannot_serve_a_parameter_is_400_naming_it(tiny_llama):
     with running_server(serve_settings(tiny_llama, "sampler.name=greedy")) as greedy_server:
-        response = post(greedy_server, "/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 0,
-                                                           "top_k": 5})
+        response = post(
+            greedy_server, "/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 0, "top_k": 5}
+        )
         assert response.status_code == 400
         error = error_of(response)
         assert "top_k" in error["message"] and error["param"] == "top_k"
@@ -267,9 +317,20 @@ async def open_stream(http: httpx.AsyncClient, url: str, max_tokens: int, n: int
 
     Keep both: a line iterator that is garbage-collected closes the response (a disconnect).
     """
-    request = http.build_request("POST", f"{url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                                 json={"model": "tiny", "prompt": "Count with me:", "max_tokens": max_tokens,
-                                       "temperature": 0, "n": n, "stream": True, "ignore_eos": True})
+    request = http.build_request(
+        "POST",
+        f"{url}/v1/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={
+            "model": "tiny",
+            "prompt": "Count with me:",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "n": n,
+            "stream": True,
+            "ignore_eos": True,
+        },
+    )
     response = await http.send(request, stream=True)
     assert response.status_code == 200, await response.aread()
     lines = response.aiter_lines()
@@ -298,9 +359,19 @@ def test_a_client_that_gives_up_on_a_non_streamed_request_aborts_it(server):
     with pytest.raises(httpx.ReadTimeout):
         # 480 steps in 0.2 s would be 0.4 ms a step with HTTP around it: the client always gives up first.
         post_timeout = httpx.Timeout(60, read=0.2)
-        httpx.post(f"{server.url}/v1/completions", timeout=post_timeout, headers={"Authorization": f"Bearer {API_KEY}"},
-                   json={"model": "tiny", "prompt": "Count with me:", "max_tokens": 480, "n": 4, "temperature": 0,
-                         "ignore_eos": True})
+        httpx.post(
+            f"{server.url}/v1/completions",
+            timeout=post_timeout,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            json={
+                "model": "tiny",
+                "prompt": "Count with me:",
+                "max_tokens": 480,
+                "n": 4,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
     idle = server.wait_until_idle(timeout=10)
     assert idle['patchbay_request_success_total{finished_reason="abort"}'] == before + 4
 
@@ -368,10 +439,14 @@ def test_requests_over_the_admission_limit_get_503_and_the_rest_run(server):
     async def scenario() -> tuple[int, dict, list[int]]:
         async with httpx.AsyncClient(timeout=60) as http:
             # Admitted at once (the headers come before any token), so none can finish before the next is sent.
-            streams = await asyncio.gather(*(open_stream(http, server.url, max_tokens=480, n=4, first_chunk=False)
-                                             for _ in range(limit // 4)))
-            refused = await http.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                                      json={"model": "tiny", "prompt": "one more", "max_tokens": 2})
+            streams = await asyncio.gather(
+                *(open_stream(http, server.url, max_tokens=480, n=4, first_chunk=False) for _ in range(limit // 4))
+            )
+            refused = await http.post(
+                f"{server.url}/v1/completions",
+                headers={"Authorization": f"Bearer {API_KEY}"},
+                json={"model": "tiny", "prompt": "one more", "max_tokens": 2},
+            )
             for response, _lines in streams:
                 await response.aclose()
             return refused.status_code, refused.json(), [refused.headers.get("retry-after")]
@@ -398,9 +473,14 @@ def test_a_bounded_load_of_concurrent_streams_completes_and_leaves_the_pool_empt
             while not queue.empty():
                 prompt = queue.get_nowait()
                 text = ""
-                async for chunk in await client.completions.create(model="tiny", prompt=prompt, max_tokens=8,
-                                                                   temperature=0, stream=True,
-                                                                   extra_body={"ignore_eos": True}):
+                async for chunk in await client.completions.create(
+                    model="tiny",
+                    prompt=prompt,
+                    max_tokens=8,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                ):
                     text += chunk.choices[0].text
                 results.append((prompt, text))
 
@@ -419,10 +499,19 @@ def test_a_bounded_load_of_concurrent_streams_completes_and_leaves_the_pool_empt
 
 def test_metrics_expose_counters_histograms_and_step_phases(server):
     text = httpx.get(f"{server.url}/metrics").text
-    for name in ("patchbay_num_requests_running", "patchbay_num_requests_waiting", "patchbay_kv_cache_usage_ratio",
-                 "patchbay_prefix_cache_hits_total", "patchbay_prefix_cache_queries_total",
-                 "patchbay_prompt_tokens_total", "patchbay_generation_tokens_total",
-                 "patchbay_time_to_first_token_seconds_bucket", "patchbay_inter_token_latency_seconds_bucket",
-                 "patchbay_e2e_request_latency_seconds_bucket", "patchbay_spec_decode_num_draft_tokens_total",
-                 "patchbay_kv_connector_loaded_tokens_total", 'phase="forward",plugin="attention"'):
+    for name in (
+        "patchbay_num_requests_running",
+        "patchbay_num_requests_waiting",
+        "patchbay_kv_cache_usage_ratio",
+        "patchbay_prefix_cache_hits_total",
+        "patchbay_prefix_cache_queries_total",
+        "patchbay_prompt_tokens_total",
+        "patchbay_generation_tokens_total",
+        "patchbay_time_to_first_token_seconds_bucket",
+        "patchbay_inter_token_latency_seconds_bucket",
+        "patchbay_e2e_request_latency_seconds_bucket",
+        "patchbay_spec_decode_num_draft_tokens_total",
+        "patchbay_kv_connector_loaded_tokens_total",
+        'phase="forward",plugin="attention"',
+    ):
         assert name in text, name

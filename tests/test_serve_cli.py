@@ -16,11 +16,25 @@ from conftest import clean_env, patchbay_command
 def test_sigterm_finishes_the_stream_in_flight_refuses_new_ones_and_exits_cleanly(tiny_llama, tmp_path):
     config = tmp_path / "serve.yaml"
     # The reference attention backend needs no C++ kernel build, so the process starts fast.
-    config.write_text(f"model: {{path: {tiny_llama}}}\ncache: {{num_blocks: 128}}\nattention: {{backend: reference}}\n"
-                      "server: {port: 8123, shutdown_grace_period: 60}\n")
-    process = subprocess.Popen([*patchbay_command(), "serve", str(config), "--set", "server.port=0",
-                                "--set", "server.served_model_name=tiny-cli"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    config.write_text(
+        f"model: {{path: {tiny_llama}}}\ncache: {{num_blocks: 128}}\nattention: {{backend: reference}}\n"
+        "server: {port: 8123, shutdown_grace_period: 60}\n"
+    )
+    process = subprocess.Popen(
+        [
+            *patchbay_command(),
+            "serve",
+            str(config),
+            "--set",
+            "server.port=0",
+            "--set",
+            "server.served_model_name=tiny-cli",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
     try:
         banner = process.stdout.readline()
         assert "tiny-cli on http://127.0.0.1:" in banner, (banner, process.stderr.read() if process.poll() else "")
@@ -32,12 +46,22 @@ def test_sigterm_finishes_the_stream_in_flight_refuses_new_ones_and_exits_cleanl
         lines: list[str] = []
 
         def stream() -> None:
-            with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                              json={"model": "tiny-cli", "prompt": "Hello", "max_tokens": 120, "temperature": 0,
-                                    "stream": True, "ignore_eos": True}) as response:
+            with httpx.stream(
+                "POST",
+                f"{url}/v1/completions",
+                timeout=60,
+                json={
+                    "model": "tiny-cli",
+                    "prompt": "Hello",
+                    "max_tokens": 120,
+                    "temperature": 0,
+                    "stream": True,
+                    "ignore_eos": True,
+                },
+            ) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: "):
-                        lines.append(line[len("data: "):])
+                        lines.append(line[len("data: ") :])
                         first_chunk.set()
 
         client = threading.Thread(target=stream)

@@ -21,8 +21,10 @@ from patchbay.contract.registry import Registry
 from patchbay.contract.settings import load_settings
 from patchbay.interfaces import DraftBatch, Drafter, DrafterCapabilities, DraftProposals
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("patchbay.engine.step_failures") is None,
-                                reason="this engine stops on a plugin error instead of failing the request alone")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("patchbay.engine.step_failures") is None,
+    reason="this engine stops on a plugin error instead of failing the request alone",
+)
 
 POISON = 31337
 """A prompt token id the failing drafter refuses."""
@@ -50,8 +52,15 @@ class PoisonedPlugin:
 def server(tiny_llama):
     registry = Registry.from_entry_points()
     registry.add_plugin(PoisonedPlugin(), name="poisoned-test")
-    settings = load_settings(None, overrides=[f"model.path={tiny_llama}", "cache.num_blocks=256",
-                                              "speculative.method=poisoned", "speculative.num_speculative_tokens=2"])
+    settings = load_settings(
+        None,
+        overrides=[
+            f"model.path={tiny_llama}",
+            "cache.num_blocks=256",
+            "speculative.method=poisoned",
+            "speculative.num_speculative_tokens=2",
+        ],
+    )
     with running_server(settings, registry) as running:
         yield running
 
@@ -65,8 +74,9 @@ def test_a_failing_plugin_fails_one_request_while_the_others_complete(server):
         async with httpx.AsyncClient(timeout=120) as http:
             prompts = [[100, 200, 300, 400 + i] for i in range(4)]
             prompts.insert(2, [100, 200, POISON, 400])
-            return await asyncio.gather(*(http.post(f"{server.url}/v1/completions", json=body(prompt))
-                                          for prompt in prompts))
+            return await asyncio.gather(
+                *(http.post(f"{server.url}/v1/completions", json=body(prompt)) for prompt in prompts)
+            )
 
     responses = asyncio.run(scenario())
     statuses = [r.status_code for r in responses]
@@ -79,10 +89,11 @@ def test_a_failing_plugin_fails_one_request_while_the_others_complete(server):
 
 
 def test_a_failing_plugin_ends_a_stream_with_an_error_event(server):
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body([7, 8, POISON], stream=True),
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body([7, 8, POISON], stream=True), timeout=60
+    ) as response:
         assert response.status_code == 200
-        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert "poisoned" in error["message"] and error["code"] == "engine_error"

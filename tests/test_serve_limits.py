@@ -21,7 +21,9 @@ async def _echo_length(scope, receive, send):
         if not message.get("more_body"):
             break
     body = str(size).encode()
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]}
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -52,11 +54,20 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read_whole():
     assert small.status_code == 200 and small.text == "1000"
 
 
-@pytest.mark.parametrize(("host", "allowed"), [
-    ("127.0.0.1:8000", True), ("localhost", True), ("[::1]:8000", True), ("LOCALHOST:1", True),
-    ("attacker.example", False), ("attacker.example:8000", False), ("127.0.0.1.attacker.example", False),
-    ("", False), ("proxy.internal:80", True),
-])
+@pytest.mark.parametrize(
+    ("host", "allowed"),
+    [
+        ("127.0.0.1:8000", True),
+        ("localhost", True),
+        ("[::1]:8000", True),
+        ("LOCALHOST:1", True),
+        ("attacker.example", False),
+        ("attacker.example:8000", False),
+        ("127.0.0.1.attacker.example", False),
+        ("", False),
+        ("proxy.internal:80", True),
+    ],
+)
 def test_the_host_header_is_checked_on_loopback(host, allowed):
     """Issue 30: the Host header was not checked, so a DNS-rebound web page could call a keyless local server."""
     app = HostCheck(_echo_length, ["localhost", "127.0.0.1", "::1", "proxy.internal"])
@@ -78,15 +89,24 @@ def test_loopback_addresses():
 
 def test_the_server_applies_its_limits_and_serves_no_docs(tiny_llama):
     """Issue 30: /docs, /redoc and /openapi.json answered without a key; bodies and Host went unchecked."""
-    settings = load_settings(None, overrides=[f"model.path={tiny_llama}", "cache.num_blocks=64",
-                                              "server.api_keys=a-key-for-tests", "server.max_body_bytes=65536"])
+    settings = load_settings(
+        None,
+        overrides=[
+            f"model.path={tiny_llama}",
+            "cache.num_blocks=64",
+            "server.api_keys=a-key-for-tests",
+            "server.max_body_bytes=65536",
+        ],
+    )
     with running_server(settings) as running, httpx.Client(base_url=running.url, timeout=30) as client:
         for path in ("/docs", "/redoc", "/openapi.json"):
             assert client.get(path).status_code == 404
         assert client.get("/health").status_code == 200
-        too_large = client.post("/v1/completions", content=b"{" + b" " * 70000 + b"}",
-                                headers={"authorization": "Bearer a-key-for-tests",
-                                         "content-type": "application/json"})
+        too_large = client.post(
+            "/v1/completions",
+            content=b"{" + b" " * 70000 + b"}",
+            headers={"authorization": "Bearer a-key-for-tests", "content-type": "application/json"},
+        )
         assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
         rebound = client.get("/health", headers={"host": "attacker.example"})
         assert rebound.status_code == 400 and "server.allowed_hosts" in rebound.json()["error"]["message"]
@@ -135,8 +155,15 @@ def test_connections_that_send_nothing_or_trickle_headers_are_closed(tiny_llama)
     import time
     from urllib.parse import urlsplit
 
-    settings = load_settings(None, overrides=[f"model.path={tiny_llama}", "cache.num_blocks=64",
-                                              "server.header_timeout=0.5", "server.idle_timeout=0.5"])
+    settings = load_settings(
+        None,
+        overrides=[
+            f"model.path={tiny_llama}",
+            "cache.num_blocks=64",
+            "server.header_timeout=0.5",
+            "server.idle_timeout=0.5",
+        ],
+    )
     with running_server(settings) as running:
         address = (urlsplit(running.url).hostname, urlsplit(running.url).port)
         silent = [socket.create_connection(address, timeout=20) for _ in range(5)]

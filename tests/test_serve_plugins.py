@@ -13,8 +13,10 @@ from patchbay import SamplingParams
 from patchbay.contract.settings import load_settings
 
 # Longer than a block (16 tokens), so the connector has full blocks to save and load.
-PROMPTS = [f"{start} and then the story went on for a long while, as stories do." for start in
-           ("one two three four", "The cat sat on the mat.", "red green blue", "Once upon a time")]
+PROMPTS = [
+    f"{start} and then the story went on for a long while, as stories do."
+    for start in ("one two three four", "The cat sat on the mat.", "red green blue", "Once upon a time")
+]
 ALLOWED_WORDS = " one two three four five six"
 """Outputs limited to these tokens repeat themselves, so the ngram drafter has earlier occurrences to copy
 (a random model's free output never recurs)."""
@@ -26,11 +28,18 @@ def storage(tmp_path_factory):
 
 
 def plugin_settings(model_dir, storage):
-    return load_settings(None, overrides=[
-        f"model.path={model_dir}", "cache.num_blocks=256", "scheduler.max_num_seqs=8",
-        "speculative.method=ngram", "speculative.num_speculative_tokens=3",
-        "kv_connector.name=shared_storage", f"kv_connector.options.path={storage}",
-    ])
+    return load_settings(
+        None,
+        overrides=[
+            f"model.path={model_dir}",
+            "cache.num_blocks=256",
+            "scheduler.max_num_seqs=8",
+            "speculative.method=ngram",
+            "speculative.num_speculative_tokens=3",
+            "kv_connector.name=shared_storage",
+            f"kv_connector.options.path={storage}",
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +50,9 @@ def reference(tiny_llama):
 
 
 def sampling(tokenizer) -> SamplingParams:
-    return SamplingParams(max_tokens=24, ignore_eos=True,
-                          allowed_token_ids=tokenizer.encode(ALLOWED_WORDS, add_special_tokens=False))
+    return SamplingParams(
+        max_tokens=24, ignore_eos=True, allowed_token_ids=tokenizer.encode(ALLOWED_WORDS, add_special_tokens=False)
+    )
 
 
 def test_served_outputs_with_ngram_and_shared_storage_are_the_plain_offline_ones(tiny_llama, storage, reference):
@@ -52,14 +62,20 @@ def test_served_outputs_with_ngram_and_shared_storage_are_the_plain_offline_ones
     assert [o.text for o in offline.generate(PROMPTS, params)] == reference
     del offline
     with running_server(plugin_settings(tiny_llama, storage)) as server:
+
         async def scenario() -> list[str]:
             client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
 
             async def one(prompt: str) -> str:
                 text = ""
                 async for chunk in await client.completions.create(
-                        model=tiny_llama.name, prompt=prompt, max_tokens=24, temperature=0, stream=True,
-                        extra_body={"ignore_eos": True, "allowed_token_ids": params.allowed_token_ids}):
+                    model=tiny_llama.name,
+                    prompt=prompt,
+                    max_tokens=24,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True, "allowed_token_ids": params.allowed_token_ids},
+                ):
                     text += chunk.choices[0].text
                 return text
 

@@ -39,30 +39,45 @@ def _post(client: httpx.Client, path: str, body: dict) -> httpx.Response:
     return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
 
 
-@pytest.mark.parametrize(("path", "body", "param", "message"), [
-    ("/v1/completions", {**COMPLETION, "prompt": [1, True]}, "prompt", "token ids must be integers, got bool"),
-    ("/v1/completions", {**COMPLETION, "prompt": [[5, 6], [False]]}, "prompt", "item 1.0: token ids must be"),
-    ("/v1/completions", {**COMPLETION, "prompt": [1, "2"]}, "prompt", "token ids must be integers, got str"),
-    ("/v1/completions", {**COMPLETION, "n": "2"}, "n", "valid integer"),
-    ("/v1/completions", {**COMPLETION, "n": True}, "n", "valid integer"),
-    ("/v1/completions", {**COMPLETION, "seed": "7"}, "seed", "valid integer"),
-    ("/v1/completions", {**COMPLETION, "seed": False}, "seed", "valid integer"),
-    ("/v1/completions", {**COMPLETION, "max_tokens": "2"}, "max_tokens", "valid integer"),
-    ("/v1/completions", {**COMPLETION, "max_tokens": True}, "max_tokens", "valid integer"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": True}, "max_tokens", "valid integer"),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": "3"}, "max_completion_tokens", "valid integer"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": "{}"}},
-     "response_format.json_schema", "an object with a 'schema' is required, got str"),
-    ("/v1/completions", {**COMPLETION, "prompt": LONE_SURROGATE}, "prompt", "lone surrogate"),
-    ("/v1/completions", {**COMPLETION, "prompt": ["fine", LONE_SURROGATE]}, "prompt", "item 1: holds a lone"),
-    ("/v1/completions", {**COMPLETION, "stop": [LONE_SURROGATE]}, "stop", "lone surrogate"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONE_SURROGATE}]},
-     "messages.0.content", "lone surrogate"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": LONE_SURROGATE}]}]}, "messages.0.content", "lone surrogate"),
-    ("/tokenize", {"prompt": LONE_SURROGATE}, "prompt", "lone surrogate"),
-    ("/detokenize", {"tokens": [1, True]}, "tokens.1", "valid integer"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        ("/v1/completions", {**COMPLETION, "prompt": [1, True]}, "prompt", "token ids must be integers, got bool"),
+        ("/v1/completions", {**COMPLETION, "prompt": [[5, 6], [False]]}, "prompt", "item 1.0: token ids must be"),
+        ("/v1/completions", {**COMPLETION, "prompt": [1, "2"]}, "prompt", "token ids must be integers, got str"),
+        ("/v1/completions", {**COMPLETION, "n": "2"}, "n", "valid integer"),
+        ("/v1/completions", {**COMPLETION, "n": True}, "n", "valid integer"),
+        ("/v1/completions", {**COMPLETION, "seed": "7"}, "seed", "valid integer"),
+        ("/v1/completions", {**COMPLETION, "seed": False}, "seed", "valid integer"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": "2"}, "max_tokens", "valid integer"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": True}, "max_tokens", "valid integer"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": True}, "max_tokens", "valid integer"),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": "3"}, "max_completion_tokens", "valid integer"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": {"type": "json_schema", "json_schema": "{}"}},
+            "response_format.json_schema",
+            "an object with a 'schema' is required, got str",
+        ),
+        ("/v1/completions", {**COMPLETION, "prompt": LONE_SURROGATE}, "prompt", "lone surrogate"),
+        ("/v1/completions", {**COMPLETION, "prompt": ["fine", LONE_SURROGATE]}, "prompt", "item 1: holds a lone"),
+        ("/v1/completions", {**COMPLETION, "stop": [LONE_SURROGATE]}, "stop", "lone surrogate"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": LONE_SURROGATE}]},
+            "messages.0.content",
+            "lone surrogate",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": LONE_SURROGATE}]}]},
+            "messages.0.content",
+            "lone surrogate",
+        ),
+        ("/tokenize", {"prompt": LONE_SURROGATE}, "prompt", "lone surrogate"),
+        ("/detokenize", {"tokens": [1, True]}, "tokens.1", "valid integer"),
+    ],
+)
 def test_a_malformed_field_is_a_400_naming_it_not_coerced_nor_a_500(client, path, body, param, message):
     """Issue 30 findings: coerced booleans and strings; 500s for a string json_schema and a lone surrogate."""
     response = _post(client, path, body)

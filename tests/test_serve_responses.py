@@ -21,22 +21,34 @@ from serving import running_server
 from patchbay.contract.settings import load_settings
 from patchbay.entrypoints.chat import BUNDLED_TOOLS_TEMPLATE
 
-UNITS = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
-         "additionalProperties": False}
+UNITS = {
+    "type": "object",
+    "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["unit"],
+    "additionalProperties": False,
+}
 SET_UNIT = {"type": "function", "name": "set_unit", "description": "Choose a unit", "parameters": UNITS}
 NAMED = {"type": "function", "name": "set_unit"}
 
 
 def settings(*extra: str):
-    return load_settings(None, overrides=["cache.num_blocks=256", "model.max_model_len=2048",
-                                          "server.served_model_name=m",
-                                          "structured_output.options.any_whitespace=false", *extra])
+    return load_settings(
+        None,
+        overrides=[
+            "cache.num_blocks=256",
+            "model.max_model_len=2048",
+            "server.served_model_name=m",
+            "structured_output.options.any_whitespace=false",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
-    with running_server(settings(f"model.path={tiny_llama}", f"chat.template={BUNDLED_TOOLS_TEMPLATE}",
-                                 "server.stored_responses=2")) as server:
+    with running_server(
+        settings(f"model.path={tiny_llama}", f"chat.template={BUNDLED_TOOLS_TEMPLATE}", "server.stored_responses=2")
+    ) as server:
         yield server
 
 
@@ -49,8 +61,10 @@ def streamed(stream) -> tuple[list, object]:
     that the deltas add up to that response's output."""
     events = list(stream)
     kinds = [event.type for event in events]
-    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in ("response.completed",
-                                                                                       "response.incomplete")
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in (
+        "response.completed",
+        "response.incomplete",
+    )
     assert [event.sequence_number for event in events] == list(range(len(events)))
     final = events[-1].response
     texts: dict[int, str] = {}
@@ -71,8 +85,10 @@ def streamed(stream) -> tuple[list, object]:
 
 
 def without_ids(response) -> list[dict]:
-    return [{key: value for key, value in item.model_dump().items() if key not in ("id", "call_id")}
-            for item in response.output]
+    return [
+        {key: value for key, value in item.model_dump().items() if key not in ("id", "call_id")}
+        for item in response.output
+    ]
 
 
 def test_text_input_gives_a_message_whole_and_streamed_alike(tiny):
@@ -90,8 +106,15 @@ def test_text_input_gives_a_message_whole_and_streamed_alike(tiny):
 @pytest.mark.parametrize("tool_choice", ["required", NAMED])
 def test_enforced_tool_choices_give_calls_valid_against_the_schema_streamed_or_not(tiny, tool_choice):
     client = client_of(tiny)
-    request = dict(model="m", input=[{"role": "user", "content": "Which unit?"}], tools=[SET_UNIT],
-                   tool_choice=tool_choice, parallel_tool_calls=False, max_output_tokens=40, temperature=0)
+    request = dict(
+        model="m",
+        input=[{"role": "user", "content": "Which unit?"}],
+        tools=[SET_UNIT],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        max_output_tokens=40,
+        temperature=0,
+    )
     response = client.responses.create(**request)
     assert response.status == "completed"
     [call] = response.output
@@ -104,30 +127,47 @@ def test_enforced_tool_choices_give_calls_valid_against_the_schema_streamed_or_n
 
 
 def test_text_format_json_schema_is_enforced(tiny):
-    schema = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["unit"],
+        "additionalProperties": False,
+    }
     response = client_of(tiny).responses.create(
-        model="m", input="Which unit?", max_output_tokens=30, temperature=0,
-        text={"format": {"type": "json_schema", "name": "unit", "schema": schema, "strict": True}})
+        model="m",
+        input="Which unit?",
+        max_output_tokens=30,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "unit", "schema": schema, "strict": True}},
+    )
     jsonschema.validate(json.loads(response.output_text), schema)
 
 
 def test_previous_response_id_continues_the_stored_conversation_and_tool_outputs_answer_its_calls(tiny):
     client = client_of(tiny)
-    first = client.responses.create(model="m", input="Which unit?", tools=[SET_UNIT], tool_choice=NAMED,
-                                    max_output_tokens=40, temperature=0)
+    first = client.responses.create(
+        model="m", input="Which unit?", tools=[SET_UNIT], tool_choice=NAMED, max_output_tokens=40, temperature=0
+    )
     [call] = first.output
-    second = client.responses.create(model="m", previous_response_id=first.id, max_output_tokens=4,
-                                     input=[{"type": "function_call_output", "call_id": call.call_id,
-                                             "output": "done"}], tools=[SET_UNIT])
+    second = client.responses.create(
+        model="m",
+        previous_response_id=first.id,
+        max_output_tokens=4,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "done"}],
+        tools=[SET_UNIT],
+    )
     assert second.previous_response_id == first.id and second.output
     # The second's prompt holds the first's conversation: more input tokens than the first's.
     assert second.usage.input_tokens > first.usage.input_tokens
     assert client.responses.retrieve(second.id).id == second.id
     # A call id the conversation never made names the item at fault.
     with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.create(model="m", previous_response_id=first.id, max_output_tokens=4,
-                                input=[{"type": "function_call_output", "call_id": "call_nope", "output": "x"}])
+        client.responses.create(
+            model="m",
+            previous_response_id=first.id,
+            max_output_tokens=4,
+            input=[{"type": "function_call_output", "call_id": "call_nope", "output": "x"}],
+        )
     assert caught.value.body["param"] == "input.0.call_id"
 
 
@@ -146,22 +186,28 @@ def test_store_false_is_not_kept_and_the_store_is_bounded(tiny):
 BROKEN = {"type": "function", "name": "broken", "parameters": {"type": "nonsense"}}
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"tools": [SET_UNIT, BROKEN], "tool_choice": "required"}, "tools.1.parameters"),
-    ({"tools": [SET_UNIT], "tool_choice": {"type": "function", "name": "multiply"}}, "tool_choice.name"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-    ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "3"}]}, "input.0.call_id"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input.0.arguments"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input.0.content.0.type"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
-    ({"tools": [SET_UNIT], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "tool_choice"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"truncation": "auto"}, "truncation"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [SET_UNIT, BROKEN], "tool_choice": "required"}, "tools.1.parameters"),
+        ({"tools": [SET_UNIT], "tool_choice": {"type": "function", "name": "multiply"}}, "tool_choice.name"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "3"}]}, "input.0.call_id"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input.0.arguments"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0.type",
+        ),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"tools": [SET_UNIT], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "tool_choice"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"truncation": "auto"}, "truncation"),
+    ],
+)
 def test_bad_input_is_400_in_openais_shape_naming_the_field_and_fails_alone(tiny, body, param):
-    response = httpx.post(f"{tiny.url}/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2,
-                                                            **body}, timeout=300)
+    response = httpx.post(
+        f"{tiny.url}/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2, **body}, timeout=300
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"].startswith(param), error
@@ -171,25 +217,44 @@ def test_bad_input_is_400_in_openais_shape_naming_the_field_and_fails_alone(tiny
 # -- the bundled model --------------------------------------------------------------------------------------
 
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
-                          "required": ["city"], "additionalProperties": False}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 24}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
 
 
 @pytest.mark.slow
 def test_a_bundled_model_call_its_output_and_the_answer_streamed_and_not():
     with running_server(settings()) as server:
         client = client_of(server)
-        request = dict(model="m", input="What is the weather in Paris?", tools=[WEATHER], tool_choice="required",
-                       parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+        request = dict(
+            model="m",
+            input="What is the weather in Paris?",
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_output_tokens=60,
+            temperature=0,
+        )
         first = client.responses.create(**request)
         [call] = first.output
         assert call.type == "function_call" and call.name == "get_weather"
         jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
         _, final = streamed(client.responses.create(**request, stream=True))
         assert without_ids(final) == without_ids(first)
-        answer = client.responses.create(model="m", previous_response_id=first.id, tools=[WEATHER],
-                                         max_output_tokens=30, temperature=0,
-                                         input=[{"type": "function_call_output", "call_id": call.call_id,
-                                                 "output": "Sunny, 21 degrees."}])
+        answer = client.responses.create(
+            model="m",
+            previous_response_id=first.id,
+            tools=[WEATHER],
+            max_output_tokens=30,
+            temperature=0,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 degrees."}],
+        )
         assert answer.output and answer.status in ("completed", "incomplete")

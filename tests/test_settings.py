@@ -160,10 +160,14 @@ def test_env_overrides_yaml_and_set_overrides_env(write_yaml, monkeypatch):
 
 
 def test_set_values_are_yaml_scalars(write_yaml):
-    settings = load_settings(overrides=[
-        "cache.prefix_caching=false", "sampler.options={top_k: 5}", "inputs.prompts=[hi, there]",
-        "cache.memory=2GiB",
-    ])
+    settings = load_settings(
+        overrides=[
+            "cache.prefix_caching=false",
+            "sampler.options={top_k: 5}",
+            "inputs.prompts=[hi, there]",
+            "cache.memory=2GiB",
+        ]
+    )
     assert settings.cache.prefix_caching is False
     assert settings.sampler.options == {"top_k": 5}
     assert settings.inputs.prompts == ["hi", "there"]
@@ -285,8 +289,9 @@ def registry() -> Registry:
 
 
 def test_plugin_options_are_validated_against_the_plugins_model(write_yaml, registry):
-    path = write_yaml("attention: {backend: tunable, options: {scale_override: 0.5, chunk: 64}}\n"
-                      "sampler: {name: plain}\n")
+    path = write_yaml(
+        "attention: {backend: tunable, options: {scale_override: 0.5, chunk: 64}}\nsampler: {name: plain}\n"
+    )
     settings = load_settings(path, registry=registry)
     assert settings.attention.options == {"scale_override": 0.5, "chunk": 64}
 
@@ -314,8 +319,11 @@ def test_bad_plugin_options_from_set_name_the_flag(registry):
         load_settings(overrides=["sampler.name=plain", "sampler.options.temperature=0.7"], registry=registry)
     (problem,) = excinfo.value.problems
     assert problem.source == "--set sampler.options.temperature=0.7"
-    assert (problem.path, problem.plugin, problem.message) == ("sampler.options.temperature", "sampler:plain",
-                                                               "unknown key")
+    assert (problem.path, problem.plugin, problem.message) == (
+        "sampler.options.temperature",
+        "sampler:plain",
+        "unknown key",
+    )
 
 
 def test_unknown_plugin_names_list_the_available_choices(write_yaml, registry):
@@ -325,7 +333,9 @@ def test_unknown_plugin_names_list_the_available_choices(write_yaml, registry):
     problems = {problem.path: problem for problem in excinfo.value.problems}
     assert set(problems) == {"attention.backend", "sampler.name"}
     assert problems["attention.backend"].source == str(path)
-    assert "no attention backend named 'tunabel' is installed; available: tunable" in problems["attention.backend"].message
+    assert (
+        "no attention backend named 'tunabel' is installed; available: tunable" in problems["attention.backend"].message
+    )
     assert "available: plain, plain_too" in problems["sampler.name"].message
 
 
@@ -350,7 +360,8 @@ def test_plugin_options_helper_validates_and_names_the_key_path():
 
 
 def test_dump_then_load_gives_the_same_settings(write_yaml, tmp_path):
-    original = load_settings(write_yaml("""
+    original = load_settings(
+        write_yaml("""
 model: {path: /models/smol, max_model_len: 1024}
 cache: {memory: 512MiB, prefix_caching: false}
 attention: {backend: torch_sdpa, options: {scale_override: 0.125}}
@@ -359,7 +370,9 @@ kv_connector: {name: shared_storage, options: {path: /tmp/kv}}
 plugins: {deny: [patchbay-broken-plugin]}
 inputs: {prompts: [hello, {prompt: hi, max_tokens: 4}], sampling: {max_tokens: 8}}
 outputs: {path: results.jsonl}
-"""), overrides=["scheduler.max_num_seqs=3"])
+"""),
+        overrides=["scheduler.max_num_seqs=3"],
+    )
 
     dumped = tmp_path / "effective.yaml"
     dumped.write_text(dump_settings(original))
@@ -388,12 +401,14 @@ def test_a_backend_whose_metadata_builder_is_not_installed_is_a_validation_error
     (problem,) = [problem for problem in caught.value.problems if problem.path.startswith("attention")]
     assert (problem.source, problem.path, problem.plugin) == (str(path), "attention.backend", "attention:tunable")
     assert problem.message.startswith(
-        "attention:tunable's metadata builder 'common' cannot be used: no attention-metadata builder named 'common'")
+        "attention:tunable's metadata builder 'common' cannot be used: no attention-metadata builder named 'common'"
+    )
 
 
 def test_set_null_clears_a_value_or_a_mapping_and_so_does_the_environment(write_yaml, registry, monkeypatch):
-    path = write_yaml("attention: {backend: tunable, options: {chunk: 64}}\nmodel: {max_model_len: 256}\n"
-                      "sampler: {name: plain}\n")
+    path = write_yaml(
+        "attention: {backend: tunable, options: {chunk: 64}}\nmodel: {max_model_len: 256}\nsampler: {name: plain}\n"
+    )
     # 'auto' with the YAML's options is an error that names where 'auto' came from and how to clear the options.
     with pytest.raises(ConfigError) as caught:
         load_settings(path, overrides=["attention.backend=auto"], registry=registry)
@@ -401,8 +416,11 @@ def test_set_null_clears_a_value_or_a_mapping_and_so_does_the_environment(write_
     assert "attention.backend is 'auto' (from --set attention.backend=auto)" in problem.message
     assert "--set attention.options=null" in problem.message
 
-    cleared = load_settings(path, overrides=["attention.backend=auto", "attention.options=null",
-                                             "model.max_model_len=null"], registry=registry)
+    cleared = load_settings(
+        path,
+        overrides=["attention.backend=auto", "attention.options=null", "model.max_model_len=null"],
+        registry=registry,
+    )
     assert (cleared.attention.backend, cleared.attention.options, cleared.model.max_model_len) == ("auto", {}, None)
 
     monkeypatch.setenv("PATCHBAY_ATTENTION__OPTIONS", "null")

@@ -39,12 +39,14 @@ def borrow_once(engines: SharedEngines, **overrides) -> FakeLLM:
 def test_settings_from_the_environment_and_from_keywords_share_a_key(monkeypatch):
     monkeypatch.setenv("PATCHBAY_MODEL__DTYPE", "float32")
     assert settings_key(resolve_settings()) == settings_key(resolve_settings(model__dtype="float32"))
-    assert settings_key(resolve_settings(scheduler__max_num_seqs=8)) == \
-        settings_key(resolve_settings(scheduler__max_num_seqs="8"))
+    assert settings_key(resolve_settings(scheduler__max_num_seqs=8)) == settings_key(
+        resolve_settings(scheduler__max_num_seqs="8")
+    )
     assert settings_key(resolve_settings()) != settings_key(resolve_settings(model__dtype="bfloat16"))
     nested = {"method": "ngram", "num_speculative_tokens": 3}
-    assert settings_key(resolve_settings(speculative=nested)) == \
-        settings_key(resolve_settings(speculative=dict(reversed(nested.items()))))
+    assert settings_key(resolve_settings(speculative=nested)) == settings_key(
+        resolve_settings(speculative=dict(reversed(nested.items())))
+    )
 
 
 def test_the_same_settings_get_the_same_engine_and_others_a_new_one():

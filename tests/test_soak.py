@@ -36,8 +36,12 @@ def _random_request(rng: random.Random, prefixes: list[list[int]]) -> tuple[list
     prompt = [*rng.choice(prefixes), *(rng.randrange(VOCAB) for _ in range(rng.randint(1, 12)))]
     params: dict = {"max_tokens": rng.randint(1, 6)}
     if rng.random() < 0.5:
-        params.update(temperature=rng.choice([0.7, 1.0, 1.3]), seed=rng.randrange(2**32), top_k=rng.choice([0, 5]),
-                      top_p=rng.choice([1.0, 0.9]))
+        params.update(
+            temperature=rng.choice([0.7, 1.0, 1.3]),
+            seed=rng.randrange(2**32),
+            top_k=rng.choice([0, 5]),
+            top_p=rng.choice([1.0, 0.9]),
+        )
     if rng.random() < 0.1:
         params["logprobs"] = rng.randint(0, 5)
     if rng.random() < 0.1:
@@ -126,9 +130,15 @@ def _soak(llm, num_requests: int, rng: random.Random, between_batches=None) -> C
 
 
 def test_soak_mixed_requests_with_faults_aborts_and_preemption(tiny_llama):
-    llm = patchbay.LLM(model__path=str(tiny_llama), attention__backend="torch_sdpa", runtime__threads=2,
-                       model__max_model_len=MAX_MODEL_LEN, cache__num_blocks=48, cache__block_size=4,
-                       scheduler__max_num_seqs=24)
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama),
+        attention__backend="torch_sdpa",
+        runtime__threads=2,
+        model__max_model_len=MAX_MODEL_LEN,
+        cache__num_blocks=48,
+        cache__block_size=4,
+        scheduler__max_num_seqs=24,
+    )
     faulty = _failing_sampler(llm.engine)
     llm.engine.sampler = llm.engine.runner.sampler = faulty
     counts = _soak(llm, 1500, random.Random(14))
@@ -142,9 +152,16 @@ def test_soak_mixed_requests_with_faults_aborts_and_preemption(tiny_llama):
 def test_soak_through_a_kv_store_with_random_damage(tiny_llama, tmp_path):
     store = tmp_path / "store"
     options = {"path": str(store), "auth_key": "soak-test-secret-0123"}
-    llm = patchbay.LLM(model__path=str(tiny_llama), attention__backend="torch_sdpa", runtime__threads=2,
-                       model__max_model_len=MAX_MODEL_LEN, cache__num_blocks=64, cache__block_size=4,
-                       cache__prefix_caching=False, kv_connector={"name": "shared_storage", "options": options})
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama),
+        attention__backend="torch_sdpa",
+        runtime__threads=2,
+        model__max_model_len=MAX_MODEL_LEN,
+        cache__num_blocks=64,
+        cache__block_size=4,
+        cache__prefix_caching=False,
+        kv_connector={"name": "shared_storage", "options": options},
+    )
     rng = random.Random(41)
     damage = Counter()
 

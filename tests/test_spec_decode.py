@@ -48,8 +48,9 @@ class ScriptedDrafter(Drafter):
         found = []
         for index, tokens in enumerate(batch.token_ids):
             tokens = tokens.tolist()
-            prompt, continuation = next((list(p), c) for p, c in self.continuations.items()
-                                        if tokens[: len(p)] == list(p))
+            prompt, continuation = next(
+                (list(p), c) for p, c in self.continuations.items() if tokens[: len(p)] == list(p)
+            )
             done = len(tokens) - len(prompt)
             room = min(batch.num_speculative_tokens, batch.max_model_len - len(tokens))
             drafts = continuation[done : done + room]
@@ -85,8 +86,12 @@ def test_greedy_with_drafts_equals_transformers_and_counts_acceptance_exactly(ti
     expected = transformers_greedy(tiny_llama, prompts, NUM_TOKENS)
     ScriptedDrafter.continuations = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
     ScriptedDrafter.proposed = []
-    llm = patchbay.LLM(model__path=str(tiny_llama), registry=registry, scheduler__max_num_batched_tokens=32,
-                       speculative={"method": "scripted", "num_speculative_tokens": 4})
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama),
+        registry=registry,
+        scheduler__max_num_batched_tokens=32,
+        speculative={"method": "scripted", "num_speculative_tokens": 4},
+    )
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
 
@@ -108,8 +113,12 @@ def test_random_sampling_with_drafts_keeps_the_output_distribution(tiny_llama, r
     (plain,) = base.generate([prompt], params)
     # The scripted drafter proposes greedy continuations: often right, sometimes rejected.
     ScriptedDrafter.continuations = {tuple(prompt): transformers_greedy(tiny_llama, [prompt], 2)[0]}
-    spec = patchbay.LLM(model__path=str(tiny_llama), registry=registry, runtime__seed=2,
-                        speculative={"method": "scripted", "num_speculative_tokens": 1})
+    spec = patchbay.LLM(
+        model__path=str(tiny_llama),
+        registry=registry,
+        runtime__seed=2,
+        speculative={"method": "scripted", "num_speculative_tokens": 1},
+    )
     (drafted,) = spec.generate([prompt], params)
     assert spec.engine.spec_stats.num_draft_tokens > 0
     first = Counter(c.token_ids[1] for c in plain.completions)
@@ -131,16 +140,21 @@ def _two_sample_chi_square(a: Counter, b: Counter) -> tuple[float, int]:
 
 
 def _chi_square_survival(statistic: float, dof: int) -> float:
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)
+        )
+    )
 
 
 def test_requests_asking_for_logprobs_decode_without_drafts(tiny_llama, registry):
     prompts = _prompts()[:2]
-    ScriptedDrafter.continuations = {tuple(p): e for p, e in
-                                     zip(prompts, transformers_greedy(tiny_llama, prompts, 6), strict=True)}
-    llm = patchbay.LLM(model__path=str(tiny_llama), registry=registry,
-                       speculative={"method": "scripted", "num_speculative_tokens": 3})
+    ScriptedDrafter.continuations = {
+        tuple(p): e for p, e in zip(prompts, transformers_greedy(tiny_llama, prompts, 6), strict=True)
+    }
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama), registry=registry, speculative={"method": "scripted", "num_speculative_tokens": 3}
+    )
     outputs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2))
     assert all(len(o.logprobs) == 6 for o in outputs)
     assert llm.engine.spec_stats.num_draft_tokens == 0
@@ -154,13 +168,25 @@ def test_draft_proposals_outside_the_contract_name_the_drafter_and_the_request()
     from patchbay.worker.spec_decode import DraftProposalError, check_draft_proposals
 
     def check(proposals, skip=frozenset(), num_tokens=(10, 10)):
-        return check_draft_proposals("drafter:mine", proposals, ["a", "b"], list(num_tokens), set(skip),
-                                     vocab_size=100, max_drafts=3, max_model_len=12)
+        return check_draft_proposals(
+            "drafter:mine",
+            proposals,
+            ["a", "b"],
+            list(num_tokens),
+            set(skip),
+            vocab_size=100,
+            max_drafts=3,
+            max_model_len=12,
+        )
 
     assert check([[1, 2], [99]]) == [[1, 2], [99]]
     assert check([[1, 2], [500, 600]], skip={1}) == [[1, 2], []]  # a skipped row's proposal is dropped unchecked
     for proposals, num_tokens, message in (
-        ([[1], [100]], (10, 10), "drafter:mine proposed for request 'b' token ids outside the vocabulary (0..99): [100]"),
+        (
+            [[1], [100]],
+            (10, 10),
+            "drafter:mine proposed for request 'b' token ids outside the vocabulary (0..99): [100]",
+        ),
         ([[-1], []], (10, 10), "drafter:mine proposed for request 'a' token ids outside the vocabulary (0..99): [-1]"),
         ([[1, 2, 3, 4], []], (5, 5), "drafter:mine proposed for request 'a' 4 drafts; at most 3 are allowed"),
         ([[], [1, 2, 3]], (10, 10), "drafter:mine proposed for request 'b' 3 drafts; at most 2 are allowed"),

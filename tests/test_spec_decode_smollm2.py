@@ -39,8 +39,11 @@ def expected(shared_engines, request) -> list[list[int]]:
 @pytest.mark.parametrize("method", ["ngram", "medusa", "eagle", "eagle3"])
 @pytest.mark.parametrize("budget", [2048, 64], ids=["whole-prefill", "chunked-prefill"])
 def test_greedy_output_is_unchanged_by_the_drafter(expected, method, budget):
-    llm = patchbay.LLM(runtime__threads=2, scheduler__max_num_batched_tokens=budget,
-                       speculative={"method": method, "num_speculative_tokens": 3})
+    llm = patchbay.LLM(
+        runtime__threads=2,
+        scheduler__max_num_batched_tokens=budget,
+        speculative={"method": method, "num_speculative_tokens": 3},
+    )
     outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
     assert llm.spec_stats.num_draft_tokens > 0

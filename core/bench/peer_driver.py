@@ -57,9 +57,14 @@ class VllmBackend:
 
         self.version = vllm.__version__
         self.engine_name = f"vLLM-CPU {self.version} ({config['dtype']})"
-        self.llm = LLM(model=config["model"], dtype=config["dtype"], skip_tokenizer_init=True,
-                       max_model_len=config["max_model_len"], max_num_seqs=config["max_num_seqs"],
-                       seed=0)
+        self.llm = LLM(
+            model=config["model"],
+            dtype=config["dtype"],
+            skip_tokenizer_init=True,
+            max_model_len=config["max_model_len"],
+            max_num_seqs=config["max_num_seqs"],
+            seed=0,
+        )
         self.engine = self.llm.llm_engine
         self.runs = 0
 
@@ -68,8 +73,9 @@ class VllmBackend:
 
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
-                 on_first_token: Callable[[int], None]) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], max_tokens: list[int], concurrency: int, on_first_token: Callable[[int], None]
+    ) -> list[list[int]]:
         self.runs += 1
         waiting = deque(range(len(prompts)))
         running: set[int] = set()
@@ -81,12 +87,13 @@ class VllmBackend:
                 while waiting and len(running) < concurrency:
                     index = waiting.popleft()
                     running.add(index)
-                    self.engine.add_request(f"{prefix}{index}", {"prompt_token_ids": prompts[index]},
-                                            self._params(max_tokens[index]))
+                    self.engine.add_request(
+                        f"{prefix}{index}", {"prompt_token_ids": prompts[index]}, self._params(max_tokens[index])
+                    )
                 for output in self.engine.step():
                     if not output.request_id.startswith(prefix):
                         continue
-                    index = int(output.request_id[len(prefix):])
+                    index = int(output.request_id[len(prefix) :])
                     produced = list(output.outputs[0].token_ids)
                     if produced and index not in started:
                         started.add(index)
@@ -110,18 +117,27 @@ class LlamaCppBackend:
         self.version = llama_cpp.__version__
         threads = config.get("threads") or os.cpu_count() or 1
         self.engine_name = f"llama.cpp (llama-cpp-python {self.version}, {os.path.basename(config['model'])})"
-        self.llm = llama_cpp.Llama(model_path=config["model"], n_ctx=config["max_model_len"], n_batch=512,
-                                   n_threads=threads, n_threads_batch=threads, seed=0, verbose=False)
+        self.llm = llama_cpp.Llama(
+            model_path=config["model"],
+            n_ctx=config["max_model_len"],
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            seed=0,
+            verbose=False,
+        )
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
-                 on_first_token: Callable[[int], None]) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], max_tokens: list[int], concurrency: int, on_first_token: Callable[[int], None]
+    ) -> list[list[int]]:
         results = []
         for index, (prompt, count) in enumerate(zip(prompts, max_tokens, strict=True)):
             self.llm.reset()  # no reuse of an earlier request's prefix
             produced: list[int] = []
             # Greedy (top-k 1, temperature 0, no penalties); generate() never stops at EOS by itself.
-            for token in self.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
-                                           reset=True):
+            for token in self.llm.generate(
+                prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
+            ):
                 if not produced:
                     on_first_token(index)
                 produced.append(int(token))
@@ -137,8 +153,9 @@ class PeerBackend(Protocol):
     engine_name: str
     version: str
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
-                 on_first_token: Callable[[int], None]) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], max_tokens: list[int], concurrency: int, on_first_token: Callable[[int], None]
+    ) -> list[list[int]]:
         """The greedy completion of each prompt, calling ``on_first_token(index)`` as each produces its first."""
         ...
 
@@ -179,8 +196,9 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         answer({"error": f"{type(error).__name__}: {error}"})
         return 1
-    answer({"ready": {"engine": backend.engine_name, "version": backend.version,
-                      "load_s": time.perf_counter() - start}})
+    answer(
+        {"ready": {"engine": backend.engine_name, "version": backend.version, "load_s": time.perf_counter() - start}}
+    )
     for line in sys.stdin:
         if not line.strip():
             continue

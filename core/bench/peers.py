@@ -47,8 +47,14 @@ class PeerSpec:
     env: tuple[tuple[str, str], ...] = ()
 
     def config(self) -> dict[str, Any]:
-        return {"backend": self.backend, "model": self.model, "dtype": self.dtype,
-                "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs, "threads": self.threads}
+        return {
+            "backend": self.backend,
+            "model": self.model,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "threads": self.threads,
+        }
 
 
 def check_interpreter(backend: str, python: Path) -> Path:
@@ -67,9 +73,14 @@ class SubprocessPeer:
         check_interpreter(spec.backend, spec.python)
         self._log: IO[str] = tempfile.TemporaryFile("w+", encoding="utf-8")
         environment = {**_inherited_environment(), **dict(spec.env)}
-        self._process = subprocess.Popen([str(spec.python), str(DRIVER), json.dumps(spec.config())],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                         env=environment)
+        self._process = subprocess.Popen(
+            [str(spec.python), str(DRIVER), json.dumps(spec.config())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=environment,
+        )
         reply = self._receive()
         if "ready" not in reply:
             self.close()
@@ -80,8 +91,11 @@ class SubprocessPeer:
         self.load_seconds: float = ready["load_s"]
 
     def run(self, workload: Workload) -> EngineRun:
-        request = {"prompts": [r.prompt_token_ids for r in workload.requests],
-                   "max_tokens": [r.max_tokens for r in workload.requests], "concurrency": workload.concurrency}
+        request = {
+            "prompts": [r.prompt_token_ids for r in workload.requests],
+            "max_tokens": [r.max_tokens for r in workload.requests],
+            "concurrency": workload.concurrency,
+        }
         assert self._process.stdin is not None
         try:
             self._process.stdin.write(json.dumps(request) + "\n")
@@ -92,8 +106,11 @@ class SubprocessPeer:
         if "error" in reply:
             raise RuntimeError(f"{self.name} failed on {workload.name} ({workload.label}): {reply['error']}")
         ttft = [t for t in reply["ttft_s"] if t is not None]
-        details = {"dtype": self.dtype, "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
-                   "load_s": self.load_seconds}
+        details = {
+            "dtype": self.dtype,
+            "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
+            "load_s": self.load_seconds,
+        }
         return EngineRun(self.name, reply["seconds"], reply["token_ids"], details=details)
 
     def _receive(self) -> dict[str, Any]:
@@ -101,8 +118,10 @@ class SubprocessPeer:
         line = self._process.stdout.readline()
         if not line:
             code = self._process.wait()
-            return {"error": f"the {self.spec.backend} driver ({self.spec.python}) exited with {code} without an "
-                             f"answer; its last log lines:\n{self.log_tail()}"}
+            return {
+                "error": f"the {self.spec.backend} driver ({self.spec.python}) exited with {code} without an "
+                f"answer; its last log lines:\n{self.log_tail()}"
+            }
         try:
             return json.loads(line)
         except ValueError:
@@ -126,8 +145,7 @@ class SubprocessPeer:
 
 def _inherited_environment() -> dict[str, str]:
     """The bench's environment less what would make the peer's interpreter import this one's packages."""
-    return {key: value for key, value in os.environ.items()
-            if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    return {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
 
 
 def vllm_environment(python: Path, threads: int | None) -> tuple[tuple[str, str], ...]:
@@ -137,10 +155,15 @@ def vllm_environment(python: Path, threads: int | None) -> tuple[tuple[str, str]
     runs slower without); they are found in the peer's virtualenv or the system.
     """
     cores = threads or os.cpu_count() or 1
-    settings = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
-                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")}
-    preload = [str(path) for path in (_find_library(python, "libtcmalloc"), _find_library(python, "libiomp5"))
-               if path is not None]
+    settings = {
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
+    }
+    preload = [
+        str(path)
+        for path in (_find_library(python, "libtcmalloc"), _find_library(python, "libiomp5"))
+        if path is not None
+    ]
     if preload:
         settings["LD_PRELOAD"] = ":".join([*preload, *filter(None, [os.environ.get("LD_PRELOAD")])])
     return tuple(settings.items())
@@ -186,8 +209,9 @@ def standard_checkpoint(model_dir: Path, store: Path) -> Path:
             if (model_dir / extra).is_file() and not (partial / extra).exists():
                 shutil.copy2(model_dir / extra, partial / extra)
         if not _is_standard(partial):
-            raise RuntimeError(f"transformers' copy of {model_dir} still lacks architectures or "
-                               "model.embed_tokens.weight")
+            raise RuntimeError(
+                f"transformers' copy of {model_dir} still lacks architectures or model.embed_tokens.weight"
+            )
         try:
             partial.rename(target)
         except OSError:  # another run put it there first

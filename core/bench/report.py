@@ -32,23 +32,29 @@ def _figure(row: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def print_table(rows: list[dict[str, Any]], roofline: Roofline, stream: TextIO,
-                skipped: dict[str, str] | None = None) -> None:
+def print_table(
+    rows: list[dict[str, Any]], roofline: Roofline, stream: TextIO, skipped: dict[str, str] | None = None
+) -> None:
     """The roofline, one line per row (ratios: x gen, x cb against transformers; x vllm: patchbay against vLLM at
     the row's dtype; x llama: against llama.cpp), perplexities, the engines ``skipped`` with their reasons, and
     patchbay's step breakdowns."""
     for line in roofline.describe():
         print(line, file=stream)
-    header = (f"{'workload':<34} {'engine':<52} {'s':>7} {'gen tok/s':>9} {'x gen':>6} {'x cb':>6} {'x vllm':>6}"
-              f" {'x llama':>7}  notes")
+    header = (
+        f"{'workload':<34} {'engine':<52} {'s':>7} {'gen tok/s':>9} {'x gen':>6} {'x cb':>6} {'x vllm':>6}"
+        f" {'x llama':>7}  notes"
+    )
     print("\n" + header + "\n" + "-" * len(header), file=stream)
     for row in rows:
         if "perplexity" in row:
             continue
         name = f"{row['workload']} ({row['label']})"
-        print(f"{name:<34} {row['engine']:<52} {row['seconds']:>7.2f} {row['generated_tokens_per_s']:>9.1f} "
-              f"{_ratio(row.get('x_generate')):>6} {_ratio(row.get('x_continuous')):>6} "
-              f"{_ratio(row.get('x_vllm')):>6} {_ratio(row.get('x_llamacpp')):>7}  {_figure(row)}", file=stream)
+        print(
+            f"{name:<34} {row['engine']:<52} {row['seconds']:>7.2f} {row['generated_tokens_per_s']:>9.1f} "
+            f"{_ratio(row.get('x_generate')):>6} {_ratio(row.get('x_continuous')):>6} "
+            f"{_ratio(row.get('x_vllm')):>6} {_ratio(row.get('x_llamacpp')):>7}  {_figure(row)}",
+            file=stream,
+        )
     for row in rows:
         if "perplexity" in row:
             print(f"perplexity on held text, {row['engine']}: {row['perplexity']:.3f}", file=stream)
@@ -58,8 +64,9 @@ def print_table(rows: list[dict[str, Any]], roofline: Roofline, stream: TextIO,
         breakdown = row.get("step_breakdown_s") or {}
         total = sum(breakdown.values())
         if total:
-            shares = ", ".join(f"{phase} {100 * seconds / total:.1f}%" for phase, seconds in breakdown.items()
-                               if seconds)
+            shares = ", ".join(
+                f"{phase} {100 * seconds / total:.1f}%" for phase, seconds in breakdown.items() if seconds
+            )
             print(f"step time, {row['engine']} on {row['workload']} ({row['label']}): {shares}", file=stream)
 
 
@@ -83,8 +90,9 @@ def write_plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     throughput = [row for row in rows if row["workload"] == "throughput"]
     for engine in dict.fromkeys(row["engine"] for row in throughput):
-        points = sorted((row["concurrency"], row["generated_tokens_per_s"]) for row in throughput
-                        if row["engine"] == engine)
+        points = sorted(
+            (row["concurrency"], row["generated_tokens_per_s"]) for row in throughput if row["engine"] == engine
+        )
         left.plot([c for c, _ in points], [t for _, t in points], marker="o", label=engine)
     left.set_xlabel("concurrent requests")
     left.set_ylabel("generated tokens/s")

@@ -40,13 +40,21 @@ class ModelCost:
     def of(cls, model: PreTrainedModel) -> ModelCost:
         """Count a transformers causal LM's parameters by role."""
         head = model.get_output_embeddings()
-        linear = sum(module.weight.numel() for module in model.modules()
-                     if isinstance(module, nn.Linear) and module is not head)
+        linear = sum(
+            module.weight.numel() for module in model.modules() if isinstance(module, nn.Linear) and module is not head
+        )
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(linear, head.weight.numel(), config.num_hidden_layers, heads,
-                   getattr(config, "num_key_value_heads", None) or heads, head_dim, head.weight.element_size())
+        return cls(
+            linear,
+            head.weight.numel(),
+            config.num_hidden_layers,
+            heads,
+            getattr(config, "num_key_value_heads", None) or heads,
+            head_dim,
+            head.weight.element_size(),
+        )
 
     def attention_flops(self, context: int) -> float:
         """FLOPs of one token's attention over ``context`` positions (scores and weighted sum), all layers."""

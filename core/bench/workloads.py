@@ -56,8 +56,15 @@ def source_corpus(tokenizer: Any) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def throughput(corpus: list[int], *, num_requests: int = 64, prompt_range: tuple[int, int] = (16, 512),
-               output_range: tuple[int, int] = (16, 256), concurrency: int = 64, seed: int = 0) -> Workload:
+def throughput(
+    corpus: list[int],
+    *,
+    num_requests: int = 64,
+    prompt_range: tuple[int, int] = (16, 512),
+    output_range: tuple[int, int] = (16, 256),
+    concurrency: int = 64,
+    seed: int = 0,
+) -> Workload:
     """``num_requests`` requests of random prompt and output lengths, all submitted at once."""
     rng = random.Random(seed)
     requests = []
@@ -71,12 +78,20 @@ def throughput(corpus: list[int], *, num_requests: int = 64, prompt_range: tuple
 def latency(corpus: list[int], *, prompt_length: int, max_tokens: int = 64, seed: int = 0) -> Workload:
     """One request alone: time to first token and decode time per token."""
     start = random.Random(seed).randrange(0, len(corpus) - prompt_length)
-    return Workload("latency", [BenchRequest(corpus[start : start + prompt_length], max_tokens)], 1,
-                    f"prompt {prompt_length}")
+    return Workload(
+        "latency", [BenchRequest(corpus[start : start + prompt_length], max_tokens)], 1, f"prompt {prompt_length}"
+    )
 
 
-def shared_prefix(corpus: list[int], *, num_requests: int = 32, prefix_length: int = 1000,
-                  suffix_range: tuple[int, int] = (16, 64), max_tokens: int = 32, seed: int = 0) -> Workload:
+def shared_prefix(
+    corpus: list[int],
+    *,
+    num_requests: int = 32,
+    prefix_length: int = 1000,
+    suffix_range: tuple[int, int] = (16, 64),
+    max_tokens: int = 32,
+    seed: int = 0,
+) -> Workload:
     """``num_requests`` requests that share their first ``prefix_length`` tokens (a system prompt, a document)."""
     rng = random.Random(seed)
     prefix = corpus[:prefix_length]

@@ -66,8 +66,9 @@ def check_bounds(data: Any) -> None:
         for child in children:
             total += expanded(child, depth + 1)
             if total > MAX_NODES:
-                raise DocumentTooLarge(f"document expands to more than {MAX_NODES} values "
-                                       f"(aliases repeat their anchor's contents)")
+                raise DocumentTooLarge(
+                    f"document expands to more than {MAX_NODES} values (aliases repeat their anchor's contents)"
+                )
         in_progress.discard(key)
         sizes[key] = total
         return total

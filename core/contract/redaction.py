@@ -23,8 +23,9 @@ def is_secret_name(name: str) -> bool:
     words = name.replace("-", "_").split("_")
     if len(words) > 1 and words[-1] in {"file", "path"}:
         words = words[:-1]  # where a secret is kept (``auth_key_file``) is named like the secret
-    return _is_secret_word(words[-1]) or any(word.removesuffix("s") in {"password", "passwd", "secret"}
-                                             for word in words)
+    return _is_secret_word(words[-1]) or any(
+        word.removesuffix("s") in {"password", "passwd", "secret"} for word in words
+    )
 
 
 def _is_secret_word(word: str) -> bool:
@@ -44,8 +45,10 @@ def redact_url(url: str) -> str:
         netloc = f"{parts.username or ''}:{HIDDEN}@{parts.hostname or ''}" + (f":{port}" if port else "")
         parts = parts._replace(netloc=netloc)
     if parts.query:
-        query = [(name, HIDDEN if is_secret_name(name) else value)
-                 for name, value in parse_qsl(parts.query, keep_blank_values=True)]
+        query = [
+            (name, HIDDEN if is_secret_name(name) else value)
+            for name, value in parse_qsl(parts.query, keep_blank_values=True)
+        ]
         parts = parts._replace(query=urlencode(query, safe="*"))
     return urlunsplit(parts)
 
@@ -53,8 +56,10 @@ def redact_url(url: str) -> str:
 def redact(data: Any) -> Any:
     """A copy of JSON-like ``data`` with secret-named keys' values and URL passwords hidden."""
     if isinstance(data, dict):
-        return {key: HIDDEN if is_secret_name(str(key)) and value not in (None, "", [], {}) else redact(value)
-                for key, value in data.items()}
+        return {
+            key: HIDDEN if is_secret_name(str(key)) and value not in (None, "", [], {}) else redact(value)
+            for key, value in data.items()
+        }
     if isinstance(data, list):
         return [redact(item) for item in data]
     if isinstance(data, str) and "://" in data:

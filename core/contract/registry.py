@@ -54,13 +54,21 @@ KINDS: dict[str, Kind] = {
     kind.name: kind
     for kind in (
         Kind("attention", "register_attention_backends", AttentionBackend, "attention backends"),
-        Kind("attention_metadata_builder", "register_attention_metadata_builders", AttentionMetadataBuilder,
-             "attention-metadata builders"),
+        Kind(
+            "attention_metadata_builder",
+            "register_attention_metadata_builders",
+            AttentionMetadataBuilder,
+            "attention-metadata builders",
+        ),
         Kind("drafter", "register_drafters", Drafter, "speculative-decoding drafters"),
         Kind("sampler", "register_samplers", SamplerBase, "samplers"),
         Kind("kv_connector", "register_kv_connectors", KVConnector, "KV-cache connectors"),
-        Kind("structured_output", "register_structured_output_backends", StructuredOutputBackend,
-             "structured-output backends"),
+        Kind(
+            "structured_output",
+            "register_structured_output_backends",
+            StructuredOutputBackend,
+            "structured-output backends",
+        ),
         Kind("lora_kernel", "register_lora_kernels", LoRAKernel, "LoRA kernels"),
         Kind("lora_resolver", "register_lora_resolvers", LoRAResolver, "LoRA adapter resolvers"),
         Kind("tool_parser", "register_tool_parsers", ToolParser, "tool-call parsers"),
@@ -271,10 +279,13 @@ class Registry:
         if not self._admits_plugin(origin):
             return
         if origin.plugin in self._origins:
-            self._fail(origin, PluginConflictError(
-                f"entry point name {origin.plugin!r} is also used by {self._origins[origin.plugin]}; "
-                "entry-point names in the 'patchbay' group must be unique"
-            ))
+            self._fail(
+                origin,
+                PluginConflictError(
+                    f"entry point name {origin.plugin!r} is also used by {self._origins[origin.plugin]}; "
+                    "entry-point names in the 'patchbay' group must be unique"
+                ),
+            )
             return
         try:
             module = entry_point.load()
@@ -283,7 +294,9 @@ class Registry:
             return
         self.add_plugin(module, name=origin.plugin, distribution=origin.distribution, version=origin.version)
 
-    def add_plugin(self, plugin: object, *, name: str, distribution: str = LOCAL_DISTRIBUTION, version: str = "") -> None:
+    def add_plugin(
+        self, plugin: object, *, name: str, distribution: str = LOCAL_DISTRIBUTION, version: str = ""
+    ) -> None:
         """Register a module or object of hook implementations and run its registration hooks.
 
         This is what entry-point loading does for each plugin; tests use it to
@@ -293,7 +306,9 @@ class Registry:
         if not self._admits_plugin(origin):
             return
         if origin.plugin in self._origins:
-            raise PluginConflictError(f"a plugin named {origin.plugin!r} is already loaded ({self._origins[origin.plugin]})")
+            raise PluginConflictError(
+                f"a plugin named {origin.plugin!r} is already loaded ({self._origins[origin.plugin]})"
+            )
         try:
             self._manager.register(plugin, name=origin.plugin)
             self._reject_unknown_hooks(plugin)
@@ -319,8 +334,9 @@ class Registry:
         for caller in self._manager.get_hookcallers(plugin) or []:
             if caller.spec is None and any(not impl.optionalhook for impl in caller.get_hookimpls()):
                 raise pluggy.PluginValidationError(
-                    plugin, f"implements unknown hook {caller.name!r}; known hooks: "
-                    + ", ".join(kind.hook for kind in KINDS.values())
+                    plugin,
+                    f"implements unknown hook {caller.name!r}; known hooks: "
+                    + ", ".join(kind.hook for kind in KINDS.values()),
                 )
 
     def remove_plugin(self, name: str) -> None:
@@ -346,8 +362,7 @@ class Registry:
         kind, name, origin = registration.kind, registration.name, registration.origin
         if not isinstance(name, str) or not _NAME_PATTERN.match(name):
             raise PluginError(
-                f"{origin} registered an invalid {kind.name} name {name!r} "
-                "(use lowercase letters, digits, '_' and '-')"
+                f"{origin} registered an invalid {kind.name} name {name!r} (use lowercase letters, digits, '_' and '-')"
             )
         if not isinstance(registration.target, (str, type)) or (
             isinstance(registration.target, str) and ":" not in registration.target
@@ -402,13 +417,19 @@ class Registry:
     @property
     def conflicts(self) -> list[Conflict]:
         """Names claimed by more than one plugin (unusable until all but one are denied or removed)."""
-        return [Conflict(claims[0].kind, claims[0].name, claims[0].origin, claims[1].origin)
-                for claims in self._claims.values() if len(claims) > 1]
+        return [
+            Conflict(claims[0].kind, claims[0].name, claims[0].origin, claims[1].origin)
+            for claims in self._claims.values()
+            if len(claims) > 1
+        ]
 
     def registrations(self, kind: str | None = None) -> list[Registration]:
         """Usable registrations of one kind (or all), sorted by kind then name; conflicting names are left out."""
-        found = [claims[0] for claims in self._claims.values()
-                 if len(claims) == 1 and (kind is None or claims[0].kind.name == kind)]
+        found = [
+            claims[0]
+            for claims in self._claims.values()
+            if len(claims) == 1 and (kind is None or claims[0].kind.name == kind)
+        ]
         return sorted(found, key=lambda r: (list(KINDS).index(r.kind.name), r.name))
 
     def names(self, kind: str) -> list[str]:
@@ -432,7 +453,9 @@ class Registry:
             unknown = [f"  {exclusion}" for exclusion in self.excluded if exclusion.reference is None]
             unknown += [f"  {failure.origin} failed to load: {failure.error}" for failure in self.failures]
             if unknown:
-                message += "\nthese plugins were not loaded, so any names they register are missing:\n" + "\n".join(unknown)
+                message += "\nthese plugins were not loaded, so any names they register are missing:\n" + "\n".join(
+                    unknown
+                )
             raise UnknownPluginError(message)
         return claims[0]
 
@@ -445,8 +468,9 @@ _default: Registry | None = None
 _by_policy: dict[tuple[bool, tuple[str, ...], tuple[str, ...]], Registry] = {}
 
 
-def default_registry(*, strict: bool | None = None, allow: Iterable[str] | None = None,
-                     deny: Iterable[str] | None = None) -> Registry:
+def default_registry(
+    *, strict: bool | None = None, allow: Iterable[str] | None = None, deny: Iterable[str] | None = None
+) -> Registry:
     """The process-wide registry, loaded once from entry points with the environment's plugin policy.
 
     Arguments left ``None`` come from ``PATCHBAY_PLUGINS__STRICT``,

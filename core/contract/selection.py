@@ -26,7 +26,9 @@ def require_serves(implementation: type[Plugin], reference: str, key: str, confi
         raise ConfigError([ConfigProblem("<run>", key, "; ".join(reasons), reference)])
 
 
-def select_attention_backend(registry: Registry, name: str, configs: Sequence[AttentionConfig]) -> tuple[str, type[AttentionBackend]]:
+def select_attention_backend(
+    registry: Registry, name: str, configs: Sequence[AttentionConfig]
+) -> tuple[str, type[AttentionBackend]]:
     """The backend called ``name``, or for ``auto`` the highest-priority one that can serve every config.
 
     Never falls back silently: a named backend that cannot serve the run is
@@ -52,8 +54,15 @@ def select_attention_backend(registry: Registry, name: str, configs: Sequence[At
         else:
             candidates.append((backend.capabilities.priority, registration.name, backend))
     if not candidates:
-        raise ConfigError([ConfigProblem("<run>", "attention.backend", "auto found no backend that can serve this model: "
-                                         + " | ".join(rejected))])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    "attention.backend",
+                    "auto found no backend that can serve this model: " + " | ".join(rejected),
+                )
+            ]
+        )
     _, chosen_name, chosen = max(candidates, key=lambda item: (item[0], item[1]))
     return chosen_name, chosen
 

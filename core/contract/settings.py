@@ -148,14 +148,17 @@ class RuntimeSettings(Section):
     port; another port under torchrun makes rank 0 host a store of its own."""
 
     _partition = field_validator("pipeline_layer_partition", mode="before")(
-        lambda value: _split_names(value) if isinstance(value, str) else value)
+        lambda value: _split_names(value) if isinstance(value, str) else value
+    )
 
     @model_validator(mode="after")
     def _one_partition_per_stage(self) -> RuntimeSettings:
         partition = self.pipeline_layer_partition
         if partition is not None and len(partition) != self.pipeline_parallel_size:
-            raise ValueError(f"pipeline_layer_partition gives {len(partition)} stages' layers "
-                             f"({','.join(map(str, partition))}); pipeline_parallel_size is {self.pipeline_parallel_size}")
+            raise ValueError(
+                f"pipeline_layer_partition gives {len(partition)} stages' layers "
+                f"({','.join(map(str, partition))}); pipeline_parallel_size is {self.pipeline_parallel_size}"
+            )
         return self
 
     @property
@@ -393,8 +396,12 @@ class PluginPolicy(Section):
     def _renamed_plugins(cls, names: list[str]) -> list[str]:
         for old, new in RENAMED_PLUGINS.items():
             if old in names:
-                warnings.warn(f"plugins.allow/deny: the built-in plugin {old!r} is now called {new!r}; the old "
-                              "name is deprecated", FutureWarning, stacklevel=2)
+                warnings.warn(
+                    f"plugins.allow/deny: the built-in plugin {old!r} is now called {new!r}; the old "
+                    "name is deprecated",
+                    FutureWarning,
+                    stacklevel=2,
+                )
         return [RENAMED_PLUGINS.get(name, name) for name in names]
 
 
@@ -496,11 +503,14 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-                                   env_settings: PydanticBaseSettingsSource,
-                                   dotenv_settings: PydanticBaseSettingsSource,
-                                   file_secret_settings: PydanticBaseSettingsSource,
-                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
         # load_settings merges the environment itself (env_overrides), so each variable is named in errors and
         # PATCHBAY_KEY=null can clear a key; reading it again here would undo that.
         return (init_settings,)
@@ -509,41 +519,121 @@ class Settings(BaseSettings):
         """Every plugin this run names, with its options and the key path of its YAML section."""
         choices = []
         if self.attention.backend != "auto":
-            choices.append(PluginChoice("attention", self.attention.backend, self.attention.options,
-                                        ("attention", "backend"), ("attention", "options")))
+            choices.append(
+                PluginChoice(
+                    "attention",
+                    self.attention.backend,
+                    self.attention.options,
+                    ("attention", "backend"),
+                    ("attention", "options"),
+                )
+            )
         elif self.attention.options:
-            choices.append(PluginChoice("attention", "auto", self.attention.options,
-                                        ("attention", "backend"), ("attention", "options")))
+            choices.append(
+                PluginChoice(
+                    "attention", "auto", self.attention.options, ("attention", "backend"), ("attention", "options")
+                )
+            )
         if self.attention.metadata_builder is not None:
-            choices.append(PluginChoice("attention_metadata_builder", self.attention.metadata_builder, {},
-                                        ("attention", "metadata_builder"), None))
-        choices.append(PluginChoice("sampler", self.sampler.name, self.sampler.options,
-                                    ("sampler", "name"), ("sampler", "options"), sampler_role="sample"))
+            choices.append(
+                PluginChoice(
+                    "attention_metadata_builder",
+                    self.attention.metadata_builder,
+                    {},
+                    ("attention", "metadata_builder"),
+                    None,
+                )
+            )
+        choices.append(
+            PluginChoice(
+                "sampler",
+                self.sampler.name,
+                self.sampler.options,
+                ("sampler", "name"),
+                ("sampler", "options"),
+                sampler_role="sample",
+            )
+        )
         if self.speculative is not None:
-            choices.append(PluginChoice("drafter", self.speculative.method, self.speculative.options,
-                                        ("speculative", "method"), ("speculative", "options")))
-            choices.append(PluginChoice("sampler", self.speculative.rejection_sampler, {},
-                                        ("speculative", "rejection_sampler"), None, sampler_role="verify"))
+            choices.append(
+                PluginChoice(
+                    "drafter",
+                    self.speculative.method,
+                    self.speculative.options,
+                    ("speculative", "method"),
+                    ("speculative", "options"),
+                )
+            )
+            choices.append(
+                PluginChoice(
+                    "sampler",
+                    self.speculative.rejection_sampler,
+                    {},
+                    ("speculative", "rejection_sampler"),
+                    None,
+                    sampler_role="verify",
+                )
+            )
         if self.kv_connector is not None:
-            choices.append(PluginChoice("kv_connector", self.kv_connector.name, self.kv_connector.options,
-                                        ("kv_connector", "name"), ("kv_connector", "options")))
+            choices.append(
+                PluginChoice(
+                    "kv_connector",
+                    self.kv_connector.name,
+                    self.kv_connector.options,
+                    ("kv_connector", "name"),
+                    ("kv_connector", "options"),
+                )
+            )
         if "structured_output" in self.model_fields_set:  # the default backend is checked when the engine starts
-            choices.append(PluginChoice("structured_output", self.structured_output.backend,
-                                        self.structured_output.options, ("structured_output", "backend"),
-                                        ("structured_output", "options")))
+            choices.append(
+                PluginChoice(
+                    "structured_output",
+                    self.structured_output.backend,
+                    self.structured_output.options,
+                    ("structured_output", "backend"),
+                    ("structured_output", "options"),
+                )
+            )
         if self.lora is not None:
-            choices.append(PluginChoice("lora_kernel", self.lora.kernel, self.lora.kernel_options,
-                                        ("lora", "kernel"), ("lora", "kernel_options")))
+            choices.append(
+                PluginChoice(
+                    "lora_kernel",
+                    self.lora.kernel,
+                    self.lora.kernel_options,
+                    ("lora", "kernel"),
+                    ("lora", "kernel_options"),
+                )
+            )
             if self.lora.resolver is not None:
-                choices.append(PluginChoice("lora_resolver", self.lora.resolver, self.lora.resolver_options,
-                                            ("lora", "resolver"), ("lora", "resolver_options")))
+                choices.append(
+                    PluginChoice(
+                        "lora_resolver",
+                        self.lora.resolver,
+                        self.lora.resolver_options,
+                        ("lora", "resolver"),
+                        ("lora", "resolver_options"),
+                    )
+                )
         if "chat" in self.model_fields_set:  # the default parser is checked when the server starts
-            choices.append(PluginChoice("tool_parser", self.chat.tool_parser, self.chat.tool_parser_options,
-                                        ("chat", "tool_parser"), ("chat", "tool_parser_options")))
+            choices.append(
+                PluginChoice(
+                    "tool_parser",
+                    self.chat.tool_parser,
+                    self.chat.tool_parser_options,
+                    ("chat", "tool_parser"),
+                    ("chat", "tool_parser_options"),
+                )
+            )
             if self.chat.reasoning_parser is not None:
-                choices.append(PluginChoice("reasoning_parser", self.chat.reasoning_parser,
-                                            self.chat.reasoning_parser_options, ("chat", "reasoning_parser"),
-                                            ("chat", "reasoning_parser_options")))
+                choices.append(
+                    PluginChoice(
+                        "reasoning_parser",
+                        self.chat.reasoning_parser,
+                        self.chat.reasoning_parser_options,
+                        ("chat", "reasoning_parser"),
+                        ("chat", "reasoning_parser_options"),
+                    )
+                )
         return choices
 
 
@@ -596,8 +686,7 @@ class _Sources:
         self.default = default
         self._by_path: dict[tuple[str, ...], str] = {}
 
-    def mark(self, data: Mapping[str, Any], label: SourceLabel,
-             prefix: tuple[str, ...] = ()) -> None:
+    def mark(self, data: Mapping[str, Any], label: SourceLabel, prefix: tuple[str, ...] = ()) -> None:
         for key, value in data.items():
             path = (*prefix, str(key))
             self._by_path[path] = label if isinstance(label, str) else label(path)
@@ -647,11 +736,14 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError([ConfigProblem(source, "<file>", f"expected a mapping at top level, got {type(data).__name__}")])
+        raise ConfigError(
+            [ConfigProblem(source, "<file>", f"expected a mapping at top level, got {type(data).__name__}")]
+        )
     not_names = [key for key in data if not isinstance(key, str)]
     if not_names:
-        raise ConfigError([ConfigProblem(source, str(key), "unknown key (section names are strings)")
-                           for key in not_names])
+        raise ConfigError(
+            [ConfigProblem(source, str(key), "unknown key (section names are strings)") for key in not_names]
+        )
     return data
 
 
@@ -669,8 +761,15 @@ def env_overrides() -> list[tuple[SourceLabel, dict[str, Any]]]:
                 check_bounds(value)
             except (DocumentTooLarge, RecursionError) as exc:
                 variables = sorted(v for v in os.environ if v.upper().startswith(f"{ENV_PREFIX}{section.upper()}"))
-                raise ConfigError([ConfigProblem(f"env {', '.join(variables)}", "<env>", str(exc) if isinstance(
-                    exc, DocumentTooLarge) else "nested too deeply")]) from None
+                raise ConfigError(
+                    [
+                        ConfigProblem(
+                            f"env {', '.join(variables)}",
+                            "<env>",
+                            str(exc) if isinstance(exc, DocumentTooLarge) else "nested too deeply",
+                        )
+                    ]
+                ) from None
     except RecursionError:
         raise ConfigError([ConfigProblem("environment", "<env>", "a value nested too deeply")]) from None
     except SettingsError as exc:
@@ -754,8 +853,9 @@ def load_settings(
     return settings
 
 
-def _problem_from_error(error: Mapping[str, Any], sources: _Sources, prefix: tuple[str, ...] = (),
-                        plugin: str | None = None) -> ConfigProblem:
+def _problem_from_error(
+    error: Mapping[str, Any], sources: _Sources, prefix: tuple[str, ...] = (), plugin: str | None = None
+) -> ConfigProblem:
     loc = (*prefix, *(str(part) for part in error["loc"]))
     message = error["msg"]
     if error["type"] == "extra_forbidden":
@@ -767,7 +867,9 @@ def _problem_from_error(error: Mapping[str, Any], sources: _Sources, prefix: tup
     return ConfigProblem(sources.of(loc), ".".join(loc) or "<root>", message, plugin)
 
 
-def validate_plugin_choices(settings: Settings, registry: Registry, sources: _Sources | None = None) -> list[ConfigProblem]:
+def validate_plugin_choices(
+    settings: Settings, registry: Registry, sources: _Sources | None = None
+) -> list[ConfigProblem]:
     """Check that every plugin named in ``settings`` exists and that its options are valid."""
     from patchbay.contract.registry import PluginError
 
@@ -776,11 +878,15 @@ def validate_plugin_choices(settings: Settings, registry: Registry, sources: _So
     for choice in settings.plugin_choices():
         reference = f"{choice.kind}:{choice.name}"
         if choice.name == "auto":
-            problems.append(ConfigProblem(sources.of(choice.options_path or choice.name_path),
-                                          ".".join(choice.options_path or choice.name_path),
-                                          f"options need a named backend, but {'.'.join(choice.name_path)} is 'auto' "
-                                          f"(from {sources.of(choice.name_path)}), which picks one at run time; clear "
-                                          f"the options with --set {'.'.join(choice.options_path or choice.name_path)}=null"))
+            problems.append(
+                ConfigProblem(
+                    sources.of(choice.options_path or choice.name_path),
+                    ".".join(choice.options_path or choice.name_path),
+                    f"options need a named backend, but {'.'.join(choice.name_path)} is 'auto' "
+                    f"(from {sources.of(choice.name_path)}), which picks one at run time; clear "
+                    f"the options with --set {'.'.join(choice.options_path or choice.name_path)}=null",
+                )
+            )
             continue
         try:
             implementation = registry.resolve(choice.kind, choice.name)
@@ -791,28 +897,42 @@ def validate_plugin_choices(settings: Settings, registry: Registry, sources: _So
             problems.extend(_metadata_builder_problems(settings, implementation, reference, registry, sources))
         role = getattr(implementation.capabilities, "role", None)
         if choice.sampler_role is not None and role != choice.sampler_role:
-            problems.append(ConfigProblem(sources.of(choice.name_path), ".".join(choice.name_path),
-                                          f"{reference} is a {role!r} sampler; this key needs a {choice.sampler_role!r} one",
-                                          reference))
+            problems.append(
+                ConfigProblem(
+                    sources.of(choice.name_path),
+                    ".".join(choice.name_path),
+                    f"{reference} is a {role!r} sampler; this key needs a {choice.sampler_role!r} one",
+                    reference,
+                )
+            )
         if choice.options_path is None:
             continue
         try:
             implementation.Options.model_validate(dict(choice.options))
         except ValidationError as exc:
-            problems.extend(_problem_from_error(error, sources, choice.options_path, reference) for error in exc.errors())
+            problems.extend(
+                _problem_from_error(error, sources, choice.options_path, reference) for error in exc.errors()
+            )
     return problems
 
 
-def _metadata_builder_problems(settings: Settings, backend: Any, reference: str, registry: Registry,
-                               sources: _Sources) -> list[ConfigProblem]:
+def _metadata_builder_problems(
+    settings: Settings, backend: Any, reference: str, registry: Registry, sources: _Sources
+) -> list[ConfigProblem]:
     """A named backend's metadata builder (its own, or ``attention.metadata_builder``) must be installed too."""
     from patchbay.contract.registry import PluginError
 
     chosen = settings.attention.metadata_builder
     builder = chosen or getattr(backend, "metadata_builder", None)
     if not builder:
-        return [ConfigProblem(sources.of(("attention", "backend")), "attention.backend",
-                              f"{reference} names no metadata_builder", reference)]
+        return [
+            ConfigProblem(
+                sources.of(("attention", "backend")),
+                "attention.backend",
+                f"{reference} names no metadata_builder",
+                reference,
+            )
+        ]
     try:
         registry.resolve("attention_metadata_builder", builder)
     except PluginError as exc:

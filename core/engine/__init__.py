@@ -21,20 +21,46 @@ if TYPE_CHECKING:
     from patchbay.engine.step_failures import EngineDeadError
     from patchbay.worker.model.model_loader import ModelLoadError
 
-__all__ = ["AsyncLLM", "ChoiceDelta", "Completion", "Engine", "EngineDeadError", "EngineReport", "EngineSnapshot",
-           "EngineStats", "IncrementalDetokenizer", "KVConnectorStalledError", "ModelLoadError", "Prompt", "RequestDelta",
-           "RequestMetrics", "RequestOutput", "StreamingText", "encode_prompt", "measure_machine_defaults",
-           "run_launched_rank"]
+__all__ = [
+    "AsyncLLM",
+    "ChoiceDelta",
+    "Completion",
+    "Engine",
+    "EngineDeadError",
+    "EngineReport",
+    "EngineSnapshot",
+    "EngineStats",
+    "IncrementalDetokenizer",
+    "KVConnectorStalledError",
+    "ModelLoadError",
+    "Prompt",
+    "RequestDelta",
+    "RequestMetrics",
+    "RequestOutput",
+    "StreamingText",
+    "encode_prompt",
+    "measure_machine_defaults",
+    "run_launched_rank",
+]
 _ASYNC = "patchbay.engine.async_llm"
-_MODULE_OF = {"Engine": "patchbay.engine.engine", "KVConnectorStalledError": "patchbay.engine.engine",
-              "EngineReport": "patchbay.engine.report", "EngineStats": "patchbay.engine.report",
-              "ModelLoadError": "patchbay.worker.model.model_loader",
-              "measure_machine_defaults": "patchbay.engine.builder",
-              "AsyncLLM": _ASYNC, "ChoiceDelta": _ASYNC, "EngineSnapshot": _ASYNC,
-              "EngineDeadError": "patchbay.engine.step_failures",
-              "RequestDelta": _ASYNC, "IncrementalDetokenizer": "patchbay.engine.detokenizer",
-              "StreamingText": "patchbay.engine.detokenizer", "Prompt": "patchbay.engine.prompts",
-              "encode_prompt": "patchbay.engine.prompts", "run_launched_rank": "patchbay.engine.ranks"}
+_MODULE_OF = {
+    "Engine": "patchbay.engine.engine",
+    "KVConnectorStalledError": "patchbay.engine.engine",
+    "EngineReport": "patchbay.engine.report",
+    "EngineStats": "patchbay.engine.report",
+    "ModelLoadError": "patchbay.worker.model.model_loader",
+    "measure_machine_defaults": "patchbay.engine.builder",
+    "AsyncLLM": _ASYNC,
+    "ChoiceDelta": _ASYNC,
+    "EngineSnapshot": _ASYNC,
+    "EngineDeadError": "patchbay.engine.step_failures",
+    "RequestDelta": _ASYNC,
+    "IncrementalDetokenizer": "patchbay.engine.detokenizer",
+    "StreamingText": "patchbay.engine.detokenizer",
+    "Prompt": "patchbay.engine.prompts",
+    "encode_prompt": "patchbay.engine.prompts",
+    "run_launched_rank": "patchbay.engine.ranks",
+}
 """Where each public name lives when it is not in :mod:`patchbay.engine.outputs`."""
 
 

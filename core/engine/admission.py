@@ -38,8 +38,9 @@ def check_token_ids(request_id: str, field: str, token_ids: Iterable[object], vo
         raise RequestRejected(f"request {request_id!r}: {field} must be integers; got {wrong_type[:5]!r}")
     outside = [t for t in token_ids if not 0 <= t < vocab_size]  # type: ignore[operator]
     if outside:
-        raise RequestRejected(f"request {request_id!r}: {field} has token ids outside the vocabulary "
-                              f"(0..{vocab_size - 1}): {outside[:5]}")
+        raise RequestRejected(
+            f"request {request_id!r}: {field} has token ids outside the vocabulary (0..{vocab_size - 1}): {outside[:5]}"
+        )
 
 
 def check_num_sequences(request_id: object, params: SamplingParams, max_n: int) -> None:
@@ -49,12 +50,15 @@ def check_num_sequences(request_id: object, params: SamplingParams, max_n: int) 
     when the request is added: ``n=10**7`` would build ten million of them.
     """
     if params.n > max_n:
-        raise RequestRejected(f"request {request_id!r}: n={params.n} sequences exceeds scheduler.max_n={max_n}, "
-                              f"the most one request may ask for")
+        raise RequestRejected(
+            f"request {request_id!r}: n={params.n} sequences exceeds scheduler.max_n={max_n}, "
+            f"the most one request may ask for"
+        )
 
 
-def check_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                  limits: AdmissionLimits) -> None:
+def check_request(
+    request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, limits: AdmissionLimits
+) -> None:
     """Raise :class:`RequestRejected` naming ``request_id`` if this request cannot run under ``limits``."""
     vocab = limits.vocab_size
     if limits.max_n is not None:
@@ -63,13 +67,17 @@ def check_request(request_id: str, prompt_token_ids: Sequence[int], params: Samp
         raise RequestRejected(f"request {request_id!r} has an empty prompt")
     check_token_ids(request_id, "the prompt", prompt_token_ids, vocab)
     if len(prompt_token_ids) > limits.max_model_len:
-        raise RequestRejected(f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens exceeds "
-                              f"model.max_model_len={limits.max_model_len}")
+        raise RequestRejected(
+            f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens exceeds "
+            f"model.max_model_len={limits.max_model_len}"
+        )
     for field in ("logprobs", "prompt_logprobs"):
         wanted = getattr(params, field)
         if wanted is not None and wanted > limits.max_logprobs:
-            raise RequestRejected(f"request {request_id!r}: {field}={wanted} exceeds the most this run returns, "
-                                  f"{limits.max_logprobs} (model.max_logprobs, at most the vocabulary size {vocab})")
+            raise RequestRejected(
+                f"request {request_id!r}: {field}={wanted} exceeds the most this run returns, "
+                f"{limits.max_logprobs} (model.max_logprobs, at most the vocabulary size {vocab})"
+            )
     if params.logit_bias:
         check_token_ids(request_id, "logit_bias", params.logit_bias, vocab)
     if params.allowed_token_ids is not None:

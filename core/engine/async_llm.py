@@ -38,8 +38,6 @@ from patchbay.engine.step_failures import EngineDeadError  # one error for a dea
 logger = logging.getLogger(__name__)
 
 
-
-
 @dataclass
 class ChoiceDelta:
     """What one step added to one sequence of a request."""
@@ -107,8 +105,9 @@ class AsyncLLM:
     :meth:`shutdown` when done.
     """
 
-    def __init__(self, settings: Settings | str | os.PathLike[str] | None = None, *,
-                 registry: Registry | None = None) -> None:
+    def __init__(
+        self, settings: Settings | str | os.PathLike[str] | None = None, *, registry: Registry | None = None
+    ) -> None:
         if not isinstance(settings, Settings):
             settings = load_settings(settings, registry=registry or registry_for)
         self.engine = Engine(settings, registry=registry)
@@ -147,19 +146,36 @@ class AsyncLLM:
         """Call ``listener(output)`` in the engine thread for every request that finishes (aborted ones too)."""
         self._finish_listeners.append(listener)
 
-    async def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
-                          prompt: str | None = None, request_id: str | None = None) -> RequestStream:
+    async def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
         """Queue a request; returns its stream of deltas.  Invalid requests raise ``ValueError``
         (from :meth:`Engine.add_request`, naming the request)."""
         request_id = request_id or uuid.uuid4().hex
         n = sampling_params.n
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(),
-                         [StreamingText(self.tokenizer, sampling_params.stop) for _ in range(n)], [0] * n, [False] * n)
+        stream = _Stream(
+            asyncio.get_running_loop(),
+            asyncio.Queue(),
+            [StreamingText(self.tokenizer, sampling_params.stop) for _ in range(n)],
+            [0] * n,
+            [False] * n,
+        )
         await self._call(lambda: self._add(request_id, prompt_token_ids, sampling_params, prompt, stream))
         return RequestStream(self, request_id, stream.queue)
 
-    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
-                       prompt: str | None = None, request_id: str | None = None) -> AsyncIterator[RequestDelta]:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestDelta]:
         """Add a request and yield its deltas until the last one (whose ``output`` is the finished request).
 
         Leaving the loop early (or the task being cancelled) aborts the request.
@@ -216,8 +232,9 @@ class AsyncLLM:
 
     # -- the engine thread ------------------------------------------------------------------
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None,
-             stream: _Stream) -> None:
+    def _add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None, stream: _Stream
+    ) -> None:
         self.engine.add_request(prompt_token_ids, params, prompt=prompt, request_id=request_id)
         self._streams[request_id] = stream
         self._num_sequences += params.n
@@ -301,13 +318,17 @@ class AsyncLLM:
                 continue
             self._num_sequences -= len(stream.texts)
             completions = output.completions or [output.completion()]
-            choices = [self._choice_delta(stream, index, c.token_ids, c.logprobs, c.text, c.finish_reason,
-                                          c.stop_reason) for index, c in enumerate(completions)]
+            choices = [
+                self._choice_delta(stream, index, c.token_ids, c.logprobs, c.text, c.finish_reason, c.stop_reason)
+                for index, c in enumerate(completions)
+            ]
             deltas.append((stream, RequestDelta(output.request_id, [c for c in choices if c is not None], output)))
         for request_id, stream in self._streams.items():
             sequences = self.engine.live_outputs(request_id)
-            choices = [self._choice_delta(stream, index, s.token_ids, s.logprobs, s.text, s.finish_reason,
-                                          s.stop_reason) for index, s in enumerate(sequences)]
+            choices = [
+                self._choice_delta(stream, index, s.token_ids, s.logprobs, s.text, s.finish_reason, s.stop_reason)
+                for index, s in enumerate(sequences)
+            ]
             changed = [c for c in choices if c is not None]
             if changed:
                 deltas.append((stream, RequestDelta(request_id, changed)))
@@ -318,15 +339,22 @@ class AsyncLLM:
             loop.call_soon_threadsafe(_deliver, items)
 
     @staticmethod
-    def _choice_delta(stream: _Stream, index: int, token_ids: list[int], logprobs: list[Any] | None, text: str,
-                      finish_reason: str | None, stop_reason: int | str | None) -> ChoiceDelta | None:
+    def _choice_delta(
+        stream: _Stream,
+        index: int,
+        token_ids: list[int],
+        logprobs: list[Any] | None,
+        text: str,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+    ) -> ChoiceDelta | None:
         """What sequence ``index`` gained since the last delta; ``None`` when nothing."""
         if stream.finished[index]:
             return None
         sent = stream.num_sent_tokens[index]
         new_ids = list(token_ids[sent:])
         stream.num_sent_tokens[index] = len(token_ids)
-        new_logprobs = None if logprobs is None else list(logprobs[sent:len(token_ids)])
+        new_logprobs = None if logprobs is None else list(logprobs[sent : len(token_ids)])
         if finish_reason == "abort":  # cut off where it stood: no text held back is sent
             stream.finished[index] = True
             new_text = ""

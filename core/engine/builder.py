@@ -68,15 +68,25 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError) as exc:
-        raise ConfigError([ConfigProblem("<run>", "runtime.device",
-                                         f"{name!r} is not a device (auto, cpu, cuda, cuda:1, ...): {exc}")]) from None
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>", "runtime.device", f"{name!r} is not a device (auto, cpu, cuda, cuda:1, ...): {exc}"
+                )
+            ]
+        ) from None
     if device.type not in ("cpu", "cuda"):
         raise ConfigError([ConfigProblem("<run>", "runtime.device", f"{name!r}: patchbay runs on cpu or cuda")])
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError([ConfigProblem("<run>", "runtime.device", f"{name!r} requested but CUDA is not available")])
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ConfigError([ConfigProblem("<run>", "runtime.device",
-                                         f"{name!r}: this machine has {torch.cuda.device_count()} CUDA devices")])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>", "runtime.device", f"{name!r}: this machine has {torch.cuda.device_count()} CUDA devices"
+                )
+            ]
+        )
     return device
 
 
@@ -105,8 +115,12 @@ def single_thread_max_tokens(setting: int | str, dtype: str, tuning: Tuning | No
 def machine_tuning(settings: Settings, model_dir: Path, device: torch.device) -> Tuning | None:
     """The CPU's measured defaults (cached per machine and model shape) when a setting is left to them."""
     runtime = settings.runtime
-    if device.type != "cpu" or not (settings.model.dtype == "auto" or runtime.linear_kernel == "auto"
-                                     or runtime.fuse_projections or runtime.single_thread_max_tokens == "auto"):
+    if device.type != "cpu" or not (
+        settings.model.dtype == "auto"
+        or runtime.linear_kernel == "auto"
+        or runtime.fuse_projections
+        or runtime.single_thread_max_tokens == "auto"
+    ):
         return None
     from transformers import AutoConfig
 
@@ -175,9 +189,11 @@ def build_engine_parts(settings: Settings, registry: Registry) -> EngineParts:
     import patchbay
 
     if patchbay.OMP_POLICY_TOO_LATE:
-        logger.warning("torch was imported before patchbay, so OpenMP threads busy-wait; with another busy "
-                       "process on the machine steps can be ~10x slower. Import patchbay first or set "
-                       "OMP_WAIT_POLICY=PASSIVE before starting Python.")
+        logger.warning(
+            "torch was imported before patchbay, so OpenMP threads busy-wait; with another busy "
+            "process on the machine steps can be ~10x slower. Import patchbay first or set "
+            "OMP_WAIT_POLICY=PASSIVE before starting Python."
+        )
     threads = distributed.rank_threads(settings)
     if threads is not None:
         torch.set_num_threads(threads)
@@ -190,16 +206,26 @@ def build_engine_parts(settings: Settings, registry: Registry) -> EngineParts:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ranks = _start_ranks(settings, model_dir, device, dtype, tuning)
     try:
-        return _RankZeroBuild(settings, registry, device=device, dtype=dtype, tuning=tuning, heap=heap,
-                              model_dir=model_dir, tokenizer=tokenizer, ranks=ranks).build()
+        return _RankZeroBuild(
+            settings,
+            registry,
+            device=device,
+            dtype=dtype,
+            tuning=tuning,
+            heap=heap,
+            model_dir=model_dir,
+            tokenizer=tokenizer,
+            ranks=ranks,
+        ).build()
     except BaseException:
         if ranks is not None:
             ranks.close()
         raise
 
 
-def _start_ranks(settings: Settings, model_dir: Path, device: torch.device, dtype: str,
-                 tuning: Tuning | None) -> ParallelRanks | None:
+def _start_ranks(
+    settings: Settings, model_dir: Path, device: torch.device, dtype: str, tuning: Tuning | None
+) -> ParallelRanks | None:
     """Check the parallel layout and start the other ranks; ``None`` when this process runs the whole model."""
     if settings.runtime.world_size == 1:
         return None
@@ -219,9 +245,19 @@ def _start_ranks(settings: Settings, model_dir: Path, device: torch.device, dtyp
 class _RankZeroBuild:
     """Rank 0's model, KV cache, plugins, scheduler and runner, built in order (each step reads the earlier ones)."""
 
-    def __init__(self, settings: Settings, registry: Registry, *, device: torch.device, dtype: str,
-                 tuning: Tuning | None, heap: str, model_dir: Path, tokenizer: Any,
-                 ranks: ParallelRanks | None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        *,
+        device: torch.device,
+        dtype: str,
+        tuning: Tuning | None,
+        heap: str,
+        model_dir: Path,
+        tokenizer: Any,
+        ranks: ParallelRanks | None,
+    ) -> None:
         self.settings = settings
         self.registry = registry
         self.device = device
@@ -238,20 +274,35 @@ class _RankZeroBuild:
 
     def build(self) -> EngineParts:
         settings, registry, collectives = self.settings, self.registry, self.collectives
-        loaded = load_rank_model(settings, self.model_dir, dtype=self.dtype, device=self.device, tuning=self.tuning,
-                                 all_reduce=collectives.all_reduce if collectives else None,
-                                 all_gather=collectives.all_gather if collectives else None, link=collectives,
-                                 shard_vocabulary=shards_vocabulary(settings, registry))
-        self.model = loaded.model
-        self.lora = install_lora(self.model, settings.lora, registry, device=self.device,
-                                 dtype=torch_dtype(self.dtype)) if settings.lora is not None else None
-        shape = self.model.shape
-        self.max_model_len = min(
-            settings.model.max_model_len or 1 << 62, shape.max_position_embeddings or 1 << 62
+        loaded = load_rank_model(
+            settings,
+            self.model_dir,
+            dtype=self.dtype,
+            device=self.device,
+            tuning=self.tuning,
+            all_reduce=collectives.all_reduce if collectives else None,
+            all_gather=collectives.all_gather if collectives else None,
+            link=collectives,
+            shard_vocabulary=shards_vocabulary(settings, registry),
         )
+        self.model = loaded.model
+        self.lora = (
+            install_lora(self.model, settings.lora, registry, device=self.device, dtype=torch_dtype(self.dtype))
+            if settings.lora is not None
+            else None
+        )
+        shape = self.model.shape
+        self.max_model_len = min(settings.model.max_model_len or 1 << 62, shape.max_position_embeddings or 1 << 62)
         if self.max_model_len >= 1 << 62:
-            raise ConfigError([ConfigProblem("<run>", "model.max_model_len",
-                                             f"{shape.architecture} declares no length limit; set model.max_model_len")])
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "<run>",
+                        "model.max_model_len",
+                        f"{shape.architecture} declares no length limit; set model.max_model_len",
+                    )
+                ]
+            )
 
         block_size = settings.cache.block_size
         self.groups = group_layers(self.model.kv_cache_specs(block_size, self.dtype))
@@ -259,8 +310,12 @@ class _RankZeroBuild:
             registry, settings.attention.backend, [self._attention_config(g) for g in self.groups]
         )
         sampler_class = registry.resolve("sampler", settings.sampler.name)
-        require_serves(sampler_class, f"sampler:{settings.sampler.name}", "sampler.name",
-                       [SamplerConfig(device=self.device.type, dtype=self.dtype)])
+        require_serves(
+            sampler_class,
+            f"sampler:{settings.sampler.name}",
+            "sampler.name",
+            [SamplerConfig(device=self.device.type, dtype=self.dtype)],
+        )
 
         num_blocks = self._num_blocks()
         max_num_reqs, max_step_tokens = self._check_memory(num_blocks)
@@ -268,9 +323,15 @@ class _RankZeroBuild:
         num_speculative_tokens = settings.speculative.num_speculative_tokens if settings.speculative else 0
         kv_connector = self._kv_connector(backend_class)
         kv_cache_manager = KVCacheManager(self.groups, num_blocks, settings.cache.prefix_caching)
-        grammars = grammar_compilations(settings, registry, device=self.device.type, dtype=self.dtype,
-                                        tokenizer=self.tokenizer, vocab_size=shape.vocab_size,
-                                        stop_token_ids=shape.eos_token_ids)
+        grammars = grammar_compilations(
+            settings,
+            registry,
+            device=self.device.type,
+            dtype=self.dtype,
+            tokenizer=self.tokenizer,
+            vocab_size=shape.vocab_size,
+            stop_token_ids=shape.eos_token_ids,
+        )
         scheduler = Scheduler(
             kv_cache_manager,
             max_num_seqs=settings.scheduler.max_num_seqs,
@@ -286,33 +347,73 @@ class _RankZeroBuild:
             pipelined=settings.runtime.pipeline_parallel_size > 1,
             max_loras=settings.lora.max_loras if settings.lora is not None else None,
         )
-        spec = RunnerSpec(backend_name, num_blocks, max_num_reqs, self.max_model_len, max_step_tokens,
-                          single_thread_max_tokens(settings.runtime.single_thread_max_tokens, self.dtype, self.tuning),
-                          kv_connector=kv_connector.config if kv_connector is not None else None)
+        spec = RunnerSpec(
+            backend_name,
+            num_blocks,
+            max_num_reqs,
+            self.max_model_len,
+            max_step_tokens,
+            single_thread_max_tokens(settings.runtime.single_thread_max_tokens, self.dtype, self.tuning),
+            kv_connector=kv_connector.config if kv_connector is not None else None,
+        )
         kv_reports = None
         if kv_connector is not None and self.ranks is not None:
             assert self.ranks.group is not None
             kv_reports = RankTransferReports(self.ranks.group, settings.runtime.world_size)
         runner = build_runner(
-            self.model, settings, registry, spec, device=self.device, dtype=self.dtype,
+            self.model,
+            settings,
+            registry,
+            spec,
+            device=self.device,
+            dtype=self.dtype,
             kv_connector=kv_connector.worker_side() if kv_connector is not None else None,
-            kv_reports=kv_reports, grammars=grammars, lora=self.lora,
+            kv_reports=kv_reports,
+            grammars=grammars,
+            lora=self.lora,
         )
         if self.ranks is not None:
             self.ranks.start_runners(spec)
         torch.manual_seed(settings.runtime.seed)  # every rank's samplers start here alike, whatever loading drew
-        logger.info("model %s (%s, %s on %s), attention backend %s, %d KV blocks of %d tokens",
-                    shape.architecture, self.model_dir, self.dtype, self.device, backend_name, num_blocks, block_size)
+        logger.info(
+            "model %s (%s, %s on %s), attention backend %s, %d KV blocks of %d tokens",
+            shape.architecture,
+            self.model_dir,
+            self.dtype,
+            self.device,
+            backend_name,
+            num_blocks,
+            block_size,
+        )
         return EngineParts(
-            device=self.device, dtype=self.dtype, tuning=self.tuning, heap=self.heap, model_dir=self.model_dir,
-            tokenizer=self.tokenizer, ranks=self.ranks, model=self.model, quantized_linears=loaded.quantized_linears,
-            linear_paths=loaded.linear_paths, fused_modules=loaded.fused_modules, max_model_len=self.max_model_len,
-            groups=self.groups, backend_name=backend_name, num_blocks=num_blocks, kv_sizing=self.kv_sizing,
-            kv_connector=kv_connector, kv_cache_manager=kv_cache_manager, grammars=grammars, scheduler=scheduler,
-            runner=runner, single_thread_max_tokens=spec.single_thread_max_tokens,
-            limits=AdmissionLimits(shape.vocab_size, self.max_model_len,
-                                   effective_max_logprobs(settings.model.max_logprobs, shape.vocab_size),
-                                   max_n=settings.scheduler.max_n),
+            device=self.device,
+            dtype=self.dtype,
+            tuning=self.tuning,
+            heap=self.heap,
+            model_dir=self.model_dir,
+            tokenizer=self.tokenizer,
+            ranks=self.ranks,
+            model=self.model,
+            quantized_linears=loaded.quantized_linears,
+            linear_paths=loaded.linear_paths,
+            fused_modules=loaded.fused_modules,
+            max_model_len=self.max_model_len,
+            groups=self.groups,
+            backend_name=backend_name,
+            num_blocks=num_blocks,
+            kv_sizing=self.kv_sizing,
+            kv_connector=kv_connector,
+            kv_cache_manager=kv_cache_manager,
+            grammars=grammars,
+            scheduler=scheduler,
+            runner=runner,
+            single_thread_max_tokens=spec.single_thread_max_tokens,
+            limits=AdmissionLimits(
+                shape.vocab_size,
+                self.max_model_len,
+                effective_max_logprobs(settings.model.max_logprobs, shape.vocab_size),
+                max_n=settings.scheduler.max_n,
+            ),
             lora=self.lora,
         )
 
@@ -335,13 +436,18 @@ class _RankZeroBuild:
         spec = self.settings.speculative
         if spec is None:
             return
-        config = drafter_config(self.settings, self.model, device=self.device, dtype=self.dtype,
-                                max_model_len=self.max_model_len)
-        require_serves(self.registry.resolve("drafter", spec.method), f"drafter:{spec.method}", "speculative.method",
-                       [config])
-        require_serves(self.registry.resolve("sampler", spec.rejection_sampler), f"sampler:{spec.rejection_sampler}",
-                       "speculative.rejection_sampler",
-                       [SamplerConfig(device=self.device.type, dtype=self.dtype, role="verify")])
+        config = drafter_config(
+            self.settings, self.model, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len
+        )
+        require_serves(
+            self.registry.resolve("drafter", spec.method), f"drafter:{spec.method}", "speculative.method", [config]
+        )
+        require_serves(
+            self.registry.resolve("sampler", spec.rejection_sampler),
+            f"sampler:{spec.rejection_sampler}",
+            "speculative.rejection_sampler",
+            [SamplerConfig(device=self.device.type, dtype=self.dtype, role="verify")],
+        )
 
     def _kv_connector(self, backend: type[AttentionBackend]) -> KVConnector | None:
         """The connector of ``kv_connector:``, checked against the run; ``None`` without that section."""
@@ -349,15 +455,25 @@ class _RankZeroBuild:
         if section is None:
             return None
         if len(self.groups) != 1:
-            raise ConfigError([ConfigProblem(
-                "<run>", "kv_connector",
-                f"KV connectors support models with one KV-cache group; this model has {len(self.groups)} "
-                f"(layers with different sliding windows or shapes); remove the kv_connector section",
-            )])
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "<run>",
+                        "kv_connector",
+                        f"KV connectors support models with one KV-cache group; this model has {len(self.groups)} "
+                        f"(layers with different sliding windows or shapes); remove the kv_connector section",
+                    )
+                ]
+            )
         # Rank 0's shard: its scheduler side answers for every rank, its worker side saves and loads rank 0's part.
-        config = KVConnectorConfig(device=self.device.type, dtype=self.dtype, role=section.role,
-                                   block_size=self.settings.cache.block_size, model_id=self._model_id(backend),
-                                   shard=rank_shard(self.settings.runtime, 0))
+        config = KVConnectorConfig(
+            device=self.device.type,
+            dtype=self.dtype,
+            role=section.role,
+            block_size=self.settings.cache.block_size,
+            model_id=self._model_id(backend),
+            shard=rank_shard(self.settings.runtime, 0),
+        )
         connector_class = self.registry.resolve("kv_connector", section.name)
         require_serves(connector_class, f"kv_connector:{section.name}", "kv_connector.name", [config])
         options = plugin_options(connector_class, section.options, where="kv_connector.options")
@@ -370,8 +486,11 @@ class _RankZeroBuild:
         config.json and a fingerprint of the weight files; the layout is the backend's
         cache shape of one block: keys/values, block, tokens, KV heads, head size).
         """
-        config_bytes = (self.model_dir / "config.json").read_bytes() if (self.model_dir / "config.json").exists() \
+        config_bytes = (
+            (self.model_dir / "config.json").read_bytes()
+            if (self.model_dir / "config.json").exists()
             else str(self.model_dir).encode()
+        )
         identity = hashlib.sha256(config_bytes)
         identity.update(weights_fingerprint(self.model_dir).encode())
         spec = self.groups[0].spec
@@ -389,14 +508,29 @@ class _RankZeroBuild:
         try:
             # The other ranks are not stepping: rank 0 measures its shard (or stage) alone.
             with self.collectives.paused() if self.collectives else contextlib.nullcontext():
-                activations = step_activation_bytes(self.model, num_tokens=step_tokens,
-                                                    num_rows=scheduler.max_num_seqs, device=self.device)
+                activations = step_activation_bytes(
+                    self.model, num_tokens=step_tokens, num_rows=scheduler.max_num_seqs, device=self.device
+                )
         except PeakUnmeasurable as exc:
-            raise ConfigError([ConfigProblem("<run>", "cache.memory", f"auto measures a step's peak memory, and {exc}; "
-                                             "give cache.memory (e.g. 2GiB) or cache.num_blocks")]) from exc
-        self.kv_sizing = size_kv_pool(self.settings, self.groups, device=self.device, max_model_len=self.max_model_len,
-                                      activation_bytes=activations, step_tokens=step_tokens,
-                                      ranks=ranks_on_this_machine(self.settings))
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "<run>",
+                        "cache.memory",
+                        f"auto measures a step's peak memory, and {exc}; "
+                        "give cache.memory (e.g. 2GiB) or cache.num_blocks",
+                    )
+                ]
+            ) from exc
+        self.kv_sizing = size_kv_pool(
+            self.settings,
+            self.groups,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            activation_bytes=activations,
+            step_tokens=step_tokens,
+            ranks=ranks_on_this_machine(self.settings),
+        )
         logger.info("KV cache (cache.memory auto): %s", self.kv_sizing.describe())
         return self.kv_sizing.num_blocks
 
@@ -418,13 +552,18 @@ class _RankZeroBuild:
         max_step_tokens = min(settings.scheduler.max_num_batched_tokens, usable_blocks * settings.cache.block_size)
         bytes_per_block = sum(len(group.layer_names) * group.spec.page_size_bytes for group in self.groups)
         kv_key = "cache.num_blocks" if settings.cache.num_blocks is not None else "cache.memory"
-        kv = (kv_key, f"the KV cache ({num_blocks} blocks of {format_bytes(bytes_per_block)}{each})",
-              device_ranks * num_blocks * bytes_per_block)
+        kv = (
+            kv_key,
+            f"the KV cache ({num_blocks} blocks of {format_bytes(bytes_per_block)}{each})",
+            device_ranks * num_blocks * bytes_per_block,
+        )
         blocks_per_row = -(-self.max_model_len // settings.cache.block_size) * len(self.groups)
         row_bytes = 4 * ((self.max_model_len + 1) + blocks_per_row)  # int32 token ids and block tables
-        batch = ("scheduler.max_num_seqs",
-                 f"the persistent batch ({max_num_reqs} rows of {self.max_model_len} tokens{each})",
-                 host_ranks * max_num_reqs * row_bytes)
+        batch = (
+            "scheduler.max_num_seqs",
+            f"the persistent batch ({max_num_reqs} rows of {self.max_model_len} tokens{each})",
+            host_ranks * max_num_reqs * row_bytes,
+        )
         if self.device.type == "cpu":
             check_fits([kv, batch], self.device)
         else:

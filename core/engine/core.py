@@ -21,8 +21,20 @@ from patchbay.engine.builder import (
 from patchbay.engine.engine import Engine, KVConnectorStalledError
 from patchbay.engine.report import EngineStats
 
-__all__ = ["Engine", "EngineStats", "KVConnectorStalledError", "machine_tuning", "measure_machine_defaults",
-           "ranks_on_this_machine", "resolve_device", "resolve_dtype", "single_thread_max_tokens"]
+__all__ = [
+    "Engine",
+    "EngineStats",
+    "KVConnectorStalledError",
+    "machine_tuning",
+    "measure_machine_defaults",
+    "ranks_on_this_machine",
+    "resolve_device",
+    "resolve_dtype",
+    "single_thread_max_tokens",
+]
 
-warnings.warn("patchbay.engine.core is deprecated: import Engine and the other names from patchbay.engine",
-              DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "patchbay.engine.core is deprecated: import Engine and the other names from patchbay.engine",
+    DeprecationWarning,
+    stacklevel=2,
+)

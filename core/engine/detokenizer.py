@@ -49,11 +49,11 @@ class IncrementalDetokenizer:
         self.token_ids.extend(new_token_ids)
         if self._read_offset == len(self.token_ids):
             return ""
-        context = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-        window = self._decode(self.token_ids[self._prefix_offset:])
+        context = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        window = self._decode(self.token_ids[self._prefix_offset :])
         if len(window) <= len(context) or window.endswith(REPLACEMENT_CHARACTER):
             return ""
-        delta = window[len(context):]
+        delta = window[len(context) :]
         self.text += delta
         self._prefix_offset = max(self._read_offset, len(self.token_ids) - CONTEXT_TOKENS)
         self._read_offset = len(self.token_ids)
@@ -81,10 +81,10 @@ class StreamingText:
     def add(self, new_token_ids: list[int]) -> str:
         self.detokenizer.add(new_token_ids)
         text = self.detokenizer.text
-        safe = text[:len(text) - self.holdback] if self.holdback else text
+        safe = text[: len(text) - self.holdback] if self.holdback else text
         if len(safe) <= len(self.sent):
             return ""
-        delta = safe[len(self.sent):]
+        delta = safe[len(self.sent) :]
         self.sent = safe
         return delta
 
@@ -96,9 +96,12 @@ class StreamingText:
         cannot take text back), this logs a warning and sends nothing more.
         """
         if not final_text.startswith(self.sent):
-            logger.warning("streamed text %r is not a prefix of the final text %r; the stream ends as sent",
-                           self.sent[-40:], final_text[-60:])
+            logger.warning(
+                "streamed text %r is not a prefix of the final text %r; the stream ends as sent",
+                self.sent[-40:],
+                final_text[-60:],
+            )
             return ""
-        delta = final_text[len(self.sent):]
+        delta = final_text[len(self.sent) :]
         self.sent = final_text
         return delta

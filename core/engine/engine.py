@@ -153,8 +153,9 @@ class Engine:
         self.output_processor.add_group(request_id, children)
         for index, child in enumerate(children):
             seed = None if sampling_params.seed is None else sampling_params.seed + index
-            self._add_sequence(child, prompt_token_ids, sampling_params.model_copy(update={"seed": seed}), prompt,
-                               request_id)
+            self._add_sequence(
+                child, prompt_token_ids, sampling_params.model_copy(update={"seed": seed}), prompt, request_id
+            )
         return request_id
 
     def _complete_params(self, params: SamplingParams) -> SamplingParams:
@@ -173,15 +174,28 @@ class Engine:
             update["bad_words_token_ids"] = sequences
         return params.model_copy(update=update) if update else params
 
-    def _add_sequence(self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      prompt: str | None, request_id: str | None = None) -> None:
+    def _add_sequence(
+        self,
+        sequence_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        request_id: str | None = None,
+    ) -> None:
         # An adapter's identity (its weights' fingerprint) enters the block hashes: prefix cache and KV connectors.
         salt = self.lora.identity(params.lora) if params.lora is not None and self.lora is not None else None
-        request = Request(sequence_id, prompt_token_ids, params, eos_token_id=self._eos_token_id,
-                          block_size=self.settings.cache.block_size, cache_salt=salt)
+        request = Request(
+            sequence_id,
+            prompt_token_ids,
+            params,
+            eos_token_id=self._eos_token_id,
+            block_size=self.settings.cache.block_size,
+            cache_salt=salt,
+        )
         self.scheduler.add_request(request)
-        self.output_processor.add_sequence(sequence_id, prompt, prompt_token_ids, params, request.arrival_time,
-                                           request_id)
+        self.output_processor.add_sequence(
+            sequence_id, prompt, prompt_token_ids, params, request.arrival_time, request_id
+        )
         self.stats.num_prompt_tokens += len(prompt_token_ids)
 
     def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -201,8 +215,9 @@ class Engine:
         if params.lora is None:
             return
         if self.lora is None:
-            raise ValueError(f"request {request_id!r} uses LoRA adapter {params.lora!r} but this run has no lora: "
-                             "section")
+            raise ValueError(
+                f"request {request_id!r} uses LoRA adapter {params.lora!r} but this run has no lora: section"
+            )
         try:
             self.lora.check(params.lora)
         except LoRAAdapterError as exc:
@@ -217,11 +232,16 @@ class Engine:
         """Stop serving adapter ``name``; ``AdapterInUseError`` while unfinished requests use it,
         ``UnknownAdapterError`` if it is not loaded."""
         lora = self._runtime_lora(name)
-        users = sorted(request_id for request_id, request in self.scheduler.requests.items()
-                       if request.sampling_params.lora == name)
+        users = sorted(
+            request_id
+            for request_id, request in self.scheduler.requests.items()
+            if request.sampling_params.lora == name
+        )
         if users:
-            raise AdapterInUseError(f"LoRA adapter {name!r} is used by {len(users)} unfinished request(s) "
-                                    f"({', '.join(users[:3])}); unload it when they have finished")
+            raise AdapterInUseError(
+                f"LoRA adapter {name!r} is used by {len(users)} unfinished request(s) "
+                f"({', '.join(users[:3])}); unload it when they have finished"
+            )
         lora.unload(name)
 
     def _runtime_lora(self, name: str) -> LoRAManager:
@@ -231,12 +251,17 @@ class Engine:
 
     def _check_sampling(self, request_id: str, params: SamplingParams) -> None:
         # Prompt logprobs come from the runner, not the sampler.
-        config = SamplerConfig(device=self.device.type, dtype=self.dtype,
-                               params_used=params.params_used() - {"prompt_logprobs"}, random_sampling=not params.greedy)
+        config = SamplerConfig(
+            device=self.device.type,
+            dtype=self.dtype,
+            params_used=params.params_used() - {"prompt_logprobs"},
+            random_sampling=not params.greedy,
+        )
         reasons = self.sampler.validate(config)
         if reasons:
-            raise ValueError(f"request {request_id!r}: sampler {self.settings.sampler.name!r} cannot serve it: "
-                             + "; ".join(reasons))
+            raise ValueError(
+                f"request {request_id!r}: sampler {self.settings.sampler.name!r} cannot serve it: " + "; ".join(reasons)
+            )
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests; their outputs finish with reason ``abort`` (returned by the next :meth:`step`)."""
@@ -282,8 +307,10 @@ class Engine:
 
     def _require_alive(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"the engine stopped after an error that may have corrupted its state "
-                                  f"({self._dead}); create a new engine")
+            raise EngineDeadError(
+                f"the engine stopped after an error that may have corrupted its state "
+                f"({self._dead}); create a new engine"
+            )
 
     def _plugins(self) -> dict[str, list[Any]]:
         """The run's plugin objects by ``KIND:NAME``, to name the one an exception came from."""
@@ -299,8 +326,11 @@ class Engine:
             plugins[f"drafter:{settings.speculative.method}"] = [runner.drafter]
             plugins[f"sampler:{settings.speculative.rejection_sampler}"] = [runner.rejection_sampler]
         if settings.kv_connector is not None and self.kv_connector is not None:
-            plugins[f"kv_connector:{settings.kv_connector.name}"] = [self.kv_connector, runner.kv_connector,
-                                                                      self.scheduler.kv_connector]
+            plugins[f"kv_connector:{settings.kv_connector.name}"] = [
+                self.kv_connector,
+                runner.kv_connector,
+                self.scheduler.kv_connector,
+            ]
         return plugins
 
     # -- stepping --------------------------------------------------------------------------
@@ -385,8 +415,9 @@ class Engine:
             runner_output.failed.update(self.runner.constrained.take_failed())
         return self._apply_output(scheduler_output, runner_output, {})
 
-    def _apply_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
-                      failed: dict[str, str]) -> list[RequestOutput]:
+    def _apply_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, failed: dict[str, str]
+    ) -> list[RequestOutput]:
         """Advance the scheduler by one batch's output and turn it into request outputs; the finished ones."""
         ran = time.perf_counter()
         errored = self.output_processor.fail(failed, time.monotonic())
@@ -397,8 +428,9 @@ class Engine:
             sampled_by_id = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
             for sequence_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
                 if sampled_by_id.get(sequence_id):
-                    self.spec_stats.record(len(drafts), len(sampled_by_id[sequence_id]) - 1,
-                                           self.scheduler.num_speculative_tokens)
+                    self.spec_stats.record(
+                        len(drafts), len(sampled_by_id[sequence_id]) - 1, self.scheduler.num_speculative_tokens
+                    )
         self.output_processor.record_step_details(scheduler_output, runner_output)
         applied = self.output_processor.apply(updates, runner_output, errored, now)
         self.stats.num_generated_tokens += applied.num_generated_tokens
@@ -409,20 +441,26 @@ class Engine:
         self._check_liveness(scheduler_output.is_empty and not finished)
         return finished
 
-    def _replay_failed_step(self, scheduler_output: SchedulerOutput,
-                            exc: Exception) -> tuple[ModelRunnerOutput, dict[str, str]]:
+    def _replay_failed_step(
+        self, scheduler_output: SchedulerOutput, exc: Exception
+    ) -> tuple[ModelRunnerOutput, dict[str, str]]:
         """Replay a step whose runner raised request by request; fail (and free) the requests that raise alone."""
         if self.ranks is not None:
             # Every rank would have to replay in step; a failed rank or collective cannot be replayed at all.
             raise self.ranks.failure(exc) or EngineDeadError(
                 f"a step failed with {parallel_settings(self.settings)}, where "
-                f"steps are not replayed request by request: {describe_failure(exc, self._plugins())}") from exc
+                f"steps are not replayed request by request: {describe_failure(exc, self._plugins())}"
+            ) from exc
         if self.kv_connector is not None:
             # The step's loads and saves cannot be replayed per request without re-saving blocks not yet computed.
-            raise EngineDeadError(f"the runner failed in a step with a KV connector: "
-                                  f"{describe_failure(exc, self._plugins())}") from exc
-        logger.warning("a step failed (%s); running its %d requests one by one to find the one at fault",
-                       describe_failure(exc, self._plugins()), len(scheduler_output.num_scheduled_tokens))
+            raise EngineDeadError(
+                f"the runner failed in a step with a KV connector: {describe_failure(exc, self._plugins())}"
+            ) from exc
+        logger.warning(
+            "a step failed (%s); running its %d requests one by one to find the one at fault",
+            describe_failure(exc, self._plugins()),
+            len(scheduler_output.num_scheduled_tokens),
+        )
         isolated = replay_alone(self.runner, self.scheduler, scheduler_output, self._plugins())
         fail_requests(self.scheduler, isolated.errors)
         return isolated.output, isolated.errors
@@ -454,7 +492,8 @@ class Engine:
             f"KV connector {section.name!r} holds requests {held}{more} and reported none of them done in "
             f"{section.stall_timeout:g} s (kv_connector.stall_timeout) with nothing else to run: a request for which "
             "request_finished returned True must be reported by the worker side's get_finished (finished_sending), "
-            "and an async load by get_finished (finished_recving)")
+            "and an async load by get_finished (finished_recving)"
+        )
 
     def step_timings(self) -> dict[str, float]:
         """Seconds spent per phase of a step since the last reset, in step order.
@@ -495,5 +534,6 @@ class Engine:
 
 def _tells_runner(scheduler_output: SchedulerOutput) -> bool:
     """Whether an empty batch still carries news for the runners' persistent batches (rows to drop)."""
-    return bool(scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
-                or scheduler_output.reset_req_ids)
+    return bool(
+        scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids or scheduler_output.reset_req_ids
+    )

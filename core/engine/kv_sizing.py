@@ -48,20 +48,38 @@ class KVSizing:
     def describe(self) -> str:
         """One line for the log and the run summary."""
         per_rank = " per rank" if self.ranks > 1 else ""
-        return (f"{self.num_blocks} blocks ({self.tokens} tokens, {format_bytes(self.kv_bytes)}){per_rank}, "
-                f"limited by {self.limited_by}: budget {format_bytes(self.budget)}, model {format_bytes(self.model_bytes)}"
-                f"{per_rank}, activations {format_bytes(self.activation_bytes)} at a {self.step_tokens}-token step")
+        return (
+            f"{self.num_blocks} blocks ({self.tokens} tokens, {format_bytes(self.kv_bytes)}){per_rank}, "
+            f"limited by {self.limited_by}: budget {format_bytes(self.budget)}, model {format_bytes(self.model_bytes)}"
+            f"{per_rank}, activations {format_bytes(self.activation_bytes)} at a {self.step_tokens}-token step"
+        )
 
 
-def size_kv_pool(settings: Settings, groups: Sequence[KVCacheGroup], *, device: torch.device, max_model_len: int,
-                 activation_bytes: int, step_tokens: int, ranks: int = 1) -> KVSizing:
+def size_kv_pool(
+    settings: Settings,
+    groups: Sequence[KVCacheGroup],
+    *,
+    device: torch.device,
+    max_model_len: int,
+    activation_bytes: int,
+    step_tokens: int,
+    ranks: int = 1,
+) -> KVSizing:
     """The pool's block count (per group, null block included) for ``cache.memory: auto``."""
     cache = settings.cache
     utilization = cache.memory_utilization or DEFAULT_UTILIZATION.get(device.type, DEFAULT_UTILIZATION["cpu"])
     total = device_memory(device)
     if total is None:
-        raise ConfigError([ConfigProblem("<run>", "cache.memory", f"auto cannot tell how much {device.type} memory "
-                                         "this machine has; give cache.memory (e.g. 2GiB) or cache.num_blocks")])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    "cache.memory",
+                    f"auto cannot tell how much {device.type} memory "
+                    "this machine has; give cache.memory (e.g. 2GiB) or cache.num_blocks",
+                )
+            ]
+        )
     budget = int(utilization * total)
     held = memory_in_use(device)
     room = budget - ranks * (held + activation_bytes)
@@ -76,16 +94,31 @@ def size_kv_pool(settings: Settings, groups: Sequence[KVCacheGroup], *, device: 
     if num_blocks > useful:
         num_blocks, limited_by = useful, "max_num_seqs x max_model_len"
     if num_blocks < 2:
-        raise ConfigError([ConfigProblem(
-            "<run>", "cache.memory_utilization",
-            f"cache.memory auto leaves no room for the KV cache: {utilization:g} of {format_bytes(total)} is "
-            f"{format_bytes(budget)}, the model holds {format_bytes(held)}"
-            f"{' per rank' if ranks > 1 else ''} and a "
-            f"{step_tokens}-token step {format_bytes(activation_bytes)} more"
-            + (f", and {format_bytes(free)} is free" if free is not None else "")
-            + "; raise cache.memory_utilization, lower scheduler.max_num_batched_tokens, or give cache.memory")])
-    return KVSizing(num_blocks, (num_blocks - 1) * block_size, num_blocks * bytes_per_block, budget, held,
-                    activation_bytes, step_tokens, ranks, limited_by)
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    "cache.memory_utilization",
+                    f"cache.memory auto leaves no room for the KV cache: {utilization:g} of {format_bytes(total)} is "
+                    f"{format_bytes(budget)}, the model holds {format_bytes(held)}"
+                    f"{' per rank' if ranks > 1 else ''} and a "
+                    f"{step_tokens}-token step {format_bytes(activation_bytes)} more"
+                    + (f", and {format_bytes(free)} is free" if free is not None else "")
+                    + "; raise cache.memory_utilization, lower scheduler.max_num_batched_tokens, or give cache.memory",
+                )
+            ]
+        )
+    return KVSizing(
+        num_blocks,
+        (num_blocks - 1) * block_size,
+        num_blocks * bytes_per_block,
+        budget,
+        held,
+        activation_bytes,
+        step_tokens,
+        ranks,
+        limited_by,
+    )
 
 
 def device_memory(device: torch.device) -> int | None:

@@ -69,9 +69,24 @@ def check_fits(requests: list[tuple[str, str, int]], device: torch.device) -> No
     total = sum(size for _, _, size in requests)
     if total <= available:
         return
-    problems = [ConfigProblem("<run>", key, f"{what} needs {format_bytes(size)}; {device.type} memory available: "
-                                          f"{format_bytes(available)} (for everything this run allocates: "
-                                          f"{format_bytes(total)})")
-                for key, what, size in sorted(requests, key=lambda r: -r[2]) if size > available / 4]
-    raise ConfigError(problems or [ConfigProblem("<run>", requests[0][0], f"the run needs {format_bytes(total)}; "
-                                                 f"{device.type} memory available: {format_bytes(available)}")])
+    problems = [
+        ConfigProblem(
+            "<run>",
+            key,
+            f"{what} needs {format_bytes(size)}; {device.type} memory available: "
+            f"{format_bytes(available)} (for everything this run allocates: "
+            f"{format_bytes(total)})",
+        )
+        for key, what, size in sorted(requests, key=lambda r: -r[2])
+        if size > available / 4
+    ]
+    raise ConfigError(
+        problems
+        or [
+            ConfigProblem(
+                "<run>",
+                requests[0][0],
+                f"the run needs {format_bytes(total)}; {device.type} memory available: {format_bytes(available)}",
+            )
+        ]
+    )

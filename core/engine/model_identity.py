@@ -94,7 +94,8 @@ def _write_memo(memo: dict[str, dict]) -> None:
             json.dump(kept, file)
         os.replace(temporary, path)
     except OSError as exc:
-        logger.warning("could not save the weights fingerprint memo %s (%s); the next start hashes the weights "
-                       "again", path, exc)
+        logger.warning(
+            "could not save the weights fingerprint memo %s (%s); the next start hashes the weights again", path, exc
+        )
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)

@@ -56,11 +56,19 @@ class OutputProcessor:
         """Whether no request is held (every one finished, was returned or discarded)."""
         return not self.sequences and not self.groups and not self.group_of and not self.aborted
 
-    def add_sequence(self, sequence_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                     arrival_time: float, request_id: str | None = None) -> None:
+    def add_sequence(
+        self,
+        sequence_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        request_id: str | None = None,
+    ) -> None:
         """Start the output of a sequence; ``request_id``: the ``n > 1`` request it belongs to."""
-        self.sequences[sequence_id] = RequestOutput(sequence_id, prompt, list(prompt_token_ids), params,
-                                                    metrics=RequestMetrics(arrival_time))
+        self.sequences[sequence_id] = RequestOutput(
+            sequence_id, prompt, list(prompt_token_ids), params, metrics=RequestMetrics(arrival_time)
+        )
         if request_id is not None:
             self.group_of[sequence_id] = request_id
 
@@ -70,8 +78,11 @@ class OutputProcessor:
 
     def sequence_ids(self, request_ids: list[str]) -> list[str]:
         """The sequences of ``request_ids``: a request's own id, or its ``n`` sequences' ids."""
-        return [child for request_id in request_ids
-                for child in (self.groups[request_id][0] if request_id in self.groups else [request_id])]
+        return [
+            child
+            for request_id in request_ids
+            for child in (self.groups[request_id][0] if request_id in self.groups else [request_id])
+        ]
 
     def abort(self, sequence_ids: list[str], now: float) -> None:
         """Finish unfinished sequences with reason ``abort``; the next step returns them."""
@@ -122,8 +133,9 @@ class OutputProcessor:
             if output is not None and output.prompt_logprobs is None:  # a preempted request computes them again
                 output.prompt_logprobs = prompt_logprobs
 
-    def apply(self, updates: list[RequestUpdate], runner_output: ModelRunnerOutput, errored: list[str],
-              now: float) -> AppliedStep:
+    def apply(
+        self, updates: list[RequestUpdate], runner_output: ModelRunnerOutput, errored: list[str], now: float
+    ) -> AppliedStep:
         """Add the step's new tokens (and logprobs) to the outputs, end those a stop string or the scheduler ended."""
         applied = AppliedStep(finished_ids=self.aborted + errored)
         self.aborted = []

@@ -143,7 +143,9 @@ def merge_completions(request_id: str, sequences: list[RequestOutput]) -> Reques
     first = sequences[0]
     metrics = RequestMetrics(
         arrival_time=first.metrics.arrival_time,
-        first_token_time=min((s.metrics.first_token_time for s in sequences if s.metrics.first_token_time), default=None),
+        first_token_time=min(
+            (s.metrics.first_token_time for s in sequences if s.metrics.first_token_time), default=None
+        ),
         finish_time=max((s.metrics.finish_time for s in sequences if s.metrics.finish_time), default=None),
         token_times=sorted(t for s in sequences for t in s.metrics.token_times),
         num_cached_tokens=first.metrics.num_cached_tokens,
@@ -151,8 +153,17 @@ def merge_completions(request_id: str, sequences: list[RequestOutput]) -> Reques
         num_accepted_tokens=sum(s.metrics.num_accepted_tokens for s in sequences),
     )
     return RequestOutput(
-        request_id, first.prompt, first.prompt_token_ids, first.sampling_params, first.token_ids, first.text,
-        first.finish_reason, first.stop_reason, first.logprobs, first.prompt_logprobs, metrics,
+        request_id,
+        first.prompt,
+        first.prompt_token_ids,
+        first.sampling_params,
+        first.token_ids,
+        first.text,
+        first.finish_reason,
+        first.stop_reason,
+        first.logprobs,
+        first.prompt_logprobs,
+        metrics,
         completions=[sequence.completion(index) for index, sequence in enumerate(sequences)],
         error=next((sequence.error for sequence in sequences if sequence.error is not None), None),
     )

@@ -49,12 +49,15 @@ def _token_ids(values: Any) -> list[int]:
 def _chat_messages(messages: Any) -> list[dict[str, Any]]:
     """``messages`` checked to be a non-empty list of ``{"role": str, "content": str, ...}``."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"'messages' must be a non-empty list of {{'role': ..., 'content': ...}} objects, "
-                         f"got {type(messages).__name__}")
+        raise ValueError(
+            f"'messages' must be a non-empty list of {{'role': ..., 'content': ...}} objects, "
+            f"got {type(messages).__name__}"
+        )
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{index}] must be an object with 'role' and 'content', "
-                             f"got {type(message).__name__}")
+            raise ValueError(
+                f"messages[{index}] must be an object with 'role' and 'content', got {type(message).__name__}"
+            )
         if not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{index}].role must be a string, got {type(message.get('role')).__name__}")
         if not isinstance(message.get("content"), (str, list)):  # a list: content parts

@@ -68,19 +68,34 @@ def distributed_backend(settings: Settings, device: torch.device) -> str:
     if name == "auto":
         name = "nccl" if device.type == "cuda" else "gloo"
     if name == "nccl" and device.type != "cuda":
-        raise ConfigError([ConfigProblem("<run>", "runtime.distributed_backend",
-                                         f"nccl joins CUDA devices; this run is on {device} (use auto or gloo)")])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    "runtime.distributed_backend",
+                    f"nccl joins CUDA devices; this run is on {device} (use auto or gloo)",
+                )
+            ]
+        )
     if name == "nccl" and not dist.is_nccl_available():
-        raise ConfigError([ConfigProblem("<run>", "runtime.distributed_backend",
-                                         "this torch is built without NCCL (use auto or gloo)")])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>", "runtime.distributed_backend", "this torch is built without NCCL (use auto or gloo)"
+                )
+            ]
+        )
     return name
 
 
 def parallel_settings(settings: Settings) -> str:
     """The settings that spread the run over several ranks, with their values, for messages."""
     runtime = settings.runtime
-    named = [f"runtime.{key} {getattr(runtime, key)}" for key in ("tensor_parallel_size", "pipeline_parallel_size")
-             if getattr(runtime, key) > 1]
+    named = [
+        f"runtime.{key} {getattr(runtime, key)}"
+        for key in ("tensor_parallel_size", "pipeline_parallel_size")
+        if getattr(runtime, key) > 1
+    ]
     return " and ".join(named)
 
 
@@ -90,11 +105,19 @@ def check_parallel(settings: Settings, device: torch.device) -> None:
     problems = []
     # Ranks torchrun launched may be on other machines, each with its own devices.
     if device.type == "cuda" and torchrun_launch() is None and (device.index or 0) + size > torch.cuda.device_count():
-        key = "runtime.pipeline_parallel_size" if settings.runtime.pipeline_parallel_size > 1 \
+        key = (
+            "runtime.pipeline_parallel_size"
+            if settings.runtime.pipeline_parallel_size > 1
             else "runtime.tensor_parallel_size"
-        problems.append(ConfigProblem("<run>", key,
-                                      f"{size} ranks from {device} need {(device.index or 0) + size} CUDA devices; "
-                                      f"this machine has {torch.cuda.device_count()}"))
+        )
+        problems.append(
+            ConfigProblem(
+                "<run>",
+                key,
+                f"{size} ranks from {device} need {(device.index or 0) + size} CUDA devices; "
+                f"this machine has {torch.cuda.device_count()}",
+            )
+        )
     if problems:
         raise ConfigError(problems)
 
@@ -166,8 +189,9 @@ class ParallelRanks:
     process (:mod:`patchbay.worker.parallel.torchrun`): then the ranks connect to it.
     """
 
-    def __init__(self, settings: Settings, model_dir: Path, *, device: torch.device, dtype: str,
-                 tuning: Tuning | None) -> None:
+    def __init__(
+        self, settings: Settings, model_dir: Path, *, device: torch.device, dtype: str, tuning: Tuning | None
+    ) -> None:
         """Start (or await) ranks 1..N-1, send them the run's setup and join the process group with them."""
         world_size = settings.runtime.world_size
         timeout = settings.runtime.distributed_timeout
@@ -175,20 +199,42 @@ class ParallelRanks:
         if launch is not None:
             check_world_size(settings, launch)
             if launch.rank != 0:
-                raise ConfigError([ConfigProblem("<environment>", "RANK", f"torchrun's rank {launch.rank} runs the "
-                                                 "rank loop (patchbay run/serve do), not an engine")])
+                raise ConfigError(
+                    [
+                        ConfigProblem(
+                            "<environment>",
+                            "RANK",
+                            f"torchrun's rank {launch.rank} runs the rank loop (patchbay run/serve do), not an engine",
+                        )
+                    ]
+                )
             store_host, store_port = store_address(settings, launch)
             self._store = rendezvous_store(settings, launch)
         else:
             store_host = settings.runtime.master_addr or STORE_HOST
-            self._store = dist.TCPStore(store_host, settings.runtime.master_port or 0, world_size, is_master=True,
-                                        wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
+            self._store = dist.TCPStore(
+                store_host,
+                settings.runtime.master_port or 0,
+                world_size,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
             store_port = self._store.port
         # The ranks build a model and a runner: the run's inputs, outputs and server (API keys) are rank 0's alone.
-        rank_settings = settings.model_copy(update={"inputs": InputSettings(), "outputs": OutputSettings(),
-                                                    "server": ServerSettings()})
-        self.setup = RankSetup(rank_settings, model_dir, str(device), dtype, tuning, store_host, store_port,
-                               distributed_backend(settings, device))
+        rank_settings = settings.model_copy(
+            update={"inputs": InputSettings(), "outputs": OutputSettings(), "server": ServerSettings()}
+        )
+        self.setup = RankSetup(
+            rank_settings,
+            model_dir,
+            str(device),
+            dtype,
+            tuning,
+            store_host,
+            store_port,
+            distributed_backend(settings, device),
+        )
         self.ranks: list[_ChildRank | _LaunchedRank] = []
         self.group: RankGroup | None = None
         """Rank 0's membership of the process group (its ``all_reduce`` is what the sharded model calls)."""
@@ -210,16 +256,19 @@ class ParallelRanks:
     def _start(self, rank: int) -> _ChildRank:
         read_fd, connection = step_channel.open_pipe()
         try:
-            process = subprocess.Popen([sys.executable, "-m", "patchbay.worker.parallel.rank_worker", str(read_fd),
-                                        str(rank)], pass_fds=(read_fd,))
+            process = subprocess.Popen(
+                [sys.executable, "-m", "patchbay.worker.parallel.rank_worker", str(read_fd), str(rank)],
+                pass_fds=(read_fd,),
+            )
         except BaseException:
             connection.close()
             raise
         finally:
             os.close(read_fd)
         runtime = self.setup.settings.runtime
-        return _ChildRank(rank, process, connection,
-                          runtime.tensor_parallel_size if runtime.pipeline_parallel_size > 1 else None)
+        return _ChildRank(
+            rank, process, connection, runtime.tensor_parallel_size if runtime.pipeline_parallel_size > 1 else None
+        )
 
     def _accept(self, host: str, world_size: int, timeout: float) -> list[_ChildRank | _LaunchedRank]:
         listener = step_channel.StepListener(host, self._store)
@@ -239,8 +288,10 @@ class ParallelRanks:
             self.check_alive("while starting")
             waiting = [rank for rank in waiting if not self._store.check([joined_key(rank.rank)])]
             if waiting and time.monotonic() > deadline:
-                raise RankDiedError(f"{waiting[0].describe()} did not join the process group within "
-                                    f"{timeout:g} s (runtime.distributed_timeout)")
+                raise RankDiedError(
+                    f"{waiting[0].describe()} did not join the process group within "
+                    f"{timeout:g} s (runtime.distributed_timeout)"
+                )
             time.sleep(0.02)
 
     def start_runners(self, spec: RunnerSpec) -> None:
@@ -270,8 +321,7 @@ class ParallelRanks:
         assert self.group is not None
         runtime = self.setup.settings.runtime
         try:
-            return self.group.recv_object(last_stage_rank(runtime.pipeline_parallel_size,
-                                                          runtime.tensor_parallel_size))
+            return self.group.recv_object(last_stage_rank(runtime.pipeline_parallel_size, runtime.tensor_parallel_size))
         except Exception as exc:
             died = self.failure(exc, "while rank 0 waited for a step's output")
             if died is not None:
@@ -311,8 +361,10 @@ class ParallelRanks:
             for rank in self.ranks:
                 ended = rank.ended()
                 if ended is not None:
-                    return RankDiedError(f"{rank.describe()} {ended}{' ' + when if when else ''}; the run cannot "
-                                         f"go on (rank 0 saw {type(exc).__name__}: {exc})")
+                    return RankDiedError(
+                        f"{rank.describe()} {ended}{' ' + when if when else ''}; the run cannot "
+                        f"go on (rank 0 saw {type(exc).__name__}: {exc})"
+                    )
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.02)
@@ -365,10 +417,12 @@ def run_launched_rank(settings: Settings) -> int | None:
     return 0
 
 
-
 def __getattr__(name: str) -> Any:
     if name == "TensorParallelRanks":  # its name until it ran pipeline stages too
-        warnings.warn("patchbay.engine.ranks.TensorParallelRanks is deprecated: it is ParallelRanks",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "patchbay.engine.ranks.TensorParallelRanks is deprecated: it is ParallelRanks",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return ParallelRanks
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -66,20 +66,28 @@ def describe_failure(exc: BaseException, plugins: Mapping[str, Iterable[Any]]) -
     blamed = None
     for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
         owner = frame.f_locals.get("self")
-        blamed = instances.get(id(owner)) or instances.get(id(type(owner))) \
+        blamed = (
+            instances.get(id(owner))
+            or instances.get(id(type(owner)))
             or modules.get(frame.f_globals.get("__name__", ""))
+        )
         if blamed is not None:
             break
     message = f"{type(exc).__name__}: {exc}"
     return f"{blamed} raised {message}" if blamed else message
 
 
-def replay_alone(runner: Any, scheduler: Scheduler, scheduler_output: SchedulerOutput,
-                 plugins: Mapping[str, Iterable[Any]]) -> IsolatedStep:
+def replay_alone(
+    runner: Any, scheduler: Scheduler, scheduler_output: SchedulerOutput, plugins: Mapping[str, Iterable[Any]]
+) -> IsolatedStep:
     """Run each request of a failed step alone; see the module docstring."""
     batch = runner.batch
-    dropped = (scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
-               | scheduler_output.reset_req_ids | set(scheduler_output.num_scheduled_tokens))
+    dropped = (
+        scheduler_output.finished_req_ids
+        | scheduler_output.preempted_req_ids
+        | scheduler_output.reset_req_ids
+        | set(scheduler_output.num_scheduled_tokens)
+    )
     for req_id in dropped:
         batch.remove_request(req_id)
         runner.prompt_logprobs.forget(req_id)
@@ -94,16 +102,22 @@ def replay_alone(runner: Any, scheduler: Scheduler, scheduler_output: SchedulerO
     for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
         request = scheduler.requests[req_id]
         alone = SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData(
-                req_id=req_id, prompt_token_ids=list(request.prompt_token_ids),
-                output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
-                block_ids=scheduler.kv_cache_manager.get_block_ids(req_id),
-                num_computed_tokens=request.num_computed_tokens)],
+            scheduled_new_reqs=[
+                NewRequestData(
+                    req_id=req_id,
+                    prompt_token_ids=list(request.prompt_token_ids),
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=scheduler.kv_cache_manager.get_block_ids(req_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            ],
             scheduled_cached_reqs=CachedRequestData(),
             num_scheduled_tokens={req_id: num_tokens},
             total_num_scheduled_tokens=num_tokens,
-            scheduled_spec_decode_tokens={req_id: drafts} if (
-                drafts := scheduler_output.scheduled_spec_decode_tokens.get(req_id)) else {},
+            scheduled_spec_decode_tokens={req_id: drafts}
+            if (drafts := scheduler_output.scheduled_spec_decode_tokens.get(req_id))
+            else {},
         )
         try:
             output = runner.execute_model(alone)

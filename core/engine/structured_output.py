@@ -13,8 +13,16 @@ from patchbay.sampling_params import SamplingParams
 from patchbay.scheduling.structured_output import GrammarCompilations
 
 
-def grammar_compilations(settings: Settings, registry: Registry, *, device: str, dtype: str, tokenizer: Any,
-                         vocab_size: int, stop_token_ids: Sequence[int]) -> GrammarCompilations:
+def grammar_compilations(
+    settings: Settings,
+    registry: Registry,
+    *,
+    device: str,
+    dtype: str,
+    tokenizer: Any,
+    vocab_size: int,
+    stop_token_ids: Sequence[int],
+) -> GrammarCompilations:
     """The compile service of ``structured_output.backend``; the backend itself is built on the first constraint.
 
     Its name, options and capabilities are checked now, so a bad section
@@ -39,5 +47,7 @@ def check_constraint(request_id: str, params: SamplingParams, grammars: GrammarC
         return
     kinds = grammars.constraint_kinds
     if constraint.kind not in kinds:
-        raise ValueError(f"request {request_id!r}: structured_output backend {grammars.backend_name!r} does not "
-                         f"support {constraint.field_path} (it supports {', '.join(kinds)})")
+        raise ValueError(
+            f"request {request_id!r}: structured_output backend {grammars.backend_name!r} does not "
+            f"support {constraint.field_path} (it supports {', '.join(kinds)})"
+        )

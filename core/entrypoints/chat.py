@@ -90,11 +90,20 @@ class ToolPlan:
 
 def calls_schema(functions: dict[str, dict[str, Any]], *, parallel: bool) -> dict[str, Any]:
     """A JSON schema of a list of calls ``[{"name": ..., "arguments": {...}}]`` to the given functions."""
-    options = [{"type": "object", "properties": {"name": {"enum": [name]}, "arguments": parameters},
-                "required": ["name", "arguments"], "additionalProperties": False}
-               for name, parameters in functions.items()]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": options[0] if len(options) == 1 else {"anyOf": options}}
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"enum": [name]}, "arguments": parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name, parameters in functions.items()
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": options[0] if len(options) == 1 else {"anyOf": options},
+    }
     if not parallel:
         schema["maxItems"] = 1
     return schema
@@ -103,7 +112,9 @@ def calls_schema(functions: dict[str, dict[str, Any]], *, parallel: bool) -> dic
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def plan_tools(tools: Sequence[Any] | None, tool_choice: Any = None, parallel_tool_calls: bool | None = None) -> ToolPlan:
+def plan_tools(
+    tools: Sequence[Any] | None, tool_choice: Any = None, parallel_tool_calls: bool | None = None
+) -> ToolPlan:
     """Check the OpenAI tool fields and decide how calls are obtained (see the module docstring)."""
     if tools is not None and not isinstance(tools, (list, tuple)):
         raise ChatRequestError("tools", f"must be a list of tools, got {type(tools).__name__}")
@@ -129,14 +140,17 @@ def plan_tools(tools: Sequence[Any] | None, tool_choice: Any = None, parallel_to
         return ToolPlan("auto" if functions else "none", functions, parallel=parallel)
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise ChatRequestError("tool_choice", f"{tool_choice!r} is not one of none, auto, required or "
-                                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+            raise ChatRequestError(
+                "tool_choice",
+                f"{tool_choice!r} is not one of none, auto, required or "
+                '{"type": "function", "function": {"name": ...}}',
+            )
         if tool_choice != "none" and not functions:
             raise ChatRequestError("tool_choice", f"{tool_choice!r} needs tools")
         return ToolPlan(tool_choice, functions, parallel=parallel)  # type: ignore[arg-type]
     named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     if not isinstance(named, str):
-        raise ChatRequestError("tool_choice", "a named choice is {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        raise ChatRequestError("tool_choice", 'a named choice is {"type": "function", "function": {"name": ...}}')
     if named not in functions:
         offered = ", ".join(functions) or "none"
         raise ChatRequestError("tool_choice.function.name", f"{named!r} is not among the tools (offered: {offered})")
@@ -164,17 +178,22 @@ def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
         message = dict(message)
         role = message.get("role")
         if role == "assistant" and message.get("tool_calls") is not None:
-            message["tool_calls"] = [_template_call(call, f"messages.{index}.tool_calls.{number}", call_ids)
-                                     for number, call in enumerate(_as_list(message["tool_calls"], index))]
+            message["tool_calls"] = [
+                _template_call(call, f"messages.{index}.tool_calls.{number}", call_ids)
+                for number, call in enumerate(_as_list(message["tool_calls"], index))
+            ]
         elif role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str):
-                raise ChatRequestError(f"messages.{index}.tool_call_id", "a tool message needs the id of the call "
-                                                                         "it answers")
+                raise ChatRequestError(
+                    f"messages.{index}.tool_call_id", "a tool message needs the id of the call it answers"
+                )
             if call_id not in call_ids:
                 known = ", ".join(sorted(call_ids)) or "none"
-                raise ChatRequestError(f"messages.{index}.tool_call_id", f"{call_id!r} answers no call an earlier "
-                                                                         f"assistant message made (calls: {known})")
+                raise ChatRequestError(
+                    f"messages.{index}.tool_call_id",
+                    f"{call_id!r} answers no call an earlier assistant message made (calls: {known})",
+                )
         found.append(message)
     return found
 
@@ -200,17 +219,22 @@ def _template_call(call: Any, where: str, call_ids: set[str]) -> dict[str, Any]:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None,
-                template: str | None) -> tuple[str, list[int]]:
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None, template: str | None
+) -> tuple[str, list[int]]:
     """The prompt text and token ids of a conversation (and tools) through ``template`` or the tokenizer's."""
     if template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ChatRequestError("messages", "this model's tokenizer has no chat template; set chat.template")
     if tools and "tools" not in (template or tokenizer.chat_template):
-        raise ChatRequestError("tools", "the chat template renders no tools; set chat.template to a template that "
-                                        "does")
+        raise ChatRequestError("tools", "the chat template renders no tools; set chat.template to a template that does")
     try:
-        text = tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None, chat_template=template,
-                                             tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=list(tools) if tools else None,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
     except Exception as exc:  # the template rejects the conversation (roles out of order, a missing key)
         raise ChatRequestError("messages", f"the chat template failed: {exc}") from None
     return text, tokenizer.encode(text, add_special_tokens=False)
@@ -286,7 +310,9 @@ class AnswerReader:
     """Reads answers for one request: reasoning first (if a reasoning parser is set), then calls (by the tool
     parser in mode ``auto``, as the constraint's JSON when enforced), the rest is content."""
 
-    def __init__(self, plan: ToolPlan, tool_parser: ToolParser | None, reasoning_parser: ReasoningParser | None) -> None:
+    def __init__(
+        self, plan: ToolPlan, tool_parser: ToolParser | None, reasoning_parser: ReasoningParser | None
+    ) -> None:
         self.plan = plan
         self.tool_parser = tool_parser if plan.mode == "auto" else None
         self.reasoning_parser = reasoning_parser
@@ -326,8 +352,9 @@ class AnswerStream:
 
     def __init__(self, reader: AnswerReader) -> None:
         self._plan = reader.plan
-        self._reasoning: ReasoningStream | None = (reader.reasoning_parser.stream()
-                                                   if reader.reasoning_parser is not None else None)
+        self._reasoning: ReasoningStream | None = (
+            reader.reasoning_parser.stream() if reader.reasoning_parser is not None else None
+        )
         self._calls: ToolCallStream | None = reader.tool_parser.stream() if reader.tool_parser is not None else None
         self._enforced_text: list[str] = []
         self._held_space = ""
@@ -421,12 +448,14 @@ class ChatParsers:
         section = settings.chat
         self.template = chat_template_of(section.template, bundled_model=bundled_model)
         self._built: dict[tuple[str, str], Any] = {}
-        self.tool_parser: ToolParser = self._build("tool_parser", section.tool_parser, section.tool_parser_options,
-                                                   "chat.tool_parser")
+        self.tool_parser: ToolParser = self._build(
+            "tool_parser", section.tool_parser, section.tool_parser_options, "chat.tool_parser"
+        )
         self.reasoning_parser: ReasoningParser | None = None
         if section.reasoning_parser is not None:
-            self.reasoning_parser = self._build("reasoning_parser", section.reasoning_parser,
-                                                section.reasoning_parser_options, "chat.reasoning_parser")
+            self.reasoning_parser = self._build(
+                "reasoning_parser", section.reasoning_parser, section.reasoning_parser_options, "chat.reasoning_parser"
+            )
 
     def _build(self, kind: str, name: str, options: dict[str, Any], where: str) -> Any:
         key = (kind, name)
@@ -435,7 +464,9 @@ class ChatParsers:
             self._built[key] = implementation(plugin_options(implementation, options, where=f"{where}_options"))
         return self._built[key]
 
-    def for_request(self, tool_parser: str | None, reasoning_parser: str | None) -> tuple[ToolParser, ReasoningParser | None]:
+    def for_request(
+        self, tool_parser: str | None, reasoning_parser: str | None
+    ) -> tuple[ToolParser, ReasoningParser | None]:
         """The parsers a request uses: the run's, or the installed ones it names (with default options)."""
         found = [self.tool_parser, self.reasoning_parser]
         for index, (kind, name) in enumerate((("tool_parser", tool_parser), ("reasoning_parser", reasoning_parser))):

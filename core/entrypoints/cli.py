@@ -65,11 +65,14 @@ def _plugins_report(registry: Registry, kind: str | None) -> dict[str, Any]:
     """What ``patchbay plugins --json`` prints: implementations, load failures, what the policy kept out, conflicts."""
     return {
         "plugins": [_describe(r) for r in registry.registrations(kind)],
-        "failures": [{**_origin(f.origin), "error": f.error, "traceback": f.traceback_summary}
-                     for f in registry.failures],
+        "failures": [
+            {**_origin(f.origin), "error": f.error, "traceback": f.traceback_summary} for f in registry.failures
+        ],
         "excluded": [{"what": e.what, "rule": e.rule, "reference": e.reference} for e in registry.excluded],
-        "conflicts": [{"kind": c.kind.name, "name": c.name, "claimants": [_origin(c.first), _origin(c.second)],
-                       "message": str(c)} for c in registry.conflicts],
+        "conflicts": [
+            {"kind": c.kind.name, "name": c.name, "claimants": [_origin(c.first), _origin(c.second)], "message": str(c)}
+            for c in registry.conflicts
+        ],
     }
 
 
@@ -140,29 +143,47 @@ def cmd_check(args: argparse.Namespace) -> int:
     implementation = registration.resolve()
     reason = implementation.unavailable_reason()
     if reason and not args.allow_unavailable:
-        print(f"patchbay: error: {kind.name}:{name} is unavailable here: {reason}; its behavioural checks cannot run, "
-              "so it cannot pass (--allow-unavailable runs the rest and skips them)", file=sys.stderr)
+        print(
+            f"patchbay: error: {kind.name}:{name} is unavailable here: {reason}; its behavioural checks cannot run, "
+            "so it cannot pass (--allow-unavailable runs the rest and skips them)",
+            file=sys.stderr,
+        )
         return 1
     with tempfile.TemporaryDirectory(prefix="patchbay-check-") as tmp:
         test_file = Path(tmp) / f"test_{kind.name}_{name.replace('-', '_')}.py"
         test_file.write_text(
-            "from patchbay.testing import suite_for\n"
-            f"TestConformance = suite_for({kind.name!r}, {name!r})\n"
+            f"from patchbay.testing import suite_for\nTestConformance = suite_for({kind.name!r}, {name!r})\n"
         )
         (Path(tmp) / "pytest.ini").write_text("[pytest]\n")
         mode = " (strict: a skipped behavioural check fails)" if args.strict else ""
         print(f"conformance suite for {kind.name}:{name}{mode}")
         strict = ["--patchbay-strict"] if args.strict else []
-        code = pytest.main([str(test_file), "-v", "-rA", "-p", "no:cacheprovider", "--rootdir", tmp,
-                            "-c", str(Path(tmp) / "pytest.ini"), *strict, *args.pytest_args])
+        code = pytest.main(
+            [
+                str(test_file),
+                "-v",
+                "-rA",
+                "-p",
+                "no:cacheprovider",
+                "--rootdir",
+                tmp,
+                "-c",
+                str(Path(tmp) / "pytest.ini"),
+                *strict,
+                *args.pytest_args,
+            ]
+        )
     return int(code)
 
 
 def _warn_about_failures(registry: Registry) -> None:
     """Say on stderr which plugins failed to load: a name they would have registered is missing for that reason."""
     for failure in registry.failures:
-        print(f"patchbay: warning: {failure} (its implementations are not available; `patchbay plugins` shows "
-              "the traceback)", file=sys.stderr)
+        print(
+            f"patchbay: warning: {failure} (its implementations are not available; `patchbay plugins` shows "
+            "the traceback)",
+            file=sys.stderr,
+        )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -183,15 +204,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(dataclasses.asdict(tuning), indent=2))
         return 0
-    print(f"cpu: {tuning.cpu}; native dtypes: {', '.join(tuning.native_dtypes)}; {tuning.threads} threads, "
-          f"torch {tuning.torch_version}")
+    print(
+        f"cpu: {tuning.cpu}; native dtypes: {', '.join(tuning.native_dtypes)}; {tuning.threads} threads, "
+        f"torch {tuning.torch_version}"
+    )
     print("one decoder layer's linears, ms per call:")
     buckets = list(next(iter(tuning.measurements.values())))
     width = max(len(path) for path in tuning.measurements) + 2
     print(f"  {'path':<{width}}" + "".join(f"{rows + ' rows':>12}" for rows in buckets))
     for path, seconds in tuning.measurements.items():
-        print(f"  {path:<{width}}" + "".join(f"{seconds[rows] * 1e3:>12.3f}" if rows in seconds else f"{'-':>12}"
-                                             for rows in buckets))
+        print(
+            f"  {path:<{width}}"
+            + "".join(f"{seconds[rows] * 1e3:>12.3f}" if rows in seconds else f"{'-':>12}" for rows in buckets)
+        )
     print(f"chosen: {tuning.describe()}")
     print("(cached for this CPU, torch and model shape; runs with model.dtype, runtime.linear_kernel auto use it)")
     return 0
@@ -226,8 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     plugins.add_argument("--strict", action="store_true", help="a plugin that fails to load is an error")
     plugins.add_argument("--kind", help="only this kind")
-    plugins.add_argument("-v", "--verbose", action="store_true",
-                         help="show each backend's metadata builder, declared known gaps and capabilities")
+    plugins.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show each backend's metadata builder, declared known gaps and capabilities",
+    )
     plugins.set_defaults(handler=cmd_plugins)
 
     config = sub.add_parser("config", help="validate or show a YAML configuration")
@@ -243,13 +272,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="run the conformance suite against a plugin (KIND:NAME)")
     check.add_argument("reference", metavar="KIND:NAME")
-    check.add_argument("--strict", action="store_true",
-                       help="a behavioural check skipped for any reason but a limit the plugin declares fails")
-    check.add_argument("--allow-unavailable", action="store_true",
-                       help="run the checks of a plugin that is unavailable here (its behavioural checks skip)")
-    check.add_argument("pytest_args", nargs=argparse.REMAINDER,
-                       help="extra pytest arguments (everything after KIND:NAME; give --strict and --allow-unavailable "
-                            "before it)")
+    check.add_argument(
+        "--strict",
+        action="store_true",
+        help="a behavioural check skipped for any reason but a limit the plugin declares fails",
+    )
+    check.add_argument(
+        "--allow-unavailable",
+        action="store_true",
+        help="run the checks of a plugin that is unavailable here (its behavioural checks skip)",
+    )
+    check.add_argument(
+        "pytest_args",
+        nargs=argparse.REMAINDER,
+        help="extra pytest arguments (everything after KIND:NAME; give --strict and --allow-unavailable before it)",
+    )
     check.set_defaults(handler=cmd_check)
 
     run = sub.add_parser("run", help="run the job a YAML file describes")
@@ -261,9 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("config", nargs="?", help="a YAML file naming the model (default: the bundled model)")
     tune.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a setting")
     tune.add_argument("--json", action="store_true", help="machine-readable output")
-    tune.add_argument("--if-missing", action="store_true",
-                      help="measure only where nothing is cached for this CPU, torch and model shape (what `make` "
-                           "runs at install, so a reinstall on a busy machine never replaces a quiet measurement)")
+    tune.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="measure only where nothing is cached for this CPU, torch and model shape (what `make` "
+        "runs at install, so a reinstall on a busy machine never replaces a quiet measurement)",
+    )
     tune.set_defaults(handler=cmd_tune)
 
     serve = sub.add_parser("serve", help="serve the model of a YAML file over an OpenAI-compatible HTTP API")
@@ -271,7 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a setting")
     serve.set_defaults(handler=cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmark patchbay against transformers on fixed workloads, with the roofline")
+    bench = sub.add_parser(
+        "bench", help="benchmark patchbay against transformers on fixed workloads, with the roofline"
+    )
     add_bench_arguments(bench)
     bench.set_defaults(handler=cmd_bench)
     return parser

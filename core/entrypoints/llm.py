@@ -31,8 +31,13 @@ class LLM:
     use dotted keys with ``__`` for dots, e.g. ``LLM(scheduler__max_num_seqs=8)``.
     """
 
-    def __init__(self, settings: Settings | str | os.PathLike[str] | None = None, *,
-                 registry: Registry | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        settings: Settings | str | os.PathLike[str] | None = None,
+        *,
+        registry: Registry | None = None,
+        **overrides: Any,
+    ) -> None:
         assignments = [f"{key.replace('__', '.')}={_yaml_scalar(value)}" for key, value in overrides.items()]
         if isinstance(settings, Settings):
             if assignments:
@@ -86,8 +91,9 @@ class LLM:
         if request_ids is not None and len(request_ids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(request_ids)} request ids")
         for index, params in enumerate(params_list):
-            check_num_sequences(index if request_ids is None else request_ids[index], params,
-                                self.settings.scheduler.max_n)
+            check_num_sequences(
+                index if request_ids is None else request_ids[index], params, self.settings.scheduler.max_n
+            )
         order: dict[str, int] = {}
         results: list[RequestOutput | None] = [None] * len(prompts)
         try:
@@ -112,11 +118,17 @@ class LLM:
             raise
         return [result for result in results if result is not None]
 
-
-    def chat(self, messages: Sequence[dict[str, Any]], sampling_params: SamplingParams | None = None, *,
-             tools: Sequence[dict[str, Any]] | None = None, tool_choice: Any = None,
-             parallel_tool_calls: bool | None = None, tool_parser: str | None = None,
-             reasoning_parser: str | None = None) -> ChatAnswer:
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ) -> ChatAnswer:
         """Answer one conversation the way ``patchbay serve``'s chat completions do, tools and reasoning included.
 
         ``tools``, ``tool_choice`` and ``parallel_tool_calls`` take OpenAI's
@@ -131,18 +143,23 @@ class LLM:
             self._chat = ChatParsers(self.settings, registry, bundled_model=self.settings.model.path == DEFAULT_MODEL)
         plan = plan_tools(tools, tool_choice, parallel_tool_calls)
         parsers = self._chat.for_request(tool_parser, reasoning_parser)
-        text, token_ids = render_chat(self.tokenizer, template_messages(messages), tools=tools,
-                                      template=self._chat.template)
+        text, token_ids = render_chat(
+            self.tokenizer, template_messages(messages), tools=tools, template=self._chat.template
+        )
         params = sampling_params or SamplingParams()
         if plan.enforced:
             if params.structured_output is not None:
-                raise ValueError("tool_choice: required and named tool calls are enforced by a JSON schema; "
-                                 "they cannot be combined with structured_output")
+                raise ValueError(
+                    "tool_choice: required and named tool calls are enforced by a JSON schema; "
+                    "they cannot be combined with structured_output"
+                )
             grammars = self.engine.grammars
-            check_constraint_compiles(plan, lambda schema: grammars.backend.compile(
-                StructuredOutputParams(json_schema=schema)))
-            params = SamplingParams.model_validate({**params.model_dump(exclude_unset=True),
-                                                    "structured_output": plan.constraint()})
+            check_constraint_compiles(
+                plan, lambda schema: grammars.backend.compile(StructuredOutputParams(json_schema=schema))
+            )
+            params = SamplingParams.model_validate(
+                {**params.model_dump(exclude_unset=True), "structured_output": plan.constraint()}
+            )
         (output,) = self.generate({"prompt_token_ids": token_ids, "prompt": text}, params)
         return AnswerReader(plan, *parsers).read(output.completions[0].text)
 

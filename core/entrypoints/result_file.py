@@ -26,6 +26,7 @@ from patchbay.contract.settings import ConfigError, ConfigProblem
 
 def check_output_path(path: Path, source: str) -> None:
     """Raise :class:`ConfigError` (key ``outputs.path``) if results cannot be written to ``path``."""
+
     def problem(message: str) -> ConfigError:
         return ConfigError([ConfigProblem(source, "outputs.path", message)])
 
@@ -61,9 +62,11 @@ class ResultFile:
         try:
             self._append((json.dumps(record) + "\n").encode())
         except OSError as exc:
-            raise ResultsNotWritten(f"could not write result {self.num_written + 1} to {self.temporary} "
-                                    f"({exc.strerror or exc}); the {self.num_written} results written before are "
-                                    f"kept whole there, and renamed to {self.path} as the job stops") from exc
+            raise ResultsNotWritten(
+                f"could not write result {self.num_written + 1} to {self.temporary} "
+                f"({exc.strerror or exc}); the {self.num_written} results written before are "
+                f"kept whole there, and renamed to {self.path} as the job stops"
+            ) from exc
         self.num_written += 1
 
     def _append(self, line: bytes) -> None:
@@ -71,7 +74,7 @@ class ResultFile:
         view = memoryview(line)
         try:
             while view:
-                view = view[os.write(self._descriptor, view):]
+                view = view[os.write(self._descriptor, view) :]
         except OSError:
             os.ftruncate(self._descriptor, self._size)
             os.lseek(self._descriptor, self._size, os.SEEK_SET)
@@ -87,8 +90,12 @@ class ResultFile:
         try:
             if error is not None:
                 try:
-                    self._append((json.dumps({"error": error, "num_results": self.num_written,
-                                              "num_requests": num_requests}) + "\n").encode())
+                    self._append(
+                        (
+                            json.dumps({"error": error, "num_results": self.num_written, "num_requests": num_requests})
+                            + "\n"
+                        ).encode()
+                    )
                 except OSError:
                     pass  # the whole results matter more than the line saying why they stop
             # mkstemp makes the file 0600; results get the usual mode of a new file.
@@ -100,5 +107,7 @@ class ResultFile:
         try:
             os.replace(self.temporary, self.path)
         except OSError as exc:
-            raise ResultsNotWritten(f"could not rename the results file {self.temporary} to {self.path} "
-                                    f"({exc.strerror or exc}); its {self.num_written} results are kept there") from exc
+            raise ResultsNotWritten(
+                f"could not rename the results file {self.temporary} to {self.path} "
+                f"({exc.strerror or exc}); its {self.num_written} results are kept there"
+            ) from exc

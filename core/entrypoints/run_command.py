@@ -52,9 +52,13 @@ def read_job(settings: Settings, config_path: str | None) -> list[JobRequest]:
         try:
             lines = path.read_text().splitlines()
         except UnicodeDecodeError as exc:
-            raise ConfigError([ConfigProblem(config_label, "inputs.file", f"{path} is not UTF-8 text: {exc}")]) from None
+            raise ConfigError(
+                [ConfigProblem(config_label, "inputs.file", f"{path} is not UTF-8 text: {exc}")]
+            ) from None
         except OSError as exc:
-            raise ConfigError([ConfigProblem(config_label, "inputs.file", f"cannot read {path}: {exc.strerror}")]) from exc
+            raise ConfigError(
+                [ConfigProblem(config_label, "inputs.file", f"cannot read {path}: {exc.strerror}")]
+            ) from exc
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
@@ -84,24 +88,33 @@ def _parse_item(item: Any, where: str, default_id: str, settings: Settings) -> t
     elif isinstance(item, dict):
         given = _REQUEST_KEYS & {"prompt", "messages", "prompt_token_ids"} & item.keys()
         if len(given) != 1:
-            raise ConfigError([ConfigProblem(where, "<request>",
-                                             "needs exactly one of 'prompt', 'messages', 'prompt_token_ids'")])
+            raise ConfigError(
+                [ConfigProblem(where, "<request>", "needs exactly one of 'prompt', 'messages', 'prompt_token_ids'")]
+            )
         (key,) = given
         prompt = {key: item[key]}
         overrides = {k: v for k, v in item.items() if k not in _REQUEST_KEYS}
         request_id = item.get("id", default_id)
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
-            raise ConfigError([ConfigProblem(where, "id", f"a request id is a string or an integer, "
-                                                          f"got {json.dumps(request_id)}")])
+            raise ConfigError(
+                [ConfigProblem(where, "id", f"a request id is a string or an integer, got {json.dumps(request_id)}")]
+            )
         request_id = str(request_id)
     else:
-        raise ConfigError([ConfigProblem(where, "<request>", f"expected a string or an object, got {type(item).__name__}")])
+        raise ConfigError(
+            [ConfigProblem(where, "<request>", f"expected a string or an object, got {type(item).__name__}")]
+        )
     try:
         params = SamplingParams.model_validate({**settings.inputs.sampling, **overrides})
     except ValidationError as exc:
-        problems = [ConfigProblem(where, ".".join(str(p) for p in error["loc"]) or "<sampling>",
-                                  "unknown key" if error["type"] == "extra_forbidden" else error["msg"])
-                    for error in exc.errors()]
+        problems = [
+            ConfigProblem(
+                where,
+                ".".join(str(p) for p in error["loc"]) or "<sampling>",
+                "unknown key" if error["type"] == "extra_forbidden" else error["msg"],
+            )
+            for error in exc.errors()
+        ]
         raise ConfigError(problems) from None
     return request_id, prompt, params
 
@@ -126,7 +139,9 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Engine) -> s
     for output in outputs:
         reasons[str(output.finish_reason)] = reasons.get(str(output.finish_reason), 0) + 1
     step_total = sum(report.step_timings.values()) or 1.0
-    breakdown = ", ".join(f"{phase} {100 * seconds / step_total:.0f}%" for phase, seconds in report.step_timings.items())
+    breakdown = ", ".join(
+        f"{phase} {100 * seconds / step_total:.0f}%" for phase, seconds in report.step_timings.items()
+    )
     paths, fused = report.linear_paths, report.fused_modules
     lines = [
         f"requests:            {len(outputs)} ({', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))})",
@@ -146,21 +161,29 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Engine) -> s
     lines.append(f"heap:                {report.heap}")
     if report.kv_sizing is not None:
         lines.append(f"kv cache:            {report.kv_sizing}")
-    lines.append(f"linears:             {paths.packed} packed as {paths.layout}, {paths.fused_groups} fused projection "
-                 f"groups, {paths.row_split} row-split, {report.quantized_linears} quantized; steps of up to "
-                 f"{report.single_thread_max_tokens} tokens on one thread")
-    lines.append(f"fused kernels:       {fused.norms} RMS norms, {fused.mlps} SiLU MLPs, {fused.attentions} "
-                 f"rotary attentions, {fused.layers} whole decoder layers")
+    lines.append(
+        f"linears:             {paths.packed} packed as {paths.layout}, {paths.fused_groups} fused projection "
+        f"groups, {paths.row_split} row-split, {report.quantized_linears} quantized; steps of up to "
+        f"{report.single_thread_max_tokens} tokens on one thread"
+    )
+    lines.append(
+        f"fused kernels:       {fused.norms} RMS norms, {fused.mlps} SiLU MLPs, {fused.attentions} "
+        f"rotary attentions, {fused.layers} whole decoder layers"
+    )
     if report.kv_connector is not None:
         kv = report.kv_connector
-        lines.append(f"kv connector:        {kv.num_loaded_tokens} tokens loaded, {kv.num_recomputed_blocks} blocks "
-                     f"recomputed after load errors")
+        lines.append(
+            f"kv connector:        {kv.num_loaded_tokens} tokens loaded, {kv.num_recomputed_blocks} blocks "
+            f"recomputed after load errors"
+        )
     spec = report.speculative
     if spec.num_draft_tokens:
         per_position = ", ".join(f"{rate:.2f}" for rate in spec.acceptance_rate_per_position)
-        lines.append(f"speculative:         {spec.num_draft_tokens} drafted, {spec.num_accepted_tokens} accepted "
-                     f"({100 * spec.acceptance_rate:.1f}%), per position [{per_position}], "
-                     f"mean accepted length {spec.mean_accepted_length:.2f}")
+        lines.append(
+            f"speculative:         {spec.num_draft_tokens} drafted, {spec.num_accepted_tokens} accepted "
+            f"({100 * spec.acceptance_rate:.1f}%), per position [{per_position}], "
+            f"mean accepted length {spec.mean_accepted_length:.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -217,8 +240,9 @@ def run_from_settings(settings: Settings, *, config_path: str | None = None, str
     llm = LLM(settings)
     encoded = check_requests(llm, requests)
     results = ResultFile(output_path) if output_path is not None else None
-    progress = tqdm(total=len(requests), desc="requests", unit="req", disable=not settings.outputs.progress,
-                    file=sys.stderr)
+    progress = tqdm(
+        total=len(requests), desc="requests", unit="req", disable=not settings.outputs.progress, file=sys.stderr
+    )
 
     def finished(output: RequestOutput) -> None:
         progress.update(1)
@@ -226,14 +250,16 @@ def run_from_settings(settings: Settings, *, config_path: str | None = None, str
             results.write(output.as_dict())
 
     started = time.monotonic()
-    own_sigterm = threading.current_thread() is threading.main_thread() \
-        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    own_sigterm = (
+        threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    )
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated) if own_sigterm else None
     error: str | None = None
     try:
         prompts = [{"prompt_token_ids": token_ids, "prompt": text} for text, token_ids in encoded]
-        outputs = llm.generate(prompts, [r.params for r in requests], request_ids=[r.request_id for r in requests],
-                               on_finished=finished)
+        outputs = llm.generate(
+            prompts, [r.params for r in requests], request_ids=[r.request_id for r in requests], on_finished=finished
+        )
     except EngineDeadError as exc:
         error = str(exc)
         print(f"patchbay: error: {exc}", file=sys.stderr)
@@ -267,7 +293,10 @@ def run_from_settings(settings: Settings, *, config_path: str | None = None, str
     failed = [output for output in outputs if output.finish_reason == "error"]
     if failed:
         # Every other request completed and is written; the exit status still tells a script that some did not.
-        print(f"patchbay: {len(failed)} of {len(outputs)} requests failed (finish_reason \"error\"); the first: "
-              f"request {failed[0].request_id!r}: {failed[0].error}", file=sys.stderr)
+        print(
+            f'patchbay: {len(failed)} of {len(outputs)} requests failed (finish_reason "error"); the first: '
+            f"request {failed[0].request_id!r}: {failed[0].error}",
+            file=sys.stderr,
+        )
         return REQUESTS_FAILED
     return 0

@@ -202,8 +202,14 @@ class AttentionMetadataBuilder(Plugin):
 
     kind: ClassVar[str] = "attention_metadata_builder"
 
-    def __init__(self, options: BaseModel | None = None, *, block_size: int = 16, sliding_window: int | None = None,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self,
+        options: BaseModel | None = None,
+        *,
+        block_size: int = 16,
+        sliding_window: int | None = None,
+        device: str = "cpu",
+    ) -> None:
         """Create the builder for one KV-cache group (its block size, window and device)."""
         self.options = options if options is not None else self.Options()
         self.block_size = block_size

@@ -210,5 +210,6 @@ def resolve_aux_layers(layers: Sequence[int], num_layers: int, *, drafter: str) 
         raise ValueError(
             f"drafter {drafter!r} asks for the outputs of target layers {tuple(layers)}, but the model has "
             f"{num_layers} decoder layers (valid indices: 0..{num_layers - 1}, or -{num_layers}..-1 from the end); "
-            f"{outside} are outside it")
+            f"{outside} are outside it"
+        )
     return tuple(index % num_layers for index in layers)

@@ -52,11 +52,15 @@ class KVShard:
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
-            raise ValueError(f"tensor-parallel rank {self.tensor_parallel_rank} of {self.tensor_parallel_size}: "
-                             "expected a size of at least 1 and 0 <= rank < size")
+            raise ValueError(
+                f"tensor-parallel rank {self.tensor_parallel_rank} of {self.tensor_parallel_size}: "
+                "expected a size of at least 1 and 0 <= rank < size"
+            )
         if self.pipeline_parallel_size < 1 or not 0 <= self.pipeline_stage < self.pipeline_parallel_size:
-            raise ValueError(f"pipeline stage {self.pipeline_stage} of {self.pipeline_parallel_size}: "
-                             "expected a size of at least 1 and 0 <= stage < size")
+            raise ValueError(
+                f"pipeline stage {self.pipeline_stage} of {self.pipeline_parallel_size}: "
+                "expected a size of at least 1 and 0 <= stage < size"
+            )
 
     @classmethod
     def of_rank(cls, rank: int, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> KVShard:
@@ -87,9 +91,12 @@ class KVShard:
 
     def siblings(self) -> tuple[KVShard, ...]:
         """Every shard of this layout, in rank order (this one among them)."""
-        return tuple(KVShard.of_rank(rank, tensor_parallel_size=self.tensor_parallel_size,
-                                     pipeline_parallel_size=self.pipeline_parallel_size)
-                     for rank in range(self.tensor_parallel_size * self.pipeline_parallel_size))
+        return tuple(
+            KVShard.of_rank(
+                rank, tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size
+            )
+            for rank in range(self.tensor_parallel_size * self.pipeline_parallel_size)
+        )
 
 
 def _shard_suffix(shard: KVShard) -> str:
@@ -198,7 +205,9 @@ class KVConnectorScheduler(ABC):
         """
 
     @abstractmethod
-    def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
         """Blocks were allocated for ``request``; the last ``num_external_tokens`` tokens are to be loaded.
 
         Called when the request is admitted (``block_ids``: all its blocks so

@@ -85,8 +85,11 @@ class LoRAKernelCapabilities(Capabilities):
 
     def reasons(self, config: ServingConfig) -> list[str]:
         found = super().reasons(config)
-        if isinstance(config, LoRAKernelConfig) and self.max_lora_rank is not None \
-                and config.max_lora_rank > self.max_lora_rank:
+        if (
+            isinstance(config, LoRAKernelConfig)
+            and self.max_lora_rank is not None
+            and config.max_lora_rank > self.max_lora_rank
+        ):
             found.append(f"max_lora_rank {config.max_lora_rank} exceeds the kernel's {self.max_lora_rank}")
         return found
 
@@ -102,8 +105,9 @@ class LoRAKernel(Plugin):
         self.options = options if options is not None else self.Options()
 
     @abstractmethod
-    def shrink(self, x: torch.Tensor, lora_a: torch.Tensor, scalings: torch.Tensor,
-               mapping: LoRAMapping) -> torch.Tensor:
+    def shrink(
+        self, x: torch.Tensor, lora_a: torch.Tensor, scalings: torch.Tensor, mapping: LoRAMapping
+    ) -> torch.Tensor:
         """The scaled down-projection ``h[i] = scalings[slot] · x[i] A[slot]ᵀ`` of every row.
 
         ``x`` is ``[num_rows, in]``; ``lora_a`` is ``[num_slots, max_rank, in]``
@@ -121,8 +125,15 @@ class LoRAKernel(Plugin):
         max_rank]``.  Rows without an adapter are left exactly as they were.
         """
 
-    def add_lora(self, output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 scalings: torch.Tensor, mapping: LoRAMapping) -> None:
+    def add_lora(
+        self,
+        output: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        scalings: torch.Tensor,
+        mapping: LoRAMapping,
+    ) -> None:
         """``output[i] += scalings[slot] · (x[i] A[slot]ᵀ) B[slot]ᵀ`` for every row with an adapter, in place.
 
         The default runs :meth:`shrink` then :meth:`expand`; a kernel that

@@ -14,9 +14,20 @@ if TYPE_CHECKING:
 
 SAMPLING_PARAMS = frozenset(
     {
-        "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-        "presence_penalty", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids", "seed",
-        "logprobs", "prompt_logprobs",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "logit_bias",
+        "min_tokens",
+        "bad_words",
+        "allowed_token_ids",
+        "seed",
+        "logprobs",
+        "prompt_logprobs",
     }
 )
 """Every per-request sampling parameter a sampler may be asked to honour."""

@@ -192,8 +192,9 @@ class StructuredOutputBackend(Plugin):
     kind: ClassVar[str] = "structured_output"
     capabilities: ClassVar[StructuredOutputCapabilities] = StructuredOutputCapabilities()
 
-    def __init__(self, options: BaseModel | None = None, *, tokenizer: Any, vocab_size: int,
-                 stop_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, options: BaseModel | None = None, *, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
+    ) -> None:
         """Prepare the backend for one model.
 
         ``tokenizer`` is the model's Hugging Face tokenizer; ``vocab_size`` is

@@ -113,8 +113,11 @@ class KVCacheManager:
         for group, pool in zip(self.groups, self.pools, strict=True):
             if group.spec.sliding_window is None:
                 num_hit = self._longest_cached_prefix(pool, hashes[:num_hit])
-        sliding = [(group.spec.sliding_window, pool) for group, pool in zip(self.groups, self.pools, strict=True)
-                   if group.spec.sliding_window is not None]
+        sliding = [
+            (group.spec.sliding_window, pool)
+            for group, pool in zip(self.groups, self.pools, strict=True)
+            if group.spec.sliding_window is not None
+        ]
         if sliding:
             num_hit = self._longest_sliding_hit(hashes[:num_hit], sliding)
 

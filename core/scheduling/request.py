@@ -150,7 +150,7 @@ class Request:
         for index in range(len(self.block_hashes), self.num_tokens // size):
             parent = self.block_hashes[-1] if self.block_hashes else None
             extra = self.cache_salt if index == 0 else b""
-            tokens = self.all_token_ids[index * size:(index + 1) * size]
+            tokens = self.all_token_ids[index * size : (index + 1) * size]
             self.block_hashes.append(hash_block_tokens(parent, tokens, extra))
 
     def __repr__(self) -> str:

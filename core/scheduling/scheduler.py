@@ -107,8 +107,11 @@ class Scheduler:
         pipelined: bool = False,
         max_loras: int | None = None,
     ) -> None:
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len)):
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be positive, got {value}")
         if block_size != kv_cache_manager.block_size:
@@ -301,8 +304,14 @@ class Scheduler:
         if not preempted:
             token_budget = self._schedule_waiting(token_budget, num_scheduled, new_reqs, seats)
 
-        if not num_scheduled and not self.running and self.waiting and not self._loading \
-                and not self._in_flight and not self._grammar_futures():
+        if (
+            not num_scheduled
+            and not self.running
+            and self.waiting
+            and not self._loading
+            and not self._in_flight
+            and not self._grammar_futures()
+        ):
             # The pool check at construction makes this unreachable; fail loudly rather than spin.
             head = self.waiting[0]
             raise RuntimeError(
@@ -342,8 +351,9 @@ class Scheduler:
             updates.extend(self._fail_running(runner_output.failed))
         if self.kv_connector is not None:
             self._update_transfers(runner_output)
-        rolled_back = self._handle_load_errors(runner_output.invalid_block_ids) if runner_output.invalid_block_ids \
-            else set()
+        rolled_back = (
+            self._handle_load_errors(runner_output.invalid_block_ids) if runner_output.invalid_block_ids else set()
+        )
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if self.overlapped and self._in_flight.pop(request_id, None) is not request:
@@ -375,10 +385,15 @@ class Scheduler:
             elif self.num_speculative_tokens and runner_output.draft_token_ids and row is not None:
                 request.spec_token_ids = list(runner_output.draft_token_ids[row][: self.num_speculative_tokens])
             if new_token_ids or request.is_finished:
-                updates.append(RequestUpdate(
-                    request_id, new_token_ids, request.finish_reason, request.stop_reason,
-                    max(request.num_cached_tokens, 0),
-                ))
+                updates.append(
+                    RequestUpdate(
+                        request_id,
+                        new_token_ids,
+                        request.finish_reason,
+                        request.stop_reason,
+                        max(request.num_cached_tokens, 0),
+                    )
+                )
         return updates
 
     # -- helpers -----------------------------------------------------------
@@ -405,8 +420,9 @@ class Scheduler:
         batch) and blocks last; returns the budget left."""
         skipped: list[Request] = []
         adapters = {r.sampling_params.lora for r in self.running} - {None}
-        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs \
-                and len(num_scheduled) < seats:
+        while (
+            self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs and len(num_scheduled) < seats
+        ):
             request = self.waiting[0]
             request_id = request.request_id
             num_external = 0
@@ -451,8 +467,9 @@ class Scheduler:
                 allocated = self.kv_cache_manager.allocate_slots(request, num_new)
             else:
                 # Tokens loaded by the connector this step take blocks like the chunk computed after them.
-                allocated = self.kv_cache_manager.allocate_slots(request, num_external + num_new, computed_block_ids,
-                                                                 num_local)
+                allocated = self.kv_cache_manager.allocate_slots(
+                    request, num_external + num_new, computed_block_ids, num_local
+                )
             if allocated is None:
                 if self._evict_parked(request, skipped):
                     continue
@@ -500,8 +517,11 @@ class Scheduler:
     # -- structured output ---------------------------------------------------
 
     def _grammar_futures(self) -> list[Future[Any]]:
-        return [r.grammar_future for r in self.waiting
-                if r.status == RequestStatus.WAITING_FOR_GRAMMAR and r.grammar_future is not None]
+        return [
+            r.grammar_future
+            for r in self.waiting
+            if r.status == RequestStatus.WAITING_FOR_GRAMMAR and r.grammar_future is not None
+        ]
 
     def _wait_for_grammars_if_idle(self) -> None:
         """With nothing running and only compiling requests waiting, wait a little for a grammar instead of spinning."""
@@ -565,8 +585,9 @@ class Scheduler:
         num_external = max(0, min(num_external, request.num_tokens - 1 - num_local))
         return num_external, bool(load_async) and num_external > 0
 
-    def _start_async_load(self, request: Request, computed_block_ids: BlockIds, num_local: int,
-                          num_external: int) -> bool:
+    def _start_async_load(
+        self, request: Request, computed_block_ids: BlockIds, num_local: int, num_external: int
+    ) -> bool:
         """Allocate blocks for a request whose external tokens load asynchronously and park it; ``False``: no room."""
         if self.kv_cache_manager.allocate_slots(request, num_external, computed_block_ids, num_local) is None:
             return False
@@ -575,7 +596,7 @@ class Scheduler:
         self._loading[request.request_id] = (num_local, num_computed)
         # Their contents are not there yet: no other request may hit them in the prefix cache until they are.
         block_ids = self._connector_block_ids(request)
-        self._uncache(block_ids[num_local // self.block_size:])
+        self._uncache(block_ids[num_local // self.block_size :])
         self.kv_connector_stats.num_loaded_tokens += num_external
         assert self.kv_connector is not None
         self.kv_connector.update_state_after_alloc(request, block_ids, num_external)
@@ -633,8 +654,12 @@ class Scheduler:
                 pool = self.kv_cache_manager.pools[0]
                 blocks = [pool.blocks[block_id] for block_id in self._connector_block_ids(request)]
                 # Loaded blocks may now be shared through the prefix cache.
-                pool.cache_full_blocks(blocks, request.block_hashes, num_local // self.block_size,
-                                       min(num_computed // self.block_size, len(request.block_hashes)))
+                pool.cache_full_blocks(
+                    blocks,
+                    request.block_hashes,
+                    num_local // self.block_size,
+                    min(num_computed // self.block_size, len(request.block_hashes)),
+                )
         for request_id in runner_output.finished_sending:
             if request_id in self._held:
                 self._release(request_id, "sending")
@@ -665,13 +690,16 @@ class Scheduler:
                 num_local, num_computed = self._loading[request_id]
             else:
                 num_computed = request.num_computed_tokens  # before this step's tokens are counted
-            bad = [index for index, block_id in enumerate(block_ids[: -(-num_computed // block_size)])
-                   if block_id in invalid_block_ids]
+            bad = [
+                index
+                for index, block_id in enumerate(block_ids[: -(-num_computed // block_size)])
+                if block_id in invalid_block_ids
+            ]
             if not bad:
                 continue
             rollback_to = bad[0] * block_size
             recomputed.update(block_ids[index] for index in bad)
-            self._uncache(block_ids[bad[0]:])
+            self._uncache(block_ids[bad[0] :])
             self.kv_connector_stats.num_recomputed_requests += 1
             if request_id in self._loading:
                 self._loading[request_id] = (min(num_local, rollback_to), rollback_to)

@@ -97,8 +97,13 @@ class SchedulerOutput:
         """
         if all(request.grammar is None for request in self.scheduled_new_reqs):
             return self
-        return replace(self, scheduled_new_reqs=[replace(request, grammar=None) if request.grammar is not None
-                                                 else request for request in self.scheduled_new_reqs])
+        return replace(
+            self,
+            scheduled_new_reqs=[
+                replace(request, grammar=None) if request.grammar is not None else request
+                for request in self.scheduled_new_reqs
+            ],
+        )
 
 
 @dataclass

@@ -38,9 +38,15 @@ class CompileStats:
 class GrammarCompilations:
     """Compiles constraints on a worker thread and keeps the latest ``cache_size`` results by key."""
 
-    def __init__(self, backend_factory: Callable[[], StructuredOutputBackend], backend_name: str, *,
-                 constraint_kinds: tuple[str, ...] = CONSTRAINT_KINDS, cache_size: int = 256,
-                 max_workers: int = 1) -> None:
+    def __init__(
+        self,
+        backend_factory: Callable[[], StructuredOutputBackend],
+        backend_name: str,
+        *,
+        constraint_kinds: tuple[str, ...] = CONSTRAINT_KINDS,
+        cache_size: int = 256,
+        max_workers: int = 1,
+    ) -> None:
         self.backend_name = backend_name
         self.constraint_kinds = constraint_kinds
         """What the backend declares it compiles (its capabilities' ``constraint_kinds``)."""

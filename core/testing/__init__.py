@@ -39,7 +39,17 @@ def suite_for(kind: str, name: str) -> type[PluginSuite]:
 
 
 __all__ = [
-    "SUITES", "AttentionBackendSuite", "DrafterSuite", "KVConnectorSuite", "LoRAKernelSuite", "LoRAResolverSuite",
-    "MetadataBuilderSuite", "PluginSuite", "ReasoningParserSuite", "SamplerSuite", "StructuredOutputSuite",
-    "ToolParserSuite", "suite_for",
+    "SUITES",
+    "AttentionBackendSuite",
+    "DrafterSuite",
+    "KVConnectorSuite",
+    "LoRAKernelSuite",
+    "LoRAResolverSuite",
+    "MetadataBuilderSuite",
+    "PluginSuite",
+    "ReasoningParserSuite",
+    "SamplerSuite",
+    "StructuredOutputSuite",
+    "ToolParserSuite",
+    "suite_for",
 ]

@@ -85,22 +85,32 @@ class AttentionCase:
     def config(self, device: str) -> AttentionConfig:
         """The :class:`AttentionConfig` the backend is asked to serve for this case."""
         return AttentionConfig(
-            device=device.split(":")[0], dtype=self.dtype, head_size=self.head_size, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, block_size=self.block_size, sliding_window=self.sliding_window,
+            device=device.split(":")[0],
+            dtype=self.dtype,
+            head_size=self.head_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            block_size=self.block_size,
+            sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
         )
 
     def layer(self, index: int = 0) -> AttentionLayerSpec:
         # Not 1/sqrt(head_size): a backend that ignores the given scale must fail.
         return AttentionLayerSpec(
-            layer_name=f"layers.{index}.attn", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size, scale=1.3 / math.sqrt(self.head_size), sliding_window=self.sliding_window,
+            layer_name=f"layers.{index}.attn",
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            scale=1.3 / math.sqrt(self.head_size),
+            sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
         )
 
 
-def make_block_table(seq_lens: Sequence[int], block_size: int, num_blocks: int,
-                     generator: torch.Generator) -> torch.Tensor:
+def make_block_table(
+    seq_lens: Sequence[int], block_size: int, num_blocks: int, generator: torch.Generator
+) -> torch.Tensor:
     """A block table giving each request distinct, randomly chosen physical blocks out of ``num_blocks``.
 
     int32 ``[num_reqs, max_blocks + 1]`` (one column wider than needed);
@@ -115,13 +125,14 @@ def make_block_table(seq_lens: Sequence[int], block_size: int, num_blocks: int,
     table = torch.zeros(len(seq_lens), max(blocks_needed, default=0) + 1, dtype=torch.int32)
     taken = 0
     for request, count in enumerate(blocks_needed):
-        table[request, :count] = physical[taken:taken + count]
+        table[request, :count] = physical[taken : taken + count]
         taken += count
     return table
 
 
-def build_common_metadata(num_computed: Sequence[int], num_new: Sequence[int], block_table: torch.Tensor,
-                          block_size: int, device: str = "cpu") -> CommonAttentionMetadata:
+def build_common_metadata(
+    num_computed: Sequence[int], num_new: Sequence[int], block_table: torch.Tensor, block_size: int, device: str = "cpu"
+) -> CommonAttentionMetadata:
     """The :class:`CommonAttentionMetadata` the runner builds for one step, built the way it does (vectorised).
 
     ``num_computed[i]`` tokens of request ``i`` are cached, ``num_new[i]``
@@ -174,8 +185,9 @@ class AttentionBatch:
     values: list[torch.Tensor]
 
 
-def make_batch(backend_class: type[AttentionBackend], case: AttentionCase, device: str = "cpu",
-               layer: int = 0) -> AttentionBatch:
+def make_batch(
+    backend_class: type[AttentionBackend], case: AttentionCase, device: str = "cpu", layer: int = 0
+) -> AttentionBatch:
     """Random inputs for ``case``: shape and block table depend on the case only, the values also on ``layer``."""
     import torch
 
@@ -201,8 +213,8 @@ def make_batch(backend_class: type[AttentionBackend], case: AttentionCase, devic
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     start = 0
     for request, (computed, new) in enumerate(zip(case.num_computed, case.num_new, strict=True)):
-        key[start:start + new] = keys[request][computed:]
-        value[start:start + new] = values[request][computed:]
+        key[start : start + new] = keys[request][computed:]
+        value[start : start + new] = values[request][computed:]
         start += new
         positions = torch.arange(computed + new)
         blocks = block_table[request, positions // case.block_size].long()
@@ -212,12 +224,14 @@ def make_batch(backend_class: type[AttentionBackend], case: AttentionCase, devic
             key_cache, value_cache = backend_class.split_kv_cache(cache)
             key_cache[blocks[:cached_upto], offsets[:cached_upto]] = keys[request][:cached_upto]
             value_cache[blocks[:cached_upto], offsets[:cached_upto]] = values[request][:cached_upto]
-    return AttentionBatch(common, query.to(device), key.to(device), value.to(device), kv_cache.to(device),
-                          expected_cache, keys, values)
+    return AttentionBatch(
+        common, query.to(device), key.to(device), value.to(device), kv_cache.to(device), expected_cache, keys, values
+    )
 
 
-def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len: int,
-                    layer: AttentionLayerSpec) -> torch.Tensor:
+def dense_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len: int, layer: AttentionLayerSpec
+) -> torch.Tensor:
     """The oracle: float64 softmax attention of one request's queries over its contiguous keys.
 
     ``query`` is ``[new, num_heads, head_size]`` at positions
@@ -287,8 +301,7 @@ def _check_cache(backend_class: type[AttentionBackend], batch: AttentionBatch, c
         raise AssertionError(f"{'; '.join(problems)} (case {case})")
 
 
-def _check_output(output: torch.Tensor, batch: AttentionBatch, case: AttentionCase,
-                  layer: AttentionLayerSpec) -> None:
+def _check_output(output: torch.Tensor, batch: AttentionBatch, case: AttentionCase, layer: AttentionLayerSpec) -> None:
     import torch
 
     output = output.cpu()
@@ -325,9 +338,16 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def check_attention(backend_class: type[AttentionBackend], builder_class: type[AttentionMetadataBuilder],
-                    case: AttentionCase, *, device: str = "cpu", options: Any = None, num_layers: int = 1,
-                    builder: AttentionMetadataBuilder | None = None) -> None:
+def check_attention(
+    backend_class: type[AttentionBackend],
+    builder_class: type[AttentionMetadataBuilder],
+    case: AttentionCase,
+    *,
+    device: str = "cpu",
+    options: Any = None,
+    num_layers: int = 1,
+    builder: AttentionMetadataBuilder | None = None,
+) -> None:
     """Run ``case`` through a backend and raise :class:`AssertionError` on any deviation from the oracle.
 
     Builds the step's metadata once with ``builder_class`` (default
@@ -355,7 +375,9 @@ def check_attention(backend_class: type[AttentionBackend], builder_class: type[A
         impl = backend.make_impl(layer)
         inputs = [tensor.clone() for tensor in (batch.query, batch.key, batch.value)]
         output = impl.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata)
-        for name, before, after in zip(("query", "key", "value"), inputs, (batch.query, batch.key, batch.value), strict=True):
+        for name, before, after in zip(
+            ("query", "key", "value"), inputs, (batch.query, batch.key, batch.value), strict=True
+        ):
             assert after.equal(before), f"forward modified its {name} input (case {case})"
         assert_unchanged(common, original, f"{backend_class.__name__} forward")
         assert tuple(output.shape) == tuple(batch.query.shape), (
@@ -409,16 +431,21 @@ class AttentionBackendSuite(AttentionBackendBaseSuite):
         return available
 
     @pytest.fixture
-    def builder_class(self, backend_class: type[AttentionBackend],
-                      patchbay_registry: Registry) -> type[AttentionMetadataBuilder]:
+    def builder_class(
+        self, backend_class: type[AttentionBackend], patchbay_registry: Registry
+    ) -> type[AttentionMetadataBuilder]:
         """The backend's own metadata builder, resolved by the name it declares."""
         # resolve() checked that the class implements the kind's interface.
-        builder = cast("type[AttentionMetadataBuilder]",
-                       patchbay_registry.resolve("attention_metadata_builder", backend_class.metadata_builder))
+        builder = cast(
+            "type[AttentionMetadataBuilder]",
+            patchbay_registry.resolve("attention_metadata_builder", backend_class.metadata_builder),
+        )
         reason = builder.unavailable_reason()
         if reason:
-            pytest.fail(f"{backend_class.__name__} is available but its metadata builder "
-                        f"{backend_class.metadata_builder!r} is not: {reason}")
+            pytest.fail(
+                f"{backend_class.__name__} is available but its metadata builder "
+                f"{backend_class.metadata_builder!r} is not: {reason}"
+            )
         return builder
 
     # -- the matrix --------------------------------------------------------------------------
@@ -434,12 +461,22 @@ class AttentionBackendSuite(AttentionBackendBaseSuite):
             multiple = capabilities.block_size_multiple
             block_size = 16 if 16 % multiple == 0 else multiple
         # A decode, a whole prompt, a decode at a block boundary, a chunk after cached context, a 1-token prompt.
-        case = AttentionCase(num_computed=(20, 0, 31, 7, 0), num_new=(1, 12, 1, 9, 1), dtype=dtype,
-                             head_size=head_size, block_size=block_size)
+        case = AttentionCase(
+            num_computed=(20, 0, 31, 7, 0),
+            num_new=(1, 12, 1, 9, 1),
+            dtype=dtype,
+            head_size=head_size,
+            block_size=block_size,
+        )
         return dataclasses.replace(case, **changes)
 
-    def run_case(self, backend_class: type[AttentionBackend], builder_class: type[AttentionMetadataBuilder],
-                 case: AttentionCase, **kwargs: Any) -> None:
+    def run_case(
+        self,
+        backend_class: type[AttentionBackend],
+        builder_class: type[AttentionMetadataBuilder],
+        case: AttentionCase,
+        **kwargs: Any,
+    ) -> None:
         """Skip ``case`` if the backend rejects it, else check it with :func:`check_attention`."""
         reasons = backend_class.validate(case.config(self.device))
         if reasons:
@@ -460,8 +497,14 @@ class AttentionBackendSuite(AttentionBackendBaseSuite):
 
     def test_many_decodes(self, backend_class, builder_class) -> None:
         computed = tuple((37 * request) % 90 + 1 for request in range(64))
-        case = self.base_case(backend_class.capabilities, num_computed=computed, num_new=(1,) * len(computed),
-                              num_heads=6, num_kv_heads=2, spare_blocks=0)
+        case = self.base_case(
+            backend_class.capabilities,
+            num_computed=computed,
+            num_new=(1,) * len(computed),
+            num_heads=6,
+            num_kv_heads=2,
+            spare_blocks=0,
+        )
         self.run_case(backend_class, builder_class, case)
 
     def test_mixed_batch(self, backend_class, builder_class) -> None:
@@ -495,9 +538,13 @@ class AttentionBackendSuite(AttentionBackendBaseSuite):
     # -- layer shapes and variants (parametrized from the class attributes above) -------------
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        for argument, attribute in (("block_size", "block_sizes"), ("head_size", "head_sizes"),
-                                    ("gqa_ratio", "gqa_ratios"), ("dtype", "dtypes"),
-                                    ("sliding_window", "sliding_windows")):
+        for argument, attribute in (
+            ("block_size", "block_sizes"),
+            ("head_size", "head_sizes"),
+            ("gqa_ratio", "gqa_ratios"),
+            ("dtype", "dtypes"),
+            ("sliding_window", "sliding_windows"),
+        ):
             if argument in metafunc.fixturenames:
                 metafunc.parametrize(argument, getattr(metafunc.cls, attribute))
 
@@ -518,8 +565,14 @@ class AttentionBackendSuite(AttentionBackendBaseSuite):
 
     def test_sliding_window(self, backend_class, builder_class, sliding_window: int) -> None:
         # Decodes, a prompt longer than the window, and chunks whose window starts inside the cached context.
-        case = self.base_case(backend_class.capabilities, num_computed=(20, 0, 31, 40, 3), num_new=(1, 30, 1, 21, 4),
-                              sliding_window=sliding_window, num_heads=6, num_kv_heads=2)
+        case = self.base_case(
+            backend_class.capabilities,
+            num_computed=(20, 0, 31, 40, 3),
+            num_new=(1, 30, 1, 21, 4),
+            sliding_window=sliding_window,
+            num_heads=6,
+            num_kv_heads=2,
+        )
         self.run_case(backend_class, builder_class, case)
 
     def test_logits_soft_cap(self, backend_class, builder_class) -> None:
@@ -530,8 +583,9 @@ class AttentionBackendSuite(AttentionBackendBaseSuite):
 
     def test_one_builder_serves_changing_batches(self, backend_class, builder_class) -> None:
         """The runner builds every step's metadata with one builder instance: each step must be right, not the first."""
-        check_changing_batches(backend_class, builder_class, self.base_case(backend_class.capabilities),
-                               device=self.device)
+        check_changing_batches(
+            backend_class, builder_class, self.base_case(backend_class.capabilities), device=self.device
+        )
 
     def test_engine_run_matches_the_reference_backend(self, backend_class, patchbay_registry: Registry) -> None:
         """In the real engine on a tiny model, over many steps with a changing batch, greedy tokens are the reference's.
@@ -554,8 +608,13 @@ CHANGING_BATCHES: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
 """The steps :func:`check_changing_batches` runs one builder instance through (cached, new tokens per request)."""
 
 
-def check_changing_batches(backend_class: type[AttentionBackend], builder_class: type[AttentionMetadataBuilder],
-                           base: AttentionCase, *, device: str = "cpu") -> None:
+def check_changing_batches(
+    backend_class: type[AttentionBackend],
+    builder_class: type[AttentionMetadataBuilder],
+    base: AttentionCase,
+    *,
+    device: str = "cpu",
+) -> None:
     """Run :data:`CHANGING_BATCHES` through one backend with ONE builder instance, each step against the oracle."""
     builder = builder_class(block_size=base.block_size, sliding_window=base.sliding_window, device=device)
     for step, (num_computed, num_new) in enumerate(CHANGING_BATCHES):
@@ -563,15 +622,24 @@ def check_changing_batches(backend_class: type[AttentionBackend], builder_class:
         try:
             check_attention(backend_class, builder_class, case, device=device, builder=builder)
         except AssertionError as exc:
-            raise AssertionError(f"step {step + 1} of a run with one {builder_class.__name__} instance "
-                                 f"(earlier steps were right): {exc}") from None
+            raise AssertionError(
+                f"step {step + 1} of a run with one {builder_class.__name__} instance (earlier steps were right): {exc}"
+            ) from None
         except Exception as exc:
-            raise AssertionError(f"step {step + 1} of a run with one {builder_class.__name__} instance raised "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise AssertionError(
+                f"step {step + 1} of a run with one {builder_class.__name__} instance raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
 
-def run_backend_in_engine(name: str | None, backend_class: type[AttentionBackend], registry: Registry,
-                          device: str = "cpu", *, metadata_builder: str | None = None) -> None:
+def run_backend_in_engine(
+    name: str | None,
+    backend_class: type[AttentionBackend],
+    registry: Registry,
+    device: str = "cpu",
+    *,
+    metadata_builder: str | None = None,
+) -> None:
     """Greedy tokens of the tiny model with backend ``name`` over a changing batch equal the ``reference`` backend's."""
     from patchbay.testing import end_to_end
 
@@ -584,16 +652,19 @@ def run_backend_in_engine(name: str | None, backend_class: type[AttentionBackend
     if reason:
         pytest.skip(reason)
     workload = end_to_end.changing_batch_workload()
-    expected, _ = end_to_end.run_greedy(registry, workload, {"attention__backend": "reference",
-                                                             "runtime__device": device})
+    expected, _ = end_to_end.run_greedy(
+        registry, workload, {"attention__backend": "reference", "runtime__device": device}
+    )
     settings = {"attention__backend": name, "runtime__device": device, **end_to_end.CHANGING_BATCH_SETTINGS}
     if metadata_builder is not None:
         settings["attention__metadata_builder"] = metadata_builder
     try:
         got, engine = end_to_end.run_greedy(registry, workload, settings)
     except Exception as exc:
-        raise AssertionError(f"the engine run with attention backend {name!r} (requests joining, finishing and "
-                             f"preempted; chunked prefill) failed: {type(exc).__name__}: {exc}") from exc
+        raise AssertionError(
+            f"the engine run with attention backend {name!r} (requests joining, finishing and "
+            f"preempted; chunked prefill) failed: {type(exc).__name__}: {exc}"
+        ) from exc
     end_to_end.assert_same_tokens(expected, got, f"attention backend {name!r} in the engine")
     assert engine.stats.num_preemptions > 0, "the changing-batch run had no preemption (the kit's set-up is wrong)"
 
@@ -669,8 +740,9 @@ class MetadataBuilderSuite(MetadataBuilderBaseSuite):
         table = make_block_table(seq_lens, self.block_size, num_blocks, torch.Generator().manual_seed(seed))
         return build_common_metadata(num_computed, num_new, table, self.block_size, self.device)
 
-    def make_builder(self, builder_class: type[AttentionMetadataBuilder],
-                     sliding_window: int | None = None) -> AttentionMetadataBuilder:
+    def make_builder(
+        self, builder_class: type[AttentionMetadataBuilder], sliding_window: int | None = None
+    ) -> AttentionMetadataBuilder:
         return builder_class(block_size=self.block_size, sliding_window=sliding_window, device=self.device)
 
     def test_runner_metadata_matches_the_batch(self, builder_class, batch_name: str) -> None:
@@ -736,24 +808,33 @@ class MetadataBuilderSuite(MetadataBuilderBaseSuite):
             try:
                 _assert_same(got, fresh, "metadata")
             except AssertionError as exc:
-                raise AssertionError(f"build #{step + 1} ({batch_name}) of one instance differs from a new instance's "
-                                     f"build of the same batch: {exc}") from None
+                raise AssertionError(
+                    f"build #{step + 1} ({batch_name}) of one instance differs from a new instance's "
+                    f"build of the same batch: {exc}"
+                ) from None
 
     def test_backends_reading_it_attend_correctly(self, builder_class, patchbay_registry: Registry) -> None:
         """Every field a backend reads, custom ones included.
 
         Checked through that backend's output over changing batches.
         """
-        readers = [registration for registration in patchbay_registry.registrations("attention")
-                   if _declared_builder(registration) == self.plugin_name]
+        readers = [
+            registration
+            for registration in patchbay_registry.registrations("attention")
+            if _declared_builder(registration) == self.plugin_name
+        ]
         if not readers:
-            skip_not_declared(f"no registered attention backend names {self.plugin_name!r} as its metadata_builder; "
-                              "its fields are checked through the backends that read them")
+            skip_not_declared(
+                f"no registered attention backend names {self.plugin_name!r} as its metadata_builder; "
+                "its fields are checked through the backends that read them"
+            )
         for registration in readers:
             backend_class = cast("type[AttentionBackend]", registration.resolve())  # resolve() checked the kind
             if backend_class.unavailable_reason():
-                pytest.skip(f"{registration.reference} reads this builder but is unavailable here: "
-                            f"{backend_class.unavailable_reason()}")
+                pytest.skip(
+                    f"{registration.reference} reads this builder but is unavailable here: "
+                    f"{backend_class.unavailable_reason()}"
+                )
             base = AttentionBackendSuite().base_case(backend_class.capabilities)
             try:
                 check_changing_batches(backend_class, builder_class, base, device=self.device)

@@ -176,8 +176,14 @@ class BatchShape:
         return self.capabilities.needs_attention_metadata or bool(self.layers_of_aux_states)
 
 
-def make_draft_batch(case: DraftCase, *, num_speculative_tokens: int, max_model_len: int,
-                     shape: BatchShape = BatchShape(), seed: int = SEED) -> DraftBatch:
+def make_draft_batch(
+    case: DraftCase,
+    *,
+    num_speculative_tokens: int,
+    max_model_len: int,
+    shape: BatchShape = BatchShape(),
+    seed: int = SEED,
+) -> DraftBatch:
     """The :class:`DraftBatch` the runner would build after a step that left the requests as in ``case``.
 
     Each request either ran its prompt this step (prefill, gaining one token)
@@ -214,7 +220,9 @@ def make_draft_batch(case: DraftCase, *, num_speculative_tokens: int, max_model_
         token_ids=token_ids,
         num_speculative_tokens=num_speculative_tokens,
         max_model_len=max_model_len,
-        sampled_token_ids=[tokens[len(tokens) - count:].tolist() for tokens, count in zip(token_ids, gained, strict=True)],
+        sampled_token_ids=[
+            tokens[len(tokens) - count :].tolist() for tokens, count in zip(token_ids, gained, strict=True)
+        ],
         skip=set(case.skip),
     )
     caps = shape.capabilities
@@ -236,8 +244,15 @@ def make_draft_batch(case: DraftCase, *, num_speculative_tokens: int, max_model_
     return batch
 
 
-def _make_step(token_ids: list[np.ndarray], num_computed: list[int], num_new: list[int], num_rejected: list[int],
-               shape: BatchShape, generator: Any, random_states: Callable[[int], Any]) -> DraftStep:
+def _make_step(
+    token_ids: list[np.ndarray],
+    num_computed: list[int],
+    num_new: list[int],
+    num_rejected: list[int],
+    shape: BatchShape,
+    generator: Any,
+    random_states: Callable[[int], Any],
+) -> DraftStep:
     import numpy as np
     import torch
 
@@ -245,7 +260,7 @@ def _make_step(token_ids: list[np.ndarray], num_computed: list[int], num_new: li
 
     rows, positions = [], []
     for tokens, computed, new, rejected in zip(token_ids, num_computed, num_new, num_rejected, strict=True):
-        kept = tokens[computed:computed + new - rejected]
+        kept = tokens[computed : computed + new - rejected]
         # The rejected drafts' rows hold tokens the request does not have (here: random ones).
         rejects = torch.randint(0, int(tokens.max()) + 1, (rejected,), generator=generator)
         rows.append(torch.cat([torch.from_numpy(kept.copy()), rejects]))
@@ -271,8 +286,15 @@ def _make_step(token_ids: list[np.ndarray], num_computed: list[int], num_new: li
 # -- a target for drafters with layers of their own ----------------------------------------------------------------
 
 
-def build_draft_context(shape: BatchShape, *, vocab_size: int, max_model_len: int, registry: Registry,
-                        attention_backend: str = "reference", seed: int = SEED) -> DrafterContext:
+def build_draft_context(
+    shape: BatchShape,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    registry: Registry,
+    attention_backend: str = "reference",
+    seed: int = SEED,
+) -> DrafterContext:
     """A :class:`DrafterContext` around a tiny random Llama target of ``shape.hidden_size``.
 
     The target has :attr:`BatchShape.num_target_layers` layers, 4 heads and 2 KV heads, and
@@ -284,9 +306,14 @@ def build_draft_context(shape: BatchShape, *, vocab_size: int, max_model_len: in
 
     layers = shape.num_target_layers
     config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=2 * shape.hidden_size,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max_model_len, tie_word_embeddings=True,
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=2 * shape.hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_model_len,
+        tie_word_embeddings=True,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -295,8 +322,9 @@ def build_draft_context(shape: BatchShape, *, vocab_size: int, max_model_len: in
         model = transformers.LlamaForCausalLM(config).to(device=shape.device, dtype=dtype).eval()  # type: ignore[call-arg]
     # resolve() checks that each class implements its kind's interface.
     backend_class = cast("type[AttentionBackend]", registry.resolve("attention", attention_backend))
-    builder_class = cast("type[AttentionMetadataBuilder]",
-                         registry.resolve("attention_metadata_builder", backend_class.metadata_builder))
+    builder_class = cast(
+        "type[AttentionMetadataBuilder]", registry.resolve("attention_metadata_builder", backend_class.metadata_builder)
+    )
     return DrafterContext(
         model=model,
         attention_backend=backend_class(),
@@ -312,8 +340,12 @@ def needs_context(drafter_class: type[Drafter]) -> bool:
     """Whether ``drafter_class`` must be loaded with a context: it overrides ``load`` or needs model state."""
     caps = drafter_class.capabilities
     overrides_load = getattr(drafter_class.load, "__func__", drafter_class.load) is not Drafter.load
-    return (overrides_load or caps.needs_hidden_states or caps.needs_attention_metadata
-            or bool(caps.needs_aux_hidden_states))
+    return (
+        overrides_load
+        or caps.needs_hidden_states
+        or caps.needs_attention_metadata
+        or bool(caps.needs_aux_hidden_states)
+    )
 
 
 # -- the checks ----------------------------------------------------------------------------------------------------
@@ -326,7 +358,8 @@ def check_aux_layers(drafter: Drafter, num_layers: int) -> tuple[int, ...]:
     layers = drafter.aux_hidden_state_layers()
     name = type(drafter).__name__
     assert isinstance(layers, tuple) and all(isinstance(index, int) for index in layers), (
-        f"{name}.aux_hidden_state_layers() must return a tuple of ints, got {layers!r}")
+        f"{name}.aux_hidden_state_layers() must return a tuple of ints, got {layers!r}"
+    )
     try:
         return resolve_aux_layers(layers, num_layers, drafter=name)
     except ValueError as exc:
@@ -343,30 +376,36 @@ def check_proposals(drafter: Drafter, batch: DraftBatch, vocab_size: int) -> lis
     """
     name = type(drafter).__name__
     proposals = drafter.propose(batch)
-    assert isinstance(proposals, DraftProposals), f"{name}.propose returned {type(proposals).__name__}, " \
-                                                  "not DraftProposals"
+    assert isinstance(proposals, DraftProposals), (
+        f"{name}.propose returned {type(proposals).__name__}, not DraftProposals"
+    )
     drafts = proposals.draft_token_ids
     assert isinstance(drafts, list), f"draft_token_ids must be a list, got {type(drafts).__name__}"
     assert len(drafts) == len(batch.req_ids), (
         f"{name} returned {len(drafts)} draft lists for {len(batch.req_ids)} requests (one per request, "
-        "empty ones included)")
+        "empty ones included)"
+    )
     limit = batch.num_speculative_tokens
     for index, (request_drafts, tokens) in enumerate(zip(drafts, batch.token_ids, strict=True)):
         where = f"request {index} ({len(tokens)} tokens, max_model_len {batch.max_model_len})"
         assert isinstance(request_drafts, (list, tuple)), (
-            f"{where}: drafts must be a list of ints, got {type(request_drafts).__name__}")
-        bad_types = [draft for draft in request_drafts
-                     if not isinstance(draft, numbers.Integral) or isinstance(draft, bool)]
+            f"{where}: drafts must be a list of ints, got {type(request_drafts).__name__}"
+        )
+        bad_types = [
+            draft for draft in request_drafts if not isinstance(draft, numbers.Integral) or isinstance(draft, bool)
+        ]
         assert not bad_types, f"{where}: drafts must be ints, got {bad_types[:3]!r}"
         if index in batch.skip:
             assert not request_drafts, f"{where} is in skip but got drafts {list(request_drafts)}"
         assert len(request_drafts) <= limit, (
-            f"{where}: {len(request_drafts)} drafts, more than num_speculative_tokens={limit}")
+            f"{where}: {len(request_drafts)} drafts, more than num_speculative_tokens={limit}"
+        )
         invalid = [int(draft) for draft in request_drafts if not 0 <= draft < vocab_size]
         assert not invalid, f"{where}: draft ids {invalid} are outside the vocabulary [0, {vocab_size})"
         assert len(tokens) + len(request_drafts) <= batch.max_model_len, (
             f"{where}: {len(request_drafts)} drafts would make the request {len(tokens) + len(request_drafts)} "
-            f"tokens long, past max_model_len {batch.max_model_len}")
+            f"tokens long, past max_model_len {batch.max_model_len}"
+        )
     _check_draft_probs(drafter, proposals, vocab_size)
     return [[int(draft) for draft in request_drafts] for request_drafts in drafts]
 
@@ -384,13 +423,15 @@ def _check_draft_probs(drafter: Drafter, proposals: DraftProposals, vocab_size: 
     import torch
 
     assert tuple(probs.shape) == (total, vocab_size), (
-        f"draft_probs has shape {tuple(probs.shape)}, expected [total drafts, vocab] = [{total}, {vocab_size}]")
+        f"draft_probs has shape {tuple(probs.shape)}, expected [total drafts, vocab] = [{total}, {vocab_size}]"
+    )
     values = probs.double().cpu()
     assert bool((values >= 0).all()), "draft_probs has negative entries"
     if total:
         sums = values.sum(dim=-1)
         assert torch.allclose(sums, torch.ones_like(sums), atol=1e-3), (
-            f"draft_probs rows must sum to 1; got sums from {float(sums.min()):.4f} to {float(sums.max()):.4f}")
+            f"draft_probs rows must sum to 1; got sums from {float(sums.min()):.4f} to {float(sums.max()):.4f}"
+        )
 
 
 def check_deterministic(drafter: Drafter, batch: DraftBatch, vocab_size: int) -> None:
@@ -401,7 +442,8 @@ def check_deterministic(drafter: Drafter, batch: DraftBatch, vocab_size: int) ->
     for label, other in (("a second call", second), ("a deep copy of the batch", third)):
         assert _as_lists(other.draft_token_ids) == _as_lists(first.draft_token_ids), (
             f"{type(drafter).__name__} proposed differently for {label}: "
-            f"{_first_difference(first.draft_token_ids, other.draft_token_ids)}")
+            f"{_first_difference(first.draft_token_ids, other.draft_token_ids)}"
+        )
         if first.draft_probs is not None:
             import torch
 
@@ -466,8 +508,9 @@ def assert_same(after: Any, before: Any, path: str, *, what: str, depth: int = 0
         assert torch.equal(after.cpu(), before.cpu()), message
     elif dataclasses.is_dataclass(before):
         for item in dataclasses.fields(before):
-            assert_same(getattr(after, item.name), getattr(before, item.name), f"{path}.{item.name}", what=what,
-                        depth=depth + 1)
+            assert_same(
+                getattr(after, item.name), getattr(before, item.name), f"{path}.{item.name}", what=what, depth=depth + 1
+            )
     elif isinstance(before, (list, tuple)):
         assert len(after) == len(before), f"{message}: length {len(before)} became {len(after)}"
         for index, (a, b) in enumerate(zip(after, before, strict=True)):
@@ -483,14 +526,35 @@ def assert_same(after: Any, before: Any, path: str, *, what: str, depth: int = 0
 # -- end to end ----------------------------------------------------------------------------------------------------
 
 END_TO_END_PROMPTS: tuple[Any, ...] = (
-    {"messages": [{"role": "user", "content": "Repeat this list exactly: apples, pears, plums, cherries, apples, "
-                                              "pears, plums, cherries, apples, pears."}]},
-    {"messages": [{"role": "user", "content": "Copy this code exactly:\n\ndef add(a, b):\n    return a + b\n\n"
-                                              "def sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
-                                              "    return a * b\n"}]},
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": "Repeat this list exactly: apples, pears, plums, cherries, apples, "
+                "pears, plums, cherries, apples, pears.",
+            }
+        ]
+    },
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": "Copy this code exactly:\n\ndef add(a, b):\n    return a + b\n\n"
+                "def sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+                "    return a * b\n",
+            }
+        ]
+    },
     {"messages": [{"role": "user", "content": "Say 'one two three' five times."}]},
-    {"messages": [{"role": "user", "content": "Repeat after me: the quick brown fox jumps over the lazy dog. "
-                                              "The quick brown fox jumps over the lazy dog."}]},
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": "Repeat after me: the quick brown fox jumps over the lazy dog. "
+                "The quick brown fox jumps over the lazy dog.",
+            }
+        ]
+    },
     "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in range(10):\n",
     {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
 )
@@ -519,10 +583,17 @@ def end_to_end_unavailable_reason(registry: Registry | None = None) -> str | Non
     return None
 
 
-def check_end_to_end(method: str, options: Mapping[str, Any] | None = None, *, registry: Registry | None = None,
-                     num_speculative_tokens: int = 3, max_tokens: int = 32,
-                     prompts: Sequence[Any] = END_TO_END_PROMPTS, threads: int = 2,
-                     settings: Mapping[str, Any] | None = None) -> None:
+def check_end_to_end(
+    method: str,
+    options: Mapping[str, Any] | None = None,
+    *,
+    registry: Registry | None = None,
+    num_speculative_tokens: int = 3,
+    max_tokens: int = 32,
+    prompts: Sequence[Any] = END_TO_END_PROMPTS,
+    threads: int = 2,
+    settings: Mapping[str, Any] | None = None,
+) -> None:
     """Greedy generation with drafter ``method`` is token-for-token that without it, and drafts were made.
 
     Runs the bundled SmolLM2 through :class:`patchbay.LLM` twice (``ignore_eos``,
@@ -546,11 +617,14 @@ def check_end_to_end(method: str, options: Mapping[str, Any] | None = None, *, r
     got = [output.token_ids for output in llm.generate(list(prompts), params)]
     for index, (want, have) in enumerate(zip(expected, got, strict=True)):
         if want != have:
-            first = next((i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), min(len(want), len(have)))
+            first = next(
+                (i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), min(len(want), len(have))
+            )
             raise AssertionError(
                 f"speculative decoding with {method!r} changed greedy output of prompt {index} at token {first}: "
-                f"{have[first:first + 8]} instead of {want[first:first + 8]} (text {llm.tokenizer.decode(have)!r} "
-                f"instead of {llm.tokenizer.decode(want)!r})")
+                f"{have[first : first + 8]} instead of {want[first : first + 8]} (text {llm.tokenizer.decode(have)!r} "
+                f"instead of {llm.tokenizer.decode(want)!r})"
+            )
     stats = getattr(llm.engine, "spec_stats", None)
     assert stats is not None, "Engine.spec_stats is missing: the run cannot report drafted tokens"
     assert stats.num_draft_tokens > 0, f"{method!r} drafted no tokens over {len(prompts)} prompts"
@@ -601,8 +675,13 @@ class DrafterSuite(DrafterBaseSuite):
         block_size = 16
         # Enough blocks for the largest case: 7 requests of up to max_model_len + drafts tokens.
         blocks_per_request = -(-(self.max_model_len + 8) // block_size) + 1
-        return BatchShape(capabilities=drafter_class.capabilities, hidden_size=self.hidden_size,
-                          block_size=block_size, num_blocks=8 * blocks_per_request, device=self.device)
+        return BatchShape(
+            capabilities=drafter_class.capabilities,
+            hidden_size=self.hidden_size,
+            block_size=block_size,
+            num_blocks=8 * blocks_per_request,
+            device=self.device,
+        )
 
     @pytest.fixture
     def batch_shape(self, target_shape: BatchShape, drafter: Drafter) -> BatchShape:
@@ -610,14 +689,17 @@ class DrafterSuite(DrafterBaseSuite):
         return dataclasses.replace(target_shape, aux_layers=tuple(drafter.aux_hidden_state_layers()))
 
     @pytest.fixture
-    def make_drafter(self, drafter_class: type[Drafter], target_shape: BatchShape,
-                     patchbay_registry: Registry) -> Callable[[int], Drafter]:
+    def make_drafter(
+        self, drafter_class: type[Drafter], target_shape: BatchShape, patchbay_registry: Registry
+    ) -> Callable[[int], Drafter]:
         """A factory of loaded drafters, by ``num_speculative_tokens``."""
         try:
             options = drafter_class.Options.model_validate(self.plugin_options)
         except ValidationError as exc:
-            pytest.skip(f"{drafter_class.__name__}.Options rejects plugin_options {self.plugin_options!r} "
-                        f"(set plugin_options on the suite): {exc}")
+            pytest.skip(
+                f"{drafter_class.__name__}.Options rejects plugin_options {self.plugin_options!r} "
+                f"(set plugin_options on the suite): {exc}"
+            )
         context: list[DrafterContext] = []
 
         def make(num_speculative_tokens: int) -> Drafter:
@@ -639,29 +721,43 @@ class DrafterSuite(DrafterBaseSuite):
     def drafter_config(self, capabilities: DrafterCapabilities, num_speculative_tokens: int) -> DrafterConfig:
         """The configuration the drafter is created with (float32 where supported)."""
         dtype = "float32" if "float32" in capabilities.dtypes else capabilities.dtypes[0]
-        return DrafterConfig(device=self.device.split(":")[0], dtype=dtype,
-                             num_speculative_tokens=num_speculative_tokens, max_model_len=self.max_model_len,
-                             vocab_size=self.vocab_size)
+        return DrafterConfig(
+            device=self.device.split(":")[0],
+            dtype=dtype,
+            num_speculative_tokens=num_speculative_tokens,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+        )
 
     def draft_context(self, shape: BatchShape, registry: Registry) -> DrafterContext:
         """The context drafters that override ``load`` are loaded with; skips when it cannot be built here."""
         try:
-            return build_draft_context(shape, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                                       registry=registry, attention_backend=self.attention_backend)
+            return build_draft_context(
+                shape,
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+                registry=registry,
+                attention_backend=self.attention_backend,
+            )
         except Exception as exc:  # the suite's own set-up, not the plugin: report and skip
             pytest.skip(f"cannot build a drafter context here ({type(exc).__name__}: {exc})")
 
     def batch(self, name: str, shape: BatchShape, num_speculative_tokens: int | None = None) -> DraftBatch:
         """The synthetic batch ``name`` of :func:`make_cases`, carrying what ``shape`` asks for."""
         cases = make_cases(self.vocab_size, self.max_model_len)
-        return make_draft_batch(cases[name], num_speculative_tokens=num_speculative_tokens or
-                                self.num_speculative_tokens, max_model_len=self.max_model_len, shape=shape)
+        return make_draft_batch(
+            cases[name],
+            num_speculative_tokens=num_speculative_tokens or self.num_speculative_tokens,
+            max_model_len=self.max_model_len,
+            shape=shape,
+        )
 
     # -- structure and bounds ----------------------------------------------------------------------------
 
     @pytest.mark.parametrize("case", CASE_NAMES)
-    def test_proposals_are_valid_token_ids_within_bounds(self, drafter: Drafter, batch_shape: BatchShape,
-                                                         case: str) -> None:
+    def test_proposals_are_valid_token_ids_within_bounds(
+        self, drafter: Drafter, batch_shape: BatchShape, case: str
+    ) -> None:
         check_proposals(drafter, self.batch(case, batch_shape), self.vocab_size)
 
     def test_respects_max_model_len(self, drafter: Drafter, batch_shape: BatchShape) -> None:
@@ -676,8 +772,13 @@ class DrafterSuite(DrafterBaseSuite):
         check_empty_batch(drafter, self.batch("empty", batch_shape))
 
     @pytest.mark.parametrize("num_speculative_tokens", [1, 2, 5])
-    def test_at_most_num_speculative_tokens(self, drafter_class: type[Drafter], make_drafter: Callable[[int], Drafter],
-                                            batch_shape: BatchShape, num_speculative_tokens: int) -> None:
+    def test_at_most_num_speculative_tokens(
+        self,
+        drafter_class: type[Drafter],
+        make_drafter: Callable[[int], Drafter],
+        batch_shape: BatchShape,
+        num_speculative_tokens: int,
+    ) -> None:
         limit = drafter_class.capabilities.max_num_speculative_tokens
         if limit is not None and num_speculative_tokens > limit:
             skip_not_declared(f"the drafter serves at most {limit} speculative tokens")
@@ -710,5 +811,10 @@ class DrafterSuite(DrafterBaseSuite):
             pytest.skip(reason)
         if not self.plugin_name:
             pytest.skip("the end-to-end run selects the drafter by its registered name; set plugin_name")
-        check_end_to_end(self.plugin_name, self.plugin_options, registry=patchbay_registry,
-                         num_speculative_tokens=self.num_speculative_tokens, settings=self.end_to_end_settings)
+        check_end_to_end(
+            self.plugin_name,
+            self.plugin_options,
+            registry=patchbay_registry,
+            num_speculative_tokens=self.num_speculative_tokens,
+            settings=self.end_to_end_settings,
+        )

@@ -23,8 +23,15 @@ from typing import Any
 
 from patchbay.contract.registry import Registry
 
-TINY_MODEL: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 512}
+TINY_MODEL: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 512,
+}
 """The tiny Llama's shape: GQA (4 query heads, 2 KV heads) at head size 64, which most backends serve."""
 
 CHANGING_BATCH_SETTINGS: dict[str, Any] = {
@@ -52,9 +59,14 @@ def attention_config(device: str = "cpu") -> Any:
     """The :class:`AttentionConfig` of the tiny model's layers."""
     from patchbay.interfaces import AttentionConfig
 
-    return AttentionConfig(device=device.split(":")[0], dtype="float32", head_size=TINY_MODEL["head_dim"],
-                           num_heads=TINY_MODEL["num_attention_heads"], num_kv_heads=TINY_MODEL["num_key_value_heads"],
-                           block_size=BASE_SETTINGS["cache__block_size"])
+    return AttentionConfig(
+        device=device.split(":")[0],
+        dtype="float32",
+        head_size=TINY_MODEL["head_dim"],
+        num_heads=TINY_MODEL["num_attention_heads"],
+        num_kv_heads=TINY_MODEL["num_key_value_heads"],
+        block_size=BASE_SETTINGS["cache__block_size"],
+    )
 
 
 @functools.cache
@@ -97,9 +109,14 @@ def _build_tiny_model(directory: Path) -> None:
     from patchbay.worker.model.model_loader import bundled_gguf, convert_gguf
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(convert_gguf(bundled_gguf()))
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), initializer_range=0.2, tie_word_embeddings=False,
-                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                      **TINY_MODEL)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **TINY_MODEL,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -119,7 +136,11 @@ def unavailable_reason(registry: Registry | None = None) -> str | None:
         return None
     from patchbay.contract.settings import Settings
 
-    needed = [("attention", "reference"), ("attention_metadata_builder", "common"), ("sampler", Settings().sampler.name)]
+    needed = [
+        ("attention", "reference"),
+        ("attention_metadata_builder", "common"),
+        ("sampler", Settings().sampler.name),
+    ]
     missing = [f"{kind}:{name}" for kind, name in needed if name not in registry.names(kind)]
     if missing:
         return f"the registry under test lacks what an engine run needs besides the plugin: {', '.join(missing)}"
@@ -154,12 +175,19 @@ def shared_prefix_workload(seed: int) -> Workload:
     """
     rng = random.Random(seed)
     prefix = random_tokens(rng, 40)
-    prompts = [prefix + random_tokens(rng, 5), prefix + random_tokens(rng, 9), prefix + random_tokens(rng, 20),
-               random_tokens(rng, 6), random_tokens(rng, 37)]
+    prompts = [
+        prefix + random_tokens(rng, 5),
+        prefix + random_tokens(rng, 9),
+        prefix + random_tokens(rng, 20),
+        random_tokens(rng, 6),
+        random_tokens(rng, 37),
+    ]
     return Workload(prompts, [6, 5, 4, 6, 3])
 
 
-def run_greedy(registry: Registry | None, workload: Workload, settings: Mapping[str, Any]) -> tuple[list[list[int]], Any]:
+def run_greedy(
+    registry: Registry | None, workload: Workload, settings: Mapping[str, Any]
+) -> tuple[list[list[int]], Any]:
     """Greedy token ids of every prompt with ``settings`` (``LLM`` keyword overrides); also the engine.
 
     Raises ``RuntimeError`` naming the prompts the engine failed (``finish_reason`` ``"error"``).
@@ -181,6 +209,10 @@ def assert_same_tokens(expected: Sequence[Sequence[int]], got: Sequence[Sequence
     """Raise naming the first prompt and position where ``got`` differs from ``expected``."""
     for index, (want, have) in enumerate(zip(expected, got, strict=True)):
         if list(want) != list(have):
-            first = next((i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), min(len(want), len(have)))
-            raise AssertionError(f"{what}: prompt {index} differs from the reference run at generated token {first}: "
-                                 f"{list(have[first:first + 6])} instead of {list(want[first:first + 6])}")
+            first = next(
+                (i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), min(len(want), len(have))
+            )
+            raise AssertionError(
+                f"{what}: prompt {index} differs from the reference run at generated token {first}: "
+                f"{list(have[first : first + 6])} instead of {list(want[first : first + 6])}"
+            )

@@ -34,8 +34,14 @@ class AttentionBackendBaseSuite(PluginSuite[AttentionCapabilities]):
     def supported_config(self, capabilities: AttentionCapabilities) -> AttentionConfig:
         head_size = capabilities.head_sizes[0] if capabilities.head_sizes else 64
         block_size = capabilities.block_sizes[0] if capabilities.block_sizes else 16 * capabilities.block_size_multiple
-        return AttentionConfig(device=capabilities.devices[0], dtype=capabilities.dtypes[0], head_size=head_size,
-                               num_heads=8, num_kv_heads=8, block_size=block_size)
+        return AttentionConfig(
+            device=capabilities.devices[0],
+            dtype=capabilities.dtypes[0],
+            head_size=head_size,
+            num_heads=8,
+            num_kv_heads=8,
+            block_size=block_size,
+        )
 
     def unsupported_configs(self, capabilities: AttentionCapabilities) -> list[tuple[str, ServingConfig]]:
         found = super().unsupported_configs(capabilities)
@@ -85,8 +91,12 @@ class DrafterBaseSuite(PluginSuite[DrafterCapabilities]):
         base = self.supported_config(capabilities)
         found.append(("zero draft tokens", _replace(base, num_speculative_tokens=0)))
         if capabilities.max_num_speculative_tokens is not None:
-            found.append(("too many draft tokens",
-                          _replace(base, num_speculative_tokens=capabilities.max_num_speculative_tokens + 1)))
+            found.append(
+                (
+                    "too many draft tokens",
+                    _replace(base, num_speculative_tokens=capabilities.max_num_speculative_tokens + 1),
+                )
+            )
         return found
 
 
@@ -95,7 +105,9 @@ class KVConnectorBaseSuite(PluginSuite[KVConnectorCapabilities]):
     capabilities_class: ClassVar[type[Capabilities]] = KVConnectorCapabilities
 
     def supported_config(self, capabilities: KVConnectorCapabilities) -> KVConnectorConfig:
-        return KVConnectorConfig(device=capabilities.devices[0], dtype=capabilities.dtypes[0], role=capabilities.roles[0])
+        return KVConnectorConfig(
+            device=capabilities.devices[0], dtype=capabilities.dtypes[0], role=capabilities.roles[0]
+        )
 
     def unsupported_configs(self, capabilities: KVConnectorCapabilities) -> list[tuple[str, ServingConfig]]:
         found = super().unsupported_configs(capabilities)

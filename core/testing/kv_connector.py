@@ -92,7 +92,7 @@ class SuiteRequest:
     def __post_init__(self) -> None:
         parent = None
         for start in range(0, len(self.prompt_token_ids) - self.block_size + 1, self.block_size):
-            parent = hash_block_tokens(parent, self.prompt_token_ids[start:start + self.block_size])
+            parent = hash_block_tokens(parent, self.prompt_token_ids[start : start + self.block_size])
             self.block_hashes.append(parent)
 
 
@@ -139,8 +139,10 @@ class Side:
                 return
             self.step([])
             time.sleep(0.01)
-        pytest.fail(f"request_finished held {request_id!r}'s blocks but get_finished never reported it "
-                    f"as sent within {timeout_s} s")
+        pytest.fail(
+            f"request_finished held {request_id!r}'s blocks but get_finished never reported it "
+            f"as sent within {timeout_s} s"
+        )
 
 
 class RankedSides:
@@ -194,8 +196,10 @@ class RankedSides:
                 return
             self.step([])
             time.sleep(0.01)
-        pytest.fail(f"request_finished held {request_id!r}'s blocks but the worker sides of ranks {sorted(waiting)} "
-                    f"never reported it as sent within {timeout_s} s (with several ranks, each must)")
+        pytest.fail(
+            f"request_finished held {request_id!r}'s blocks but the worker sides of ranks {sorted(waiting)} "
+            f"never reported it as sent within {timeout_s} s (with several ranks, each must)"
+        )
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,13 +250,17 @@ class KVConnectorSuite(KVConnectorBaseSuite):
                 skip_not_declared(f"role {role!r} not supported")
             options = available.Options.model_validate(connector_options)
             shard = shard if shard is not None else KVShard()
-            config = KVConnectorConfig(device="cpu", dtype="float32", role=role, block_size=self.block_size,
-                                       model_id=model_id).with_shard(shard)
+            config = KVConnectorConfig(
+                device="cpu", dtype="float32", role=role, block_size=self.block_size, model_id=model_id
+            ).with_shard(shard)
             shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
             generator = torch.Generator().manual_seed(SEED + shard.rank)  # each rank's heads hold other values
-            caches = {f"model.layers.{layer}.self_attn": (torch.randn(shape, generator=generator) if random
-                                                          else torch.zeros(shape))
-                      for layer in range(self.num_layers)}
+            caches = {
+                f"model.layers.{layer}.self_attn": (
+                    torch.randn(shape, generator=generator) if random else torch.zeros(shape)
+                )
+                for layer in range(self.num_layers)
+            }
             return Side(available(options, config=config), caches)
 
         return make
@@ -272,15 +280,19 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         """
         backdoor = getattr(connector, "corrupt_entry", None)
         if not callable(backdoor):
-            pytest.fail(f"{type(connector).__name__} has no fault hook: the kit needs a corrupt_entry(block_hash, how) "
-                        "method on the connector (or KVConnectorSuite.corrupt_entry overridden in your suite) to check "
-                        "that damaged entries are load errors; see docs/plugin-guide.md, 'The KV-connector fault hook'")
+            pytest.fail(
+                f"{type(connector).__name__} has no fault hook: the kit needs a corrupt_entry(block_hash, how) "
+                "method on the connector (or KVConnectorSuite.corrupt_entry overridden in your suite) to check "
+                "that damaged entries are load errors; see docs/plugin-guide.md, 'The KV-connector fault hook'"
+            )
         try:
             backdoor(block_hash, how)
         except NotImplementedError as exc:
             if how == "missing":
-                pytest.fail(f"{type(connector).__name__}.corrupt_entry does not implement 'missing' ({exc}); "
-                            "every store can lose an entry, so every connector must handle and simulate that")
+                pytest.fail(
+                    f"{type(connector).__name__}.corrupt_entry does not implement 'missing' ({exc}); "
+                    "every store can lose an entry, so every connector must handle and simulate that"
+                )
             skip_not_declared(f"{type(connector).__name__} declares {how!r} entries impossible in its store: {exc}")
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -301,8 +313,12 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         import torch
 
         for layer_name in source.caches:
-            for part, source_cache, target_cache in zip(("keys", "values"), split_kv_cache(source.caches[layer_name]),
-                                                        split_kv_cache(target.caches[layer_name]), strict=True):
+            for part, source_cache, target_cache in zip(
+                ("keys", "values"),
+                split_kv_cache(source.caches[layer_name]),
+                split_kv_cache(target.caches[layer_name]),
+                strict=True,
+            ):
                 for source_id, target_id in zip(source_ids, target_ids, strict=True):
                     assert torch.equal(source_cache[source_id], target_cache[target_id]), (
                         f"{layer_name} {part}: block {target_id} differs from the saved block {source_id}"
@@ -346,8 +362,9 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         consumer.step([request.request_id])
         assert consumer.worker.get_block_ids_with_load_errors() == set()
         self.assert_blocks_equal(producer, [2], consumer, [6])
-        self.assert_untouched(consumer, [block for block in range(self.num_blocks) if block != 6],
-                              "outside the new part of the match")
+        self.assert_untouched(
+            consumer, [block for block in range(self.num_blocks) if block != 6], "outside the new part of the match"
+        )
 
     def test_lookup_has_no_side_effects_and_keeps_the_last_token(self, make_side) -> None:
         prompt = self.prompt(3 * self.block_size + 1)
@@ -419,8 +436,10 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         target_ids = [3, 8, 1, 11]
         consumer.scheduler.update_state_after_alloc(request, target_ids, num_tokens)
         # The store changes after the scheduler planned the load (another process, eviction, a bad disk).
-        consumer.step([request.request_id],
-                      before_load=lambda _: self.corrupt_entry(consumer.connector, request.block_hashes[1], how))
+        consumer.step(
+            [request.request_id],
+            before_load=lambda _: self.corrupt_entry(consumer.connector, request.block_hashes[1], how),
+        )
         errors = consumer.worker.get_block_ids_with_load_errors()
         assert 8 in errors, f"the {how} entry of block 8 was not reported as a load error (got {errors})"
         assert errors <= {3, 8, 1}, f"load errors for blocks that were not loaded: {errors}"
@@ -439,9 +458,12 @@ class KVConnectorSuite(KVConnectorBaseSuite):
 
     def ranks(self, make_side, *, random: bool = False, size: int = 2) -> RankedSides:
         """The ``size`` tensor-parallel ranks of one run, sharing the store."""
-        return RankedSides([make_side("both", random=random,
-                                      shard=KVShard(tensor_parallel_rank=rank, tensor_parallel_size=size))
-                            for rank in range(size)])
+        return RankedSides(
+            [
+                make_side("both", random=random, shard=KVShard(tensor_parallel_rank=rank, tensor_parallel_size=size))
+                for rank in range(size)
+            ]
+        )
 
     def produce_sharded(self, make_side, prompt: list[int], block_ids: list[int]) -> RankedSides:
         """Two ranks compute and finish one request, each saving its own heads' (different) data."""
@@ -458,12 +480,15 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         prompt = self.prompt(3 * self.block_size + 1)
         producers = self.produce_sharded(make_side, prompt, [5, 2, 9, 7])
         first_layer = next(iter(producers.sides[0].caches))
-        assert not torch.equal(producers.sides[0].caches[first_layer][:, 5], producers.sides[1].caches[first_layer][:, 5])
+        assert not torch.equal(
+            producers.sides[0].caches[first_layer][:, 5], producers.sides[1].caches[first_layer][:, 5]
+        )
         consumers = self.ranks(make_side)
         request = SuiteRequest("consumed", list(prompt), self.block_size)
         num_tokens, _ = consumers.scheduler.get_num_new_matched_tokens(request, 0)
         assert num_tokens == 3 * self.block_size, (
-            f"rank 0's scheduler side found {num_tokens} tokens; expected the 3 blocks both ranks saved")
+            f"rank 0's scheduler side found {num_tokens} tokens; expected the 3 blocks both ranks saved"
+        )
         target_ids = [3, 8, 1, 11]
         consumers.scheduler.update_state_after_alloc(request, target_ids, num_tokens)
         consumers.step([request.request_id])
@@ -484,7 +509,8 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         # The whole model in one process: the store holds two ranks' halves of each block, none of it its own.
         whole = make_side("both")
         assert whole.scheduler.get_num_new_matched_tokens(request, 0)[0] == 0, (
-            "a one-process run found blocks that only a tensor-parallel run saved")
+            "a one-process run found blocks that only a tensor-parallel run saved"
+        )
         # Rank 0 of 2 plans the load; a worker side of another sharding runs it: it must not load the ranks' data.
         planner = self.ranks(make_side)
         num_tokens, _ = planner.scheduler.get_num_new_matched_tokens(request, 0)
@@ -501,7 +527,8 @@ class KVConnectorSuite(KVConnectorBaseSuite):
             errors = other.worker.get_block_ids_with_load_errors()
             assert errors == set(target_ids[:3]), (
                 f"a worker side of shard {shard.name or 'whole model'} was sent another sharding's loads: expected "
-                f"load errors for blocks {target_ids[:3]}, got {errors}")
+                f"load errors for blocks {target_ids[:3]}, got {errors}"
+            )
             self.assert_untouched(other, range(self.num_blocks), "its entries are another sharding's")
 
     def test_an_entry_one_rank_lost_is_that_ranks_load_error(self, make_side) -> None:
@@ -514,8 +541,10 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         target_ids = [3, 8, 1, 11]
         consumers.scheduler.update_state_after_alloc(request, target_ids, num_tokens)
         # After the plan, rank 1's entry of the second block goes (eviction, another process).
-        consumers.step([request.request_id], before_load=lambda _: self.corrupt_entry(
-            consumers.sides[1].connector, request.block_hashes[1], "missing"))
+        consumers.step(
+            [request.request_id],
+            before_load=lambda _: self.corrupt_entry(consumers.sides[1].connector, request.block_hashes[1], "missing"),
+        )
         rank0, rank1 = consumers.sides
         assert rank0.worker.get_block_ids_with_load_errors() == set(), "rank 0's entries were all there"
         self.assert_blocks_equal(producers.sides[0], [5, 2, 9], rank0, target_ids[:3])
@@ -525,8 +554,9 @@ class KVConnectorSuite(KVConnectorBaseSuite):
 
     # -- the real engine ---------------------------------------------------------------------------
 
-    def _engine_runs(self, available: type[KVConnector], patchbay_registry: Any, roles: set[str],
-                     needed: str) -> tuple[Any, list[list[int]]]:
+    def _engine_runs(
+        self, available: type[KVConnector], patchbay_registry: Any, roles: set[str], needed: str
+    ) -> tuple[Any, list[list[int]]]:
         """Skip unless the engine runs can be made with ``roles``; else a fresh shared-prefix workload and the
         greedy tokens of a run without connector."""
         from patchbay.testing import end_to_end
@@ -544,8 +574,9 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         expected, _ = end_to_end.run_greedy(patchbay_registry, workload, {})
         return workload, expected
 
-    def _run_with_connector(self, patchbay_registry: Any, workload: Any, expected: list[list[int]],
-                            section: dict[str, Any], what: str) -> Any:
+    def _run_with_connector(
+        self, patchbay_registry: Any, workload: Any, expected: list[list[int]], section: dict[str, Any], what: str
+    ) -> Any:
         """One engine run with the connector ``section``: its greedy tokens must be ``expected``; the engine."""
         from patchbay.testing import end_to_end
 
@@ -556,8 +587,9 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         end_to_end.assert_same_tokens(expected, got, f"{what} run with KV connector {self.plugin_name!r}")
         return engine
 
-    def test_engine_cold_then_warm_runs_keep_greedy_output(self, available: type[KVConnector],
-                                                            patchbay_registry, connector_options: dict[str, Any]) -> None:
+    def test_engine_cold_then_warm_runs_keep_greedy_output(
+        self, available: type[KVConnector], patchbay_registry, connector_options: dict[str, Any]
+    ) -> None:
         """No connector, a cold store, then a warm one (a new engine): the same greedy tokens, and the warm run loads.
 
         In the first step prompts 1 and 2 hit prompt 0's prefix blocks, which
@@ -565,22 +597,34 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         there is nothing to save for it.  A connector that holds a request and
         never reports it done fails the run (``kv_connector.stall_timeout``).
         """
-        workload, expected = self._engine_runs(available, patchbay_registry, {"both"},
-                                               "the cold/warm engine runs need role 'both'")
+        workload, expected = self._engine_runs(
+            available, patchbay_registry, {"both"}, "the cold/warm engine runs need role 'both'"
+        )
         section = {"name": self.plugin_name, "options": connector_options, "stall_timeout": ENGINE_STALL_TIMEOUT}
         self._run_with_connector(patchbay_registry, workload, expected, section, "cold")
         warm = self._run_with_connector(patchbay_registry, workload, expected, section, "warm")
         assert warm.scheduler.kv_connector_stats.num_loaded_tokens > 0, (
-            "the warm run loaded nothing from the store the cold run filled")
+            "the warm run loaded nothing from the store the cold run filled"
+        )
 
-    def test_engine_producer_then_consumer_keep_greedy_output(self, available: type[KVConnector],
-                                                              patchbay_registry, connector_options: dict[str, Any]) -> None:
+    def test_engine_producer_then_consumer_keep_greedy_output(
+        self, available: type[KVConnector], patchbay_registry, connector_options: dict[str, Any]
+    ) -> None:
         """A producer run saves, a consumer run (a new engine) loads: both give the greedy tokens of no connector."""
-        workload, expected = self._engine_runs(available, patchbay_registry, {"producer", "consumer"},
-                                               "the producer/consumer pair needs roles 'producer' and 'consumer'")
+        workload, expected = self._engine_runs(
+            available,
+            patchbay_registry,
+            {"producer", "consumer"},
+            "the producer/consumer pair needs roles 'producer' and 'consumer'",
+        )
         for role in ("producer", "consumer"):
-            section = {"name": self.plugin_name, "role": role, "options": connector_options,
-                       "stall_timeout": ENGINE_STALL_TIMEOUT}
+            section = {
+                "name": self.plugin_name,
+                "role": role,
+                "options": connector_options,
+                "stall_timeout": ENGINE_STALL_TIMEOUT,
+            }
             engine = self._run_with_connector(patchbay_registry, workload, expected, section, role)
         assert engine.scheduler.kv_connector_stats.num_loaded_tokens > 0, (
-            "the consumer loaded nothing from the store the producer filled")
+            "the consumer loaded nothing from the store the producer filled"
+        )

@@ -49,24 +49,35 @@ TOLERANCES = {"float32": (1e-4, 1e-4), "bfloat16": (6e-2, 3e-2), "float16": (1e-
 class LoRALayerCase:
     """One target layer of a random step: base weight, stacked adapters, scales, rows, and the oracle."""
 
-    def __init__(self, generator: Any, *, in_features: int, out_features: int, ranks: list[int], max_rank: int,
-                 slots: list[int], dtype: Any) -> None:
+    def __init__(
+        self,
+        generator: Any,
+        *,
+        in_features: int,
+        out_features: int,
+        ranks: list[int],
+        max_rank: int,
+        slots: list[int],
+        dtype: Any,
+    ) -> None:
         import torch
 
         from patchbay.worker.lora.mapping import build_lora_mapping
 
         double = torch.float64
         num_rows = len(slots)
-        self.weight = torch.randn(out_features, in_features, generator=generator, dtype=double) / in_features ** 0.5
+        self.weight = torch.randn(out_features, in_features, generator=generator, dtype=double) / in_features**0.5
         self.x = torch.randn(num_rows, in_features, generator=generator, dtype=double)
         self.lora_a = torch.zeros(len(ranks), max_rank, in_features, dtype=double)
         self.lora_b = torch.zeros(len(ranks), out_features, max_rank, dtype=double)
         for slot, rank in enumerate(ranks):  # a rank-0 slot is an empty slot: all zeros
             if rank:
-                self.lora_a[slot, :rank] = torch.randn(rank, in_features, generator=generator, dtype=double) \
-                    / in_features ** 0.5
-                self.lora_b[slot, :, :rank] = torch.randn(out_features, rank, generator=generator, dtype=double) \
-                    / rank ** 0.5
+                self.lora_a[slot, :rank] = (
+                    torch.randn(rank, in_features, generator=generator, dtype=double) / in_features**0.5
+                )
+                self.lora_b[slot, :, :rank] = (
+                    torch.randn(out_features, rank, generator=generator, dtype=double) / rank**0.5
+                )
         self.scalings = 0.5 + 1.5 * torch.rand(len(ranks), generator=generator, dtype=double)
         # What the kernel sees, rounded to its dtype; the oracle uses exactly these values, widened.
         self.x_in, self.a_in, self.b_in = (t.to(dtype) for t in (self.x, self.lora_a, self.lora_b))
@@ -129,13 +140,28 @@ class LoRAKernelSuite(LoRAKernelBaseSuite):
             skip_not_declared("the suite runs on the CPU; the kernel does not declare it")
         return getattr(torch, name)
 
-    def _case(self, seed: int, dtype: Any, *, slots: list[int], ranks: list[int], max_rank: int,
-              shape: tuple[int, int] = (64, 64)) -> LoRALayerCase:
+    def _case(
+        self,
+        seed: int,
+        dtype: Any,
+        *,
+        slots: list[int],
+        ranks: list[int],
+        max_rank: int,
+        shape: tuple[int, int] = (64, 64),
+    ) -> LoRALayerCase:
         import torch
 
         generator = torch.Generator().manual_seed(seed)
-        return LoRALayerCase(generator, in_features=shape[0], out_features=shape[1], ranks=ranks, max_rank=max_rank,
-                             slots=slots, dtype=dtype)
+        return LoRALayerCase(
+            generator,
+            in_features=shape[0],
+            out_features=shape[1],
+            ranks=ranks,
+            max_rank=max_rank,
+            slots=slots,
+            dtype=dtype,
+        )
 
     def _check_add_lora(self, kernel: LoRAKernel, case: LoRALayerCase, dtype_name: str) -> None:
         import torch
@@ -179,8 +205,14 @@ class LoRAKernelSuite(LoRAKernelBaseSuite):
         max_rank = self._max_rank(kernel)
         slots = [2, 0, NO_ADAPTER, 2, 2, 0, NO_ADAPTER, 1]
         for index, shape in enumerate(TARGET_SHAPES.values()):
-            case = self._case(SEED + 100 + index, dtype, slots=slots, ranks=[max_rank, 4 if max_rank >= 4 else 1, 2 if max_rank >= 2 else 1],
-                              max_rank=max_rank, shape=shape)
+            case = self._case(
+                SEED + 100 + index,
+                dtype,
+                slots=slots,
+                ranks=[max_rank, 4 if max_rank >= 4 else 1, 2 if max_rank >= 2 else 1],
+                max_rank=max_rank,
+                shape=shape,
+            )
             self._check_add_lora(kernel, case, dtype_name)
 
     def test_rows_without_an_adapter_are_untouched(self, kernel: LoRAKernel) -> None:
@@ -197,17 +229,22 @@ class LoRAKernelSuite(LoRAKernelBaseSuite):
     def test_one_row_and_no_rows(self, kernel: LoRAKernel) -> None:
         dtype = self._dtype(kernel, "float32")
         max_rank = self._max_rank(kernel)
-        self._check_add_lora(kernel, self._case(SEED + 8, dtype, slots=[1], ranks=[max_rank, 3 if max_rank >= 3 else 1],
-                                                max_rank=max_rank), "float32")
-        self._check_add_lora(kernel, self._case(SEED + 9, dtype, slots=[], ranks=[max_rank], max_rank=max_rank),
-                             "float32")
+        self._check_add_lora(
+            kernel,
+            self._case(SEED + 8, dtype, slots=[1], ranks=[max_rank, 3 if max_rank >= 3 else 1], max_rank=max_rank),
+            "float32",
+        )
+        self._check_add_lora(
+            kernel, self._case(SEED + 9, dtype, slots=[], ranks=[max_rank], max_rank=max_rank), "float32"
+        )
 
     def test_only_the_rows_slots_are_read(self, kernel: LoRAKernel) -> None:
         """Slots no row uses may hold anything (a stale adapter, NaN): they must not reach the output."""
         dtype = self._dtype(kernel, "float32")
         max_rank = self._max_rank(kernel)
-        case = self._case(SEED + 10, dtype, slots=[0, NO_ADAPTER, 0, 2], ranks=[max_rank, max_rank, 1],
-                          max_rank=max_rank)
+        case = self._case(
+            SEED + 10, dtype, slots=[0, NO_ADAPTER, 0, 2], ranks=[max_rank, max_rank, 1], max_rank=max_rank
+        )
         case.a_in[1] = float("nan")
         case.b_in[1] = float("nan")
         self._check_add_lora(kernel, case, "float32")  # the oracle reads only the slots rows use
@@ -217,8 +254,13 @@ class LoRAKernelSuite(LoRAKernelBaseSuite):
 
         dtype = self._dtype(kernel, "float32")
         max_rank = self._max_rank(kernel)
-        case = self._case(SEED + 11, dtype, slots=[1, NO_ADAPTER, 0, 1, 0], ranks=[max_rank, 2 if max_rank >= 2 else 1],
-                          max_rank=max_rank)
+        case = self._case(
+            SEED + 11,
+            dtype,
+            slots=[1, NO_ADAPTER, 0, 1, 0],
+            ranks=[max_rank, 2 if max_rank >= 2 else 1],
+            max_rank=max_rank,
+        )
         h = kernel.shrink(case.x_in, case.a_in, case.scalings_in, case.mapping)
         assert h.shape == (case.x_in.shape[0], max_rank) and h.dtype == case.x_in.dtype
         torch.testing.assert_close(h.double(), case.shrink_oracle(), atol=1e-4, rtol=1e-4)
@@ -268,9 +310,12 @@ class LoRAResolverSuite(LoRAResolverBaseSuite):
     def test_an_unknown_name_is_none(self, resolver: LoRAResolver) -> None:
         assert resolver.resolve("no-such-adapter") is None
 
-    @pytest.mark.parametrize("name", ["../outside/secret", "/etc", "", ".", "..", "alpha/..", "alpha/../../outside/secret"])
-    def test_a_name_never_reaches_outside_the_store(self, resolver: LoRAResolver, name: str,
-                                                     adapter_folder: Path) -> None:
+    @pytest.mark.parametrize(
+        "name", ["../outside/secret", "/etc", "", ".", "..", "alpha/..", "alpha/../../outside/secret"]
+    )
+    def test_a_name_never_reaches_outside_the_store(
+        self, resolver: LoRAResolver, name: str, adapter_folder: Path
+    ) -> None:
         try:
             found = resolver.resolve(name)
         except LoRAResolveError:
@@ -297,8 +342,9 @@ class LoRAResolverSuite(LoRAResolverBaseSuite):
         assert resolver.resolve(name) == resolver.resolve(name)
 
 
-def write_tiny_peft_adapter(path: Path, *, rank: int, hidden: int = 8, layers: int = 1,
-                            targets: tuple[str, ...] = ("q_proj", "v_proj")) -> None:
+def write_tiny_peft_adapter(
+    path: Path, *, rank: int, hidden: int = 8, layers: int = 1, targets: tuple[str, ...] = ("q_proj", "v_proj")
+) -> None:
     """Write a small adapter in PEFT's format (config and safetensors) for a Llama-shaped model of ``hidden`` width.
 
     Only for the resolver suite, which needs files, not a model; the LoRA
@@ -308,9 +354,18 @@ def write_tiny_peft_adapter(path: Path, *, rank: int, hidden: int = 8, layers: i
     from safetensors.torch import save_file
 
     path.mkdir(parents=True)
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
-              "bias": "none", "use_dora": False, "use_rslora": False, "modules_to_save": None,
-              "task_type": "CAUSAL_LM", "base_model_name_or_path": "tiny"}
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(targets),
+        "bias": "none",
+        "use_dora": False,
+        "use_rslora": False,
+        "modules_to_save": None,
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": "tiny",
+    }
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
     generator = torch.Generator().manual_seed(rank)
     tensors = {}

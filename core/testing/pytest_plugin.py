@@ -18,9 +18,13 @@ from patchbay.testing.suite import NotDeclared, PluginSuite
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--patchbay-strict", action="store_true", default=False,
-                     help="fail conformance tests that skip for a reason other than a limit the plugin declares "
-                          "(unavailable here, unreachable store, missing test context)")
+    parser.addoption(
+        "--patchbay-strict",
+        action="store_true",
+        default=False,
+        help="fail conformance tests that skip for a reason other than a limit the plugin declares "
+        "(unavailable here, unreachable store, missing test context)",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +55,9 @@ def _is_suite_item(item: pytest.Item) -> bool:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, Result[pytest.TestReport], None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo
+) -> Generator[None, Result[pytest.TestReport], None]:
     outcome = yield
     report = outcome.get_result()
     if not (report.skipped and item.config.getoption("patchbay_strict", False) and _is_suite_item(item)):

@@ -113,7 +113,7 @@ class ReasoningParserSuite(ReasoningParserBaseSuite):
             for _ in range(rng.randint(0, 5)):
                 source = rng.choice(texts)
                 start = rng.randint(0, len(source))
-                fragments.append(source[start:start + rng.randint(0, 30)])
+                fragments.append(source[start : start + rng.randint(0, 30)])
             text = "".join(fragments)
             whole = parser.parse(text)
             assert isinstance(whole, ReasoningSplit)

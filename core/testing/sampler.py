@@ -104,8 +104,9 @@ class RowParams:
     """(min_tokens, stop token ids)."""
 
 
-def build_metadata(rows: Sequence[RowParams], vocab: int, *, device: str = "cpu",
-                   max_num_logprobs: int | None = None) -> SamplingMetadata:
+def build_metadata(
+    rows: Sequence[RowParams], vocab: int, *, device: str = "cpu", max_num_logprobs: int | None = None
+) -> SamplingMetadata:
     """The :class:`SamplingMetadata` the runner builds for ``rows``, with fresh generators for seeded rows.
 
     As in the runner, a tensor is ``None`` when no row uses its parameter,
@@ -122,7 +123,8 @@ def build_metadata(rows: Sequence[RowParams], vocab: int, *, device: str = "cpu"
     temperature = torch.tensor([row.temperature for row in rows], dtype=torch.float32, device=device)
     repetition = column("repetition_penalty", 1.0, torch.float32)
     needs_history = any(row.output or row.bad_words or row.min_tokens for row in rows) or (
-        repetition is not None or any(row.frequency_penalty or row.presence_penalty for row in rows))
+        repetition is not None or any(row.frequency_penalty or row.presence_penalty for row in rows)
+    )
     metadata = SamplingMetadata(
         temperature=temperature,
         all_greedy=all(row.temperature == 0 for row in rows),
@@ -140,7 +142,8 @@ def build_metadata(rows: Sequence[RowParams], vocab: int, *, device: str = "cpu"
     if repetition is not None:
         width = max(1, max(len(row.prompt) for row in rows))
         metadata.prompt_token_ids = torch.tensor(
-            [list(row.prompt) + [vocab] * (width - len(row.prompt)) for row in rows], dtype=torch.int64, device=device)
+            [list(row.prompt) + [vocab] * (width - len(row.prompt)) for row in rows], dtype=torch.int64, device=device
+        )
     if any(row.logit_bias for row in rows):
         metadata.logit_bias = [dict(row.logit_bias) if row.logit_bias else None for row in rows]
     if any(row.allowed_token_ids is not None for row in rows):
@@ -150,10 +153,12 @@ def build_metadata(rows: Sequence[RowParams], vocab: int, *, device: str = "cpu"
                 mask[i] = True
                 mask[i, list(row.allowed_token_ids)] = False
         metadata.allowed_token_ids_mask = mask.to(device)
-    metadata.bad_words_token_ids = {i: [list(word) for word in row.bad_words] for i, row in enumerate(rows)
-                                    if row.bad_words}
-    metadata.min_tokens = {i: (row.min_tokens[0], set(row.min_tokens[1])) for i, row in enumerate(rows)
-                           if row.min_tokens is not None}
+    metadata.bad_words_token_ids = {
+        i: [list(word) for word in row.bad_words] for i, row in enumerate(rows) if row.bad_words
+    }
+    metadata.min_tokens = {
+        i: (row.min_tokens[0], set(row.min_tokens[1])) for i, row in enumerate(rows) if row.min_tokens is not None
+    }
     return metadata
 
 
@@ -184,7 +189,7 @@ def reference_logits(logits: Sequence[float], row: RowParams) -> list[float]:
         out = [value if token in row.allowed_token_ids else NEG_INF for token, value in enumerate(out)]
     for word in row.bad_words:
         prefix = list(word[:-1])
-        if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+        if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
             out[word[-1]] = NEG_INF
     if row.min_tokens is not None and len(output) < row.min_tokens[0]:
         for token in row.min_tokens[1]:
@@ -343,11 +348,15 @@ SUPPORT_PROBS = (0.3, 0.25, 0.2, 0.1, 0.07, 0.05, 0.02, 0.01)
 SUPPORT_CASES: dict[str, list[tuple[RowParams, int]]] = {
     # (row parameters, how many of the most likely tokens must remain); no case sits near a boundary.
     "top_k": [(RowParams(temperature=1.0, top_k=k), size) for k, size in [(1, 1), (3, 3), (6, 6), (0, 8), (13, 8)]],
-    "top_p": [(RowParams(temperature=1.0, top_p=p), size)
-              for p, size in [(0.2, 1), (0.31, 2), (0.5, 2), (0.6, 3), (0.8, 4), (0.95, 6), (1.0, 8)]],
+    "top_p": [
+        (RowParams(temperature=1.0, top_p=p), size)
+        for p, size in [(0.2, 1), (0.31, 2), (0.5, 2), (0.6, 3), (0.8, 4), (0.95, 6), (1.0, 8)]
+    ],
     # min-p is relative to the largest probability: 0.05 keeps p >= 0.015 (7 tokens), not p >= 0.05.
-    "min_p": [(RowParams(temperature=1.0, min_p=m), size)
-              for m, size in [(1.0, 1), (0.9, 1), (0.5, 3), (0.3, 4), (0.2, 5), (0.05, 7), (0.0, 8)]],
+    "min_p": [
+        (RowParams(temperature=1.0, min_p=m), size)
+        for m, size in [(1.0, 1), (0.9, 1), (0.5, 3), (0.3, 4), (0.2, 5), (0.05, 7), (0.0, 8)]
+    ],
 }
 
 SUPPORT_REPEATS = 2500
@@ -376,14 +385,18 @@ def check_support(sampler: Sampler, param: str, *, device: str = "cpu") -> None:
     rank_of = order.argsort(dim=-1)
     ranks = rank_of.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
     for index, (row, size) in enumerate(cases):
-        drawn = set(ranks[index * SUPPORT_REPEATS:(index + 1) * SUPPORT_REPEATS])
+        drawn = set(ranks[index * SUPPORT_REPEATS : (index + 1) * SUPPORT_REPEATS])
         value = getattr(row, param)
         outside = sorted(rank for rank in drawn if rank >= size)
-        assert not outside, (f"{param}={value}: drew the tokens ranked {[r + 1 for r in outside]} (1 = most likely); "
-                             f"only the {size} most likely of {list(SUPPORT_PROBS)} may be drawn")
+        assert not outside, (
+            f"{param}={value}: drew the tokens ranked {[r + 1 for r in outside]} (1 = most likely); "
+            f"only the {size} most likely of {list(SUPPORT_PROBS)} may be drawn"
+        )
         missing = sorted(set(range(size)) - drawn)
-        assert not missing, (f"{param}={value}: never drew the tokens ranked {[r + 1 for r in missing]} in "
-                             f"{SUPPORT_REPEATS} rows; the {size} most likely of {list(SUPPORT_PROBS)} must remain")
+        assert not missing, (
+            f"{param}={value}: never drew the tokens ranked {[r + 1 for r in missing]} in "
+            f"{SUPPORT_REPEATS} rows; the {size} most likely of {list(SUPPORT_PROBS)} must remain"
+        )
 
 
 # -- role "sample": frequencies -------------------------------------------------------------------------
@@ -434,17 +447,21 @@ def check_seeded_rows(sampler: Sampler, *, steps: int = 3, device: str = "cpu") 
     vocab = 1000
     logits = _noise((32, vocab)) * 1.5
     targets = [RowParams(temperature=t, seed=s) for t, s in [(1.0, 11), (0.8, 22), (1.2, 33), (1.0, 44)]]
-    others = [RowParams(temperature=0.0) if i % 3 == 0 else RowParams(temperature=0.7 + 0.1 * (i % 5),
-                                                                      seed=1000 + i if i % 3 == 1 else None)
-              for i in range(28)]
+    others = [
+        RowParams(temperature=0.0)
+        if i % 3 == 0
+        else RowParams(temperature=0.7 + 0.1 * (i % 5), seed=1000 + i if i % 3 == 1 else None)
+        for i in range(28)
+    ]
     rows = targets + others
 
     alone = []
     with fixed_default_seed(1):
         for index, row in enumerate(targets):
             metadata = build_metadata([row], vocab, device=device)
-            alone.append([sample_tokens(sampler, logits[index:index + 1].to(device), metadata)[0]
-                          for _ in range(steps)])
+            alone.append(
+                [sample_tokens(sampler, logits[index : index + 1].to(device), metadata)[0] for _ in range(steps)]
+            )
 
     in_batch: list[list[int]] = [[] for _ in targets]
     generators = {index: _generator(row.seed, device) for index, row in enumerate(rows) if row.seed is not None}
@@ -480,25 +497,25 @@ def _two_way(a: float, b: float, vocab: int = 8, low: float = -10.0) -> list[flo
 PROCESSOR_CASES: dict[str, list[tuple[list[float], RowParams, int]]] = {
     # (logits, row, expected greedy token); each pair of rows sits just either side of the flip point.
     "repetition_penalty": [
-        (_two_way(2.0, 1.5), RowParams(output=(A,), repetition_penalty=1.3), A),     # 2 / 1.3 = 1.54 > 1.5
-        (_two_way(2.0, 1.5), RowParams(output=(A,), repetition_penalty=1.37), B),    # 2 / 1.37 = 1.46
+        (_two_way(2.0, 1.5), RowParams(output=(A,), repetition_penalty=1.3), A),  # 2 / 1.3 = 1.54 > 1.5
+        (_two_way(2.0, 1.5), RowParams(output=(A,), repetition_penalty=1.37), B),  # 2 / 1.37 = 1.46
         (_two_way(2.0, 1.5), RowParams(output=(A, A, A), repetition_penalty=1.3), A),  # once, not per occurrence
-        (_two_way(2.0, 1.5), RowParams(prompt=(A,), repetition_penalty=1.37), B),    # the prompt counts
+        (_two_way(2.0, 1.5), RowParams(prompt=(A,), repetition_penalty=1.37), B),  # the prompt counts
         (_two_way(-1.0, -1.2), RowParams(output=(A,), repetition_penalty=1.15), A),  # -1.15 > -1.2
         (_two_way(-1.0, -1.2), RowParams(output=(A,), repetition_penalty=1.25), B),  # negative: multiplied
-        (_two_way(2.0, 1.5), RowParams(output=(B,), repetition_penalty=1.37), A),    # only seen tokens change
+        (_two_way(2.0, 1.5), RowParams(output=(B,), repetition_penalty=1.37), A),  # only seen tokens change
     ],
     "frequency_penalty": [
         (_two_way(2.0, 1.5), RowParams(output=(A, A, A), frequency_penalty=0.15), A),  # 2 - 3 * .15 = 1.55
         (_two_way(2.0, 1.5), RowParams(output=(A, A, A), frequency_penalty=0.18), B),  # 2 - 3 * .18 = 1.46
-        (_two_way(2.0, 1.5), RowParams(output=(A,), frequency_penalty=0.45), A),       # 2 - .45 = 1.55
-        (_two_way(2.0, 1.5), RowParams(prompt=(A,), frequency_penalty=2.0), A),        # the prompt does not count
-        (_two_way(2.0, 1.5), RowParams(output=(B, B), frequency_penalty=-0.3), B),     # negative: 1.5 + .6
+        (_two_way(2.0, 1.5), RowParams(output=(A,), frequency_penalty=0.45), A),  # 2 - .45 = 1.55
+        (_two_way(2.0, 1.5), RowParams(prompt=(A,), frequency_penalty=2.0), A),  # the prompt does not count
+        (_two_way(2.0, 1.5), RowParams(output=(B, B), frequency_penalty=-0.3), B),  # negative: 1.5 + .6
     ],
     "presence_penalty": [
-        (_two_way(2.0, 1.5), RowParams(output=(A, A, A), presence_penalty=0.45), A),   # once, not per occurrence
+        (_two_way(2.0, 1.5), RowParams(output=(A, A, A), presence_penalty=0.45), A),  # once, not per occurrence
         (_two_way(2.0, 1.5), RowParams(output=(A,), presence_penalty=0.55), B),
-        (_two_way(2.0, 1.5), RowParams(prompt=(A,), presence_penalty=2.0), A),         # the prompt does not count
+        (_two_way(2.0, 1.5), RowParams(prompt=(A,), presence_penalty=2.0), A),  # the prompt does not count
     ],
     "logit_bias": [
         (_two_way(2.0, 1.5), RowParams(logit_bias={B: 0.45}), A),
@@ -522,10 +539,10 @@ PROCESSOR_CASES: dict[str, list[tuple[list[float], RowParams, int]]] = {
     "bad_words": [
         (_two_way(3.0, 2.0), RowParams(bad_words=((A,),)), B),
         (_two_way(3.0, 2.0), RowParams(output=(1, 4), bad_words=((4, A),)), B),
-        (_two_way(3.0, 2.0), RowParams(output=(4, 1), bad_words=((4, A),)), A),         # must end with the prefix
+        (_two_way(3.0, 2.0), RowParams(output=(4, 1), bad_words=((4, A),)), A),  # must end with the prefix
         (_two_way(3.0, 2.0), RowParams(output=(3, 4), bad_words=((3, 4, A),)), B),
         (_two_way(3.0, 2.0), RowParams(output=(3, 1, 4), bad_words=((3, 4, A),)), A),
-        (_two_way(3.0, 2.0), RowParams(output=(4,), bad_words=((3, 4, A),)), A),        # shorter than the prefix
+        (_two_way(3.0, 2.0), RowParams(output=(4,), bad_words=((3, 4, A),)), A),  # shorter than the prefix
         (_two_way(3.0, 2.0, low=1.0), RowParams(bad_words=((A,), (B,))), 0),
     ],
 }
@@ -555,8 +572,11 @@ def check_processor(sampler: Sampler, param: str, *, logprobs_mode: str | None =
 
 def _describe(row: RowParams) -> str:
     neutral = RowParams()
-    return ", ".join(f"{name}={getattr(row, name)}" for name in row.__dataclass_fields__
-                     if getattr(row, name) != getattr(neutral, name))
+    return ", ".join(
+        f"{name}={getattr(row, name)}"
+        for name in row.__dataclass_fields__
+        if getattr(row, name) != getattr(neutral, name)
+    )
 
 
 def check_min_tokens_random(sampler: Sampler, *, device: str = "cpu") -> None:
@@ -597,15 +617,19 @@ def check_logprobs(sampler: Sampler, *, logprobs_mode: str, random_rows: bool = 
     logits[0, 3] = logits[0, 7] = logits[0].max() + 1  # a tie for the greedy token
     rows = [RowParams(temperature=0.7 if (random_rows and i % 2) else 0.0) for i in range(num_rows)]
     if logprobs_mode == "processed":
-        expected = [_log(reference_probs(row_logits, row)) if row.temperature else
-                    _log(_softmax(reference_logits(row_logits, row))) for row_logits, row in zip(logits.tolist(), rows,
-                                                                                                strict=True)]
+        expected = [
+            _log(reference_probs(row_logits, row))
+            if row.temperature
+            else _log(_softmax(reference_logits(row_logits, row)))
+            for row_logits, row in zip(logits.tolist(), rows, strict=True)
+        ]
     else:
         expected = torch.log_softmax(logits.double(), dim=-1).tolist()
     for num_logprobs in (3, 0):
         with fixed_default_seed():
-            output = sampler.sample(logits.to(device), build_metadata(rows, vocab, device=device,
-                                                                       max_num_logprobs=num_logprobs))
+            output = sampler.sample(
+                logits.to(device), build_metadata(rows, vocab, device=device, max_num_logprobs=num_logprobs)
+            )
         _assert_logprobs(output, expected, num_logprobs, label=f"{logprobs_mode} logprobs, n={num_logprobs}")
         tokens = output.sampled_token_ids[:, 0].tolist()
         assert tokens[0] in (3, 7), f"greedy row 0 chose {tokens[0]}, not one of its tied best tokens 3 and 7"
@@ -615,13 +639,16 @@ def _assert_logprobs(output: SamplerOutput, expected: list[list[float]], num_log
     import torch
 
     num_rows = len(expected)
-    assert output.logprobs is not None and output.logprob_token_ids is not None \
-        and output.sampled_token_ranks is not None, f"{label}: logprobs were asked for but not returned"
+    assert (
+        output.logprobs is not None and output.logprob_token_ids is not None and output.sampled_token_ranks is not None
+    ), f"{label}: logprobs were asked for but not returned"
     assert tuple(output.logprob_token_ids.shape) == (num_rows, num_logprobs + 1), (
         f"{label}: logprob_token_ids has shape {tuple(output.logprob_token_ids.shape)}, "
-        f"expected {(num_rows, num_logprobs + 1)}")
+        f"expected {(num_rows, num_logprobs + 1)}"
+    )
     assert tuple(output.logprobs.shape) == (num_rows, num_logprobs + 1), (
-        f"{label}: logprobs has shape {tuple(output.logprobs.shape)}, expected {(num_rows, num_logprobs + 1)}")
+        f"{label}: logprobs has shape {tuple(output.logprobs.shape)}, expected {(num_rows, num_logprobs + 1)}"
+    )
     assert output.logprob_token_ids.dtype == torch.int64 and output.logprobs.dtype == torch.float32
     assert tuple(output.sampled_token_ranks.shape) == (num_rows,), f"{label}: ranks must be [num_rows]"
     assert output.sampled_token_ranks.dtype == torch.int64, f"{label}: ranks must be int64"
@@ -632,13 +659,16 @@ def _assert_logprobs(output: SamplerOutput, expected: list[list[float]], num_log
     for row in range(num_rows):
         want = expected[row]
         assert ids[row][0] == sampled[row], (
-            f"{label}: row {row} lists token {ids[row][0]} first, but sampled {sampled[row]}")
+            f"{label}: row {row} lists token {ids[row][0]} first, but sampled {sampled[row]}"
+        )
         for token, value in zip(ids[row], values[row], strict=True):
             assert _close(value, want[token]), (
-                f"{label}: row {row}, token {token}: logprob {value}, expected {want[token]}")
+                f"{label}: row {row}, token {token}: logprob {value}, expected {want[token]}"
+            )
         top = sorted(want, reverse=True)[:num_logprobs]
         assert all(_close(got, wanted) for got, wanted in zip(values[row][1:], top, strict=True)), (
-            f"{label}: row {row}: top-{num_logprobs} logprobs {values[row][1:]}, expected {top}")
+            f"{label}: row {row}: top-{num_logprobs} logprobs {values[row][1:]}, expected {top}"
+        )
         rank = 1 + sum(value > want[sampled[row]] for value in want)
         assert ranks[row] == rank, f"{label}: row {row}: rank {ranks[row]}, expected {rank} (1 + strictly better)"
 
@@ -665,13 +695,18 @@ class VerifyBatch:
 
     def run(self, verifier: RejectionSampler) -> torch.Tensor:
         """Call ``verifier.verify`` with these inputs."""
-        return verifier.verify(self.metadata, self.draft_probs, self.target_logits, self.bonus_token_ids,
-                               self.sampling)
+        return verifier.verify(self.metadata, self.draft_probs, self.target_logits, self.bonus_token_ids, self.sampling)
 
 
-def build_verify_batch(drafts: Sequence[Sequence[int]], target_logits: Sequence[torch.Tensor],
-                       bonus: Sequence[int], rows: Sequence[RowParams], *,
-                       draft_probs: Sequence[torch.Tensor] | None = None, device: str = "cpu") -> VerifyBatch:
+def build_verify_batch(
+    drafts: Sequence[Sequence[int]],
+    target_logits: Sequence[torch.Tensor],
+    bonus: Sequence[int],
+    rows: Sequence[RowParams],
+    *,
+    draft_probs: Sequence[torch.Tensor] | None = None,
+    device: str = "cpu",
+) -> VerifyBatch:
     """Inputs for requests with ``drafts[r]`` scored by ``target_logits[r]`` (``[len(drafts[r]), vocab]``).
 
     Each request's step is its drafts plus one bonus position::
@@ -686,14 +721,19 @@ def build_verify_batch(drafts: Sequence[Sequence[int]], target_logits: Sequence[
     for count in num_draft_tokens:
         offsets.append(offsets[-1] + count + 1)
     metadata = SpecDecodeMetadata(
-        draft_token_ids=torch.tensor([token for request in drafts for token in request], dtype=torch.int64,
-                                     device=device),
+        draft_token_ids=torch.tensor(
+            [token for request in drafts for token in request], dtype=torch.int64, device=device
+        ),
         num_draft_tokens=num_draft_tokens,
         cu_num_draft_tokens=torch.tensor(num_draft_tokens, dtype=torch.int64).cumsum(0).to(device),
-        target_logits_indices=torch.tensor([offsets[r] + i for r, count in enumerate(num_draft_tokens)
-                                            for i in range(count)], dtype=torch.int64, device=device),
-        bonus_logits_indices=torch.tensor([offsets[r] + count for r, count in enumerate(num_draft_tokens)],
-                                          dtype=torch.int64, device=device),
+        target_logits_indices=torch.tensor(
+            [offsets[r] + i for r, count in enumerate(num_draft_tokens) for i in range(count)],
+            dtype=torch.int64,
+            device=device,
+        ),
+        bonus_logits_indices=torch.tensor(
+            [offsets[r] + count for r, count in enumerate(num_draft_tokens)], dtype=torch.int64, device=device
+        ),
         logits_indices=torch.arange(offsets[-1], device=device),
     )
     return VerifyBatch(
@@ -719,20 +759,26 @@ def check_verify_greedy(verifier: RejectionSampler, *, random_rows: bool = True,
     vocab = 10
     # (drafts, target argmax per draft, bonus, expected output before padding)
     greedy = [
-        ([4, 5, 6], [4, 5, 6], 9, [4, 5, 6, 9]),   # all accepted, bonus appended
-        ([7], [2], 9, [2]),                         # first rejected: the target's token
-        ([], [], 8, [8]),                           # no drafts: the bonus token
-        ([1, 8, 9], [1, 3, 9], 7, [1, 3]),          # rejected at 1; the later match does not count
+        ([4, 5, 6], [4, 5, 6], 9, [4, 5, 6, 9]),  # all accepted, bonus appended
+        ([7], [2], 9, [2]),  # first rejected: the target's token
+        ([], [], 8, [8]),  # no drafts: the bonus token
+        ([1, 8, 9], [1, 3, 9], 7, [1, 3]),  # rejected at 1; the later match does not count
         ([0, 0], [0, 0], 3, [0, 0, 3]),
     ]
     requests: list[tuple[list[int], Any, int, RowParams, list[int] | None]] = [
         (drafts, _target(argmax, vocab, SEED + i), bonus, RowParams(), expected)
-        for i, (drafts, argmax, bonus, expected) in enumerate(greedy)]
+        for i, (drafts, argmax, bonus, expected) in enumerate(greedy)
+    ]
     if random_rows:
         for position, seed in [(1, 1), (4, 2)]:
             requests.insert(position, ([3, 3], _target([3, 1], vocab, seed), 5, RowParams(temperature=1.0), None))
-    batch = build_verify_batch([r[0] for r in requests], [r[1] for r in requests], [r[2] for r in requests],
-                               [r[3] for r in requests], device=device)
+    batch = build_verify_batch(
+        [r[0] for r in requests],
+        [r[1] for r in requests],
+        [r[2] for r in requests],
+        [r[3] for r in requests],
+        device=device,
+    )
     with fixed_default_seed():
         output = batch.run(verifier)
     _assert_layout(output, batch, verifier, vocab)
@@ -741,11 +787,12 @@ def check_verify_greedy(verifier: RejectionSampler, *, random_rows: bool = True,
         if expected is not None:
             want = expected + [-1] * (len(rows[index]) - len(expected))
             assert rows[index] == want, (
-                f"greedy request {index} with drafts {drafts}: got {rows[index]}, expected {want}")
+                f"greedy request {index} with drafts {drafts}: got {rows[index]}, expected {want}"
+            )
     parsed = type(verifier).parse_output(output, vocab)
     assert [parsed[i] for i, r in enumerate(requests) if r[4] is not None] == [
-        r[4] for r in requests if r[4] is not None], (
-        f"parse_output gave {parsed}")
+        r[4] for r in requests if r[4] is not None
+    ], f"parse_output gave {parsed}"
 
 
 def check_verify_layout(verifier: RejectionSampler, *, random_rows: bool = True, device: str = "cpu") -> None:
@@ -759,8 +806,9 @@ def check_verify_layout(verifier: RejectionSampler, *, random_rows: bool = True,
     targets = [torch.randn(count, vocab, generator=generator) for count in counts]
     probs = [torch.randn(count, vocab, generator=generator).softmax(dim=-1) for count in counts]
     rows = [RowParams(temperature=1.0 if random_rows else 0.0)] * len(counts)
-    batch = build_verify_batch(drafts, targets, list(range(len(counts))), rows,
-                               draft_probs=probs if random_rows else None, device=device)
+    batch = build_verify_batch(
+        drafts, targets, list(range(len(counts))), rows, draft_probs=probs if random_rows else None, device=device
+    )
     with fixed_default_seed():
         output = batch.run(verifier)
     _assert_layout(output, batch, verifier, vocab)
@@ -773,7 +821,8 @@ def _assert_layout(output: torch.Tensor, batch: VerifyBatch, verifier: Rejection
     width = max(len(drafts) for drafts in batch.drafts) + 1
     assert isinstance(output, torch.Tensor) and output.dtype == torch.int64, "verify() must return an int64 tensor"
     assert tuple(output.shape) == (num_reqs, width), (
-        f"verify() returned shape {tuple(output.shape)}, expected [num_reqs, max_drafts + 1] = {[num_reqs, width]}")
+        f"verify() returned shape {tuple(output.shape)}, expected [num_reqs, max_drafts + 1] = {[num_reqs, width]}"
+    )
     rows = output.cpu().tolist()
     bonus = batch.bonus_token_ids[:, 0].tolist()
     parsed = type(verifier).parse_output(output, vocab)
@@ -784,10 +833,12 @@ def _assert_layout(output: torch.Tensor, batch: VerifyBatch, verifier: Rejection
         assert all(0 <= token < vocab for token in emitted), f"request {index}: token outside the vocabulary: {row}"
         accepted = len(emitted) - 1
         assert emitted[:accepted] == drafts[:accepted], (
-            f"request {index}: {emitted} does not start with its drafts {drafts}")
+            f"request {index}: {emitted} does not start with its drafts {drafts}"
+        )
         if accepted == len(drafts):
             assert emitted[-1] == bonus[index], (
-                f"request {index}: every draft accepted, but {emitted[-1]} is not the bonus token {bonus[index]}")
+                f"request {index}: every draft accepted, but {emitted[-1]} is not the bonus token {bonus[index]}"
+            )
         assert parsed[index] == emitted, f"parse_output: request {index} gave {parsed[index]}, expected {emitted}"
 
 
@@ -814,8 +865,9 @@ VERIFY_CASES: dict[str, VerifyCase] = {
 }
 
 
-def check_verify_distribution(verifier: RejectionSampler, case: VerifyCase, *, label: str = "",
-                              device: str = "cpu") -> None:
+def check_verify_distribution(
+    verifier: RejectionSampler, case: VerifyCase, *, label: str = "", device: str = "cpu"
+) -> None:
     """The emitted tokens follow the target distribution, whatever the drafts.
 
     Every request has two drafts: with draft probabilities, drawn from the
@@ -831,15 +883,17 @@ def check_verify_distribution(verifier: RejectionSampler, case: VerifyCase, *, l
     generator = torch.Generator().manual_seed(SEED)
     draft_dists = torch.tensor(DRAFT_LOGITS).softmax(dim=-1)
     if case.with_draft_probs:
-        drafts = torch.stack([torch.multinomial(dist, count, replacement=True, generator=generator)
-                              for dist in draft_dists], dim=1)
+        drafts = torch.stack(
+            [torch.multinomial(dist, count, replacement=True, generator=generator) for dist in draft_dists], dim=1
+        )
         probs = [draft_dists] * count
     else:
         drafts = torch.stack([torch.arange(count) % vocab, (torch.arange(count) * 3 + 1) % vocab], dim=1)
         probs = None
     target = torch.tensor(TARGET_LOGITS)
-    batch = build_verify_batch(drafts.tolist(), [target] * count, [0] * count, [case.row] * count,
-                               draft_probs=probs, device=device)
+    batch = build_verify_batch(
+        drafts.tolist(), [target] * count, [0] * count, [case.row] * count, draft_probs=probs, device=device
+    )
     with fixed_default_seed():
         output = batch.run(verifier).cpu()
     name = label or f"{_describe(case.row)}, draft probs {'given' if case.with_draft_probs else 'None'}"
@@ -860,13 +914,22 @@ def check_verify_seeded(verifier: RejectionSampler, *, device: str = "cpu") -> N
     targets = [torch.randn(3, vocab, generator=generator) for _ in range(count)]
     # The drafter's distribution is close to the target's, so drafts are often but not always accepted.
     probs = [(target + 0.7 * torch.randn(3, vocab, generator=generator)).softmax(dim=-1) for target in targets]
-    rows = [RowParams(temperature=1.0, seed=100 + i) if i < 4 else
-            RowParams(temperature=0.0 if i % 3 == 0 else 0.9, seed=200 + i if i % 3 == 1 else None)
-            for i in range(count)]
+    rows = [
+        RowParams(temperature=1.0, seed=100 + i)
+        if i < 4
+        else RowParams(temperature=0.0 if i % 3 == 0 else 0.9, seed=200 + i if i % 3 == 1 else None)
+        for i in range(count)
+    ]
 
     def run(order: list[int]) -> list[list[int]]:
-        batch = build_verify_batch([drafts[i] for i in order], [targets[i] for i in order], [7] * len(order),
-                                   [rows[i] for i in order], draft_probs=[probs[i] for i in order], device=device)
+        batch = build_verify_batch(
+            [drafts[i] for i in order],
+            [targets[i] for i in order],
+            [7] * len(order),
+            [rows[i] for i in order],
+            draft_probs=[probs[i] for i in order],
+            device=device,
+        )
         return batch.run(verifier).cpu().tolist()
 
     with fixed_default_seed(1):
@@ -919,8 +982,10 @@ class SamplerSuite(SamplerBaseSuite):
             options = available.Options.model_validate(self.plugin_options)
         except ValidationError as exc:
             # test_options_have_defaults reports the plugin's fault; the numeric tests cannot run without options.
-            pytest.skip(f"{available.__name__}.Options rejects plugin_options {self.plugin_options!r}; "
-                        f"set plugin_options on the suite: {exc}")
+            pytest.skip(
+                f"{available.__name__}.Options rejects plugin_options {self.plugin_options!r}; "
+                f"set plugin_options on the suite: {exc}"
+            )
         return available(options)
 
     def _logprobs_mode(self, sampler: SamplerBase) -> str:
@@ -971,8 +1036,9 @@ class SamplerSuite(SamplerBaseSuite):
 
     def test_allowed_token_ids_mask_the_others(self, sampler: Sampler) -> None:
         require(sampler, "sample", ["allowed_token_ids"])
-        check_processor(sampler, "allowed_token_ids", logprobs_mode=self._processed_logprobs(sampler),
-                        device=self.device)
+        check_processor(
+            sampler, "allowed_token_ids", logprobs_mode=self._processed_logprobs(sampler), device=self.device
+        )
         if type(sampler).capabilities.supports_random:
             check_allowed_tokens_random(sampler, device=self.device)
 
@@ -982,8 +1048,12 @@ class SamplerSuite(SamplerBaseSuite):
 
     def test_logprobs_shapes_values_and_ranks(self, sampler: Sampler) -> None:
         require(sampler, "sample", ["logprobs"])
-        check_logprobs(sampler, logprobs_mode=self._logprobs_mode(sampler),
-                       random_rows=type(sampler).capabilities.supports_random, device=self.device)
+        check_logprobs(
+            sampler,
+            logprobs_mode=self._logprobs_mode(sampler),
+            random_rows=type(sampler).capabilities.supports_random,
+            device=self.device,
+        )
 
     def _processed_logprobs(self, sampler: SamplerBase) -> str | None:
         # Processed logprobs expose the processed logits, so the processor tests check them exactly too.

@@ -49,31 +49,59 @@ from patchbay.testing.suite import PluginSuite, _replace
 OPTIONS_ENV = "PATCHBAY_TEST_STRUCTURED_OUTPUT_OPTIONS"
 SEED = 20241201
 
-REGEXES = (r"[0-9]{3}-[a-z]{2,4}", r"(yes|no|maybe)!?", r"-?[1-9][0-9]{0,3}\.[0-9]{2}", r"[A-Z][a-z]{1,6}( [A-Z][a-z]{1,6}){0,2}")
+REGEXES = (
+    r"[0-9]{3}-[a-z]{2,4}",
+    r"(yes|no|maybe)!?",
+    r"-?[1-9][0-9]{0,3}\.[0-9]{2}",
+    r"[A-Z][a-z]{1,6}( [A-Z][a-z]{1,6}){0,2}",
+)
 CHOICES = (["positive", "negative", "neutral"], ["Paris", "Par", "Lyon", "Lille"])
 SCHEMAS: tuple[dict[str, Any], ...] = (
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                      "age": {"type": "integer"},
-                                      "admin": {"type": "boolean"}},
-     "required": ["name", "age", "admin"], "additionalProperties": False},
-    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
-                                      "sizes": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
-                                      "point": {"type": "object", "properties": {"x": {"type": "number"},
-                                                                                  "y": {"type": "number"}},
-                                                "required": ["x", "y"], "additionalProperties": False}},
-     "required": ["color", "sizes", "point"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer"},
+            "admin": {"type": "boolean"},
+        },
+        "required": ["name", "age", "admin"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "sizes": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["color", "sizes", "point"],
+        "additionalProperties": False,
+    },
 )
 VALID_INSTANCES = (
     [{"name": "Ada", "age": 36, "admin": True}, {"name": "", "age": -4, "admin": False}],
-    [{"color": "red", "sizes": [], "point": {"x": 1.5, "y": -2}},
-     {"color": "blue", "sizes": [1, 22, 333], "point": {"x": 0, "y": 1e3}}],
+    [
+        {"color": "red", "sizes": [], "point": {"x": 1.5, "y": -2}},
+        {"color": "blue", "sizes": [1, 22, 333], "point": {"x": 0, "y": 1e3}},
+    ],
 )
 INVALID_INSTANCES = (
-    [{"name": "Ada", "age": 36}, {"name": "Ada", "age": "36", "admin": True},
-     {"name": "Ada", "age": 36, "admin": True, "extra": 1}, {"name": "Adalovelace", "age": 36, "admin": True}],
-    [{"color": "pink", "sizes": [], "point": {"x": 1, "y": 2}},
-     {"color": "red", "sizes": [1, 2, 3, 4], "point": {"x": 1, "y": 2}},
-     {"color": "red", "sizes": [], "point": {"x": 1}}],
+    [
+        {"name": "Ada", "age": 36},
+        {"name": "Ada", "age": "36", "admin": True},
+        {"name": "Ada", "age": 36, "admin": True, "extra": 1},
+        {"name": "Adalovelace", "age": 36, "admin": True},
+    ],
+    [
+        {"color": "pink", "sizes": [], "point": {"x": 1, "y": 2}},
+        {"color": "red", "sizes": [1, 2, 3, 4], "point": {"x": 1, "y": 2}},
+        {"color": "red", "sizes": [], "point": {"x": 1}},
+    ],
 )
 
 
@@ -142,8 +170,11 @@ class _PrefixOracle:
     def allowed(self, text: bytes, vocabulary: Sequence[bytes | None]) -> set[int]:
         # A token whose first byte already breaks the prefix cannot keep it; test whole tokens only for the rest.
         first_bytes = {byte for byte in range(256) if self.is_prefix(text + bytes([byte]))}
-        return {token_id for token_id, piece in enumerate(vocabulary)
-                if piece and piece[0] in first_bytes and self.is_prefix(text + piece)}
+        return {
+            token_id
+            for token_id, piece in enumerate(vocabulary)
+            if piece and piece[0] in first_bytes and self.is_prefix(text + piece)
+        }
 
 
 def _choice_pattern(choices: Sequence[str]) -> str:
@@ -180,19 +211,26 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
         """Options the backend is built with (override, or set ``PATCHBAY_TEST_STRUCTURED_OUTPUT_OPTIONS``)."""
         return json.loads(os.environ.get(OPTIONS_ENV, "{}"))
 
-    def build(self, plugin_class: type[StructuredOutputBackend], options: dict[str, Any],
-              vocab_size: int | None = None) -> StructuredOutputBackend:
+    def build(
+        self, plugin_class: type[StructuredOutputBackend], options: dict[str, Any], vocab_size: int | None = None
+    ) -> StructuredOutputBackend:
         """The backend over the bundled tokenizer, built once per class, options and vocabulary size."""
         tokenizer = bundled_tokenizer()
         vocab_size = vocab_size or len(tokenizer)
         key = (plugin_class, json.dumps(options, sort_keys=True), vocab_size)
         if key not in self._backends:
-            self._backends[key] = plugin_class(plugin_class.Options.model_validate(options), tokenizer=tokenizer,
-                                               vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id])
+            self._backends[key] = plugin_class(
+                plugin_class.Options.model_validate(options),
+                tokenizer=tokenizer,
+                vocab_size=vocab_size,
+                stop_token_ids=[tokenizer.eos_token_id],
+            )
         return self._backends[key]
 
     @pytest.fixture
-    def backend(self, available: type[StructuredOutputBackend], backend_options: dict[str, Any]) -> StructuredOutputBackend:
+    def backend(
+        self, available: type[StructuredOutputBackend], backend_options: dict[str, Any]
+    ) -> StructuredOutputBackend:
         return self.build(available, backend_options)
 
     def matcher_for(self, backend: StructuredOutputBackend, **constraint: Any) -> GrammarMatcher:
@@ -208,8 +246,9 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
 
     # -- regexes and choices against partial matching ------------------------------------------
 
-    def _walk_against_oracle(self, backend: StructuredOutputBackend, matcher: GrammarMatcher, pattern: str,
-                             seed: int) -> None:
+    def _walk_against_oracle(
+        self, backend: StructuredOutputBackend, matcher: GrammarMatcher, pattern: str, seed: int
+    ) -> None:
         oracle = _PrefixOracle(pattern)
         vocabulary = token_bytes(backend.vocab_size)
         stop = backend.stop_token_ids[0]
@@ -220,16 +259,21 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
             expected = oracle.allowed(text, vocabulary)
             context = f"after {text!r} (step {step}) for pattern {pattern!r}"
             wrongly_allowed = sorted((allowed - expected) - {stop})[:5]
-            assert not wrongly_allowed, f"{context}: allowed tokens that break the match: " \
-                f"{[(t, vocabulary[t]) for t in wrongly_allowed]}"
+            assert not wrongly_allowed, (
+                f"{context}: allowed tokens that break the match: {[(t, vocabulary[t]) for t in wrongly_allowed]}"
+            )
             wrongly_refused = sorted(expected - allowed)[:5]
             if wrongly_refused and backend.capabilities.canonical_forced_tokens:
                 self._assert_forced(allowed - {stop}, expected, vocabulary, context)
             else:
-                assert not wrongly_refused, f"{context}: refused tokens that keep a match possible: " \
+                assert not wrongly_refused, (
+                    f"{context}: refused tokens that keep a match possible: "
                     f"{[(t, vocabulary[t]) for t in wrongly_refused]}"
+                )
             complete = oracle.is_match(text)
-            assert (stop in allowed) == complete, f"{context}: stop token allowed={stop in allowed}, full match={complete}"
+            assert (stop in allowed) == complete, (
+                f"{context}: stop token allowed={stop in allowed}, full match={complete}"
+            )
             assert matcher.is_accepting() == complete, f"{context}: is_accepting() disagrees with the full match"
             choices = sorted(allowed - {stop})
             if not choices or (complete and rng.random() < 0.3):
@@ -246,11 +290,16 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
 
         That token must spell what every valid token does.
         """
-        assert len(kept) == 1, f"{context}: refused tokens that keep a match possible, and allowed {len(kept)} tokens, " \
+        assert len(kept) == 1, (
+            f"{context}: refused tokens that keep a match possible, and allowed {len(kept)} tokens, "
             "not the one canonical token of forced bytes"
+        )
         forced = vocabulary[next(iter(kept))] or b""
-        clashing = [vocabulary[t] for t in expected if not (forced.startswith(vocabulary[t] or b"")
-                                                           or (vocabulary[t] or b"").startswith(forced))]
+        clashing = [
+            vocabulary[t]
+            for t in expected
+            if not (forced.startswith(vocabulary[t] or b"") or (vocabulary[t] or b"").startswith(forced))
+        ]
         assert not clashing, f"{context}: allowed only {forced!r}, but {clashing[:5]} also keep a match possible"
 
     @pytest.mark.parametrize("pattern", REGEXES)
@@ -259,10 +308,13 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
             self._walk_against_oracle(backend, self.matcher_for(backend, regex=pattern), pattern, SEED + walk)
 
     @pytest.mark.parametrize("choices", CHOICES, ids=["words", "shared-prefixes"])
-    def test_choice_bitmask_matches_partial_matching(self, backend: StructuredOutputBackend, choices: list[str]) -> None:
+    def test_choice_bitmask_matches_partial_matching(
+        self, backend: StructuredOutputBackend, choices: list[str]
+    ) -> None:
         for walk in range(3):
-            self._walk_against_oracle(backend, self.matcher_for(backend, choice=choices), _choice_pattern(choices),
-                                      SEED + walk)
+            self._walk_against_oracle(
+                backend, self.matcher_for(backend, choice=choices), _choice_pattern(choices), SEED + walk
+            )
 
     # -- JSON schemas against jsonschema -------------------------------------------------------
 
@@ -282,8 +334,9 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
             return next(iter(forced))
         return token
 
-    def _accepts_text(self, backend: StructuredOutputBackend, matcher: GrammarMatcher, text: str,
-                      schema: dict[str, Any]) -> bool:
+    def _accepts_text(
+        self, backend: StructuredOutputBackend, matcher: GrammarMatcher, text: str, schema: dict[str, Any]
+    ) -> bool:
         """Feed ``text`` token by token.
 
         Checks the stop token and ``is_accepting`` against jsonschema at each prefix.
@@ -305,21 +358,27 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
             if not prefix[-1:].isspace():
                 assert (stop in allowed) == valid_here, (
                     f"after {prefix!r}: stop token allowed={stop in allowed}, but the prefix is "
-                    f"{'a valid' if valid_here else 'not a valid'} instance of the schema")
-                assert matcher.is_accepting() == valid_here, f"after {prefix!r}: is_accepting() disagrees with jsonschema"
+                    f"{'a valid' if valid_here else 'not a valid'} instance of the schema"
+                )
+                assert matcher.is_accepting() == valid_here, (
+                    f"after {prefix!r}: is_accepting() disagrees with jsonschema"
+                )
             if not remaining:
                 return valid_here and matcher.accept_tokens([stop]) == 1 and matcher.is_terminated()
             token = self._next_token(backend, allowed, remaining)
             if token not in allowed:
-                assert matcher.accept_tokens([token]) == 0, f"after {prefix!r}: accepted token {token} its bitmask refused"
+                assert matcher.accept_tokens([token]) == 0, (
+                    f"after {prefix!r}: accepted token {token} its bitmask refused"
+                )
                 return False
             assert matcher.accept_tokens([token]) == 1, f"after {prefix!r}: refused token {token} its bitmask allowed"
             piece = vocabulary[token] or b""
-            fed, remaining = fed + piece, remaining[len(piece):]
+            fed, remaining = fed + piece, remaining[len(piece) :]
 
     @pytest.mark.parametrize("index", range(len(SCHEMAS)))
-    def test_json_schema_accepts_valid_instances_and_refuses_invalid_ones(self, backend: StructuredOutputBackend,
-                                                                           index: int) -> None:
+    def test_json_schema_accepts_valid_instances_and_refuses_invalid_ones(
+        self, backend: StructuredOutputBackend, index: int
+    ) -> None:
         import jsonschema
 
         schema = SCHEMAS[index]
@@ -356,23 +415,30 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
                     break
                 # Short tokens of printable ASCII keep strings and numbers short, so walks end (raw control
                 # characters in strings have their own test).
-                solid = [t for t in allowed if len(vocabulary[t] or b"") <= 2
-                         and all(0x21 <= byte < 0x7F for byte in vocabulary[t] or b" ")]
+                solid = [
+                    t
+                    for t in allowed
+                    if len(vocabulary[t] or b"") <= 2 and all(0x21 <= byte < 0x7F for byte in vocabulary[t] or b" ")
+                ]
                 token = rng.choice(solid or allowed)
                 assert matcher.accept_tokens([token]) == 1
                 text += vocabulary[token] or b""
         assert ended, "no random walk through the JSON grammar reached its end in 400 tokens"
 
-    def _assert_string_refuses_control_characters(self, backend: StructuredOutputBackend,
-                                                  string_schema: dict[str, Any]) -> None:
+    def _assert_string_refuses_control_characters(
+        self, backend: StructuredOutputBackend, string_schema: dict[str, Any]
+    ) -> None:
         """Inside a JSON string, characters U+0000..U+001F must be escaped (RFC 8259, section 7)."""
         schema = {"type": "object", "properties": {"a": string_schema}, "required": ["a"]}
         matcher = self.matcher_for(backend, json_schema=schema)
         prefix = bundled_tokenizer().encode('{"a": "x', add_special_tokens=False)
         assert matcher.accept_tokens(prefix) == len(prefix)
         vocabulary = token_bytes(backend.vocab_size)
-        raw = [(token, vocabulary[token]) for token in allowed_tokens(self.fill(backend, matcher), 0, backend.vocab_size)
-               if any(byte < 0x20 for byte in vocabulary[token] or b"")]
+        raw = [
+            (token, vocabulary[token])
+            for token in allowed_tokens(self.fill(backend, matcher), 0, backend.vocab_size)
+            if any(byte < 0x20 for byte in vocabulary[token] or b"")
+        ]
         assert not raw, f"inside a JSON string, allowed tokens with raw control characters: {raw[:8]}"
 
     def test_json_strings_refuse_raw_control_characters(self, backend: StructuredOutputBackend) -> None:
@@ -448,8 +514,9 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
         assert first.accept_tokens(bundled_tokenizer().encode("12", add_special_tokens=False)) >= 1
         assert np.array_equal(self.fill(backend, second), fresh)
 
-    def test_ids_past_the_tokenizer_are_never_allowed(self, available: type[StructuredOutputBackend],
-                                                      backend_options: dict[str, Any]) -> None:
+    def test_ids_past_the_tokenizer_are_never_allowed(
+        self, available: type[StructuredOutputBackend], backend_options: dict[str, Any]
+    ) -> None:
         vocab_size = len(bundled_tokenizer()) + 64  # models often pad their logits past the tokenizer
         backend = self.build(available, backend_options, vocab_size)
         assert backend.bitmask_width == -(-vocab_size // 32)
@@ -457,11 +524,15 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
         for text in ("", '{"a": "'):
             matcher.accept_tokens(bundled_tokenizer().encode(text, add_special_tokens=False))
             allowed = allowed_tokens(self.fill(backend, matcher), 0, vocab_size)
-            assert len(allowed) and allowed.max() < len(bundled_tokenizer()), f"after {text!r}: ids past the tokenizer allowed"
+            assert len(allowed) and allowed.max() < len(bundled_tokenizer()), (
+                f"after {text!r}: ids past the tokenizer allowed"
+            )
 
-    @pytest.mark.parametrize("constraint", [{"regex": "(("}, {"grammar": "root ::= ("},
-                                            {"json_schema": {"type": "no-such-type"}}],
-                             ids=["regex", "grammar", "json_schema"])
+    @pytest.mark.parametrize(
+        "constraint",
+        [{"regex": "(("}, {"grammar": "root ::= ("}, {"json_schema": {"type": "no-such-type"}}],
+        ids=["regex", "grammar", "json_schema"],
+    )
     def test_invalid_constraints_raise(self, backend: StructuredOutputBackend, constraint: dict[str, Any]) -> None:
         params = StructuredOutputParams(**constraint)
         if params.kind not in backend.capabilities.constraint_kinds:

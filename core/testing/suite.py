@@ -139,12 +139,15 @@ class PluginSuite(Generic[CapabilitiesT]):
             skip_not_declared("the plugin class was supplied directly; there is no registration to inspect")
         registration: Registration = request.getfixturevalue("registration")
         if registration.origin.distribution == "<local>":
-            skip_not_declared("the plugin was added to the registry by hand; only installed distributions are loaded "
-                              "the way patchbay loads them")
+            skip_not_declared(
+                "the plugin was added to the registry by hand; only installed distributions are loaded "
+                "the way patchbay loads them"
+            )
         report = _registration_report(registration.origin.plugin)
         assert report["error"] is None, f"registering plugin {registration.origin.plugin!r} failed: {report['error']}"
         problems = registration_problems(registration, report)
         assert not problems, f"registering {registration.reference} ({registration.origin}): " + "; ".join(problems)
+
     # -- options ----------------------------------------------------------------------------
 
     def test_options_is_a_pydantic_model(self, plugin_class: type[Plugin]) -> None:
@@ -209,12 +212,16 @@ def registration_problems(registration: Registration, report: dict[str, Any]) ->
     target_module = registration.target_path.partition(":")[0]
     if target_module != hook_module and target_module in report["imported"]:
         how = "a class" if not isinstance(registration.target, str) else "a string, but its hooks module imports it"
-        problems.append(f"it imported the implementation module {target_module} (registered as {how}); register a "
-                        "'module:Class' string and keep heavy imports out of the hooks module")
+        problems.append(
+            f"it imported the implementation module {target_module} (registered as {how}); register a "
+            "'module:Class' string and keep heavy imports out of the hooks module"
+        )
     heavy = sorted(module for module in report["imported"] if module.partition(".")[0] in HEAVY_MODULES)
     if heavy:
-        problems.append(f"it imported {', '.join(sorted({m.partition('.')[0] for m in heavy}))} "
-                        f"({len(heavy)} modules); import heavy libraries in the implementation module only")
+        problems.append(
+            f"it imported {', '.join(sorted({m.partition('.')[0] for m in heavy}))} "
+            f"({len(heavy)} modules); import heavy libraries in the implementation module only"
+        )
     if report["written"]:
         problems.append(f"it wrote files: {', '.join(report['written'][:5])}; registration must have no side effects")
     if report["cuda_initialized"]:
@@ -265,8 +272,13 @@ print(json.dumps({"imported": sorted(set(sys.modules) - before), "hook_module": 
 def _registration_report(plugin: str) -> dict[str, Any]:
     # A fresh interpreter, so modules imported by earlier tests do not hide what registering imports.
     # Run outside the current directory: a source checkout there could shadow the installed distributions.
-    result = subprocess.run([sys.executable, "-c", _REPORT_SCRIPT, plugin], capture_output=True, text=True, timeout=120,
-                            cwd=tempfile.gettempdir())
+    result = subprocess.run(
+        [sys.executable, "-c", _REPORT_SCRIPT, plugin],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tempfile.gettempdir(),
+    )
     if result.returncode != 0:
         pytest.fail(f"could not inspect plugin {plugin!r}: {result.stderr.strip()[-2000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

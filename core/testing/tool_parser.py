@@ -48,15 +48,30 @@ from patchbay.testing.suite import PluginSuite
 OPTIONS_ENV = "PATCHBAY_TEST_TOOL_PARSER_OPTIONS"
 SEED = 20241127
 
-CONTENTS = ("", "Sure, let me look that up.", "Use <b>bold</b>, [brackets] and {braces}; ok?\n",
-            "Caf\u00e9 \u2615 \u2014 \u00fcber \u4e2d\u6587")
+CONTENTS = (
+    "",
+    "Sure, let me look that up.",
+    "Use <b>bold</b>, [brackets] and {braces}; ok?\n",
+    "Caf\u00e9 \u2615 \u2014 \u00fcber \u4e2d\u6587",
+)
 """Text a model might write next to calls: markup-like characters, but no format's marker."""
 CALLS = (
     ToolCall("get_weather", json.dumps({"city": "Paris", "unit": "celsius"})),
-    ToolCall("search", json.dumps({"query": "a \"quoted\"; {braced} [listed] <tagged> \\ text",
-                                   "limit": 3, "exact": False, "filters": {"year": [2023, 2024], "lang": None}})),
+    ToolCall(
+        "search",
+        json.dumps(
+            {
+                "query": 'a "quoted"; {braced} [listed] <tagged> \\ text',
+                "limit": 3,
+                "exact": False,
+                "filters": {"year": [2023, 2024], "lang": None},
+            }
+        ),
+    ),
     ToolCall("now", "{}"),
-    ToolCall("translate", json.dumps({"text": "\u00e7a va \u2615 \u4f60\u597d\n\ttabbed", "to": "en"}, ensure_ascii=False)),
+    ToolCall(
+        "translate", json.dumps({"text": "\u00e7a va \u2615 \u4f60\u597d\n\ttabbed", "to": "en"}, ensure_ascii=False)
+    ),
 )
 
 
@@ -71,8 +86,9 @@ def check_arguments(parsed: ParsedToolCalls, text: str) -> None:
         try:
             arguments = json.loads(call.arguments)
         except (TypeError, json.JSONDecodeError) as exc:
-            pytest.fail(f"call {call.name!r} has arguments that are not JSON ({exc}): {call.arguments!r}, "
-                        f"parsing {text!r}")
+            pytest.fail(
+                f"call {call.name!r} has arguments that are not JSON ({exc}): {call.arguments!r}, parsing {text!r}"
+            )
         assert isinstance(arguments, dict), f"call {call.name!r} has arguments that are not an object: {arguments!r}"
 
 
@@ -98,8 +114,9 @@ def streamed(stream: ToolCallStream, pieces: list[str]) -> ParsedToolCalls:
     for piece in pieces:
         take(stream.feed(piece))
     take(stream.finish())
-    return ParsedToolCalls("".join(content), tuple(ToolCall(name, "".join(parts))
-                                                   for name, parts in zip(names, arguments, strict=True)))
+    return ParsedToolCalls(
+        "".join(content), tuple(ToolCall(name, "".join(parts)) for name, parts in zip(names, arguments, strict=True))
+    )
 
 
 def splits(text: str, rng: random.Random) -> list[list[str]]:
@@ -183,7 +200,8 @@ class ToolParserSuite(ToolParserBaseSuite):
             for broken in (_drop(text, text.rfind("}")), _drop(text, text.find("{"))):
                 parsed = parser.parse(broken)
                 assert parsed == ParsedToolCalls(broken), (
-                    f"a malformed call must come back as content: {broken!r} parsed as {parsed}")
+                    f"a malformed call must come back as content: {broken!r} parsed as {parsed}"
+                )
                 self._check_streams(parser, broken, rng, every_cut=False)
 
     def test_parse_never_raises_on_noise(self, parser: ToolParser) -> None:
@@ -194,7 +212,7 @@ class ToolParserSuite(ToolParserBaseSuite):
             for _ in range(rng.randint(0, 5)):
                 source = rng.choice(texts)
                 start = rng.randint(0, len(source))
-                fragments.append(source[start:start + rng.randint(0, 40)])
+                fragments.append(source[start : start + rng.randint(0, 40)])
             text = "".join(fragments)
             parsed = parser.parse(text)
             check_arguments(parsed, text)
@@ -215,4 +233,4 @@ class ToolParserSuite(ToolParserBaseSuite):
 
 
 def _drop(text: str, index: int) -> str:
-    return text if index < 0 else text[:index] + text[index + 1:]
+    return text if index < 0 else text[:index] + text[index + 1 :]

@@ -21,8 +21,9 @@ from patchbay.worker.sampling_state import SamplingState
 class InputBatch:
     """Token ids, counts, block tables and sampling parameters of the running requests."""
 
-    def __init__(self, *, max_num_reqs: int, max_model_len: int, block_sizes: list[int],
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self, *, max_num_reqs: int, max_model_len: int, block_sizes: list[int], device: torch.device | None = None
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.req_ids: list[str | None] = [None] * max_num_reqs
@@ -62,7 +63,9 @@ class InputBatch:
             self.num_rows += 1
         tokens = request.all_token_ids
         if len(tokens) > self.max_model_len:
-            raise ValueError(f"request {request.req_id!r} has {len(tokens)} tokens, max_model_len is {self.max_model_len}")
+            raise ValueError(
+                f"request {request.req_id!r} has {len(tokens)} tokens, max_model_len is {self.max_model_len}"
+            )
         self.req_ids[row] = request.req_id
         self.req_id_to_index[request.req_id] = row
         self.token_ids[row, : len(tokens)] = tokens

@@ -25,7 +25,6 @@ class Logprobs:
     sampled_rank: int
 
 
-
 class PromptLogprobs:
     """Scores prompt tokens chunk by chunk as prefill proceeds.
 
@@ -41,8 +40,15 @@ class PromptLogprobs:
         """Drop what was collected for a request (finished, preempted, or starting over)."""
         self._pending.pop(req_id, None)
 
-    def collect(self, rows: np.ndarray, seq_lens: np.ndarray, num_scheduled: np.ndarray, query_start_loc: np.ndarray,
-                complete: np.ndarray, hidden_states: torch.Tensor) -> dict[str, Any]:
+    def collect(
+        self,
+        rows: np.ndarray,
+        seq_lens: np.ndarray,
+        num_scheduled: np.ndarray,
+        query_start_loc: np.ndarray,
+        complete: np.ndarray,
+        hidden_states: torch.Tensor,
+    ) -> dict[str, Any]:
         """Logprobs of the prompt tokens this step's chunks cover; a request's list is returned once its prompt is done.
 
         The hidden state at position ``p`` scores prompt token ``p + 1``, so a

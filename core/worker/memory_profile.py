@@ -37,8 +37,10 @@ def step_activation_bytes(model: HFCausalLM, *, num_tokens: int, num_rows: int, 
     num_rows = max(1, min(num_rows, num_tokens))
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device)
-    bindings = {index: LayerBinding(_AttentionOutput(), torch.empty(0, device=device), 0, spec.layer_name)
-                for index, spec in model.layer_specs.items()}
+    bindings = {
+        index: LayerBinding(_AttentionOutput(), torch.empty(0, device=device), 0, spec.layer_name)
+        for index, spec in model.layer_specs.items()
+    }
     with _PeakMeter(device) as meter:
         with forward_context(ForwardContext(bindings, [None])):
             hidden_states = model.hidden_states(input_ids, positions)
@@ -56,8 +58,9 @@ class _AttentionOutput(AttentionImpl):
     seconds to every start (measured: 6 s on the development machine) for no better figure.
     """
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: object) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: object
+    ) -> torch.Tensor:
         return torch.zeros_like(query)
 
 

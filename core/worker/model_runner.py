@@ -135,8 +135,9 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.drafter = drafter
-        self.drafter_name = drafter_name or (f"drafter {type(drafter).__module__}.{type(drafter).__qualname__}"
-                                             if drafter is not None else "")
+        self.drafter_name = drafter_name or (
+            f"drafter {type(drafter).__module__}.{type(drafter).__qualname__}" if drafter is not None else ""
+        )
         """How errors about the drafter's proposals name it (``drafter:NAME`` when the engine built it)."""
         self.aux_hidden_states = self._aux_capture(model, drafter)
         """Captures the target layers the (loaded) drafter reads, during the forward pass; ``None``: none."""
@@ -144,7 +145,9 @@ class ModelRunner:
         self.num_speculative_tokens = num_speculative_tokens
         self.spec_stats = SpecDecodeStats()
         self.batch = InputBatch(
-            max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_sizes=[g.spec.block_size for g in groups],
+            max_num_reqs=max_num_reqs,
+            max_model_len=max_model_len,
+            block_sizes=[g.spec.block_size for g in groups],
             device=device,
         )
         self.prompt_logprobs = PromptLogprobs(model, self.batch)
@@ -222,8 +225,12 @@ class ModelRunner:
     def _bind_layers(self) -> dict[int, LayerBinding]:
         group_of = {name: index for index, group in enumerate(self.groups) for name in group.layer_names}
         return {
-            layer_idx: LayerBinding(self.backend.make_impl(spec), self.kv_caches[spec.layer_name],
-                                    group_of[spec.layer_name], spec.layer_name)
+            layer_idx: LayerBinding(
+                self.backend.make_impl(spec),
+                self.kv_caches[spec.layer_name],
+                group_of[spec.layer_name],
+                spec.layer_name,
+            )
             for layer_idx, spec in self.model.layer_specs.items()
         }
 
@@ -271,8 +278,9 @@ class ModelRunner:
         if not self.samples:
             # An earlier pipeline stage: its hidden states are on their way to the next stage (the hooks sent them).
             self.batch.num_computed_tokens[step.rows] = step.seq_lens
-            output = ModelRunnerOutput(req_ids=[self.batch.req_ids[row] for row in step.rows],
-                                       sampled_token_ids=[[] for _ in step.rows])
+            output = ModelRunnerOutput(
+                req_ids=[self.batch.req_ids[row] for row in step.rows], sampled_token_ids=[[] for _ in step.rows]
+            )
             if connector is not None:  # every rank joins the transfer reports, after every step
                 self._report_transfers(scheduler_output, output)
             self._lap("forward", clock)
@@ -282,8 +290,9 @@ class ModelRunner:
         logits = None
         if len(sample_rows):
             logits = self.model.logits(hidden_states[torch.from_numpy(step.layout.logits_indices).to(self.device)])
-        prompt_logprobs = self.prompt_logprobs.collect(step.rows, step.seq_lens, step.num_scheduled,
-                                                       step.query_start_loc, step.complete, hidden_states)
+        prompt_logprobs = self.prompt_logprobs.collect(
+            step.rows, step.seq_lens, step.num_scheduled, step.query_start_loc, step.complete, hidden_states
+        )
         clock = self._lap("forward", clock)
         constrained = self.constrained if self.constrained is not None and self.constrained.matchers else None
         sample_req_ids = [self.batch.req_ids[row] for row in sample_rows]
@@ -304,8 +313,15 @@ class ModelRunner:
                 bonus_logits = logits[torch.from_numpy(step.layout.bonus_indices).to(self.device)]
                 sampler_output = self.sampler.sample(bonus_logits, metadata)
                 assert self.rejection_sampler is not None  # a run that drafts has one
-                new_tokens = verify(self.rejection_sampler, step.layout, logits, step.drafts,
-                                    sampler_output.sampled_token_ids, metadata, self.model.shape.vocab_size)
+                new_tokens = verify(
+                    self.rejection_sampler,
+                    step.layout,
+                    logits,
+                    step.drafts,
+                    sampler_output.sampled_token_ids,
+                    metadata,
+                    self.model.shape.vocab_size,
+                )
             else:
                 sampler_output = self.sampler.sample(logits, metadata)
                 new_tokens = [[token] for token in sampler_output.sampled_token_ids[:, 0].tolist()]
@@ -341,15 +357,22 @@ class ModelRunner:
             scheduler_output.grammar_bitmasks = {}
             return
         clock = time.perf_counter()
-        constrained.update(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
-                           | scheduler_output.reset_req_ids, scheduler_output.scheduled_new_reqs)
+        constrained.update(
+            scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids | scheduler_output.reset_req_ids,
+            scheduler_output.scheduled_new_reqs,
+        )
         cached = scheduler_output.scheduled_cached_reqs
         if not self.samples and cached.new_token_ids:
             # A first pipeline stage samples nothing: its matchers accept the tokens the last stage sampled.
             constrained.advance(cached.req_ids, cached.new_token_ids)
-        scheduler_output.grammar_bitmasks = constrained.fill_step(
-            self._sampling_req_ids(scheduler_output, constrained.matchers),
-            scheduler_output.scheduled_spec_decode_tokens) if constrained.matchers else {}
+        scheduler_output.grammar_bitmasks = (
+            constrained.fill_step(
+                self._sampling_req_ids(scheduler_output, constrained.matchers),
+                scheduler_output.scheduled_spec_decode_tokens,
+            )
+            if constrained.matchers
+            else {}
+        )
         self._lap("structure", clock)
 
     def _sampling_req_ids(self, scheduler_output: SchedulerOutput, among: Container[str]) -> list[str]:
@@ -359,16 +382,26 @@ class ModelRunner:
         knows its tokens; one already in the batch has the batch's count.
         """
         scheduled = scheduler_output.num_scheduled_tokens
-        sampling = [request.req_id for request in scheduler_output.scheduled_new_reqs
-                    if request.req_id in among and request.num_computed_tokens + scheduled.get(request.req_id, 0)
-                    >= len(request.prompt_token_ids) + len(request.output_token_ids)]
+        sampling = [
+            request.req_id
+            for request in scheduler_output.scheduled_new_reqs
+            if request.req_id in among
+            and request.num_computed_tokens + scheduled.get(request.req_id, 0)
+            >= len(request.prompt_token_ids) + len(request.output_token_ids)
+        ]
         cached = scheduler_output.scheduled_cached_reqs
         index = self.batch.req_id_to_index
         # A stage that samples nothing learns the sampled tokens with the step (new_token_ids), not yet applied.
-        unseen = [len(tokens) for tokens in cached.new_token_ids] if not self.samples and cached.new_token_ids \
+        unseen = (
+            [len(tokens) for tokens in cached.new_token_ids]
+            if not self.samples and cached.new_token_ids
             else [0] * len(cached.req_ids)
+        )
         for req_id, num_computed, num_unseen in zip(cached.req_ids, cached.num_computed_tokens, unseen, strict=True):
-            if req_id in among and num_computed + scheduled[req_id] >= self.batch.num_tokens[index[req_id]] + num_unseen:
+            if (
+                req_id in among
+                and num_computed + scheduled[req_id] >= self.batch.num_tokens[index[req_id]] + num_unseen
+            ):
                 sampling.append(req_id)
         return sampling
 
@@ -389,7 +422,9 @@ class ModelRunner:
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.batch
-        dropped = scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids | scheduler_output.reset_req_ids
+        dropped = (
+            scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids | scheduler_output.reset_req_ids
+        )
         batch.sampling.begin_step()
         for req_id in dropped:
             batch.remove_request(req_id)
@@ -426,8 +461,9 @@ class ModelRunner:
 
     def _maybe_reorder(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.batch
-        num_scheduled = [scheduler_output.num_scheduled_tokens.get(batch.req_ids[row] or "", 0)
-                         for row in range(batch.num_rows)]
+        num_scheduled = [
+            scheduler_output.num_scheduled_tokens.get(batch.req_ids[row] or "", 0) for row in range(batch.num_rows)
+        ]
         order = self.builders[0].reorder_batch(num_scheduled)
         if order is not None:
             batch.reorder(order)
@@ -483,8 +519,11 @@ class ModelRunner:
             group_metadata.append(builder.build(common))
             commons.append(common)
         complete = seq_lens >= batch.num_tokens[rows]
-        num_drafts = np.array([len(d) for d in drafts_by_row], dtype=np.int64) if drafts_by_row else \
-            np.zeros(len(rows), dtype=np.int64)
+        num_drafts = (
+            np.array([len(d) for d in drafts_by_row], dtype=np.int64)
+            if drafts_by_row
+            else np.zeros(len(rows), dtype=np.int64)
+        )
         return StepInputs(
             rows=rows,
             num_scheduled=num_scheduled,
@@ -517,8 +556,9 @@ class ModelRunner:
             device=self.device,
         )
 
-    def _record_samples(self, step: StepInputs, new_tokens: list[list[int]],
-                        sampler_output: SamplerOutput | None) -> ModelRunnerOutput:
+    def _record_samples(
+        self, step: StepInputs, new_tokens: list[list[int]], sampler_output: SamplerOutput | None
+    ) -> ModelRunnerOutput:
         batch = self.batch
         req_ids = [batch.req_ids[row] for row in step.rows]
         sampled_lists: list[list[int]] = [[] for _ in step.rows]
@@ -549,11 +589,13 @@ class ModelRunner:
         layers = drafter.aux_hidden_state_layers() if drafter is not None else ()
         if not layers:
             return None
-        return AuxHiddenStates(model, resolve_aux_layers(layers, model.shape.num_layers,
-                                                         drafter=type(drafter).__name__))
+        return AuxHiddenStates(
+            model, resolve_aux_layers(layers, model.shape.num_layers, drafter=type(drafter).__name__)
+        )
 
-    def _propose_drafts(self, step: StepInputs, hidden_states: torch.Tensor,
-                        new_tokens: list[list[int]]) -> list[list[int]]:
+    def _propose_drafts(
+        self, step: StepInputs, hidden_states: torch.Tensor, new_tokens: list[list[int]]
+    ) -> list[list[int]]:
         """Ask the drafter for the next step's drafts, for the step's requests in step order.
 
         Every request of the step is in the batch (so it lines up with the
@@ -568,9 +610,13 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in rows]
         for position, tokens in zip(np.flatnonzero(step.complete), new_tokens, strict=True):
             sampled[position] = tokens
-        skip = {i for i, row in enumerate(rows)
-                if not step.complete[i] or not may_draft(batch.sampling_params[row])
-                or batch.num_tokens[row] + 1 >= batch.max_model_len}
+        skip = {
+            i
+            for i, row in enumerate(rows)
+            if not step.complete[i]
+            or not may_draft(batch.sampling_params[row])
+            or batch.num_tokens[row] + 1 >= batch.max_model_len
+        }
         capabilities = drafter.capabilities
         # The hidden state behind each request's last token: its chunk's last position minus the rejected drafts.
         ends = step.query_start_loc[1:] - 1 - step.num_rejected
@@ -581,7 +627,8 @@ class ModelRunner:
             max_model_len=batch.max_model_len,
             sampled_token_ids=sampled,
             hidden_states=hidden_states[torch.from_numpy(ends).to(self.device)]
-            if capabilities.needs_hidden_states else None,
+            if capabilities.needs_hidden_states
+            else None,
             skip=skip,
         )
         if capabilities.needs_attention_metadata or self.aux_hidden_states is not None:
@@ -596,10 +643,16 @@ class ModelRunner:
             )
         proposals = drafter.propose(draft_batch).draft_token_ids
         # Checked here, where they arrive: a bad id would otherwise fail the next step inside torch, unnamed.
-        return check_draft_proposals(self.drafter_name, proposals, draft_batch.req_ids,
-                                     [int(batch.num_tokens[row]) for row in rows], skip,
-                                     vocab_size=self.model.shape.vocab_size, max_drafts=self.num_speculative_tokens,
-                                     max_model_len=batch.max_model_len)
+        return check_draft_proposals(
+            self.drafter_name,
+            proposals,
+            draft_batch.req_ids,
+            [int(batch.num_tokens[row]) for row in rows],
+            skip,
+            vocab_size=self.model.shape.vocab_size,
+            max_drafts=self.num_speculative_tokens,
+            max_model_len=batch.max_model_len,
+        )
 
     def _logprobs(self, step: StepInputs, positions: np.ndarray, sampler_output: SamplerOutput) -> list[Any] | None:
         """Per step row, the sampled token's logprobs when its request asked for them (else ``None``)."""
@@ -614,6 +667,7 @@ class ModelRunner:
         for sample_index, position in enumerate(positions):
             wanted = self.batch.sampling_params[step.rows[position]].logprobs
             if wanted is not None:
-                found[position] = Logprobs(token_ids[sample_index][: wanted + 1], values[sample_index][: wanted + 1],
-                                           ranks[sample_index])
+                found[position] = Logprobs(
+                    token_ids[sample_index][: wanted + 1], values[sample_index][: wanted + 1], ranks[sample_index]
+                )
         return found

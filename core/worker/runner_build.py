@@ -66,9 +66,19 @@ def shards_vocabulary(settings: Settings, registry: Registry) -> bool:
     return not cast(DrafterCapabilities, capabilities).reads_vocabulary_weights  # resolve() checked the kind
 
 
-def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: torch.device, tuning: Tuning | None,
-                    rank: int = 0, all_reduce: AllReduce | None = None, all_gather: AllGather | None = None,
-                    link: StageLink | None = None, shard_vocabulary: bool = True) -> LoadedModel:
+def load_rank_model(
+    settings: Settings,
+    model_dir: Any,
+    *,
+    dtype: str,
+    device: torch.device,
+    tuning: Tuning | None,
+    rank: int = 0,
+    all_reduce: AllReduce | None = None,
+    all_gather: AllGather | None = None,
+    link: StageLink | None = None,
+    shard_vocabulary: bool = True,
+) -> LoadedModel:
     """Load the model, keep ``rank``'s shard when ``runtime.tensor_parallel_size`` > 1 and its stage's layers when
     ``runtime.pipeline_parallel_size`` > 1 (rank ``r`` is shard ``r % tensor_parallel_size`` of stage
     ``r // tensor_parallel_size``), then speed up its linears.
@@ -82,8 +92,14 @@ def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: t
     tensor_size = settings.runtime.tensor_parallel_size
     if tensor_size > 1:
         assert all_reduce is not None and all_gather is not None, "a sharded model needs the ranks' collectives"
-        shard_model(model, shard_layout(model.model.config, tensor_size), rank % tensor_size, all_reduce,
-                    all_gather, shard_vocabulary=shard_vocabulary)
+        shard_model(
+            model,
+            shard_layout(model.model.config, tensor_size),
+            rank % tensor_size,
+            all_reduce,
+            all_gather,
+            shard_vocabulary=shard_vocabulary,
+        )
     num_stages = settings.runtime.pipeline_parallel_size
     if num_stages > 1:
         assert link is not None, "a model split into stages needs the link between them"
@@ -94,8 +110,9 @@ def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: t
         check_lora_layout(settings)
         # LoRA adds each target's product after its own linear: no fused q/k/v or gate/up, no fused layers.
         runtime = runtime.model_copy(update={"fuse_projections": False, "fused_ops": False})
-    quantized, paths = speed_up_linears(model, runtime, settings.model.quantization,
-                                        device=device, dtype=dtype, tuning=tuning)
+    quantized, paths = speed_up_linears(
+        model, runtime, settings.model.quantization, device=device, dtype=dtype, tuning=tuning
+    )
     # After the linears: the fused MLP computes gate/up through the group those paths gave it.
     fused = use_fused_ops(model.model, device=device, dtype=dtype) if runtime.fused_ops else FusedModules()
     if fused.attentions:  # then whole layers, where their products are tiled
@@ -106,15 +123,25 @@ def load_rank_model(settings: Settings, model_dir: Any, *, dtype: str, device: t
 def check_lora_layout(settings: Settings) -> None:
     """LoRA runs in one process: its adapter weights are not sharded over ranks or split over stages yet."""
     runtime = settings.runtime
-    for key, size in (("runtime.tensor_parallel_size", runtime.tensor_parallel_size),
-                      ("runtime.pipeline_parallel_size", runtime.pipeline_parallel_size)):
+    for key, size in (
+        ("runtime.tensor_parallel_size", runtime.tensor_parallel_size),
+        ("runtime.pipeline_parallel_size", runtime.pipeline_parallel_size),
+    ):
         if size > 1:
-            raise ConfigError([ConfigProblem("<run>", key, f"LoRA adapters (the lora: section) run on one rank; "
-                                             f"{key} is {size}")])
+            raise ConfigError(
+                [ConfigProblem("<run>", key, f"LoRA adapters (the lora: section) run on one rank; {key} is {size}")]
+            )
 
 
-def speed_up_linears(model: HFCausalLM, runtime: RuntimeSettings, quantization: str, *, device: torch.device,
-                     dtype: str, tuning: Tuning | None) -> tuple[int, LinearPaths]:
+def speed_up_linears(
+    model: HFCausalLM,
+    runtime: RuntimeSettings,
+    quantization: str,
+    *,
+    device: torch.device,
+    dtype: str,
+    tuning: Tuning | None,
+) -> tuple[int, LinearPaths]:
     """Apply ``model.quantization``, ``runtime.fuse_projections`` and ``runtime.linear_kernel`` to the linears.
 
     Returns the number of quantized linears and the float paths applied.
@@ -122,30 +149,59 @@ def speed_up_linears(model: HFCausalLM, runtime: RuntimeSettings, quantization: 
     quantized = 0
     if quantization != "none":
         if device.type != "cpu":
-            raise ConfigError([ConfigProblem("<run>", "model.quantization",
-                                             f"{quantization} runs on the CPU; this run is on {device}")])
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "<run>", "model.quantization", f"{quantization} runs on the CPU; this run is on {device}"
+                    )
+                ]
+            )
         # Fused q/k/v and gate/up mean fewer, larger integer products: fuse for every step that runs them.
         if runtime.fuse_projections:
             fuse_shared_input_projections(model.model, max_rows=INT8_MAX_ROWS)
         quantized = quantize_linears(model.model, quantization)
     if runtime.linear_kernel == "row_split" and not (device.type == "cpu" and dtype == "float32"):
-        raise ConfigError([ConfigProblem(
-            "<run>", "runtime.linear_kernel",
-            f"row_split runs on CPU float32 weights; this run has {device.type} {dtype} (use auto or torch)")])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    "runtime.linear_kernel",
+                    f"row_split runs on CPU float32 weights; this run has {device.type} {dtype} (use auto or torch)",
+                )
+            ]
+        )
     if runtime.linear_kernel == "onednn" and not (device.type == "cpu" and packing_supported(getattr(torch, dtype))):
-        raise ConfigError([ConfigProblem(
-            "<run>", "runtime.linear_kernel",
-            f"onednn packs CPU float32 or bfloat16 weights with a torch built with oneDNN; this run has "
-            f"{device.type} {dtype}{'' if torch.backends.mkldnn.is_available() else ' and no oneDNN'}"
-            " (use auto or torch)")])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    "runtime.linear_kernel",
+                    f"onednn packs CPU float32 or bfloat16 weights with a torch built with oneDNN; this run has "
+                    f"{device.type} {dtype}{'' if torch.backends.mkldnn.is_available() else ' and no oneDNN'}"
+                    " (use auto or torch)",
+                )
+            ]
+        )
     if runtime.linear_kernel == "tiles":
         reason = "it runs on the CPU" if device.type != "cpu" else tiles_unavailable(getattr(torch, dtype))
         if reason is not None:
-            raise ConfigError([ConfigProblem(
-                "<run>", "runtime.linear_kernel",
-                f"tiles cannot run this {device.type} {dtype} model: {reason} (use auto, onednn or torch)")])
-    paths = apply_linear_paths(model.model, linear_kernel=runtime.linear_kernel,
-                               fuse_projections=runtime.fuse_projections, dtype=dtype, device=device, tuning=tuning)
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "<run>",
+                        "runtime.linear_kernel",
+                        f"tiles cannot run this {device.type} {dtype} model: {reason} (use auto, onednn or torch)",
+                    )
+                ]
+            )
+    paths = apply_linear_paths(
+        model.model,
+        linear_kernel=runtime.linear_kernel,
+        fuse_projections=runtime.fuse_projections,
+        dtype=dtype,
+        device=device,
+        tuning=tuning,
+    )
     return quantized, paths
 
 
@@ -170,12 +226,14 @@ def rank_shard(runtime: RuntimeSettings, rank: int) -> KVShard:
 
     Rank 3 with 2 tensor-parallel ranks per stage is shard 1 of stage 1.
     """
-    return KVShard.of_rank(rank, tensor_parallel_size=runtime.tensor_parallel_size,
-                           pipeline_parallel_size=runtime.pipeline_parallel_size)
+    return KVShard.of_rank(
+        rank, tensor_parallel_size=runtime.tensor_parallel_size, pipeline_parallel_size=runtime.pipeline_parallel_size
+    )
 
 
-def kv_connector_worker(settings: Settings, registry: Registry, config: KVConnectorConfig,
-                        rank: int) -> KVConnectorWorker:
+def kv_connector_worker(
+    settings: Settings, registry: Registry, config: KVConnectorConfig, rank: int
+) -> KVConnectorWorker:
     """Rank ``rank``'s worker side of the ``kv_connector:`` connector (rank 0 checked it serves the run),
     configured with the rank's shard (:meth:`KVConnectorConfig.with_shard`)."""
     section = settings.kv_connector
@@ -187,20 +245,34 @@ def kv_connector_worker(settings: Settings, registry: Registry, config: KVConnec
     return connector.worker_side()
 
 
-def drafter_config(settings: Settings, model: HFCausalLM, *, device: torch.device, dtype: str,
-                   max_model_len: int) -> DrafterConfig:
+def drafter_config(
+    settings: Settings, model: HFCausalLM, *, device: torch.device, dtype: str, max_model_len: int
+) -> DrafterConfig:
     """What the ``speculative:`` drafter is asked to serve (and is built with)."""
     assert settings.speculative is not None
-    return DrafterConfig(device=device.type, dtype=dtype,
-                         num_speculative_tokens=settings.speculative.num_speculative_tokens,
-                         max_model_len=max_model_len, vocab_size=model.shape.vocab_size)
+    return DrafterConfig(
+        device=device.type,
+        dtype=dtype,
+        num_speculative_tokens=settings.speculative.num_speculative_tokens,
+        max_model_len=max_model_len,
+        vocab_size=model.shape.vocab_size,
+    )
 
 
-def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec: RunnerSpec, *,
-                 device: torch.device, dtype: str, kv_connector: KVConnectorWorker | None = None,
-                 kv_reports: RankTransferReports | None = None,
-                 grammars: GrammarCompilations | None = None, rank: int = 0,
-                 lora: LoRAManager | None = None) -> ModelRunner:
+def build_runner(
+    model: HFCausalLM,
+    settings: Settings,
+    registry: Registry,
+    spec: RunnerSpec,
+    *,
+    device: torch.device,
+    dtype: str,
+    kv_connector: KVConnectorWorker | None = None,
+    kv_reports: RankTransferReports | None = None,
+    grammars: GrammarCompilations | None = None,
+    rank: int = 0,
+    lora: LoRAManager | None = None,
+) -> ModelRunner:
     """The runner over ``model`` (``rank``'s part of it) with the plugins the settings name (already checked by
     rank 0); only the last pipeline stage's runners sample.
 
@@ -212,24 +284,42 @@ def build_runner(model: HFCausalLM, settings: Settings, registry: Registry, spec
     backend_class = cast("type[AttentionBackend]", registry.resolve("attention", spec.backend_name))
     backend = backend_class(plugin_options(backend_class, settings.attention.options, where="attention.options"))
     builder_name = settings.attention.metadata_builder or backend_class.metadata_builder
-    builders = [create(registry, "attention_metadata_builder", builder_name, {}, "attention.metadata_builder",
-                       block_size=g.spec.block_size, sliding_window=g.spec.sliding_window, device=str(device))
-                for g in groups]
+    builders = [
+        create(
+            registry,
+            "attention_metadata_builder",
+            builder_name,
+            {},
+            "attention.metadata_builder",
+            block_size=g.spec.block_size,
+            sliding_window=g.spec.sliding_window,
+            device=str(device),
+        )
+        for g in groups
+    ]
     sampler = create(registry, "sampler", settings.sampler.name, settings.sampler.options, "sampler.options")
     drafter = verifier = None
     speculative = settings.speculative
     if speculative is not None:
         drafter_class = cast("type[Drafter]", registry.resolve("drafter", speculative.method))
-        drafter = drafter_class(plugin_options(drafter_class, speculative.options, where="speculative.options"),
-                                config=drafter_config(settings, model, device=device, dtype=dtype,
-                                                      max_model_len=spec.max_model_len))
+        drafter = drafter_class(
+            plugin_options(drafter_class, speculative.options, where="speculative.options"),
+            config=drafter_config(settings, model, device=device, dtype=dtype, max_model_len=spec.max_model_len),
+        )
         # A sampler of the verify role (rank 0 checked that it serves the run).
         verifier_class = cast("type[RejectionSampler]", registry.resolve("sampler", speculative.rejection_sampler))
         verifier = verifier_class(verifier_class.Options())
-        drafter.load(DrafterContext(
-            model=model.model, attention_backend=backend, metadata_builder=builders[0], block_size=block_size,
-            num_blocks=spec.num_blocks, device=device, dtype=torch_dtype(dtype),
-        ))
+        drafter.load(
+            DrafterContext(
+                model=model.model,
+                attention_backend=backend,
+                metadata_builder=builders[0],
+                block_size=block_size,
+                num_blocks=spec.num_blocks,
+                device=device,
+                dtype=torch_dtype(dtype),
+            )
+        )
     return ModelRunner(
         model,
         backend=backend,

@@ -34,8 +34,9 @@ class SamplingState:
     """Sampling parameters of every batch row, plus each seeded request's generator."""
 
     def __init__(self, max_num_reqs: int) -> None:
-        self.columns = {name: np.full(max_num_reqs, neutral, dtype=dtype)
-                        for name, (dtype, neutral) in _COLUMNS.items()}
+        self.columns = {
+            name: np.full(max_num_reqs, neutral, dtype=dtype) for name, (dtype, neutral) in _COLUMNS.items()
+        }
         self.generators: dict[str, torch.Generator] = {}
         """By request id, so reordering rows never mixes streams; kept while a preempted request is away."""
         self._states_before_step: dict[str, torch.Tensor] = {}
@@ -105,9 +106,12 @@ class SamplingState:
                 self._states_before_step[req_id] = self.generators[req_id].get_state()
         temperature = column["temperature"]
         wanted_logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        outputs_needed = (used("frequency_penalty") is not None or used("presence_penalty") is not None
-                          or used("repetition_penalty") is not None
-                          or any(p.min_tokens or p.bad_words_token_ids for p in params))
+        outputs_needed = (
+            used("frequency_penalty") is not None
+            or used("presence_penalty") is not None
+            or used("repetition_penalty") is not None
+            or any(p.min_tokens or p.bad_words_token_ids for p in params)
+        )
         outputs = output_token_ids() if outputs_needed else []
         metadata = SamplingMetadata(
             temperature=torch.from_numpy(temperature).to(device),

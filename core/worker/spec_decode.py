@@ -60,7 +60,9 @@ def logits_layout(cu_num_scheduled: np.ndarray, num_drafts: np.ndarray, complete
         logits_indices=logits_indices.astype(np.int64),
         num_drafts=sampling_drafts,
         bonus_indices=(ends - 1).astype(np.int64),
-        target_indices=(np.repeat(ends - per_request, sampling_drafts) + arange_within(sampling_drafts)).astype(np.int64),
+        target_indices=(np.repeat(ends - per_request, sampling_drafts) + arange_within(sampling_drafts)).astype(
+            np.int64
+        ),
     )
 
 
@@ -140,8 +142,10 @@ class SpecDecodeStats:
 
     @property
     def acceptance_rate_per_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position or [], self.drafted_per_position or [],
-                                                    strict=True)]
+        return [
+            a / d if d else 0.0
+            for a, d in zip(self.accepted_per_position or [], self.drafted_per_position or [], strict=True)
+        ]
 
     @property
     def mean_accepted_length(self) -> float:
@@ -162,9 +166,17 @@ class DraftProposalError(ValueError):
     """A drafter proposed something the target cannot verify (an id outside the vocabulary, too many drafts)."""
 
 
-def check_draft_proposals(drafter: str, proposals: Sequence[Sequence[int]], req_ids: Sequence[str],
-                          num_tokens: Sequence[int], skip: set[int], *, vocab_size: int, max_drafts: int,
-                          max_model_len: int) -> list[list[int]]:
+def check_draft_proposals(
+    drafter: str,
+    proposals: Sequence[Sequence[int]],
+    req_ids: Sequence[str],
+    num_tokens: Sequence[int],
+    skip: set[int],
+    *,
+    vocab_size: int,
+    max_drafts: int,
+    max_model_len: int,
+) -> list[list[int]]:
     """The proposals as lists of ints, or :class:`DraftProposalError` naming ``drafter`` and the request.
 
     ``num_tokens[i]`` is request ``i``'s length now: its drafts may take it
@@ -172,7 +184,9 @@ def check_draft_proposals(drafter: str, proposals: Sequence[Sequence[int]], req_
     was proposed for them.
     """
     if len(proposals) != len(req_ids):
-        raise DraftProposalError(f"{drafter} returned {len(proposals)} proposals for a batch of {len(req_ids)} requests")
+        raise DraftProposalError(
+            f"{drafter} returned {len(proposals)} proposals for a batch of {len(req_ids)} requests"
+        )
     checked: list[list[int]] = []
     for index, proposal in enumerate(proposals):
         if index in skip:
@@ -182,9 +196,11 @@ def check_draft_proposals(drafter: str, proposals: Sequence[Sequence[int]], req_
         where = f"{drafter} proposed for request {req_ids[index]!r}"
         limit = min(max_drafts, max_model_len - num_tokens[index])
         if len(drafts) > limit:
-            raise DraftProposalError(f"{where} {len(drafts)} drafts; at most {limit} are allowed "
-                                     f"(num_speculative_tokens {max_drafts}, {num_tokens[index]} of max_model_len "
-                                     f"{max_model_len} tokens used)")
+            raise DraftProposalError(
+                f"{where} {len(drafts)} drafts; at most {limit} are allowed "
+                f"(num_speculative_tokens {max_drafts}, {num_tokens[index]} of max_model_len "
+                f"{max_model_len} tokens used)"
+            )
         bad = [token for token in drafts if not 0 <= token < vocab_size]
         if bad:
             raise DraftProposalError(f"{where} token ids outside the vocabulary (0..{vocab_size - 1}): {bad[:5]}")

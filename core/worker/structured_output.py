@@ -48,8 +48,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: Sequenc
     _mask_rows(logits, bitmask[np.asarray(rows)], rows)
 
 
-def apply_request_bitmasks(logits: torch.Tensor, bitmasks: Mapping[str, np.ndarray], req_ids: Sequence[str],
-                           first_rows: np.ndarray) -> None:
+def apply_request_bitmasks(
+    logits: torch.Tensor, bitmasks: Mapping[str, np.ndarray], req_ids: Sequence[str], first_rows: np.ndarray
+) -> None:
     """Mask ``logits`` with bitmask rows filled per request (rank 0's ``SchedulerOutput.grammar_bitmasks``).
 
     Request ``req_ids[i]`` owns logits rows ``first_rows[i] ..``; its bitmask
@@ -101,8 +102,11 @@ class ConstrainedDecoding:
             self._fail(req_id, f"failed to start its matcher: {type(exc).__name__}: {exc}")
             return
         if accepted != len(output_token_ids):
-            self._fail(req_id, f"rejected the request's generated token {output_token_ids[accepted]} "
-                               f"(output position {accepted}) when rebuilding its matcher")
+            self._fail(
+                req_id,
+                f"rejected the request's generated token {output_token_ids[accepted]} "
+                f"(output position {accepted}) when rebuilding its matcher",
+            )
             return
         self.matchers[req_id] = matcher
 
@@ -111,8 +115,9 @@ class ConstrainedDecoding:
         self.failed.pop(req_id, None)
         self._field_paths.pop(req_id, None)
 
-    def mask(self, logits: torch.Tensor, req_ids: Sequence[str], drafts: Sequence[Sequence[int]],
-             first_rows: np.ndarray) -> None:
+    def mask(
+        self, logits: torch.Tensor, req_ids: Sequence[str], drafts: Sequence[Sequence[int]], first_rows: np.ndarray
+    ) -> None:
         """Mask the logits rows of the constrained requests among ``req_ids`` (the step's sampling requests).
 
         Request ``i`` owns logits rows ``first_rows[i] ..`` : one per draft
@@ -141,8 +146,12 @@ class ConstrainedDecoding:
             self.remove(req_id)
         for request in new_requests:
             if request.grammar is not None:
-                self.add(request.req_id, request.grammar, request.output_token_ids,
-                         request.sampling_params.structured_output.field_path)
+                self.add(
+                    request.req_id,
+                    request.grammar,
+                    request.output_token_ids,
+                    request.sampling_params.structured_output.field_path,
+                )
 
     def fill_step(self, req_ids: Iterable[str], drafts: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:
         """The bitmask rows of the constrained requests among ``req_ids``, by request (for the other ranks).
@@ -164,8 +173,9 @@ class ConstrainedDecoding:
                 filled[req_id] = bitmask[:num_rows]
         return filled
 
-    def _fill_rows(self, req_id: str, matcher: GrammarMatcher, drafts: Sequence[int], bitmask: np.ndarray,
-                   row: int) -> int:
+    def _fill_rows(
+        self, req_id: str, matcher: GrammarMatcher, drafts: Sequence[int], bitmask: np.ndarray, row: int
+    ) -> int:
         """Fill ``bitmask`` rows ``row ..`` for one request: its next token, then after each draft in turn.
 
         Returns how many rows were filled (0 when the backend raised: the request is failed).  The drafts

@@ -124,8 +124,15 @@ def varlen_metadata(paged: PagedAttentionMetadata, sliding_window: int | None) -
     slots, request_ids, positions = ragged_slots(paged.block_table, key_starts, paged.seq_lens, paged.block_size)
     cu_seqlens_k = torch.tensor([0, *itertools.accumulate(key_lens)], dtype=torch.int32, device=slots.device)
     return extend_metadata(
-        paged, VarlenAttentionMetadata, sliding_window=sliding_window, key_starts=key_starts, cu_seqlens_k=cu_seqlens_k,
-        max_key_len=max(key_lens, default=0), kv_slots=slots, kv_request_ids=request_ids, kv_positions=positions,
+        paged,
+        VarlenAttentionMetadata,
+        sliding_window=sliding_window,
+        key_starts=key_starts,
+        cu_seqlens_k=cu_seqlens_k,
+        max_key_len=max(key_lens, default=0),
+        kv_slots=slots,
+        kv_request_ids=request_ids,
+        kv_positions=positions,
     )
 
 
@@ -144,8 +151,9 @@ def as_paged(metadata: PagedAttentionMetadata | CommonAttentionMetadata) -> Page
     return metadata
 
 
-def as_varlen(metadata: PagedAttentionMetadata | CommonAttentionMetadata,
-              sliding_window: int | None) -> VarlenAttentionMetadata:
+def as_varlen(
+    metadata: PagedAttentionMetadata | CommonAttentionMetadata, sliding_window: int | None
+) -> VarlenAttentionMetadata:
     """``metadata`` as :class:`VarlenAttentionMetadata` for ``sliding_window``, derived here if the builder did not."""
     if isinstance(metadata, VarlenAttentionMetadata) and metadata.sliding_window == sliding_window:
         return metadata
@@ -155,8 +163,12 @@ def as_varlen(metadata: PagedAttentionMetadata | CommonAttentionMetadata,
 VarlenT = TypeVar("VarlenT", bound=VarlenAttentionMetadata)
 
 
-def as_extended_varlen(metadata: PagedAttentionMetadata | CommonAttentionMetadata, cls: type[VarlenT],
-                       sliding_window: int | None, extend: Callable[[VarlenAttentionMetadata], VarlenT]) -> VarlenT:
+def as_extended_varlen(
+    metadata: PagedAttentionMetadata | CommonAttentionMetadata,
+    cls: type[VarlenT],
+    sliding_window: int | None,
+    extend: Callable[[VarlenAttentionMetadata], VarlenT],
+) -> VarlenT:
     """``metadata`` as ``cls`` (a :class:`VarlenAttentionMetadata` subclass) for ``sliding_window``.
 
     The builder's own result when it is a ``cls`` built for that window;

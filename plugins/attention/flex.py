@@ -79,8 +79,9 @@ def flex_metadata(varlen: VarlenAttentionMetadata) -> FlexAttentionMetadata:
     key_positions = _padded(varlen.kv_positions, kv_len, 0)
     window = varlen.sliding_window
 
-    def mask_mod(batch: torch.Tensor, head: torch.Tensor, query_index: torch.Tensor,
-                 key_index: torch.Tensor) -> torch.Tensor:
+    def mask_mod(
+        batch: torch.Tensor, head: torch.Tensor, query_index: torch.Tensor, key_index: torch.Tensor
+    ) -> torch.Tensor:
         query_position = query_positions[query_index]
         key_position = key_positions[key_index]
         visible = (query_request_ids[query_index] == key_request_ids[key_index]) & (key_position <= query_position)
@@ -89,8 +90,13 @@ def flex_metadata(varlen: VarlenAttentionMetadata) -> FlexAttentionMetadata:
         return visible
 
     block_mask = create_block_mask(mask_mod, None, None, query_len, kv_len, device=varlen.kv_slots.device)
-    return extend_metadata(varlen, FlexAttentionMetadata, block_mask=block_mask, padded_query_len=query_len,
-                           padded_kv_slots=_padded(varlen.kv_slots, kv_len, 0))
+    return extend_metadata(
+        varlen,
+        FlexAttentionMetadata,
+        block_mask=block_mask,
+        padded_query_len=query_len,
+        padded_kv_slots=_padded(varlen.kv_slots, kv_len, 0),
+    )
 
 
 class FlexMetadataBuilder(VarlenMetadataBuilder):
@@ -188,8 +194,12 @@ class FlexAttentionImpl(AttentionImpl):
                 # Choosing the unfused path is the operator's call (Options.compile); do not warn every run.
                 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             attended = self.flex_attention(
-                queries.transpose(0, 1)[None], keys, values,
-                score_mod=self.score_mod, block_mask=metadata.block_mask, scale=self.layer.scale,
+                queries.transpose(0, 1)[None],
+                keys,
+                values,
+                score_mod=self.score_mod,
+                block_mask=metadata.block_mask,
+                scale=self.layer.scale,
                 enable_gqa=self.layer.num_heads != self.layer.num_kv_heads,
             )
         output[:num_tokens] = attended[0, :, :num_tokens].transpose(0, 1)
@@ -197,8 +207,9 @@ class FlexAttentionImpl(AttentionImpl):
 
 
 def _soft_cap(cap: float) -> Callable[..., torch.Tensor]:
-    def soft_cap(score: torch.Tensor, batch: torch.Tensor, head: torch.Tensor, query_index: torch.Tensor,
-                 key_index: torch.Tensor) -> torch.Tensor:
+    def soft_cap(
+        score: torch.Tensor, batch: torch.Tensor, head: torch.Tensor, query_index: torch.Tensor, key_index: torch.Tensor
+    ) -> torch.Tensor:
         return cap * torch.tanh(score / cap)
 
     return soft_cap

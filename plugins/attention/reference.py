@@ -60,8 +60,9 @@ class ReferenceImpl(AttentionImpl):
         return output
 
     @staticmethod
-    def _cached(key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: PagedAttentionMetadata,
-                request: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cached(
+        key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: PagedAttentionMetadata, request: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         seq_len = metadata.seq_lens[request]
         num_blocks = -(-seq_len // metadata.block_size)
         blocks = metadata.block_table[request, :num_blocks].long()

@@ -132,8 +132,11 @@ class SDPAPlan:
     @functools.cached_property
     def long_queries(self) -> list[LongQuery]:
         """Requests of more new tokens, one SDPA call each."""
-        return [_long_query(self.metadata, request, self.sliding_window)
-                for request, query_len in enumerate(self.metadata.query_lens) if query_len > SHORT_QUERY_LEN]
+        return [
+            _long_query(self.metadata, request, self.sliding_window)
+            for request, query_len in enumerate(self.metadata.query_lens)
+            if query_len > SHORT_QUERY_LEN
+        ]
 
 
 @dataclass
@@ -160,8 +163,9 @@ def _split_by_padding(requests: list[int], num_blocks: list[int]) -> list[list[i
     return runs
 
 
-def _short_batch(metadata: PagedAttentionMetadata, requests: list[int], query_len: int,
-                 sliding_window: int | None) -> ShortQueryBatch:
+def _short_batch(
+    metadata: PagedAttentionMetadata, requests: list[int], query_len: int, sliding_window: int | None
+) -> ShortQueryBatch:
     block_size = metadata.block_size
     device = metadata.block_table.device
     first_block = min(window_start(metadata.context_lens[r], sliding_window) for r in requests) // block_size
@@ -221,7 +225,7 @@ def _long_query(metadata: PagedAttentionMetadata, request: int, sliding_window: 
         mask &= key_positions > query_positions[:, None] - sliding_window
     if context_len == 0:
         return LongQuery(start, end, seq_len, None, mask)
-    block_ids = metadata.block_table[request, first_block:-(-seq_len // block_size)].long()
+    block_ids = metadata.block_table[request, first_block : -(-seq_len // block_size)].long()
     return LongQuery(start, end, seq_len - first_key, block_ids, mask)
 
 
@@ -291,8 +295,9 @@ class DecodeKernel:
         reason = kernel_unavailable()
         if reason is not None:
             self._resolved = True
-            logger.warning("torch_sdpa: decodes use SDPA over gathered blocks; the C++ kernel is unavailable: %s",
-                           reason)
+            logger.warning(
+                "torch_sdpa: decodes use SDPA over gathered blocks; the C++ kernel is unavailable: %s", reason
+            )
             return None
         if self._build is None:
             self._build = KernelBuild.shared()
@@ -326,8 +331,9 @@ class TorchSDPABackend(AttentionBackend):
 class TorchSDPAImpl(AttentionImpl):
     """One layer of :class:`TorchSDPABackend`."""
 
-    def __init__(self, layer: AttentionLayerSpec, workspace: Workspace | None = None,
-                 decode_kernel: DecodeKernel | None = None) -> None:
+    def __init__(
+        self, layer: AttentionLayerSpec, workspace: Workspace | None = None, decode_kernel: DecodeKernel | None = None
+    ) -> None:
         if layer.logits_soft_cap is not None:
             raise ValueError(f"torch_sdpa cannot soft-cap attention logits (layer {layer.layer_name})")
         self.layer = layer
@@ -352,14 +358,24 @@ class TorchSDPAImpl(AttentionImpl):
             kernel = self.decode_kernel.get()
             query = query.contiguous() if kernel is not None and query.stride(-1) != 1 else query
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        output[metadata.num_actual_tokens:].zero_()
+        output[metadata.num_actual_tokens :].zero_()
         covered = 0  # requests of up to this many new tokens were attended by the kernel
         if kernel is not None and plan.kernel_queries is not None:
             queries = plan.kernel_queries
-            kernel.paged_decode_attention(query, key_cache, value_cache, queries.block_table, queries.seq_lens,
-                                          queries.rows, queries.table_rows, self.layer.scale,
-                                          self.layer.sliding_window or 0, output, chunk_runner(),
-                                          torch.get_num_threads())
+            kernel.paged_decode_attention(
+                query,
+                key_cache,
+                value_cache,
+                queries.block_table,
+                queries.seq_lens,
+                queries.rows,
+                queries.table_rows,
+                self.layer.scale,
+                self.layer.sliding_window or 0,
+                output,
+                chunk_runner(),
+                torch.get_num_threads(),
+            )
             covered = KERNEL_MAX_QUERY_LEN
         if plan.max_query_len > covered:  # else the kernel attended every request: SDPA has nothing to do
             for batch in plan.short_batches:
@@ -376,24 +392,44 @@ class TorchSDPAImpl(AttentionImpl):
         # Metadata from another builder (or for another window): plan here, once per layer.
         return plan_step(as_paged(metadata), self.layer.sliding_window)
 
-    def _short(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               batch: ShortQueryBatch, output: torch.Tensor) -> None:
+    def _short(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        batch: ShortQueryBatch,
+        output: torch.Tensor,
+    ) -> None:
         num_reqs = batch.mask.shape[0]
         num_heads, head_size = query.shape[1:]
         queries = query.index_select(0, batch.rows).view(num_reqs, batch.query_len, num_heads, head_size)
         keys, values = (
-            self._gather(name, cache, batch.block_ids).view(num_reqs, -1, *cache.shape[-2:]).transpose(1, 2)
+            self._gather(name, cache, batch.block_ids)
+            .view(num_reqs, -1, *cache.shape[-2:])
+            .transpose(1, 2)
             .to(query.dtype)
             for name, cache in (("keys", key_cache), ("values", value_cache))
         )
         attended = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys, values, attn_mask=batch.mask, scale=self.layer.scale,
+            queries.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=batch.mask,
+            scale=self.layer.scale,
             enable_gqa=self.enable_gqa,
         )
         output.index_copy_(0, batch.rows, attended.transpose(1, 2).reshape(-1, num_heads, head_size))
 
-    def _long(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-              value_cache: torch.Tensor, long_query: LongQuery, output: torch.Tensor) -> None:
+    def _long(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        long_query: LongQuery,
+        output: torch.Tensor,
+    ) -> None:
         start, end = long_query.query_start, long_query.query_end
         if long_query.block_ids is None:
             keys, values = key[start:end], value[start:end]

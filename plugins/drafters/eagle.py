@@ -131,8 +131,10 @@ class EagleDrafter(Drafter):
         if options.path is not None:
             untrained_only = [name for name in self.untrained_options if getattr(options, name) is not None]
             if untrained_only:
-                raise ValueError(f"{self.weights_kind} options: {', '.join(untrained_only)} is for an untrained "
-                                 "layer only; a trained path fixes it")
+                raise ValueError(
+                    f"{self.weights_kind} options: {', '.join(untrained_only)} is for an untrained "
+                    "layer only; a trained path fixes it"
+                )
             directory, config, state = load_trained(options.path, context.model, self.weights_kind)
             model = self._trained_model(config)
             load_state(model, state, directory)
@@ -149,19 +151,30 @@ class EagleDrafter(Drafter):
         self.rotary = Rotary(parts)
         self.context = context
         layer = model.layer
-        self.attention = context.attention_backend.make_impl(AttentionLayerSpec(
-            layer_name=LAYER_NAME, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-            head_size=layer.head_size, scale=layer.scale,
-        ))
+        self.attention = context.attention_backend.make_impl(
+            AttentionLayerSpec(
+                layer_name=LAYER_NAME,
+                num_heads=layer.num_heads,
+                num_kv_heads=layer.num_kv_heads,
+                head_size=layer.head_size,
+                scale=layer.scale,
+            )
+        )
         self.num_real_blocks = context.num_blocks
         self.num_scratch_blocks = 0
         self.kv_cache = self._allocate_cache(INITIAL_SCRATCH_BLOCKS)
 
     def _trained_model(self, config: dict[str, Any]) -> EagleDraftModel:
         """The (still random) draft model of the shapes a trained ``config.json`` records."""
-        return EagleDraftModel(config["hidden_size"], config["num_heads"], config["num_kv_heads"],
-                               config["head_size"], config["intermediate_size"], config["rms_norm_eps"],
-                               config.get("draft_vocab_size"))
+        return EagleDraftModel(
+            config["hidden_size"],
+            config["num_heads"],
+            config["num_kv_heads"],
+            config["head_size"],
+            config["intermediate_size"],
+            config["rms_norm_eps"],
+            config.get("draft_vocab_size"),
+        )
 
     def _untrained_model(self, parts: TargetParts, target: Any) -> EagleDraftModel:
         """A randomly initialised draft model for ``target`` (the caller seeds the generator)."""
@@ -176,8 +189,9 @@ class EagleDrafter(Drafter):
         """A cache of the target pool's blocks plus ``num_scratch_blocks``, keeping the current cache's real blocks."""
         layer = self.draft_model.layer  # type: ignore[union-attr]
         backend = self.context.attention_backend
-        shape = backend.kv_cache_shape(self.num_real_blocks + num_scratch_blocks, self.context.block_size,
-                                       layer.num_kv_heads, layer.head_size)
+        shape = backend.kv_cache_shape(
+            self.num_real_blocks + num_scratch_blocks, self.context.block_size, layer.num_kv_heads, layer.head_size
+        )
         cache = torch.zeros(shape, dtype=self.context.dtype, device=self.context.device)
         old = getattr(self, "kv_cache", None)
         if old is not None:
@@ -198,8 +212,9 @@ class EagleDrafter(Drafter):
             return DraftProposals(drafts)
         step = batch.step
         if step is None:
-            raise ValueError(f"{self.weights_kind} needs DraftBatch.step (it declares needs_attention_metadata); "
-                             "got None")
+            raise ValueError(
+                f"{self.weights_kind} needs DraftBatch.step (it declares needs_attention_metadata); got None"
+            )
         with torch.inference_mode():
             filled = self._fill_cache(batch)
             if filled is not None:
@@ -219,8 +234,10 @@ class EagleDrafter(Drafter):
         num_reqs = len(batch.req_ids)
         query_start_loc = np.asarray(step.query_start_loc, dtype=np.int64)
         if len(query_start_loc) != num_reqs + 1:
-            raise ValueError(f"{self.weights_kind}: DraftStep.query_start_loc has {len(query_start_loc) - 1} requests, "
-                             f"the DraftBatch {num_reqs}; they must be the same requests in the same order")
+            raise ValueError(
+                f"{self.weights_kind}: DraftStep.query_start_loc has {len(query_start_loc) - 1} requests, "
+                f"the DraftBatch {num_reqs}; they must be the same requests in the same order"
+            )
         num_rows = np.diff(query_start_loc)
         step_seq_lens = common.seq_lens_cpu[:num_reqs].numpy().astype(np.int64)
         first_positions = step_seq_lens - num_rows
@@ -237,10 +254,14 @@ class EagleDrafter(Drafter):
         offsets = np.arange(total) - np.repeat(cu_run - num_run, num_run)
         step_rows = np.repeat(query_start_loc[:-1], num_run) + offsets
         positions = np.repeat(first_positions, num_run) + offsets
-        next_tokens = np.concatenate([
-            np.asarray(batch.token_ids[i][first_positions[i] + 1 : first_positions[i] + 1 + num_run[i]], dtype=np.int64)
-            for i in included
-        ])
+        next_tokens = np.concatenate(
+            [
+                np.asarray(
+                    batch.token_ids[i][first_positions[i] + 1 : first_positions[i] + 1 + num_run[i]], dtype=np.int64
+                )
+                for i in included
+            ]
+        )
 
         device = self.context.device
         rows_on_device = torch.from_numpy(step_rows).to(device)
@@ -249,7 +270,9 @@ class EagleDrafter(Drafter):
         query_start[1:] = np.cumsum(run_lens)
         seq_lens = (first_positions[included] + run_lens).astype(np.int32)
         metadata = self._common(
-            query_start, seq_lens, first_positions[included].astype(np.int32),
+            query_start,
+            seq_lens,
+            first_positions[included].astype(np.int32),
             common.block_table[torch.from_numpy(included).to(common.block_table.device)],
             common.slot_mapping[rows_on_device.to(common.slot_mapping.device)],
         )
@@ -257,8 +280,9 @@ class EagleDrafter(Drafter):
         assert model is not None
         dtype = next(model.parameters()).dtype
         features = model.target_features(self._target_inputs(step, rows_on_device).to(dtype))
-        output = self._run_layer(torch.from_numpy(next_tokens).to(device), features,
-                                 torch.from_numpy(positions).to(device), metadata)
+        output = self._run_layer(
+            torch.from_numpy(next_tokens).to(device), features, torch.from_numpy(positions).to(device), metadata
+        )
         last_rows = torch.from_numpy(cu_run[included] - 1).to(device)
         last_outputs = torch.zeros((num_reqs, output.shape[-1]), dtype=output.dtype, device=device)
         last_outputs[torch.from_numpy(included).to(device)] = output[last_rows]
@@ -281,8 +305,9 @@ class EagleDrafter(Drafter):
         # The request's last token sits at position lengths - 1; its draft layer row (the row fed that
         # token) at lengths - 2.  Iteration k (from 1) runs position lengths - 2 + k.
         last_positions = lengths[requests] - 2
-        block_table = self._drafting_block_table(step.attention_metadata, requests, filled.step_seq_lens[requests],
-                                                 last_positions + num_drafts - 1)
+        block_table = self._drafting_block_table(
+            step.attention_metadata, requests, filled.step_seq_lens[requests], last_positions + num_drafts - 1
+        )
         features = filled.last_outputs[torch.from_numpy(requests).to(device)]
         tokens = self.vocab.argmax(features)
         columns = [tokens]
@@ -295,11 +320,15 @@ class EagleDrafter(Drafter):
             slots = table[np.arange(len(active)), positions // block_size].astype(np.int64) * block_size
             slots += positions % block_size
             metadata = self._common(
-                np.arange(len(active) + 1, dtype=np.int32), (positions + 1).astype(np.int32),
-                positions.astype(np.int32), torch.from_numpy(table).to(device), torch.from_numpy(slots).to(device),
+                np.arange(len(active) + 1, dtype=np.int32),
+                (positions + 1).astype(np.int32),
+                positions.astype(np.int32),
+                torch.from_numpy(table).to(device),
+                torch.from_numpy(slots).to(device),
             )
-            output = self._run_layer(tokens[active_on_device], features[active_on_device],
-                                     torch.from_numpy(positions).to(device), metadata)
+            output = self._run_layer(
+                tokens[active_on_device], features[active_on_device], torch.from_numpy(positions).to(device), metadata
+            )
             features = torch.zeros_like(features)
             features[active_on_device] = output
             tokens = torch.full_like(tokens, -1)
@@ -309,8 +338,13 @@ class EagleDrafter(Drafter):
         for request, count, row in zip(requests.tolist(), num_drafts.tolist(), proposed, strict=True):
             drafts[request] = row[:count]
 
-    def _drafting_block_table(self, common: CommonAttentionMetadata, requests: np.ndarray, step_seq_lens: np.ndarray,
-                              last_draft_positions: np.ndarray) -> np.ndarray:
+    def _drafting_block_table(
+        self,
+        common: CommonAttentionMetadata,
+        requests: np.ndarray,
+        step_seq_lens: np.ndarray,
+        last_draft_positions: np.ndarray,
+    ) -> np.ndarray:
         """Block ids for the drafting requests, covering their draft positions; columns past the step's are scratch.
 
         Example, block size 4, a step that ended at position 9 (``seq_len`` 10,
@@ -338,8 +372,14 @@ class EagleDrafter(Drafter):
 
     # -- pieces ----------------------------------------------------------------------------
 
-    def _common(self, query_start_loc: np.ndarray, seq_lens: np.ndarray, num_computed: np.ndarray,
-                block_table: torch.Tensor, slot_mapping: torch.Tensor) -> Any:
+    def _common(
+        self,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        num_computed: np.ndarray,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> Any:
         """Build the backend's metadata for one draft-layer pass (``query_start_loc`` etc. as int32 numpy)."""
         device = self.context.device
         query_start_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
@@ -361,8 +401,9 @@ class EagleDrafter(Drafter):
         )
         return self.context.metadata_builder.build(common)
 
-    def _run_layer(self, next_tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                   metadata: Any) -> torch.Tensor:
+    def _run_layer(
+        self, next_tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, metadata: Any
+    ) -> torch.Tensor:
         """The draft model over rows ``(token p+1, feature p)`` at ``positions``, attending through the paged cache."""
         model = self.draft_model
         assert model is not None

@@ -64,15 +64,25 @@ class Eagle3Drafter(EagleDrafter):
         return self.draft_model.aux_layers
 
     def _trained_model(self, config: dict[str, Any]) -> Eagle3DraftModel:
-        return Eagle3DraftModel(config["hidden_size"], config["num_heads"], config["num_kv_heads"],
-                                config["head_size"], config["intermediate_size"], config["rms_norm_eps"],
-                                config["aux_layers"], config.get("draft_vocab_size"))
+        return Eagle3DraftModel(
+            config["hidden_size"],
+            config["num_heads"],
+            config["num_kv_heads"],
+            config["head_size"],
+            config["intermediate_size"],
+            config["rms_norm_eps"],
+            config["aux_layers"],
+            config.get("draft_vocab_size"),
+        )
 
     def _untrained_model(self, parts: TargetParts, target: Any) -> Eagle3DraftModel:
         options: Eagle3Options = self.options  # type: ignore[assignment]
         num_layers = text_config(target).num_hidden_layers
-        layers = default_aux_layers(num_layers) if options.aux_layers is None else \
-            resolve_aux_layers(options.aux_layers, num_layers, drafter=KIND)
+        layers = (
+            default_aux_layers(num_layers)
+            if options.aux_layers is None
+            else resolve_aux_layers(options.aux_layers, num_layers, drafter=KIND)
+        )
         return Eagle3DraftModel.for_target(parts, options.intermediate_size, aux_layers=layers)
 
     def _target_inputs(self, step: DraftStep, rows: torch.Tensor) -> torch.Tensor:
@@ -80,6 +90,8 @@ class Eagle3Drafter(EagleDrafter):
         aux = step.aux_hidden_states
         expected = len(self.aux_hidden_state_layers())
         if aux is None or len(aux) != expected:
-            raise ValueError(f"eagle3 needs DraftStep.aux_hidden_states of its {expected} layers "
-                             f"{self.aux_hidden_state_layers()}; got {'None' if aux is None else len(aux)}")
+            raise ValueError(
+                f"eagle3 needs DraftStep.aux_hidden_states of its {expected} layers "
+                f"{self.aux_hidden_state_layers()}; got {'None' if aux is None else len(aux)}"
+            )
         return torch.cat([states[rows] for states in aux], dim=-1)

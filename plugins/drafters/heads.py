@@ -79,10 +79,12 @@ def target_parts(model: PreTrainedModel) -> TargetParts:
         raise ValueError(f"{type(model).__name__} has no output embeddings (lm head); drafters project through it")
     shard = getattr(lm_head, "vocab_shard", None)
     if shard is not None:  # patchbay.worker.parallel.tensor_parallel.VocabShard
-        raise ValueError(f"{type(model).__name__}'s embedding and lm head hold {shard.rows_per_rank} of its "
-                         f"{shard.vocab_size} vocabulary rows on each of {shard.world_size} ranks "
-                         "(runtime.tensor_parallel_size); a drafter that reads their whole weights declares "
-                         "DrafterCapabilities.reads_vocabulary_weights, and the ranks keep the vocabulary whole")
+        raise ValueError(
+            f"{type(model).__name__}'s embedding and lm head hold {shard.rows_per_rank} of its "
+            f"{shard.vocab_size} vocabulary rows on each of {shard.world_size} ranks "
+            "(runtime.tensor_parallel_size); a drafter that reads their whole weights declares "
+            "DrafterCapabilities.reads_vocabulary_weights, and the ranks keep the vocabulary whole"
+        )
     num_heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
     return TargetParts(
@@ -129,8 +131,13 @@ def resolve_drafter_path(path: str, model: PreTrainedModel, kind: str) -> Path:
 def warn_vocab_size(configured: int, target: int) -> None:
     """Drafts are cut to the run's ``vocab_size``; say so when it differs from the lm head's width."""
     if configured != target:
-        logger.warning("drafter: the run's vocab_size is %d but the target's lm head has %d outputs; "
-                       "drafts are limited to ids below %d", configured, target, min(configured, target))
+        logger.warning(
+            "drafter: the run's vocab_size is %d but the target's lm head has %d outputs; "
+            "drafts are limited to ids below %d",
+            configured,
+            target,
+            min(configured, target),
+        )
 
 
 SIGNATURE_ROWS = 8
@@ -172,11 +179,18 @@ def check_target(config: dict[str, Any], model: PreTrainedModel, where: Path) ->
                 f"these drafter weights were trained for {recorded.get('model_id', 'another model')}"
             )
     signature, actual_signature = recorded.get("embedding_signature"), actual["embedding_signature"]
-    if signature is not None and (len(signature) != len(actual_signature) or not all(
-        math.isclose(a, b, rel_tol=2e-2, abs_tol=1e-3) for a, b in zip(signature, actual_signature, strict=True)
-    )):
-        logger.warning("%s: trained for %s, the run's model is %s (embeddings differ); expect low acceptance",
-                       where, recorded.get("model_id", "another model"), actual["model_id"])
+    if signature is not None and (
+        len(signature) != len(actual_signature)
+        or not all(
+            math.isclose(a, b, rel_tol=2e-2, abs_tol=1e-3) for a, b in zip(signature, actual_signature, strict=True)
+        )
+    ):
+        logger.warning(
+            "%s: trained for %s, the run's model is %s (embeddings differ); expect low acceptance",
+            where,
+            recorded.get("model_id", "another model"),
+            actual["model_id"],
+        )
 
 
 # -- weight files ----------------------------------------------------------------------------------
@@ -191,8 +205,10 @@ def save_drafter(directory: Path, config: dict[str, Any], module: nn.Module) -> 
 
     directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: (tensor.detach().float() if tensor.is_floating_point() else tensor.detach()).cpu().contiguous()
-               for name, tensor in module.state_dict().items()}
+    tensors = {
+        name: (tensor.detach().float() if tensor.is_floating_point() else tensor.detach()).cpu().contiguous()
+        for name, tensor in module.state_dict().items()
+    }
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt", "kind": config["kind"]})
     (directory / CONFIG_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, **config}, indent=2) + "\n")
     return directory
@@ -241,8 +257,12 @@ def load_state(module: nn.Module, state: dict[str, torch.Tensor], where: Path) -
         if unexpected:
             details.append(f"unexpected {unexpected}")
         if wrong:
-            details.append("wrong shape " + ", ".join(
-                f"{name} {tuple(state[name].shape)} (expected {tuple(expected[name].shape)})" for name in wrong))
+            details.append(
+                "wrong shape "
+                + ", ".join(
+                    f"{name} {tuple(state[name].shape)} (expected {tuple(expected[name].shape)})" for name in wrong
+                )
+            )
         raise DrafterFileError(f"{Path(where) / WEIGHTS_FILE} does not match its config.json: {'; '.join(details)}")
     module.load_state_dict(state)
 
@@ -319,8 +339,7 @@ class DraftVocab:
 
 def token_map_buffer(module: nn.Module, draft_vocab_size: int | None) -> None:
     """Give ``module`` a ``token_map`` buffer (saved with its weights) of ``draft_vocab_size`` ids, or ``None``."""
-    module.register_buffer(
-        "token_map", torch.zeros(draft_vocab_size, dtype=torch.long) if draft_vocab_size else None)
+    module.register_buffer("token_map", torch.zeros(draft_vocab_size, dtype=torch.long) if draft_vocab_size else None)
 
 
 class MedusaHead(nn.Module):
@@ -343,8 +362,9 @@ class MedusaHeads(nn.Module):
 
     token_map: torch.Tensor | None  # the buffer token_map_buffer registers
 
-    def __init__(self, hidden_size: int, num_heads: int, num_layers: int = 1,
-                 draft_vocab_size: int | None = None) -> None:
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_layers: int = 1, draft_vocab_size: int | None = None
+    ) -> None:
         super().__init__()
         self.heads = nn.ModuleList(MedusaHead(hidden_size, num_layers) for _ in range(num_heads))
         token_map_buffer(self, draft_vocab_size)
@@ -412,8 +432,9 @@ class EagleLayer(nn.Module):
         out = layer.finish(x, attend(q, k, v))          # attend: paged (inference) or dense (training)
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int, intermediate_size: int,
-                 eps: float) -> None:
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int, intermediate_size: int, eps: float
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.q_proj = nn.Linear(hidden_size, num_heads * head_size, bias=False)
@@ -427,7 +448,7 @@ class EagleLayer(nn.Module):
 
     @property
     def scale(self) -> float:
-        return self.head_size ** -0.5
+        return self.head_size**-0.5
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotated queries ``[..., T, heads, D]``, rotated keys and values ``[..., T, kv_heads, D]``."""
@@ -455,18 +476,34 @@ class EagleDraftModel(nn.Module):
 
     token_map: torch.Tensor | None  # the buffer token_map_buffer registers
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int, intermediate_size: int,
-                 eps: float, draft_vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        intermediate_size: int,
+        eps: float,
+        draft_vocab_size: int | None = None,
+    ) -> None:
         super().__init__()
         self.fc = nn.Linear(2 * hidden_size, hidden_size)
         self.layer = EagleLayer(hidden_size, num_heads, num_kv_heads, head_size, intermediate_size, eps)
         token_map_buffer(self, draft_vocab_size)
 
     @classmethod
-    def for_target(cls, parts: TargetParts, intermediate_size: int | None = None,
-                   draft_vocab_size: int | None = None) -> EagleDraftModel:
-        return cls(parts.hidden_size, parts.num_heads, parts.num_kv_heads, parts.head_size,
-                   intermediate_size or parts.intermediate_size, parts.rms_norm_eps, draft_vocab_size)
+    def for_target(
+        cls, parts: TargetParts, intermediate_size: int | None = None, draft_vocab_size: int | None = None
+    ) -> EagleDraftModel:
+        return cls(
+            parts.hidden_size,
+            parts.num_heads,
+            parts.num_kv_heads,
+            parts.head_size,
+            intermediate_size or parts.intermediate_size,
+            parts.rms_norm_eps,
+            draft_vocab_size,
+        )
 
     def vocab(self, lm_head: nn.Linear, limit: int | None = None) -> DraftVocab:
         return DraftVocab(lm_head, self.token_map, limit)
@@ -507,8 +544,17 @@ class Eagle3DraftModel(EagleDraftModel):
     EAGLE-1's, so only this input projection is new.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int, intermediate_size: int,
-                 eps: float, aux_layers: Sequence[int], draft_vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        intermediate_size: int,
+        eps: float,
+        aux_layers: Sequence[int],
+        draft_vocab_size: int | None = None,
+    ) -> None:
         super().__init__(hidden_size, num_heads, num_kv_heads, head_size, intermediate_size, eps, draft_vocab_size)
         if not aux_layers:
             raise ValueError("an EAGLE-3 draft model reads at least one target layer (aux_layers is empty)")
@@ -517,10 +563,24 @@ class Eagle3DraftModel(EagleDraftModel):
         self.aux_fc = nn.Linear(len(self.aux_layers) * hidden_size, hidden_size, bias=False)
 
     @classmethod
-    def for_target(cls, parts: TargetParts, intermediate_size: int | None = None,  # type: ignore[override]
-                   draft_vocab_size: int | None = None, *, aux_layers: Sequence[int]) -> Eagle3DraftModel:
-        return cls(parts.hidden_size, parts.num_heads, parts.num_kv_heads, parts.head_size,
-                   intermediate_size or parts.intermediate_size, parts.rms_norm_eps, aux_layers, draft_vocab_size)
+    def for_target(  # type: ignore[override]
+        cls,
+        parts: TargetParts,
+        intermediate_size: int | None = None,
+        draft_vocab_size: int | None = None,
+        *,
+        aux_layers: Sequence[int],
+    ) -> Eagle3DraftModel:
+        return cls(
+            parts.hidden_size,
+            parts.num_heads,
+            parts.num_kv_heads,
+            parts.head_size,
+            intermediate_size or parts.intermediate_size,
+            parts.rms_norm_eps,
+            aux_layers,
+            draft_vocab_size,
+        )
 
     def sizes(self) -> dict[str, Any]:
         return {**super().sizes(), "aux_layers": list(self.aux_layers)}

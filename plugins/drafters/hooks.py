@@ -5,11 +5,23 @@ from patchbay import hookimpl
 
 @hookimpl
 def register_drafters(register):
-    register("ngram", "patchbay.plugins.drafters.ngram:NgramDrafter",
-             description="prompt lookup: proposes what followed the latest earlier occurrence of the last n-gram")
-    register("medusa", "patchbay.plugins.drafters.medusa:MedusaDrafter",
-             description="Medusa heads over the target's last hidden state")
-    register("eagle", "patchbay.plugins.drafters.eagle:EagleDrafter",
-             description="EAGLE draft model: one decoder layer over token embeddings and target hidden states")
-    register("eagle3", "patchbay.plugins.drafters.eagle3:Eagle3Drafter",
-             description="EAGLE-3 draft model: the eagle layer over an fc of a low, a middle and a high target layer")
+    register(
+        "ngram",
+        "patchbay.plugins.drafters.ngram:NgramDrafter",
+        description="prompt lookup: proposes what followed the latest earlier occurrence of the last n-gram",
+    )
+    register(
+        "medusa",
+        "patchbay.plugins.drafters.medusa:MedusaDrafter",
+        description="Medusa heads over the target's last hidden state",
+    )
+    register(
+        "eagle",
+        "patchbay.plugins.drafters.eagle:EagleDrafter",
+        description="EAGLE draft model: one decoder layer over token embeddings and target hidden states",
+    )
+    register(
+        "eagle3",
+        "patchbay.plugins.drafters.eagle3:Eagle3Drafter",
+        description="EAGLE-3 draft model: the eagle layer over an fc of a low, a middle and a high target layer",
+    )

@@ -69,8 +69,9 @@ class MedusaDrafter(Drafter):
             if options.num_heads is not None:
                 raise ValueError("medusa options: num_heads is for untrained heads; a trained path fixes it")
             directory, config, state = load_trained(options.path, context.model, KIND)
-            heads = MedusaHeads(parts.hidden_size, config["num_heads"], config.get("num_layers", 1),
-                                config.get("draft_vocab_size"))
+            heads = MedusaHeads(
+                parts.hidden_size, config["num_heads"], config.get("num_layers", 1), config.get("draft_vocab_size")
+            )
             load_state(heads, state, directory)
             self.source: str = str(directory)
         else:
@@ -80,16 +81,22 @@ class MedusaDrafter(Drafter):
         warn_vocab_size(self.config.vocab_size, parts.vocab_size)
         self.vocab = heads.vocab(parts.lm_head, limit=self.config.vocab_size)
         if self.config.num_speculative_tokens > heads.num_heads:
-            logger.warning("medusa: %d heads (%s) propose at most %d of the %d speculative tokens asked for",
-                           heads.num_heads, self.source, heads.num_heads, self.config.num_speculative_tokens)
+            logger.warning(
+                "medusa: %d heads (%s) propose at most %d of the %d speculative tokens asked for",
+                heads.num_heads,
+                self.source,
+                heads.num_heads,
+                self.config.num_speculative_tokens,
+            )
 
     def propose(self, batch: DraftBatch) -> DraftProposals:
         """Head ``i``'s argmax for each request's token ``i + 1`` places after its last one."""
         if self.heads is None:
             raise RuntimeError("medusa drafter used before load()")
         counts = [
-            0 if index in batch.skip else
-            max(0, min(batch.num_speculative_tokens, self.heads.num_heads, batch.max_model_len - len(tokens)))
+            0
+            if index in batch.skip
+            else max(0, min(batch.num_speculative_tokens, self.heads.num_heads, batch.max_model_len - len(tokens)))
             for index, tokens in enumerate(batch.token_ids)
         ]
         drafts: list[list[int]] = [[] for _ in counts]
@@ -106,4 +113,3 @@ class MedusaDrafter(Drafter):
         for row, tokens in zip(rows, proposed, strict=True):
             drafts[row] = tokens[: counts[row]]
         return DraftProposals(drafts)
-

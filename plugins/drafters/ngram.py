@@ -48,8 +48,9 @@ class NgramOptions(BaseModel):
     @model_validator(mode="after")
     def _min_at_most_max(self) -> NgramOptions:
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
-                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})"
+            )
         return self
 
 
@@ -77,7 +78,7 @@ def find_continuations(sequences: Sequence[np.ndarray], min_n: int, max_n: int, 
     for row, seq in enumerate(sequences):
         tail = np.asarray(seq[-width:])
         if len(tail):
-            grid[row, width - len(tail):] = tail
+            grid[row, width - len(tail) :] = tail
     max_n = min(max_n, width - 1)
     # suffix[r, j] is row r's j-th token from the end (j = 0: the last token).
     suffix = grid[:, ::-1][:, :max_n].copy()
@@ -89,7 +90,7 @@ def find_continuations(sequences: Sequence[np.ndarray], min_n: int, max_n: int, 
     matches = grid[:, : width - 1] == suffix[:, :1]
     for n in range(1, max_n + 1):
         if n > 1:
-            matches[:, n - 1:] &= grid[:, : width - n] == suffix[:, n - 1, None]
+            matches[:, n - 1 :] &= grid[:, : width - n] == suffix[:, n - 1, None]
             matches[:, n - 2] = False  # would start left of column 0
         if n < min_n:
             continue
@@ -123,19 +124,21 @@ class NgramDrafter(Drafter):
         limit = batch.num_speculative_tokens
         # A request of n tokens may grow by at most max_model_len - n drafts.
         rooms = [batch.max_model_len - len(tokens) for tokens in batch.token_ids]
-        rows = [index for index, tokens in enumerate(batch.token_ids)
-                if index not in batch.skip and len(tokens) >= 2 and rooms[index] > 0]
+        rows = [
+            index
+            for index, tokens in enumerate(batch.token_ids)
+            if index not in batch.skip and len(tokens) >= 2 and rooms[index] > 0
+        ]
         if limit <= 0 or not rows:
             return DraftProposals(draft_token_ids=drafts)
         options = self.options
         sequences = [batch.token_ids[index] for index in rows]
-        starts = find_continuations(sequences, options.prompt_lookup_min, options.prompt_lookup_max,
-                                    self.lookup_window)
+        starts = find_continuations(sequences, options.prompt_lookup_min, options.prompt_lookup_max, self.lookup_window)
         for index, tokens, start in zip(rows, sequences, starts.tolist(), strict=True):
             if start < 0:
                 continue
             count = min(limit, rooms[index])
-            follow = np.asarray(tokens[start:start + count])
+            follow = np.asarray(tokens[start : start + count])
             if len(follow) < count:
                 # The occurrence overlaps the suffix (periodic text): keep copying, from the drafts themselves.
                 # tokens "a b a b", continuation "a b" from index 2, 3 drafts -> "a b a".

@@ -54,14 +54,54 @@ Log = Callable[[str], None]
 # -- prompts ---------------------------------------------------------------------------------------
 
 TOPICS = (
-    "photosynthesis", "black holes", "the French Revolution", "sourdough bread", "climate change", "volcanoes",
-    "the immune system", "machine learning", "the Roman Empire", "electric cars", "honey bees", "chess openings",
-    "the water cycle", "quantum computing", "jazz music", "the stock market", "sleep", "coral reefs",
-    "the printing press", "vaccines", "renewable energy", "ancient Egypt", "the human brain", "coffee",
-    "plate tectonics", "recycling", "the moon landing", "bicycles", "public libraries", "time management",
-    "learning a new language", "the internet", "rainforests", "gravity", "the Olympic Games", "marathon training",
-    "budgeting", "origami", "dinosaurs", "composting", "the solar system", "friendship", "job interviews",
-    "writing a resume", "healthy breakfasts", "the history of mathematics", "penguins", "cloud computing",
+    "photosynthesis",
+    "black holes",
+    "the French Revolution",
+    "sourdough bread",
+    "climate change",
+    "volcanoes",
+    "the immune system",
+    "machine learning",
+    "the Roman Empire",
+    "electric cars",
+    "honey bees",
+    "chess openings",
+    "the water cycle",
+    "quantum computing",
+    "jazz music",
+    "the stock market",
+    "sleep",
+    "coral reefs",
+    "the printing press",
+    "vaccines",
+    "renewable energy",
+    "ancient Egypt",
+    "the human brain",
+    "coffee",
+    "plate tectonics",
+    "recycling",
+    "the moon landing",
+    "bicycles",
+    "public libraries",
+    "time management",
+    "learning a new language",
+    "the internet",
+    "rainforests",
+    "gravity",
+    "the Olympic Games",
+    "marathon training",
+    "budgeting",
+    "origami",
+    "dinosaurs",
+    "composting",
+    "the solar system",
+    "friendship",
+    "job interviews",
+    "writing a resume",
+    "healthy breakfasts",
+    "the history of mathematics",
+    "penguins",
+    "cloud computing",
 )
 CHAT_INSTRUCTIONS = (
     "Explain {topic} in simple terms.",
@@ -107,8 +147,9 @@ def code_snippets(count: int, rng: random.Random, lines: tuple[int, int] = (6, 1
     return snippets
 
 
-def build_prompts(tokenizer: Any, count: int, seed: int = 0, code_fraction: float = 0.35,
-                  max_prompt_tokens: int = 256) -> list[list[int]]:
+def build_prompts(
+    tokenizer: Any, count: int, seed: int = 0, code_fraction: float = 0.35, max_prompt_tokens: int = 256
+) -> list[list[int]]:
     """``count`` prompt token lists: chat questions on built-in topics, and patchbay source code.
 
     Code comes as a chat question about a snippet, or (one in four) as raw
@@ -127,8 +168,9 @@ def build_prompts(tokenizer: Any, count: int, seed: int = 0, code_fraction: floa
             text = rng.choice(CODE_INSTRUCTIONS).format(code=code)
         else:
             text = rng.choice(CHAT_INSTRUCTIONS).format(topic=rng.choice(TOPICS))
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         prompts.append(tokenizer.encode(chat, add_special_tokens=False)[-max_prompt_tokens:])
     rng.shuffle(prompts)
     return prompts
@@ -157,9 +199,14 @@ class Corpus:
         return len(self.token_ids)
 
     def subset(self, indices: Sequence[int]) -> Corpus:
-        return Corpus([self.token_ids[i] for i in indices], [self.hidden[i] for i in indices],
-                      [self.next_token_ids[i] for i in indices], [self.prompt_lens[i] for i in indices], self.info,
-                      None if self.aux is None else [self.aux[i] for i in indices])
+        return Corpus(
+            [self.token_ids[i] for i in indices],
+            [self.hidden[i] for i in indices],
+            [self.next_token_ids[i] for i in indices],
+            [self.prompt_lens[i] for i in indices],
+            self.info,
+            None if self.aux is None else [self.aux[i] for i in indices],
+        )
 
     def split(self, eval_fraction: float) -> tuple[Corpus, Corpus]:
         """(train, held-out): the last ``eval_fraction`` of the sequences are held out (at least one)."""
@@ -179,9 +226,17 @@ class Corpus:
 
 
 @torch.inference_mode()
-def generate_corpus(model: PreTrainedModel, prompts: Sequence[list[int]], *, max_new_tokens: int,
-                    eos_token_ids: Sequence[int] = (), batch_size: int = 32, temperature: float = 0.0,
-                    seed: int = 0, log: Log | None = None) -> Corpus:
+def generate_corpus(
+    model: PreTrainedModel,
+    prompts: Sequence[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    batch_size: int = 32,
+    temperature: float = 0.0,
+    seed: int = 0,
+    log: Log | None = None,
+) -> Corpus:
     """Let the transformers ``model`` continue every prompt, recording hidden states and greedy choices.
 
     Prompts run in batches of similar length, left-padded; a sequence ends
@@ -200,8 +255,8 @@ def generate_corpus(model: PreTrainedModel, prompts: Sequence[list[int]], *, max
         input_ids = torch.zeros((len(batch), width), dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, prompt in enumerate(batch):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         output = _decode(decoder, input_ids, mask, positions, None)
         cache = _cache_of(output)
@@ -232,12 +287,18 @@ def generate_corpus(model: PreTrainedModel, prompts: Sequence[list[int]], *, max
             done_count = min(batch_start + batch_size, len(order))
             log(f"generated {done_count}/{len(order)} sequences ({time.perf_counter() - started:.0f} s)")
     token_ids, hidden, greedy = zip(*(results[i] for i in range(len(prompts))), strict=True)
-    return Corpus(list(token_ids), list(hidden), list(greedy), [len(p) for p in prompts],
-                  info={"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed})
+    return Corpus(
+        list(token_ids),
+        list(hidden),
+        list(greedy),
+        [len(p) for p in prompts],
+        info={"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed},
+    )
 
 
-def _decode(decoder: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-            cache: Any) -> Any:
+def _decode(
+    decoder: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+) -> Any:
     """One forward of the transformers decoder with a KV cache.
 
     The cache goes in as ``cache=`` in transformers 5, else as ``past_key_values=``.
@@ -264,8 +325,14 @@ def _argmax_chunked(lm_head: nn.Linear, hidden: torch.Tensor, rows: int = 512) -
     return found.reshape(hidden.shape[:-1])
 
 
-def _trim(prompt: list[int], width: int, generated: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor,
-          eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _trim(
+    prompt: list[int],
+    width: int,
+    generated: torch.Tensor,
+    hidden: torch.Tensor,
+    greedy: torch.Tensor,
+    eos: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One sequence of a left-padded batch: tokens up to the first end-of-sequence, hidden and greedy per position."""
     stops = torch.isin(generated, eos).nonzero()
     num_generated = int(stops[0, 0]) + 1 if len(stops) else len(generated)
@@ -276,8 +343,9 @@ def _trim(prompt: list[int], width: int, generated: torch.Tensor, hidden: torch.
 
 
 @torch.inference_mode()
-def add_aux_hidden_states(model: PreTrainedModel, corpus: Corpus, layers: Sequence[int], *, batch_size: int = 8,
-                          log: Log | None = None) -> Corpus:
+def add_aux_hidden_states(
+    model: PreTrainedModel, corpus: Corpus, layers: Sequence[int], *, batch_size: int = 8, log: Log | None = None
+) -> Corpus:
     """``corpus`` with :attr:`Corpus.aux`: the outputs of decoder ``layers`` of ``model`` at every position.
 
     One teacher-forced pass over each sequence's tokens (right-padded
@@ -303,11 +371,19 @@ def add_aux_hidden_states(model: PreTrainedModel, corpus: Corpus, layers: Sequen
         chosen = torch.cat(capture.latest_batched(), dim=-1).float()
         aux.extend(chosen[row, : len(tokens) - 1].clone() for row, tokens in enumerate(sequences))
         if log is not None:
-            log(f"aux hidden states of layers {tuple(layers)}: {min(start + batch_size, len(corpus))}/{len(corpus)} "
-                f"sequences ({time.perf_counter() - started:.0f} s)")
+            log(
+                f"aux hidden states of layers {tuple(layers)}: {min(start + batch_size, len(corpus))}/{len(corpus)} "
+                f"sequences ({time.perf_counter() - started:.0f} s)"
+            )
     capture.remove()
-    return Corpus(corpus.token_ids, corpus.hidden, corpus.next_token_ids, corpus.prompt_lens,
-                  {**corpus.info, "aux_layers": list(layers)}, aux)
+    return Corpus(
+        corpus.token_ids,
+        corpus.hidden,
+        corpus.next_token_ids,
+        corpus.prompt_lens,
+        {**corpus.info, "aux_layers": list(layers)},
+        aux,
+    )
 
 
 def draft_token_map(corpus: Corpus, size: int, vocab_size: int) -> torch.Tensor | None:
@@ -357,8 +433,12 @@ class Acceptance:
         if correct.numel() == 0:
             return cls([0.0] * correct.shape[-1], [0.0] * correct.shape[-1], 0.0, 0)
         accepted = correct.long().cumprod(dim=1)
-        return cls(correct.float().mean(0).tolist(), accepted.float().mean(0).tolist(),
-                   float(accepted.sum(1).float().mean()), correct.shape[0])
+        return cls(
+            correct.float().mean(0).tolist(),
+            accepted.float().mean(0).tolist(),
+            float(accepted.sum(1).float().mean()),
+            correct.shape[0],
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -373,11 +453,16 @@ class Acceptance:
     def describe(self) -> str:
         positions = "  ".join(
             f"#{i + 1}: {c:.3f} (chain {a:.3f}, given previous {g:.3f})"
-            for i, (c, a, g) in enumerate(zip(self.correct_rate, self.accepted_rate, self.conditional_rate, strict=True)))
-        return (f"acceptance per draft position  {positions}\n"
-                f"mean accepted drafts per step {self.mean_accepted:.3f}, "
-                f"mean accepted length {self.mean_accepted_length:.3f} tokens per target step "
-                f"({self.num_points} held-out drafting points)")
+            for i, (c, a, g) in enumerate(
+                zip(self.correct_rate, self.accepted_rate, self.conditional_rate, strict=True)
+            )
+        )
+        return (
+            f"acceptance per draft position  {positions}\n"
+            f"mean accepted drafts per step {self.mean_accepted:.3f}, "
+            f"mean accepted length {self.mean_accepted_length:.3f} tokens per target step "
+            f"({self.num_points} held-out drafting points)"
+        )
 
 
 def drafting_points(corpus: Corpus, index: int, num_drafts: int) -> range:
@@ -414,8 +499,9 @@ def medusa_examples(corpus: Corpus, num_heads: int) -> tuple[torch.Tensor, torch
     return torch.cat(features), torch.cat(labels)
 
 
-def medusa_loss(heads: MedusaHeads, vocab: DraftVocab, features: torch.Tensor, labels: torch.Tensor,
-                decay: float = 0.8) -> torch.Tensor:
+def medusa_loss(
+    heads: MedusaHeads, vocab: DraftVocab, features: torch.Tensor, labels: torch.Tensor, decay: float = 0.8
+) -> torch.Tensor:
     """Cross-entropy of each head against its labels, head ``i`` weighted ``decay ** i`` (as in Medusa).
 
     ``labels`` are draft-vocabulary indices (:meth:`DraftVocab.indices_of`); -100 is ignored.
@@ -428,8 +514,9 @@ def medusa_loss(heads: MedusaHeads, vocab: DraftVocab, features: torch.Tensor, l
 
 
 @torch.no_grad()
-def medusa_acceptance(heads: MedusaHeads, vocab: DraftVocab, corpus: Corpus, num_drafts: int | None = None,
-                      rows: int = 256) -> Acceptance:
+def medusa_acceptance(
+    heads: MedusaHeads, vocab: DraftVocab, corpus: Corpus, num_drafts: int | None = None, rows: int = 256
+) -> Acceptance:
     """Greedy acceptance of the heads' chains at every held-out drafting point."""
     num_drafts = num_drafts or heads.num_heads
     correct = []
@@ -458,14 +545,29 @@ class TrainReport:
     after: Acceptance
 
     def as_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "seconds": round(self.seconds, 1), "first_loss": round(self.first_loss, 4),
-                "last_loss": round(self.last_loss, 4), "acceptance_before": self.before.as_dict(),
-                "acceptance": self.after.as_dict()}
+        return {
+            "steps": self.steps,
+            "seconds": round(self.seconds, 1),
+            "first_loss": round(self.first_loss, 4),
+            "last_loss": round(self.last_loss, 4),
+            "acceptance_before": self.before.as_dict(),
+            "acceptance": self.after.as_dict(),
+        }
 
 
-def train_medusa(heads: MedusaHeads, parts: TargetParts, train: Corpus, held_out: Corpus, *, seconds: float,
-                 lr: float = 1e-3, batch_size: int = 128, max_steps: int | None = None, seed: int = 0,
-                 log: Log | None = None) -> TrainReport:
+def train_medusa(
+    heads: MedusaHeads,
+    parts: TargetParts,
+    train: Corpus,
+    held_out: Corpus,
+    *,
+    seconds: float,
+    lr: float = 1e-3,
+    batch_size: int = 128,
+    max_steps: int | None = None,
+    seed: int = 0,
+    log: Log | None = None,
+) -> TrainReport:
     """Fit the heads' residual blocks (the lm head stays frozen) for ``seconds`` of wall clock (or ``max_steps``).
 
     The heads' ``token_map`` (if any) must be set before: it decides the draft vocabulary.
@@ -478,15 +580,33 @@ def train_medusa(heads: MedusaHeads, parts: TargetParts, train: Corpus, held_out
     def step_loss(rows: torch.Tensor) -> torch.Tensor:
         return medusa_loss(heads, vocab, features[rows], labels[rows])
 
-    steps, first, last, spent = _fit(heads, step_loss, len(features), seconds=seconds, lr=lr, batch_size=batch_size,
-                                     max_steps=max_steps, seed=seed, log=log)
+    steps, first, last, spent = _fit(
+        heads,
+        step_loss,
+        len(features),
+        seconds=seconds,
+        lr=lr,
+        batch_size=batch_size,
+        max_steps=max_steps,
+        seed=seed,
+        log=log,
+    )
     after = medusa_acceptance(heads, vocab, held_out)
     return TrainReport(steps, spent, first, last, before, after)
 
 
-def _fit(module: nn.Module, step_loss: Callable[[torch.Tensor], torch.Tensor], num_examples: int, *,
-         seconds: float, lr: float, batch_size: int, max_steps: int | None, seed: int,
-         log: Log | None) -> tuple[int, float, float, float]:
+def _fit(
+    module: nn.Module,
+    step_loss: Callable[[torch.Tensor], torch.Tensor],
+    num_examples: int,
+    *,
+    seconds: float,
+    lr: float,
+    batch_size: int,
+    max_steps: int | None,
+    seed: int,
+    log: Log | None,
+) -> tuple[int, float, float, float]:
     """AdamW over random mini-batches of example indices until time (or steps) run out.
 
     Returns (steps, first loss, mean loss of the last steps, seconds).  The
@@ -573,8 +693,14 @@ def eagle_batch(corpus: Corpus, indices: Sequence[int], num_steps: int, *, aux: 
     return EagleBatch(token_ids, hidden, target_inputs, greedy, lengths, prompt_lens, num_rows)
 
 
-def unrolled_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, own_keys: list[torch.Tensor],
-                       own_values: list[torch.Tensor], scale: float) -> torch.Tensor:
+def unrolled_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    own_keys: list[torch.Tensor],
+    own_values: list[torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
     """Attention of a drafting step for every drafting point at once (``[B, T, heads, D]`` each).
 
     Row ``p`` is the chain drafted from point ``p``: it sees the first
@@ -600,9 +726,16 @@ def unrolled_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return output.transpose(1, 2).to(query.dtype)
 
 
-def eagle_rollout(model: EagleDraftModel, parts: TargetParts, batch: EagleBatch, num_steps: int, *,
-                  teacher_tokens: bool, feature_noise: float = 0.0,
-                  generator: torch.Generator | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def eagle_rollout(
+    model: EagleDraftModel,
+    parts: TargetParts,
+    batch: EagleBatch,
+    num_steps: int,
+    *,
+    teacher_tokens: bool,
+    feature_noise: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Run ``num_steps`` drafting steps from every position at once; returns per step (features, input tokens).
 
     Step 1 is the cache-filling pass: row ``p`` fuses token ``p + 1`` with
@@ -625,8 +758,11 @@ def eagle_rollout(model: EagleDraftModel, parts: TargetParts, batch: EagleBatch,
     cos, sin = rotary(x, positions)
     query, keys, values = layer.qkv(x, cos, sin)
     attention = F.scaled_dot_product_attention(
-        query.transpose(1, 2), repeat_kv(keys, query.shape[-2] // keys.shape[-2]).transpose(1, 2),
-        repeat_kv(values, query.shape[-2] // keys.shape[-2]).transpose(1, 2), is_causal=True, scale=layer.scale,
+        query.transpose(1, 2),
+        repeat_kv(keys, query.shape[-2] // keys.shape[-2]).transpose(1, 2),
+        repeat_kv(values, query.shape[-2] // keys.shape[-2]).transpose(1, 2),
+        is_causal=True,
+        scale=layer.scale,
     ).transpose(1, 2)
     outputs, inputs = [layer.finish(x, attention)], [tokens]
     own_keys: list[torch.Tensor] = []
@@ -647,9 +783,18 @@ def eagle_rollout(model: EagleDraftModel, parts: TargetParts, batch: EagleBatch,
     return outputs, inputs
 
 
-def eagle_loss(model: EagleDraftModel, parts: TargetParts, batch: EagleBatch, num_steps: int, *,
-               feature_noise: float, token_weight: float, token_rows: int, generator: torch.Generator,
-               step_decay: float = 0.8) -> torch.Tensor:
+def eagle_loss(
+    model: EagleDraftModel,
+    parts: TargetParts,
+    batch: EagleBatch,
+    num_steps: int,
+    *,
+    feature_noise: float,
+    token_weight: float,
+    token_rows: int,
+    generator: torch.Generator,
+    step_decay: float = 0.8,
+) -> torch.Tensor:
     """Feature regression (smooth L1) on every valid row plus token cross-entropy on ``token_rows`` sampled rows.
 
     Step ``s`` (weighted ``step_decay ** (s-1)``) at row ``p`` is valid when
@@ -658,8 +803,9 @@ def eagle_loss(model: EagleDraftModel, parts: TargetParts, batch: EagleBatch, nu
     matching them matches the target's choice; cross-entropy on a sample of
     rows keeps the vocabulary-wide projection affordable on a CPU.
     """
-    outputs, _ = eagle_rollout(model, parts, batch, num_steps, teacher_tokens=True, feature_noise=feature_noise,
-                               generator=generator)
+    outputs, _ = eagle_rollout(
+        model, parts, batch, num_steps, teacher_tokens=True, feature_noise=feature_noise, generator=generator
+    )
     rows = torch.arange(batch.num_rows)
     vocab = model.vocab(parts.lm_head)
     total = batch.hidden.new_zeros(())
@@ -680,8 +826,9 @@ def eagle_loss(model: EagleDraftModel, parts: TargetParts, batch: EagleBatch, nu
 
 
 @torch.no_grad()
-def eagle_acceptance(model: EagleDraftModel, parts: TargetParts, corpus: Corpus, num_drafts: int = 3,
-                     batch_size: int = 4) -> Acceptance:
+def eagle_acceptance(
+    model: EagleDraftModel, parts: TargetParts, corpus: Corpus, num_drafts: int = 3, batch_size: int = 4
+) -> Acceptance:
     """Greedy acceptance of the draft model's chains at every held-out drafting point, drafted as at inference."""
     model.eval()
     correct = []
@@ -699,10 +846,24 @@ def eagle_acceptance(model: EagleDraftModel, parts: TargetParts, corpus: Corpus,
     return Acceptance.from_correct(torch.cat(correct) if correct else torch.zeros((0, num_drafts), dtype=torch.bool))
 
 
-def train_eagle(model: EagleDraftModel, parts: TargetParts, train: Corpus, held_out: Corpus, *, seconds: float,
-                num_steps: int = 3, num_drafts: int = 3, lr: float = 1e-3, batch_size: int = 4,
-                feature_noise: float = 0.05, token_weight: float = 0.5, token_rows: int = 256,
-                max_steps: int | None = None, seed: int = 0, log: Log | None = None) -> TrainReport:
+def train_eagle(
+    model: EagleDraftModel,
+    parts: TargetParts,
+    train: Corpus,
+    held_out: Corpus,
+    *,
+    seconds: float,
+    num_steps: int = 3,
+    num_drafts: int = 3,
+    lr: float = 1e-3,
+    batch_size: int = 4,
+    feature_noise: float = 0.05,
+    token_weight: float = 0.5,
+    token_rows: int = 256,
+    max_steps: int | None = None,
+    seed: int = 0,
+    log: Log | None = None,
+) -> TrainReport:
     """Fit the draft model (the target's embeddings and lm head stay frozen) for ``seconds`` of wall clock.
 
     The model's ``token_map`` (if any) must be set before: it decides the draft vocabulary.
@@ -723,10 +884,27 @@ def train_eagle(model: EagleDraftModel, parts: TargetParts, train: Corpus, held_
 
     def step_loss(rows: torch.Tensor) -> torch.Tensor:
         batch = eagle_batch(train, rows.tolist(), num_steps, aux=reads_aux(model))
-        return eagle_loss(model, parts, batch, num_steps, feature_noise=feature_noise, token_weight=token_weight,
-                          token_rows=token_rows, generator=generator)
+        return eagle_loss(
+            model,
+            parts,
+            batch,
+            num_steps,
+            feature_noise=feature_noise,
+            token_weight=token_weight,
+            token_rows=token_rows,
+            generator=generator,
+        )
 
-    steps, first, last, spent = _fit(model, step_loss, len(train), seconds=seconds, lr=lr, batch_size=batch_size,
-                                     max_steps=max_steps, seed=seed, log=log)
+    steps, first, last, spent = _fit(
+        model,
+        step_loss,
+        len(train),
+        seconds=seconds,
+        lr=lr,
+        batch_size=batch_size,
+        max_steps=max_steps,
+        seed=seed,
+        log=log,
+    )
     after = eagle_acceptance(model, parts, held_out, num_drafts)
     return TrainReport(steps, spent, first, last, before, after)

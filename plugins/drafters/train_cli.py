@@ -34,38 +34,67 @@ def parser() -> argparse.ArgumentParser:
         description="Train speculative-decoding drafters (Medusa heads, EAGLE / EAGLE-3 layer) by self-distillation.",
     )
     found.add_argument("kind", choices=("medusa", "eagle", "eagle3"), help="which drafter to train")
-    found.add_argument("--model", default="default",
-                       help="model directory, .gguf file, or 'default' (the bundled SmolLM2-135M-Instruct)")
+    found.add_argument(
+        "--model",
+        default="default",
+        help="model directory, .gguf file, or 'default' (the bundled SmolLM2-135M-Instruct)",
+    )
     found.add_argument("--minutes", type=float, default=DEFAULT_MINUTES, help="training wall-clock budget")
-    found.add_argument("--out", type=Path, default=None,
-                       help="output directory (default: ~/.cache/patchbay/drafters/<model-id>/<kind>)")
+    found.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: ~/.cache/patchbay/drafters/<model-id>/<kind>)",
+    )
     data = found.add_argument_group("corpus (the target's own generations)")
     data.add_argument("--sequences", type=int, default=256, help="prompts to generate from")
     data.add_argument("--max-new-tokens", type=int, default=96)
     data.add_argument("--temperature", type=float, default=0.0, help="0: greedy generation")
     data.add_argument("--generation-batch-size", type=int, default=32)
     data.add_argument("--eval-fraction", type=float, default=0.1, help="sequences held out to measure acceptance")
-    data.add_argument("--corpus", type=Path, default=None,
-                      help="corpus file to reuse or create (default: cached next to the drafters)")
+    data.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="corpus file to reuse or create (default: cached next to the drafters)",
+    )
     data.add_argument("--regenerate", action="store_true", help="generate the corpus even if a cached one exists")
     training = found.add_argument_group("training")
     training.add_argument("--lr", type=float, default=1e-3)
-    training.add_argument("--batch-size", type=int, default=None,
-                          help="examples per step (default: 128 drafting points for medusa, 4 sequences for eagle*)")
+    training.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="examples per step (default: 128 drafting points for medusa, 4 sequences for eagle*)",
+    )
     training.add_argument("--max-steps", type=int, default=None, help="stop after this many steps even with time left")
-    training.add_argument("--num-drafts", type=int, default=3,
-                          help="draft length measured (and medusa's number of heads)")
-    training.add_argument("--draft-vocab", type=int, default=16384,
-                          help="tokens the drafter may propose: the target's most frequent in the corpus (0: all)")
+    training.add_argument(
+        "--num-drafts", type=int, default=3, help="draft length measured (and medusa's number of heads)"
+    )
+    training.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=16384,
+        help="tokens the drafter may propose: the target's most frequent in the corpus (0: all)",
+    )
     training.add_argument("--num-layers", type=int, default=1, help="medusa: residual blocks per head")
     training.add_argument("--unroll", type=int, default=3, help="eagle*: drafting steps unrolled in training")
     training.add_argument("--feature-noise", type=float, default=0.05, help="eagle*: uniform noise on input features")
     training.add_argument("--token-weight", type=float, default=0.5, help="eagle*: weight of the token loss")
-    training.add_argument("--aux-layers", type=int, nargs="+", default=None,
-                          help="eagle3: target layers it reads (default: 2, L // 2, L - 3 of the target's L)")
-    training.add_argument("--aux-sequences", type=int, default=None,
-                          help="eagle3: training sequences to compute those layers for (default: all; a pass over "
-                               "the corpus costs about as much as generating it)")
+    training.add_argument(
+        "--aux-layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="eagle3: target layers it reads (default: 2, L // 2, L - 3 of the target's L)",
+    )
+    training.add_argument(
+        "--aux-sequences",
+        type=int,
+        default=None,
+        help="eagle3: training sequences to compute those layers for (default: all; a pass over "
+        "the corpus costs about as much as generating it)",
+    )
     found.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     found.add_argument("--seed", type=int, default=0)
     return found
@@ -88,19 +117,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     train_set, held_out = corpus.split(args.eval_fraction)
     if args.kind == "eagle3":
         train_set, held_out = with_aux(args, model, corpus, train_set, held_out, log)
-    log(f"corpus: {len(train_set)} training and {len(held_out)} held-out sequences, "
-        f"{sum(len(t) for t in corpus.token_ids)} tokens")
+    log(
+        f"corpus: {len(train_set)} training and {len(held_out)} held-out sequences, "
+        f"{sum(len(t) for t in corpus.token_ids)} tokens"
+    )
     module, config, report = train(args, model, train_set, held_out, log)
 
     from patchbay.plugins.drafters.heads import default_drafter_dir, model_id, save_drafter, target_identity
 
     out = args.out or default_drafter_dir(model_id(model), args.kind)
     config["target"] = target_identity(model)
-    config["training"] = {**report.as_dict(), "corpus": {**corpus.info, "sequences": len(corpus)},
-                          "minutes": args.minutes}
+    config["training"] = {
+        **report.as_dict(),
+        "corpus": {**corpus.info, "sequences": len(corpus)},
+        "minutes": args.minutes,
+    }
     save_drafter(out, config, module)
-    print(f"{args.kind}: {report.steps} steps in {report.seconds:.0f} s, loss {report.first_loss:.3f} -> "
-          f"{report.last_loss:.3f}")
+    print(
+        f"{args.kind}: {report.steps} steps in {report.seconds:.0f} s, loss {report.first_loss:.3f} -> "
+        f"{report.last_loss:.3f}"
+    )
     print(f"before training: {report.before.describe()}")
     print(f"after training:  {report.after.describe()}")
     print(f"saved to {out}")
@@ -126,7 +162,8 @@ def corpus_path(args: argparse.Namespace, model: Any) -> Path:
     from patchbay.plugins.drafters.heads import default_drafter_dir, model_id
 
     return args.corpus or default_drafter_dir(model_id(model), "corpus").with_name(
-        f"corpus-{args.sequences}x{args.max_new_tokens}-t{args.temperature:g}-s{args.seed}.pt")
+        f"corpus-{args.sequences}x{args.max_new_tokens}-t{args.temperature:g}-s{args.seed}.pt"
+    )
 
 
 def corpus_for(args: argparse.Namespace, model: Any, tokenizer: Any, log: Any) -> Any:
@@ -141,24 +178,35 @@ def corpus_for(args: argparse.Namespace, model: Any, tokenizer: Any, log: Any) -
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     eos_ids = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
     log(f"generating {len(prompts)} sequences of up to {args.max_new_tokens} tokens")
-    corpus = generate_corpus(model, prompts, max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids,
-                             batch_size=args.generation_batch_size, temperature=args.temperature, seed=args.seed,
-                             log=log)
+    corpus = generate_corpus(
+        model,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        eos_token_ids=eos_ids,
+        batch_size=args.generation_batch_size,
+        temperature=args.temperature,
+        seed=args.seed,
+        log=log,
+    )
     corpus.save(path)
     log(f"saved the corpus to {path}")
     return corpus
 
 
-def with_aux(args: argparse.Namespace, model: Any, corpus: Any, train_set: Any, held_out: Any,
-             log: Any) -> tuple[Any, Any]:
+def with_aux(
+    args: argparse.Namespace, model: Any, corpus: Any, train_set: Any, held_out: Any, log: Any
+) -> tuple[Any, Any]:
     """(train, held-out) with the aux layers' outputs: ``--aux-sequences`` training sequences, all held-out ones."""
     from patchbay.interfaces.drafter import resolve_aux_layers
     from patchbay.plugins.drafters.heads import default_aux_layers, text_config
     from patchbay.plugins.drafters.train import Corpus, add_aux_hidden_states
 
     num_layers = text_config(model).num_hidden_layers
-    layers = default_aux_layers(num_layers) if args.aux_layers is None else \
-        resolve_aux_layers(args.aux_layers, num_layers, drafter="eagle3")
+    layers = (
+        default_aux_layers(num_layers)
+        if args.aux_layers is None
+        else resolve_aux_layers(args.aux_layers, num_layers, drafter="eagle3")
+    )
     num_train = len(train_set) if args.aux_sequences is None else min(args.aux_sequences, len(train_set))
     path = corpus_path(args, model).with_suffix("")
     path = path.with_name(f"{path.name}-aux{'-'.join(map(str, layers))}-train{num_train}-eval{len(held_out)}.pt")
@@ -166,11 +214,21 @@ def with_aux(args: argparse.Namespace, model: Any, corpus: Any, train_set: Any, 
         log(f"reusing the aux hidden states {path}")
         both = Corpus.load(path)
     else:
-        log(f"computing the outputs of layers {layers} over {num_train} training and {len(held_out)} held-out sequences")
-        both = add_aux_hidden_states(model, Corpus(
-            train_set.token_ids[:num_train] + held_out.token_ids, train_set.hidden[:num_train] + held_out.hidden,
-            train_set.next_token_ids[:num_train] + held_out.next_token_ids,
-            train_set.prompt_lens[:num_train] + held_out.prompt_lens, corpus.info), layers, log=log)
+        log(
+            f"computing the outputs of layers {layers} over {num_train} training and {len(held_out)} held-out sequences"
+        )
+        both = add_aux_hidden_states(
+            model,
+            Corpus(
+                train_set.token_ids[:num_train] + held_out.token_ids,
+                train_set.hidden[:num_train] + held_out.hidden,
+                train_set.next_token_ids[:num_train] + held_out.next_token_ids,
+                train_set.prompt_lens[:num_train] + held_out.prompt_lens,
+                corpus.info,
+            ),
+            layers,
+            log=log,
+        )
         both.save(path)
     return both.subset(range(num_train)), both.subset(range(num_train, len(both)))
 
@@ -191,26 +249,56 @@ def train(args: argparse.Namespace, model: Any, train_set: Any, held_out: Any, l
             assert heads.token_map is not None  # a draft vocabulary size registers the buffer
             heads.token_map.copy_(token_map)
         log(f"training {args.num_drafts} medusa heads over {vocab_note} for {args.minutes:g} minutes")
-        report = train_medusa(heads, parts, train_set, held_out, seconds=seconds, lr=args.lr,
-                              batch_size=args.batch_size or 128, max_steps=args.max_steps, seed=args.seed, log=log)
-        config = {"kind": "medusa", "num_heads": heads.num_heads, "num_layers": args.num_layers,
-                  "draft_vocab_size": draft_vocab_size, "hidden_size": parts.hidden_size,
-                  "vocab_size": parts.vocab_size}
+        report = train_medusa(
+            heads,
+            parts,
+            train_set,
+            held_out,
+            seconds=seconds,
+            lr=args.lr,
+            batch_size=args.batch_size or 128,
+            max_steps=args.max_steps,
+            seed=args.seed,
+            log=log,
+        )
+        config = {
+            "kind": "medusa",
+            "num_heads": heads.num_heads,
+            "num_layers": args.num_layers,
+            "draft_vocab_size": draft_vocab_size,
+            "hidden_size": parts.hidden_size,
+            "vocab_size": parts.vocab_size,
+        }
         return heads, config, report
     if args.kind == "eagle3":
-        draft: EagleDraftModel = Eagle3DraftModel.for_target(parts, draft_vocab_size=draft_vocab_size,
-                                                             aux_layers=train_set.info["aux_layers"])
+        draft: EagleDraftModel = Eagle3DraftModel.for_target(
+            parts, draft_vocab_size=draft_vocab_size, aux_layers=train_set.info["aux_layers"]
+        )
     else:
         draft = EagleDraftModel.for_target(parts, draft_vocab_size=draft_vocab_size)
     if token_map is not None:
         assert draft.token_map is not None  # a draft vocabulary size registers the buffer
         draft.token_map.copy_(token_map)
-    log(f"training the {args.kind} layer ({sum(p.numel() for p in draft.parameters()) / 1e6:.1f} M parameters) "
-        f"over {vocab_note} for {args.minutes:g} minutes")
-    report = train_eagle(draft, parts, train_set, held_out, seconds=seconds, num_steps=args.unroll,
-                         num_drafts=args.num_drafts, lr=args.lr, batch_size=args.batch_size or 4,
-                         feature_noise=args.feature_noise, token_weight=args.token_weight,
-                         max_steps=args.max_steps, seed=args.seed, log=log)
+    log(
+        f"training the {args.kind} layer ({sum(p.numel() for p in draft.parameters()) / 1e6:.1f} M parameters) "
+        f"over {vocab_note} for {args.minutes:g} minutes"
+    )
+    report = train_eagle(
+        draft,
+        parts,
+        train_set,
+        held_out,
+        seconds=seconds,
+        num_steps=args.unroll,
+        num_drafts=args.num_drafts,
+        lr=args.lr,
+        batch_size=args.batch_size or 4,
+        feature_noise=args.feature_noise,
+        token_weight=args.token_weight,
+        max_steps=args.max_steps,
+        seed=args.seed,
+        log=log,
+    )
     config = {"kind": args.kind, **draft.sizes(), "vocab_size": parts.vocab_size}
     return draft, config, report
 

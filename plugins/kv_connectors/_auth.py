@@ -45,13 +45,17 @@ def check_private(path: Path, what: str, *, allow_group_read: bool = True) -> No
     """Refuse ``path`` unless this user owns it and nobody else may write it (nor read it, for a key)."""
     info = path.stat()
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
-        raise UnsafeLocation(f"{what} {path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}); "
-                             f"someone else could have put entries or a key there: remove it or choose another path")
+        raise UnsafeLocation(
+            f"{what} {path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}); "
+            f"someone else could have put entries or a key there: remove it or choose another path"
+        )
     forbidden = stat.S_IWGRP | stat.S_IWOTH | (0 if allow_group_read else stat.S_IRGRP | stat.S_IROTH)
     if info.st_mode & forbidden:
-        raise UnsafeLocation(f"{what} {path} has mode {stat.filemode(info.st_mode)}: others may "
-                             f"{'write' if allow_group_read else 'read or write'} it; chmod it to "
-                             f"{'0700' if path.is_dir() else '0600'}")
+        raise UnsafeLocation(
+            f"{what} {path} has mode {stat.filemode(info.st_mode)}: others may "
+            f"{'write' if allow_group_read else 'read or write'} it; chmod it to "
+            f"{'0700' if path.is_dir() else '0600'}"
+        )
 
 
 def private_directory(path: Path, what: str) -> Path:

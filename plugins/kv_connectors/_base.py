@@ -113,11 +113,19 @@ class StoreConnector(KVConnector):
     def __init__(self, options=None, *, config=None) -> None:
         super().__init__(options, config=config)
         self.key_bytes = self.auth_key()
-        self.namespace = store_namespace(self.config.model_id, self.config.block_size, self.config.dtype,
-                                         self.key_bytes)
-        self.stats: dict[str, int] = {"loaded_blocks": 0, "saved_blocks": 0, "load_errors": 0, "store_errors": 0,
-                                      "unreachable": 0, "skipped_saves": 0, "discarded_entries": 0,
-                                      "dropped_saves": 0}
+        self.namespace = store_namespace(
+            self.config.model_id, self.config.block_size, self.config.dtype, self.key_bytes
+        )
+        self.stats: dict[str, int] = {
+            "loaded_blocks": 0,
+            "saved_blocks": 0,
+            "load_errors": 0,
+            "store_errors": 0,
+            "unreachable": 0,
+            "skipped_saves": 0,
+            "discarded_entries": 0,
+            "dropped_saves": 0,
+        }
         self._stats_lock = threading.Lock()
         self._warned_unreachable = False
         self._warned: set[str] = set()
@@ -157,8 +165,10 @@ class StoreConnector(KVConnector):
         config = self.config
         if config.shard.is_whole or not self.capabilities.cross_process:
             return [self.namespace]
-        return [store_namespace(config.with_shard(shard).model_id, config.block_size, config.dtype, self.key_bytes)
-                for shard in config.shard.siblings()]
+        return [
+            store_namespace(config.with_shard(shard).model_id, config.block_size, config.dtype, self.key_bytes)
+            for shard in config.shard.siblings()
+        ]
 
     def count(self, name: str, amount: int = 1) -> None:
         with self._stats_lock:
@@ -171,8 +181,12 @@ class StoreConnector(KVConnector):
             raise exc
         if not self._warned_unreachable:
             self._warned_unreachable = True
-            logger.warning("KV connector %s: %s; %s (further failures are counted in stats, not logged)",
-                           type(self).__name__, exc, what)
+            logger.warning(
+                "KV connector %s: %s; %s (further failures are counted in stats, not logged)",
+                type(self).__name__,
+                exc,
+                what,
+            )
 
     def corrupt_entry(self, block_hash: bytes, how: str) -> None:
         """Damage the stored entry of ``block_hash`` (see :func:`damage_entry`): the conformance suite's backdoor."""
@@ -219,11 +233,12 @@ class StoreScheduler(KVConnectorScheduler):
         """Whether each block (by hash hex) is stored for every rank the lookups answer for."""
         if len(self.namespaces) == 1:
             return self.store.present([self.connector.key(block_hash) for block_hash in hashes])
-        found = self.store.present([f"{namespace}/{block_hash}" for block_hash in hashes
-                                    for namespace in self.namespaces])
+        found = self.store.present(
+            [f"{namespace}/{block_hash}" for block_hash in hashes for namespace in self.namespaces]
+        )
         per_block = len(self.namespaces)
         # 2 ranks: [a0, a1, b0, b1] -> [a0 and a1, b0 and b1]
-        return [all(found[index * per_block:(index + 1) * per_block]) for index in range(len(hashes))]
+        return [all(found[index * per_block : (index + 1) * per_block]) for index in range(len(hashes))]
 
     def _count_stored(self, hashes: Sequence[str]) -> int:
         """How many of the blocks, from the first, are stored (see :meth:`_stored`)."""
@@ -240,7 +255,7 @@ class StoreScheduler(KVConnectorScheduler):
         if self.connector.config.role == "producer":
             return 0, False
         first = num_computed_tokens // self.block_size
-        candidates = [block_hash.hex() for block_hash in request.block_hashes[first:self._loadable_blocks(request)]]
+        candidates = [block_hash.hex() for block_hash in request.block_hashes[first : self._loadable_blocks(request)]]
         if not candidates:
             return 0, False
         try:
@@ -250,8 +265,12 @@ class StoreScheduler(KVConnectorScheduler):
             return 0, False
         except (OSError, ValueError) as exc:
             self.connector.count("store_errors")
-            self.connector.warn_once("lookup", "KV connector %s: a lookup failed (%s); prompts are computed "
-                                     "instead of loaded", type(self.connector).__name__, exc)
+            self.connector.warn_once(
+                "lookup",
+                "KV connector %s: a lookup failed (%s); prompts are computed instead of loaded",
+                type(self.connector).__name__,
+                exc,
+            )
             return 0, False
         num_tokens = max(0, (first + hits) * self.block_size - num_computed_tokens)
         # Remembered only to place the loads if this very answer gets allocated; asking again overwrites it.
@@ -260,8 +279,9 @@ class StoreScheduler(KVConnectorScheduler):
 
     # -- allocation and per-step messages ---------------------------------------------------------
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int],
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _RequestState(request)
@@ -283,8 +303,12 @@ class StoreScheduler(KVConnectorScheduler):
     def _queue_saves(self, state: _RequestState, pending: set[str]) -> int:
         """Queue the request's newly computed prompt blocks the store lacks; returns how many were queued."""
         request = state.request
-        limit = min(request.num_computed_tokens // self.block_size, len(request.prompt_token_ids) // self.block_size,
-                    len(request.block_hashes), len(state.block_ids))
+        limit = min(
+            request.num_computed_tokens // self.block_size,
+            len(request.prompt_token_ids) // self.block_size,
+            len(request.block_hashes),
+            len(state.block_ids),
+        )
         candidates = range(state.num_considered_blocks, limit)
         if not candidates:
             return 0
@@ -300,8 +324,12 @@ class StoreScheduler(KVConnectorScheduler):
         except (OSError, ValueError) as exc:
             self.connector.count("store_errors", len(hashes))
             self.connector.count("dropped_saves", len(hashes))
-            self.connector.warn_once("presence", "KV connector %s: checking which blocks are stored failed (%s); "
-                                     "they are not saved", type(self.connector).__name__, exc)
+            self.connector.warn_once(
+                "presence",
+                "KV connector %s: checking which blocks are stored failed (%s); they are not saved",
+                type(self.connector).__name__,
+                exc,
+            )
             state.num_considered_blocks = limit
             return 0
         queued = 0
@@ -358,8 +386,10 @@ class StoreWorker(KVConnectorWorker):
     def register_kv_caches(self, kv_caches: dict[str, Any], split: Any) -> None:
         caches = PagedCaches(kv_caches, split)
         if caches.layout.block_size != self.connector.config.block_size:
-            raise ValueError(f"KV cache blocks hold {caches.layout.block_size} tokens, "
-                             f"the connector was configured for {self.connector.config.block_size}")
+            raise ValueError(
+                f"KV cache blocks hold {caches.layout.block_size} tokens, "
+                f"the connector was configured for {self.connector.config.block_size}"
+            )
         self.caches = caches
 
     def _require_caches(self) -> PagedCaches:
@@ -384,9 +414,15 @@ class StoreWorker(KVConnectorWorker):
                 data = self.store.get(self.connector.key(block_hash), limit)
                 if data is None:
                     raise BlockDecodeError("missing entry")
-                good_payloads.append(decode_block(data, model_id=self.connector.config.model_id,
-                                                  layout=caches.layout, block_hash=bytes.fromhex(block_hash),
-                                                  key=self.connector.key_bytes))
+                good_payloads.append(
+                    decode_block(
+                        data,
+                        model_id=self.connector.config.model_id,
+                        layout=caches.layout,
+                        block_hash=bytes.fromhex(block_hash),
+                        key=self.connector.key_bytes,
+                    )
+                )
                 good_ids.append(block_id)
             except StoreUnreachable as exc:
                 self._load_failed(block_id, block_hash, None)
@@ -416,8 +452,13 @@ class StoreWorker(KVConnectorWorker):
         self._load_errors.add(block_id)
         self.connector.count("load_errors")
         if exc is not None:
-            logger.warning("KV block %s could not be loaded (%s: %s); block %d is recomputed",
-                           block_hash[:16], type(exc).__name__, exc, block_id)
+            logger.warning(
+                "KV block %s could not be loaded (%s: %s); block %d is recomputed",
+                block_hash[:16],
+                type(exc).__name__,
+                exc,
+                block_id,
+            )
 
     # -- saves --------------------------------------------------------------------------------
 
@@ -443,8 +484,7 @@ class StoreWorker(KVConnectorWorker):
         model_id = self.connector.config.model_id
         try:
             for block_hash, payload in zip(hashes, payloads, strict=True):
-                entry = encode_block(model_id, layout, bytes.fromhex(block_hash), payload,
-                                     key=self.connector.key_bytes)
+                entry = encode_block(model_id, layout, bytes.fromhex(block_hash), payload, key=self.connector.key_bytes)
                 try:
                     self.store.put(self.connector.key(block_hash), entry)
                 except StoreUnreachable as exc:
@@ -459,8 +499,13 @@ class StoreWorker(KVConnectorWorker):
                 except (OSError, ValueError) as exc:
                     self.connector.count("store_errors")
                     self.connector.count("dropped_saves")
-                    self.connector.warn_once("save", "KV connector %s: block %s could not be saved (%s)",
-                                             type(self.connector).__name__, block_hash[:16], exc)
+                    self.connector.warn_once(
+                        "save",
+                        "KV connector %s: block %s could not be saved (%s)",
+                        type(self.connector).__name__,
+                        block_hash[:16],
+                        exc,
+                    )
                 else:
                     self.connector.count("saved_blocks")
         finally:

@@ -92,8 +92,9 @@ def _mac(key: bytes, fields: dict, payload: memoryview) -> str:
     return mac.hexdigest()
 
 
-def encode_block(model_id: str, layout: BlockLayout, block_hash: bytes, payload: bytes | memoryview, *,
-                 key: bytes) -> bytes:
+def encode_block(
+    model_id: str, layout: BlockLayout, block_hash: bytes, payload: bytes | memoryview, *, key: bytes
+) -> bytes:
     """The stored form of one block (prefix, header, payload), authenticated with ``key``."""
     payload = memoryview(payload).cast("B")
     fields = {
@@ -122,7 +123,7 @@ def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
     if data.nbytes < end:
         raise BlockDecodeError(f"truncated entry: header needs {end} bytes, found {data.nbytes}")
     try:
-        header = json.loads(bytes(data[_PREFIX.size:end]))
+        header = json.loads(bytes(data[_PREFIX.size : end]))
     except (ValueError, RecursionError) as exc:
         raise BlockDecodeError(f"unreadable entry header: {type(exc).__name__}: {exc}") from None
     if not isinstance(header, dict):
@@ -132,8 +133,9 @@ def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
     return header, data[end:]
 
 
-def decode_block(data: bytes | memoryview, *, model_id: str, layout: BlockLayout, block_hash: bytes,
-                 key: bytes) -> memoryview:
+def decode_block(
+    data: bytes | memoryview, *, model_id: str, layout: BlockLayout, block_hash: bytes, key: bytes
+) -> memoryview:
     """The payload of a stored entry, after checking identity, layout, hash, length, authentication and finiteness."""
     if len(data) > max_entry_bytes(layout):
         raise BlockDecodeError(f"entry of {len(data)} bytes, more than the {max_entry_bytes(layout)} a block takes")
@@ -146,12 +148,15 @@ def decode_block(data: bytes | memoryview, *, model_id: str, layout: BlockLayout
         raise BlockDecodeError(f"entry of block {header.get('block_hash')}, expected {bytes(block_hash).hex()}")
     expected = layout.payload_bytes
     if header.get("payload_bytes") != expected or payload.nbytes != expected:
-        raise BlockDecodeError(f"truncated or padded entry: payload of {payload.nbytes} bytes "
-                               f"(header says {header.get('payload_bytes')}), expected {expected}")
+        raise BlockDecodeError(
+            f"truncated or padded entry: payload of {payload.nbytes} bytes "
+            f"(header says {header.get('payload_bytes')}), expected {expected}"
+        )
     fields = {name: value for name, value in header.items() if name != "mac"}
     if not isinstance(header["mac"], str) or not hmac.compare_digest(_mac(key, fields, payload), header["mac"]):
-        raise BlockDecodeError("corrupted or forged entry: authentication code mismatch (written without this "
-                               "store's key, or damaged)")
+        raise BlockDecodeError(
+            "corrupted or forged entry: authentication code mismatch (written without this store's key, or damaged)"
+        )
     if not payload_is_finite(payload, layout.dtype):
         raise BlockDecodeError("entry payload holds NaN or infinite values")
     return payload
@@ -189,8 +194,9 @@ def damage_entry(data: bytes, how: str, key: bytes) -> bytes | None:
     if how == "other_model":
         return encode_block(f"not-{header['model_id']}", layout, block_hash, payload, key=key)
     if how == "other_layout":  # same number of bytes, other shape
-        other = BlockLayout(layout.num_layers, layout.block_size, layout.num_kv_heads * 2, layout.head_size // 2,
-                            layout.dtype)
+        other = BlockLayout(
+            layout.num_layers, layout.block_size, layout.num_kv_heads * 2, layout.head_size // 2, layout.dtype
+        )
         return encode_block(header["model_id"], other, block_hash, payload, key=key)
     if how == "forged":
         return encode_block(header["model_id"], layout, block_hash, payload, key=b"not-" + key)
@@ -200,8 +206,10 @@ def damage_entry(data: bytes, how: str, key: bytes) -> bytes | None:
         values = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(getattr(torch, layout.dtype)).clone()
         values[0] = math.nan
         return encode_block(header["model_id"], layout, block_hash, values.view(torch.uint8).numpy().tobytes(), key=key)
-    raise ValueError(f"unknown damage {how!r} (expected missing, truncated, corrupted, other_model, other_layout, "
-                     f"forged, not_an_object, deeply_nested, non_finite)")
+    raise ValueError(
+        f"unknown damage {how!r} (expected missing, truncated, corrupted, other_model, other_layout, "
+        f"forged, not_an_object, deeply_nested, non_finite)"
+    )
 
 
 # -- the paged cache side ------------------------------------------------------------------------
@@ -223,12 +231,15 @@ class PagedCaches:
         _, block_size, num_kv_heads, head_size = key_cache.shape
         self.device = key_cache.device
         self.dtype = key_cache.dtype
-        self.layout = BlockLayout(len(self.layers), block_size, num_kv_heads, head_size,
-                                  str(key_cache.dtype).removeprefix("torch."))
+        self.layout = BlockLayout(
+            len(self.layers), block_size, num_kv_heads, head_size, str(key_cache.dtype).removeprefix("torch.")
+        )
         for key_cache, value_cache in self.layers:
             if key_cache.shape[1:] != self.layers[0][0].shape[1:] or value_cache.shape != key_cache.shape:
-                raise ValueError(f"every layer must have one block layout; found {tuple(key_cache.shape)} "
-                                 f"and {tuple(value_cache.shape)} next to {tuple(self.layers[0][0].shape)}")
+                raise ValueError(
+                    f"every layer must have one block layout; found {tuple(key_cache.shape)} "
+                    f"and {tuple(value_cache.shape)} next to {tuple(self.layers[0][0].shape)}"
+                )
 
     def gather(self, block_ids: Sequence[int]) -> list[memoryview]:
         """The payload of each block, on the host: one device-to-host copy for all of them."""

@@ -101,7 +101,11 @@ class HostOffloadConnector(StoreConnector):
     Options: ClassVar[type[BaseModel]] = HostOffloadOptions
     options: HostOffloadOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[KVConnectorCapabilities] = KVConnectorCapabilities(
-        devices=("cpu", "cuda"), async_load=False, async_save=False, cross_process=False, cross_machine=False,
+        devices=("cpu", "cuda"),
+        async_load=False,
+        async_save=False,
+        cross_process=False,
+        cross_machine=False,
     )
 
     def auth_key(self) -> bytes:

@@ -76,9 +76,6 @@ redacted_url = redact_url
 """``url`` without its password (``user:pass@host`` or ``?password=...``), for messages."""
 
 
-
-
-
 class RedisStore(BlockStore):
     """Encoded blocks in Redis strings; connection failures become :class:`StoreUnreachable`."""
 
@@ -86,8 +83,9 @@ class RedisStore(BlockStore):
         import redis
 
         self.options = options
-        self.client = redis.Redis.from_url(options.url, socket_timeout=options.timeout_s,
-                                           socket_connect_timeout=options.timeout_s)
+        self.client = redis.Redis.from_url(
+            options.url, socket_timeout=options.timeout_s, socket_connect_timeout=options.timeout_s
+        )
         self._down = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         self._failed = redis.exceptions.RedisError
         self._failures_in_a_row = 0
@@ -104,9 +102,11 @@ class RedisStore(BlockStore):
         now = time.monotonic()
         if now < self._closed_until:
             self.num_skipped_calls += 1
-            raise StoreUnreachable(f"redis server at {where} skipped during {operation}: it failed "
-                                   f"{self._failures_in_a_row} times in a row, next try in "
-                                   f"{self._closed_until - now:.1f} s")
+            raise StoreUnreachable(
+                f"redis server at {where} skipped during {operation}: it failed "
+                f"{self._failures_in_a_row} times in a row, next try in "
+                f"{self._closed_until - now:.1f} s"
+            )
         try:
             result = function(*args, **kwargs)
         except self._down as exc:
@@ -114,12 +114,14 @@ class RedisStore(BlockStore):
             if self._failures_in_a_row >= self.options.breaker_failures:
                 self._backoff_s = min(self.options.breaker_max_s, max(1.0, 2 * self._backoff_s))
                 self._closed_until = time.monotonic() + self._backoff_s
-            raise StoreUnreachable(f"redis server at {where} unreachable during {operation}: "
-                                   f"{_redacted(exc, self.options.url)}") from None
+            raise StoreUnreachable(
+                f"redis server at {where} unreachable during {operation}: {_redacted(exc, self.options.url)}"
+            ) from None
         except self._failed as exc:  # it answered, with an error or with something that is not Redis
             self._failures_in_a_row = 0
-            raise StoreError(f"redis server at {where} failed {operation}: {type(exc).__name__}: "
-                             f"{_redacted(exc, self.options.url)}") from None
+            raise StoreError(
+                f"redis server at {where} failed {operation}: {type(exc).__name__}: {_redacted(exc, self.options.url)}"
+            ) from None
         self._failures_in_a_row = 0
         self._backoff_s = 0.0
         return result
@@ -153,8 +155,9 @@ class RedisStore(BlockStore):
 
     def put(self, key: str, data: bytes) -> None:
         if len(data) > self.options.max_block_bytes:
-            raise EntryTooLarge(f"encoded block of {len(data)} bytes exceeds max_block_bytes "
-                             f"{int(self.options.max_block_bytes)}")
+            raise EntryTooLarge(
+                f"encoded block of {len(data)} bytes exceeds max_block_bytes {int(self.options.max_block_bytes)}"
+            )
         self._call("SET", self.client.set, self.redis_key(key), data, ex=self.options.ttl_s)
 
     def replace_raw(self, key: str, data: bytes | None) -> None:
@@ -183,7 +186,11 @@ class RedisConnector(StoreConnector):
     Options: ClassVar[type[BaseModel]] = RedisOptions
     options: RedisOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[KVConnectorCapabilities] = KVConnectorCapabilities(
-        devices=("cpu", "cuda"), async_load=False, async_save=True, cross_process=True, cross_machine=True,
+        devices=("cpu", "cuda"),
+        async_load=False,
+        async_save=True,
+        cross_process=True,
+        cross_machine=True,
     )
 
     @classmethod

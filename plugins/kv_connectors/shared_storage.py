@@ -102,7 +102,6 @@ class DirectoryStore(BlockStore):
             Path(temporary).unlink(missing_ok=True)
             raise
 
-
     def replace_raw(self, key: str, data: bytes | None) -> None:
         path = self.path_of(key)
         if data is None:
@@ -118,7 +117,11 @@ class SharedStorageConnector(StoreConnector):
     Options: ClassVar[type[BaseModel]] = SharedStorageOptions
     options: SharedStorageOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[KVConnectorCapabilities] = KVConnectorCapabilities(
-        devices=("cpu", "cuda"), async_load=False, async_save=True, cross_process=True, cross_machine=False,
+        devices=("cpu", "cuda"),
+        async_load=False,
+        async_save=True,
+        cross_process=True,
+        cross_machine=False,
     )
 
     def open_store(self) -> DirectoryStore:

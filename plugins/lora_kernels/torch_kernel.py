@@ -20,10 +20,12 @@ class TorchLoRAKernel(LoRAKernel):
     """Gathers each active slot's rows and runs one matmul per slot for shrink and for expand."""
 
     capabilities: ClassVar[LoRAKernelCapabilities] = LoRAKernelCapabilities(
-        devices=("cpu", "cuda", "mps"), dtypes=("float32", "bfloat16", "float16"))
+        devices=("cpu", "cuda", "mps"), dtypes=("float32", "bfloat16", "float16")
+    )
 
-    def shrink(self, x: torch.Tensor, lora_a: torch.Tensor, scalings: torch.Tensor,
-               mapping: LoRAMapping) -> torch.Tensor:
+    def shrink(
+        self, x: torch.Tensor, lora_a: torch.Tensor, scalings: torch.Tensor, mapping: LoRAMapping
+    ) -> torch.Tensor:
         h = x.new_zeros((x.shape[0], lora_a.shape[1]))
         for rows, slot in _segments(mapping):
             product = x.index_select(0, rows) @ lora_a[slot].T
@@ -38,4 +40,4 @@ class TorchLoRAKernel(LoRAKernel):
 def _segments(mapping: LoRAMapping):
     order, starts = mapping.order, mapping.segment_starts
     for index, slot in enumerate(mapping.active_slots):
-        yield order[starts[index]:starts[index + 1]], slot
+        yield order[starts[index] : starts[index + 1]], slot

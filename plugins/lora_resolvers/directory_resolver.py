@@ -47,18 +47,27 @@ class DirectoryResolver(LoRAResolver):
         if not candidate.is_dir():
             return None
         if candidate.resolve().parent != self.root:  # a symbolic link out of the root
-            raise LoRAResolveError(f"{candidate} links outside {self.root}; the directory resolver serves only "
-                                   "adapters inside its root")
+            raise LoRAResolveError(
+                f"{candidate} links outside {self.root}; the directory resolver serves only adapters inside its root"
+            )
         if not (candidate / CONFIG_FILE).is_file():
             raise LoRAResolveError(f"{candidate} has no {CONFIG_FILE}; it is not an adapter in PEFT's format")
         return candidate
 
     def available(self) -> list[str]:
-        return sorted(entry.name for entry in self.root.iterdir()
-                      if _is_plain_name(entry.name) and (entry / CONFIG_FILE).is_file()
-                      and entry.resolve().parent == self.root)
+        return sorted(
+            entry.name
+            for entry in self.root.iterdir()
+            if _is_plain_name(entry.name) and (entry / CONFIG_FILE).is_file() and entry.resolve().parent == self.root
+        )
 
 
 def _is_plain_name(name: str) -> bool:
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name \
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
         and not name.startswith(".")
+    )

@@ -5,5 +5,8 @@ from patchbay import hookimpl
 
 @hookimpl
 def register_lora_resolvers(register):
-    register("directory", "patchbay.plugins.lora_resolvers.directory_resolver:DirectoryResolver",
-             description="adapter NAME is the PEFT directory ROOT/NAME under a configured folder")
+    register(
+        "directory",
+        "patchbay.plugins.lora_resolvers.directory_resolver:DirectoryResolver",
+        description="adapter NAME is the PEFT directory ROOT/NAME under a configured folder",
+    )

@@ -34,7 +34,7 @@ class ThinkReasoningParser(ReasoningParser):
     def parse(self, text: str) -> ReasoningSplit:
         head = text.lstrip()
         if head.startswith(OPEN):
-            body = head[len(OPEN):]
+            body = head[len(OPEN) :]
         elif self.options.starts_in_reasoning:
             body = text
         else:
@@ -42,7 +42,7 @@ class ThinkReasoningParser(ReasoningParser):
         close = body.find(CLOSE)
         if close < 0:
             return ReasoningSplit(body, "")
-        return ReasoningSplit(body[:close], body[close + len(CLOSE):].lstrip())
+        return ReasoningSplit(body[:close], body[close + len(CLOSE) :].lstrip())
 
     def stream(self) -> ReasoningStream:
         return _ThinkStream(self.options.starts_in_reasoning)
@@ -74,7 +74,7 @@ class _ThinkStream(ReasoningStream):
         if self._phase == "start":
             head = self._buffer.lstrip()
             if head.startswith(OPEN):
-                self._enter_reasoning(head[len(OPEN):])
+                self._enter_reasoning(head[len(OPEN) :])
             elif head and not OPEN.startswith(head):
                 if self._starts_in_reasoning:
                     self._enter_reasoning(self._buffer)
@@ -84,11 +84,11 @@ class _ThinkStream(ReasoningStream):
             close = self._buffer.find(CLOSE)
             if close < 0:
                 keep = partial_marker_length(self._buffer, CLOSE)
-                reasoning.append(self._buffer[:len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
+                reasoning.append(self._buffer[: len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep :]
             else:
                 reasoning.append(self._buffer[:close])
-                self._buffer = self._buffer[close + len(CLOSE):]
+                self._buffer = self._buffer[close + len(CLOSE) :]
                 self._phase = "answer"
         if self._phase == "answer":
             answer.append(self._answer(self._buffer))

@@ -83,8 +83,9 @@ def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator
     return probs.div(q).argmax(dim=-1)
 
 
-def draw_exponential(shape: Sequence[int] | torch.Size, generators: dict[int, torch.Generator],
-                     device: torch.device) -> torch.Tensor:
+def draw_exponential(
+    shape: Sequence[int] | torch.Size, generators: dict[int, torch.Generator], device: torch.device
+) -> torch.Tensor:
     """``Exp(1)`` noise of ``shape``, row ``i`` from ``generators[i]`` when present; clamped away from 0."""
     q = torch.empty(tuple(shape), dtype=torch.float32, device=device)
     if len(generators) < q.shape[0]:
@@ -136,7 +137,7 @@ def _banned_by_bad_words(metadata: SamplingMetadata) -> list[tuple[int, int]]:
         outputs = _outputs(metadata, row)
         for word in words:
             prefix = word[:-1]
-            if len(prefix) <= len(outputs) and outputs[len(outputs) - len(prefix):] == prefix:
+            if len(prefix) <= len(outputs) and outputs[len(outputs) - len(prefix) :] == prefix:
                 banned.append((row, word[-1]))
     return banned
 
@@ -161,8 +162,9 @@ def _add_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float] | No
         logits.index_put_((_index(rows, logits.device), _index(tokens, logits.device)), values, accumulate=True)
 
 
-def output_token_counts(output_token_ids: list[list[int]], num_rows: int, vocab: int,
-                        device: torch.device) -> torch.Tensor:
+def output_token_counts(
+    output_token_ids: list[list[int]], num_rows: int, vocab: int, device: torch.device
+) -> torch.Tensor:
     """float32 ``[num_rows, vocab]``: how often each token occurs in each row's output so far.
 
     ``[[3, 1, 3], []]`` with vocab 4 -> ``[[0, 1, 0, 2], [0, 0, 0, 0]]``.

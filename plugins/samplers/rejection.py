@@ -63,7 +63,8 @@ class StandardRejectionSampler(RejectionSampler):
         random_rows = (sampling.temperature[request_of_row] > 0).nonzero().squeeze(1)
         if random_rows.numel():
             accepted[random_rows], recovered[random_rows] = self._verify_random_rows(
-                processed, random_rows, request_of_row, draft_ids, draft_probs, sampling)
+                processed, random_rows, request_of_row, draft_ids, draft_probs, sampling
+            )
         return _assemble(accepted, recovered, draft_ids, bonus_token_ids, num_drafts)
 
     @staticmethod
@@ -82,8 +83,11 @@ class StandardRejectionSampler(RejectionSampler):
             return None if values is None else values[requests]
 
         target = _processing.apply_sampling_filters(
-            processed[rows], sampling.temperature[requests],
-            min_p=pick(sampling.min_p), top_k=pick(sampling.top_k), top_p=pick(sampling.top_p),
+            processed[rows],
+            sampling.temperature[requests],
+            min_p=pick(sampling.min_p),
+            top_k=pick(sampling.top_k),
+            top_p=pick(sampling.top_p),
         ).softmax(dim=-1)
         drafts = draft_ids[rows].unsqueeze(1)
         if draft_probs is None:
@@ -112,15 +116,20 @@ def _per_draft_row(sampling: SamplingMetadata, metadata: SpecDecodeMetadata) -> 
     def pick(values: torch.Tensor | None) -> torch.Tensor | None:
         return None if values is None else values[index.to(values.device)]
 
-    history_needed = (sampling.repetition_penalties is not None or sampling.frequency_penalties is not None
-                      or sampling.presence_penalties is not None or sampling.bad_words_token_ids or sampling.min_tokens)
+    history_needed = (
+        sampling.repetition_penalties is not None
+        or sampling.frequency_penalties is not None
+        or sampling.presence_penalties is not None
+        or sampling.bad_words_token_ids
+        or sampling.min_tokens
+    )
     outputs: list[list[int]] = []
     if history_needed:
         drafts = metadata.draft_token_ids.tolist()
         start = 0
         for request, count in enumerate(counts):
             generated = sampling.output_token_ids[request] if sampling.output_token_ids else []
-            outputs.extend(generated + drafts[start:start + position] for position in range(count))
+            outputs.extend(generated + drafts[start : start + position] for position in range(count))
             start += count
     rows_of: dict[int, list[int]] = {}
     for row, request in enumerate(request_of_row):
@@ -136,14 +145,16 @@ def _per_draft_row(sampling: SamplingMetadata, metadata: SpecDecodeMetadata) -> 
         repetition_penalties=pick(sampling.repetition_penalties),
         logit_bias=[sampling.logit_bias[request] for request in request_of_row] if sampling.logit_bias else [],
         allowed_token_ids_mask=pick(sampling.allowed_token_ids_mask),
-        bad_words_token_ids={row: words for request, words in sampling.bad_words_token_ids.items()
-                             for row in rows_of.get(request, [])},
+        bad_words_token_ids={
+            row: words for request, words in sampling.bad_words_token_ids.items() for row in rows_of.get(request, [])
+        },
         min_tokens={row: value for request, value in sampling.min_tokens.items() for row in rows_of.get(request, [])},
     )
 
 
-def _draw_noise(requests: torch.Tensor, vocab: int, generators: dict[int, torch.Generator],
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw_noise(
+    requests: torch.Tensor, vocab: int, generators: dict[int, torch.Generator], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A uniform per row and ``Exp(1)`` per row and token; rows of seeded requests from the request's generator."""
     num_rows = requests.shape[0]
     uniform = torch.empty(num_rows, dtype=torch.float32, device=device)
@@ -162,8 +173,13 @@ def _draw_noise(requests: torch.Tensor, vocab: int, generators: dict[int, torch.
     return uniform, exponential.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
-def _assemble(accepted: torch.Tensor, recovered: torch.Tensor, draft_ids: torch.Tensor,
-              bonus_token_ids: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+def _assemble(
+    accepted: torch.Tensor,
+    recovered: torch.Tensor,
+    draft_ids: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    num_drafts: torch.Tensor,
+) -> torch.Tensor:
     """Lay out each request's accepted drafts, then its recovered (or bonus) token, padded with -1.
 
     ``num_drafts [2, 1], accepted [T, F, F]`` -> ``[[d0, r1, -1], [r2, -1, -1]]``;

@@ -65,22 +65,28 @@ class StandardSampler(Sampler):
         return _with_logprobs(sampled, torch.log_softmax(source.float(), dim=-1), metadata.max_num_logprobs)
 
     @staticmethod
-    def _filter_random_rows(processed: torch.Tensor, random_rows: torch.Tensor,
-                            metadata: SamplingMetadata) -> torch.Tensor:
+    def _filter_random_rows(
+        processed: torch.Tensor, random_rows: torch.Tensor, metadata: SamplingMetadata
+    ) -> torch.Tensor:
         def pick(values: torch.Tensor | None) -> torch.Tensor | None:
             return None if values is None else values[random_rows]
 
         return _processing.apply_sampling_filters(
-            processed[random_rows], metadata.temperature[random_rows],
-            min_p=pick(metadata.min_p), top_k=pick(metadata.top_k), top_p=pick(metadata.top_p),
+            processed[random_rows],
+            metadata.temperature[random_rows],
+            min_p=pick(metadata.min_p),
+            top_k=pick(metadata.top_k),
+            top_p=pick(metadata.top_p),
         )
 
     @staticmethod
-    def _draw(filtered: torch.Tensor, random_rows: torch.Tensor,
-              generators: dict[int, torch.Generator]) -> torch.Tensor:
+    def _draw(
+        filtered: torch.Tensor, random_rows: torch.Tensor, generators: dict[int, torch.Generator]
+    ) -> torch.Tensor:
         # Generators are keyed by batch row; the filtered rows are numbered among random rows only.
-        by_position = {position: generators[row] for position, row in enumerate(random_rows.tolist())
-                       if row in generators}
+        by_position = {
+            position: generators[row] for position, row in enumerate(random_rows.tolist()) if row in generators
+        }
         return _processing.sample_from_probs(filtered.softmax(dim=-1), by_position)
 
 

@@ -96,15 +96,17 @@ class LLGuidanceBackend(StructuredOutputBackend):
 
         return None if importlib.util.find_spec("llguidance") else "the llguidance package is not installed"
 
-    def __init__(self, options: BaseModel | None = None, *, tokenizer: Any, vocab_size: int,
-                 stop_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, options: BaseModel | None = None, *, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
+    ) -> None:
         super().__init__(options, tokenizer=tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         import llguidance
         import llguidance.hf
 
         self._llguidance = llguidance
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                       eos_token=list(self.stop_token_ids) or None)
+        self._tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=list(self.stop_token_ids) or None
+        )
 
     def _grammar_text(self, params: StructuredOutputParams) -> str:
         llguidance = self._llguidance

@@ -88,14 +88,16 @@ class XGrammarBackend(StructuredOutputBackend):
 
         return None if importlib.util.find_spec("xgrammar") else "the xgrammar package is not installed"
 
-    def __init__(self, options: BaseModel | None = None, *, tokenizer: Any, vocab_size: int,
-                 stop_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, options: BaseModel | None = None, *, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
+    ) -> None:
         super().__init__(options, tokenizer=tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         import xgrammar
 
         self._xgrammar = xgrammar
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                      stop_token_ids=list(self.stop_token_ids) or None)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(self.stop_token_ids) or None
+        )
         # patchbay caches compiled grammars itself (by key), so xgrammar's own cache would hold a second copy.
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=self.options.max_threads, cache_enabled=False)
 
@@ -106,8 +108,11 @@ class XGrammarBackend(StructuredOutputBackend):
             if params.kind in ("json_schema", "json_object"):
                 schema = params.json_schema if params.json_schema is not None else {"type": "object"}
                 return compiler.compile_json_schema(
-                    json.dumps(schema), any_whitespace=options.any_whitespace, strict_mode=options.strict_mode,
-                    max_whitespace_cnt=options.max_whitespace_cnt)
+                    json.dumps(schema),
+                    any_whitespace=options.any_whitespace,
+                    strict_mode=options.strict_mode,
+                    max_whitespace_cnt=options.max_whitespace_cnt,
+                )
             if params.kind == "regex":
                 assert params.regex is not None  # the kind is the field that is set
                 return compiler.compile_regex(params.regex)

@@ -36,7 +36,7 @@ class HermesToolParser(ToolParser):
             content.append(text[position:start])
             close = text.find(CLOSE, start + len(OPEN))
             end = len(text) if close < 0 else close + len(CLOSE)
-            call = _call_in(text[start + len(OPEN):close if close >= 0 else end])
+            call = _call_in(text[start + len(OPEN) : close if close >= 0 else end])
             if call is None:
                 content.append(text[start:end])
             else:
@@ -48,8 +48,11 @@ class HermesToolParser(ToolParser):
         return _HermesStream()
 
     def render(self, content: str, tool_calls: Sequence[ToolCall]) -> str:
-        rendered = [f"{OPEN}\n{json.dumps({'name': call.name, 'arguments': json.loads(call.arguments)}, ensure_ascii=False)}"
-                    f"\n{CLOSE}" for call in tool_calls]
+        rendered = [
+            f"{OPEN}\n{json.dumps({'name': call.name, 'arguments': json.loads(call.arguments)}, ensure_ascii=False)}"
+            f"\n{CLOSE}"
+            for call in tool_calls
+        ]
         return content + "".join(rendered)
 
 
@@ -70,8 +73,8 @@ class _HermesStream(ToolCallStream):
                 start = self._buffer.find(OPEN)
                 if start < 0:
                     keep = partial_marker_length(self._buffer, OPEN)
-                    content.append(self._buffer[:len(self._buffer) - keep])
-                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    content.append(self._buffer[: len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep :]
                     break
                 content.append(self._buffer[:start])
                 self._buffer = self._buffer[start:]
@@ -81,7 +84,7 @@ class _HermesStream(ToolCallStream):
                 if close < 0:
                     break
                 end = close + len(CLOSE)
-                self._settle(self._buffer[len(OPEN):close], self._buffer[:end], content, items)
+                self._settle(self._buffer[len(OPEN) : close], self._buffer[:end], content, items)
                 self._buffer = self._buffer[end:]
                 self._in_call = False
         return ToolCallDelta("".join(content), tuple(items))
@@ -90,7 +93,7 @@ class _HermesStream(ToolCallStream):
         content: list[str] = []
         items: list[ToolCallDeltaItem] = []
         if self._in_call:
-            self._settle(self._buffer[len(OPEN):], self._buffer, content, items)
+            self._settle(self._buffer[len(OPEN) :], self._buffer, content, items)
         else:
             content.append(self._buffer)
         self._buffer, self._in_call = "", False

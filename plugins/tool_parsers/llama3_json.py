@@ -59,7 +59,7 @@ class Llama3JsonToolParser(ToolParser):
     def parse(self, text: str) -> ParsedToolCalls:
         body = text.lstrip()
         if body.startswith(PYTHON_TAG):
-            body = body[len(PYTHON_TAG):]
+            body = body[len(PYTHON_TAG) :]
         elif not body.startswith("{"):
             return ParsedToolCalls(text)
         calls = _calls_in(body)
@@ -73,8 +73,10 @@ class Llama3JsonToolParser(ToolParser):
             return content
         if content:
             raise ValueError("the Llama 3 JSON format cannot hold content next to calls")
-        return "; ".join(json.dumps({"name": call.name, "parameters": json.loads(call.arguments)}, ensure_ascii=False)
-                         for call in tool_calls)
+        return "; ".join(
+            json.dumps({"name": call.name, "parameters": json.loads(call.arguments)}, ensure_ascii=False)
+            for call in tool_calls
+        )
 
 
 class _Llama3Stream(ToolCallStream):
@@ -104,5 +106,7 @@ class _Llama3Stream(ToolCallStream):
             return ToolCallDelta()
         parsed = self._parser.parse(self._buffer)
         self._buffer = ""
-        return ToolCallDelta(parsed.content, tuple(ToolCallDeltaItem(index, call.name, call.arguments)
-                                                   for index, call in enumerate(parsed.tool_calls)))
+        return ToolCallDelta(
+            parsed.content,
+            tuple(ToolCallDeltaItem(index, call.name, call.arguments) for index, call in enumerate(parsed.tool_calls)),
+        )

@@ -36,7 +36,7 @@ class MistralToolParser(ToolParser):
         start = text.find(MARKER)
         if start < 0:
             return ParsedToolCalls(text)
-        calls = _calls_in(text[start + len(MARKER):])
+        calls = _calls_in(text[start + len(MARKER) :])
         return ParsedToolCalls(text) if calls is None else ParsedToolCalls(text[:start], tuple(calls))
 
     def stream(self) -> ToolCallStream:
@@ -66,15 +66,16 @@ class _MistralStream(ToolCallStream):
             self._in_calls = True
             return ToolCallDelta(content)
         keep = partial_marker_length(self._buffer, MARKER)
-        content, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+        content, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep :]
         return ToolCallDelta(content)
 
     def finish(self) -> ToolCallDelta:
         held, self._buffer = self._buffer, ""
         if not self._in_calls:
             return ToolCallDelta(held)
-        calls = _calls_in(held[len(MARKER):])
+        calls = _calls_in(held[len(MARKER) :])
         if calls is None:
             return ToolCallDelta(held)
-        return ToolCallDelta("", tuple(ToolCallDeltaItem(index, call.name, call.arguments)
-                                       for index, call in enumerate(calls)))
+        return ToolCallDelta(
+            "", tuple(ToolCallDeltaItem(index, call.name, call.arguments) for index, call in enumerate(calls))
+        )

@@ -28,7 +28,7 @@ def tokenizer():
 def test_deltas_add_up_to_the_full_decode(tokenizer, text: str, chunk: int):
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     detokenizer = IncrementalDetokenizer(tokenizer)
-    deltas = [detokenizer.add(token_ids[i:i + chunk]) for i in range(0, len(token_ids), chunk)]
+    deltas = [detokenizer.add(token_ids[i : i + chunk]) for i in range(0, len(token_ids), chunk)]
     assert "".join(deltas) == tokenizer.decode(token_ids, skip_special_tokens=True) == text
     assert not any("\ufffd" in delta for delta in deltas)
 
@@ -52,12 +52,12 @@ def test_random_token_sequences_never_send_text_the_full_decode_lacks(tokenizer)
         full = tokenizer.decode(token_ids, skip_special_tokens=True)
         # What is left unsent is at most a trailing incomplete character.
         assert full.startswith(detokenizer.text)
-        assert set(full[len(detokenizer.text):]) <= {"\ufffd"}
+        assert set(full[len(detokenizer.text) :]) <= {"\ufffd"}
 
 
 def test_streamed_text_never_runs_into_a_stop_string_split_across_chunks(tokenizer):
     text = "one two three STOP four five"
-    final = text[:text.index("STOP")]  # what the engine's stop check leaves
+    final = text[: text.index("STOP")]  # what the engine's stop check leaves
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     stop_tokens = [t for t in token_ids if "S" in tokenizer.decode([t]) or "TOP" in tokenizer.decode([t])]
     assert stop_tokens and tokenizer.decode(stop_tokens[:1]) != "STOP", "the stop string should span tokens"
@@ -66,7 +66,7 @@ def test_streamed_text_never_runs_into_a_stop_string_split_across_chunks(tokeniz
     for end in range(1, len(token_ids) + 1):
         if "STOP" in tokenizer.decode(token_ids[:end]):
             break  # the engine's stop check finishes the request with this token
-        sent += stream.add(token_ids[end - 1:end])
+        sent += stream.add(token_ids[end - 1 : end])
         assert final.startswith(sent), sent
     assert sent and sent != final, "some text should be sent early and some held back"
     sent += stream.finish(final)

@@ -72,10 +72,13 @@ def test_abort_finishes_the_request_and_frees_its_blocks(llm):
     assert engine.kv_cache_manager.num_free_blocks == free_before
 
 
-@pytest.mark.parametrize(("params", "message"), [
-    (SamplingParams(temperature=0.7), "greedy only"),
-    (SamplingParams(top_k=5), "not supported: top_k"),
-])
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (SamplingParams(temperature=0.7), "greedy only"),
+        (SamplingParams(top_k=5), "not supported: top_k"),
+    ],
+)
 def test_a_request_the_sampler_cannot_serve_is_refused_naming_it(tiny_llama, shared_llm, params, message):
     greedy_only = shared_llm(model__path=str(tiny_llama), sampler__name="greedy")
     with pytest.raises(ValueError, match=message) as caught:
@@ -123,8 +126,13 @@ def test_an_empty_or_out_of_vocabulary_prompt_is_refused(llm):
 
 
 def test_rows_churning_through_a_small_batch_still_match_transformers(tiny_llama):
-    llm = patchbay.LLM(model__path=str(tiny_llama), attention__backend="torch_sdpa", scheduler__max_num_seqs=3,
-                       scheduler__max_num_batched_tokens=48, runtime__threads=2)
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama),
+        attention__backend="torch_sdpa",
+        scheduler__max_num_seqs=3,
+        scheduler__max_num_batched_tokens=48,
+        runtime__threads=2,
+    )
     prompts = _prompts(10, seed=21)
     lengths = [3 + (i * 5) % 11 for i in range(len(prompts))]  # requests finish at different steps
     outputs = llm.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
@@ -152,8 +160,12 @@ class ReversingBuilderPlugin:
 def test_a_builder_that_reorders_the_batch_changes_no_token(tiny_llama, llm):
     registry = Registry.from_entry_points()
     registry.add_plugin(ReversingBuilderPlugin(), name="reversing-test")
-    reordered = patchbay.LLM(model__path=str(tiny_llama), attention__backend="torch_sdpa",
-                             attention__metadata_builder="reversing", registry=registry)
+    reordered = patchbay.LLM(
+        model__path=str(tiny_llama),
+        attention__backend="torch_sdpa",
+        attention__metadata_builder="reversing",
+        registry=registry,
+    )
     prompts = _prompts(6, seed=9)
     params = [SamplingParams(max_tokens=4 + i, ignore_eos=True) for i in range(len(prompts))]
     got = [o.token_ids for o in reordered.generate(prompts, params)]
@@ -179,8 +191,9 @@ def test_bfloat16_runs_and_agrees_with_transformers_in_bfloat16(tiny_llama):
         with torch.inference_mode():
             logits = reference(torch.tensor([prompt])).logits[0, -1].float()
         top = logits[want[0]]
-        assert logits[output.token_ids[0]] >= top - 2 * torch.finfo(torch.bfloat16).eps * top.abs(), \
+        assert logits[output.token_ids[0]] >= top - 2 * torch.finfo(torch.bfloat16).eps * top.abs(), (
             f"first token {output.token_ids[0]} is not a bf16 tie with transformers' {want[0]}"
+        )
 
 
 def test_the_default_backend_is_chosen_by_capability(llm, tiny_llama):

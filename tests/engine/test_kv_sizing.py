@@ -28,13 +28,22 @@ def _machine(monkeypatch, *, total: int, held: int, free: int | None) -> None:
     monkeypatch.setattr(kv_sizing, "available_memory", lambda device: free)
 
 
-def _size(monkeypatch, *, ranks: int = 1, max_num_seqs: int = 1024, utilization: float | None = None,
-          **machine: int | None) -> kv_sizing.KVSizing:
+def _size(
+    monkeypatch, *, ranks: int = 1, max_num_seqs: int = 1024, utilization: float | None = None, **machine: int | None
+) -> kv_sizing.KVSizing:
     _machine(monkeypatch, **machine)
-    settings = Settings(scheduler={"max_num_seqs": max_num_seqs},
-                        cache={"memory_utilization": utilization} if utilization else {})
-    return kv_sizing.size_kv_pool(settings, GROUPS, device=torch.device("cpu"), max_model_len=4096,
-                                  activation_bytes=GiB // 2, step_tokens=2048, ranks=ranks)
+    settings = Settings(
+        scheduler={"max_num_seqs": max_num_seqs}, cache={"memory_utilization": utilization} if utilization else {}
+    )
+    return kv_sizing.size_kv_pool(
+        settings,
+        GROUPS,
+        device=torch.device("cpu"),
+        max_model_len=4096,
+        activation_bytes=GiB // 2,
+        step_tokens=2048,
+        ranks=ranks,
+    )
 
 
 def test_the_pool_gets_the_budget_left_after_the_model_and_a_step(monkeypatch):
@@ -86,10 +95,14 @@ def test_an_engine_on_auto_measures_a_step_and_sizes_its_pool(tiny_llama, monkey
 def test_stale_bytes_in_a_fresh_cpu_pool_never_reach_attention(tiny_llama, monkeypatch):
     # The pool is left unwritten at start; each block must be zeroed when first handed out, or a masked
     # attention multiplying NaN garbage by a zero weight returns NaN.
-    monkeypatch.setattr(model_runner, "_unwritten",
-                        lambda shape, *, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
-    llm = patchbay.LLM(model__path=str(tiny_llama), attention__backend="torch_sdpa",
-                       attention__options={"decode_kernel": "sdpa"})
+    monkeypatch.setattr(
+        model_runner,
+        "_unwritten",
+        lambda shape, *, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device),
+    )
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama), attention__backend="torch_sdpa", attention__options={"decode_kernel": "sdpa"}
+    )
     prompts = [list(range(20, 70)), [7, 8, 9], list(range(3, 40))]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 8)

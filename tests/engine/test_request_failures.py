@@ -18,8 +18,14 @@ PROMPTS = [[11, 12, 13, 14], [21, 22, 23], [31, 32, 33, 34, 35]]
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama) -> patchbay.LLM:
-    return patchbay.LLM(model__path=str(tiny_llama), attention__backend="torch_sdpa", runtime__threads=2,
-                        model__max_model_len=MAX_MODEL_LEN, cache__num_blocks=64, cache__block_size=4)
+    return patchbay.LLM(
+        model__path=str(tiny_llama),
+        attention__backend="torch_sdpa",
+        runtime__threads=2,
+        model__max_model_len=MAX_MODEL_LEN,
+        cache__num_blocks=64,
+        cache__block_size=4,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,45 +45,53 @@ def _assert_healthy(llm, clean_tokens) -> None:
 VOCAB = 49152  # tiny_llama's vocabulary
 
 
-@pytest.mark.parametrize(("params", "message"), [
-    ({"logprobs": VOCAB + 5}, "logprobs=49157 exceeds"),
-    ({"logprobs": 21}, r"logprobs=21 exceeds .* 20 \(model.max_logprobs"),
-    ({"prompt_logprobs": VOCAB + 1}, "prompt_logprobs=49153 exceeds"),
-    ({"logit_bias": {VOCAB + 3: 1.0}}, r"logit_bias has token ids outside the vocabulary \(0..49151\): \[49155\]"),
-    ({"allowed_token_ids": [5, VOCAB]}, "allowed_token_ids has token ids outside the vocabulary"),
-    ({"bad_words_token_ids": [[3], [VOCAB + 1]]}, r"bad_words_token_ids\[1\] has token ids outside"),
-    ({"stop_token_ids": [VOCAB * 2]}, "stop_token_ids has token ids outside"),
-])
-def test_a_request_out_of_the_models_range_is_refused_by_name_and_the_engine_goes_on(llm, clean_tokens, params,
-                                                                                    message):
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"logprobs": VOCAB + 5}, "logprobs=49157 exceeds"),
+        ({"logprobs": 21}, r"logprobs=21 exceeds .* 20 \(model.max_logprobs"),
+        ({"prompt_logprobs": VOCAB + 1}, "prompt_logprobs=49153 exceeds"),
+        ({"logit_bias": {VOCAB + 3: 1.0}}, r"logit_bias has token ids outside the vocabulary \(0..49151\): \[49155\]"),
+        ({"allowed_token_ids": [5, VOCAB]}, "allowed_token_ids has token ids outside the vocabulary"),
+        ({"bad_words_token_ids": [[3], [VOCAB + 1]]}, r"bad_words_token_ids\[1\] has token ids outside"),
+        ({"stop_token_ids": [VOCAB * 2]}, "stop_token_ids has token ids outside"),
+    ],
+)
+def test_a_request_out_of_the_models_range_is_refused_by_name_and_the_engine_goes_on(
+    llm, clean_tokens, params, message
+):
     with pytest.raises(ValueError, match=rf"request 'bad-one': {message}"):
-        llm.generate([PROMPTS[0], PROMPTS[1]], [SamplingParams(), SamplingParams(**params)],
-                     request_ids=["good-one", "bad-one"])
+        llm.generate(
+            [PROMPTS[0], PROMPTS[1]], [SamplingParams(), SamplingParams(**params)], request_ids=["good-one", "bad-one"]
+        )
     _assert_healthy(llm, clean_tokens)
 
 
-@pytest.mark.parametrize(("params", "message"), [
-    ({"logit_bias": {-1: 100.0}}, "greater than or equal to 0"),
-    ({"allowed_token_ids": [-3]}, "greater than or equal to 0"),
-    ({"logit_bias": {5: float("nan")}}, "finite number"),
-    ({"logit_bias": {5: float("inf")}}, "finite number"),
-    ({"temperature": 1e-40}, "too small to sample with"),
-    ({"temperature": float("inf")}, "finite number"),
-    ({"temperature": float("nan")}, "finite number"),
-    ({"top_k": 2**70}, "less than or equal to 2147483647"),
-    ({"seed": 2**64}, "less than or equal to 9223372036854775807"),
-    ({"seed": 2**63 - 1, "n": 2}, "exceeds"),
-    ({"stop": [""]}, "stop string must not be empty"),
-    ({"stop": ""}, "stop string must not be empty"),
-    ({"allowed_token_ids": []}, "at least 1 item"),
-    ({"bad_words_token_ids": [[]]}, "at least 1 item"),
-    ({"allowed_token_ids": [1.0]}, "must be an integer, got float"),
-    ({"allowed_token_ids": [2.7]}, "must be an integer, got float"),
-    ({"stop_token_ids": [True]}, "must be an integer, got bool"),
-    ({"logit_bias": {1.5: 1.0}}, "must be an integer, got float"),
-    ({"seed": True}, "expected an integer, got bool"),
-    ({"max_tokens": 3.5}, "valid integer"),
-])
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"logit_bias": {-1: 100.0}}, "greater than or equal to 0"),
+        ({"allowed_token_ids": [-3]}, "greater than or equal to 0"),
+        ({"logit_bias": {5: float("nan")}}, "finite number"),
+        ({"logit_bias": {5: float("inf")}}, "finite number"),
+        ({"temperature": 1e-40}, "too small to sample with"),
+        ({"temperature": float("inf")}, "finite number"),
+        ({"temperature": float("nan")}, "finite number"),
+        ({"top_k": 2**70}, "less than or equal to 2147483647"),
+        ({"seed": 2**64}, "less than or equal to 9223372036854775807"),
+        ({"seed": 2**63 - 1, "n": 2}, "exceeds"),
+        ({"stop": [""]}, "stop string must not be empty"),
+        ({"stop": ""}, "stop string must not be empty"),
+        ({"allowed_token_ids": []}, "at least 1 item"),
+        ({"bad_words_token_ids": [[]]}, "at least 1 item"),
+        ({"allowed_token_ids": [1.0]}, "must be an integer, got float"),
+        ({"allowed_token_ids": [2.7]}, "must be an integer, got float"),
+        ({"stop_token_ids": [True]}, "must be an integer, got bool"),
+        ({"logit_bias": {1.5: 1.0}}, "must be an integer, got float"),
+        ({"seed": True}, "expected an integer, got bool"),
+        ({"max_tokens": 3.5}, "valid integer"),
+    ],
+)
 def test_a_value_that_would_give_silent_wrong_results_is_refused(params, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**params)
@@ -95,14 +109,17 @@ def test_a_prompt_of_exactly_max_model_len_gets_one_token_and_one_more_is_refuse
     _assert_healthy(llm, clean_tokens)
 
 
-@pytest.mark.parametrize(("prompt", "message"), [
-    ({"messages": "hello"}, "'messages' must be a non-empty list"),
-    ({"messages": [{"role": "user"}]}, r"messages\[0\].content must be a string"),
-    ({"messages": [["user", "hi"]]}, r"messages\[0\] must be an object"),
-    ({"prompt_token_ids": [1, 2.5]}, "prompt token ids must be integers"),
-    ({"prompt_token_ids": [1, True]}, "prompt token ids must be integers"),
-    ({"prompt": 5}, "'prompt' must be a string"),
-])
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ({"messages": "hello"}, "'messages' must be a non-empty list"),
+        ({"messages": [{"role": "user"}]}, r"messages\[0\].content must be a string"),
+        ({"messages": [["user", "hi"]]}, r"messages\[0\] must be an object"),
+        ({"prompt_token_ids": [1, 2.5]}, "prompt token ids must be integers"),
+        ({"prompt_token_ids": [1, True]}, "prompt token ids must be integers"),
+        ({"prompt": 5}, "'prompt' must be a string"),
+    ],
+)
 def test_a_malformed_prompt_is_refused_naming_the_request(llm, clean_tokens, prompt, message):
     with pytest.raises(ValueError, match=rf"request 'x': {message}"):
         llm.generate([PROMPTS[0], prompt], request_ids=["ok", "x"])
@@ -126,8 +143,11 @@ def test_a_plugin_raising_for_one_request_fails_that_request_alone(llm, clean_to
     fussy = _raising_sampler(llm, 0.5)
     monkeypatch.setattr(llm.engine, "sampler", fussy)
     monkeypatch.setattr(llm.engine.runner, "sampler", fussy)
-    params = [SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=6, temperature=0.5),
-              SamplingParams(max_tokens=6, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=6, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.5),
+        SamplingParams(max_tokens=6, ignore_eos=True),
+    ]
     outputs = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], params, request_ids=["a", "bad", "c"])
     by_id = {o.request_id: o for o in outputs}
     assert by_id["bad"].finish_reason == "error" and by_id["bad"].token_ids == []
@@ -160,16 +180,22 @@ def test_generate_leaves_no_request_behind_when_a_callback_raises(llm, clean_tok
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True), request_ids=["p", "q", "r"],
-                     on_finished=explode)
+        llm.generate(
+            PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True), request_ids=["p", "q", "r"], on_finished=explode
+        )
     _assert_healthy(llm, clean_tokens)
     # The ids are free again.
     assert [o.request_id for o in llm.generate(PROMPTS[:1], request_ids=["p"])] == ["p"]
 
 
 def test_an_error_in_shared_state_makes_the_engine_dead_for_every_later_call(tiny_llama, monkeypatch):
-    llm = patchbay.LLM(model__path=str(tiny_llama), attention__backend="torch_sdpa", runtime__threads=2,
-                       model__max_model_len=MAX_MODEL_LEN, cache__num_blocks=32)
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama),
+        attention__backend="torch_sdpa",
+        runtime__threads=2,
+        model__max_model_len=MAX_MODEL_LEN,
+        cache__num_blocks=32,
+    )
 
     def broken_schedule():
         raise RuntimeError("scheduler state is inconsistent")
@@ -178,7 +204,11 @@ def test_an_error_in_shared_state_makes_the_engine_dead_for_every_later_call(tin
     with pytest.raises(EngineDeadError, match="scheduler state is inconsistent"):
         llm.generate(PROMPTS)
     monkeypatch.undo()
-    for call in (lambda: llm.generate(PROMPTS), llm.engine.step, llm.engine.has_unfinished_requests,
-                 lambda: llm.engine.add_request([1, 2], SamplingParams())):
+    for call in (
+        lambda: llm.generate(PROMPTS),
+        llm.engine.step,
+        llm.engine.has_unfinished_requests,
+        lambda: llm.engine.add_request([1, 2], SamplingParams()),
+    ):
         with pytest.raises(EngineDeadError, match="create a new engine"):
             call()

@@ -129,8 +129,9 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
         loc = [str(part) for part in error["loc"] if part != "body"]
         param = ".".join(loc) or None
         message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"]
-        return JSONResponse(APIError(400, f"{param}: {message}" if param else message, param=param).body(),
-                            status_code=400)
+        return JSONResponse(
+            APIError(400, f"{param}: {message}" if param else message, param=param).body(), status_code=400
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
@@ -157,8 +158,13 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:
-        base = {"id": model_name, "object": "model", "created": state.created, "owned_by": "patchbay",
-                "max_model_len": llm.max_model_len}
+        base = {
+            "id": model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "patchbay",
+            "max_model_len": llm.max_model_len,
+        }
         adapters = [{**base, "id": name, "parent": model_name, "root": name} for name in _adapter_names(state)]
         return {"object": "list", "data": [base, *adapters]}
 
@@ -171,8 +177,9 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
             messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
             _, token_ids = await asyncio.to_thread(llm.encode, {"messages": messages})
         else:
-            token_ids = await asyncio.to_thread(llm.tokenizer.encode, body.prompt,
-                                                add_special_tokens=body.add_special_tokens)
+            token_ids = await asyncio.to_thread(
+                llm.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
         return {"tokens": token_ids, "count": len(token_ids), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize", dependencies=authorized)
@@ -201,16 +208,21 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
         try:
             plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
             tool_parser, reasoning_parser = state.chat.for_request(body.tool_parser, body.reasoning_parser)
-            messages = template_messages([message.as_template_message(index)
-                                          for index, message in enumerate(body.messages)])
-            text, token_ids = await asyncio.to_thread(render_chat, llm.tokenizer, messages, tools=body.tools,
-                                                      template=state.chat.template)
+            messages = template_messages(
+                [message.as_template_message(index) for index, message in enumerate(body.messages)]
+            )
+            text, token_ids = await asyncio.to_thread(
+                render_chat, llm.tokenizer, messages, tools=body.tools, template=state.chat.template
+            )
             fields = {**body.sampling_fields(), "lora": adapter}
             if plan.enforced:
                 if "structured_output" in fields:
-                    raise ChatRequestError("tool_choice", f"{plan.mode} tool calls are enforced by a JSON schema; "
-                                                          "they cannot be combined with response_format or "
-                                                          "structured_output")
+                    raise ChatRequestError(
+                        "tool_choice",
+                        f"{plan.mode} tool calls are enforced by a JSON schema; "
+                        "they cannot be combined with response_format or "
+                        "structured_output",
+                    )
                 fields["structured_output"] = plan.constraint()
                 await _check_tool_constraint(state, plan)
         except ChatRequestError as exc:
@@ -244,8 +256,12 @@ def _check_model(state: ServerState, model: str | None) -> str | None:
         except LookupError:
             pass
     adapters = f" and LoRA adapters {', '.join(_adapter_names(state))}" if lora is not None else ""
-    raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}{adapters}",
-                   param="model", code="model_not_found")
+    raise APIError(
+        404,
+        f"model {model!r} does not exist; this server serves {state.model_name!r}{adapters}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _adapter_names(state: ServerState) -> list[str]:
@@ -273,19 +289,34 @@ async def _check_tool_constraint(state: ServerState, plan: ToolPlan) -> None:
         del state.compiled_tool_constraints[next(iter(state.compiled_tool_constraints))]
 
 
-def _prepare(state: ServerState, text: str | None, token_ids: list[int], fields: dict[str, Any],
-             max_tokens: int | None, prompt_field: str) -> _Prepared:
+def _prepare(
+    state: ServerState,
+    text: str | None,
+    token_ids: list[int],
+    fields: dict[str, Any],
+    max_tokens: int | None,
+    prompt_field: str,
+) -> _Prepared:
     """Check the prompt's length against the model and build the sampling parameters (400 naming the field)."""
     limit = state.llm.max_model_len
     if not token_ids:
         raise APIError(400, f"{prompt_field}: the prompt is empty", param=prompt_field)
     if len(token_ids) >= limit:
-        raise APIError(400, f"{prompt_field}: the prompt has {len(token_ids)} tokens; this model's context is "
-                            f"{limit} tokens, prompt and output together", param=prompt_field,
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"{prompt_field}: the prompt has {len(token_ids)} tokens; this model's context is "
+            f"{limit} tokens, prompt and output together",
+            param=prompt_field,
+            code="context_length_exceeded",
+        )
     if max_tokens is not None and len(token_ids) + max_tokens > limit:
-        raise APIError(400, f"max_tokens: {len(token_ids)} prompt tokens + {max_tokens} output tokens exceed this "
-                            f"model's context of {limit} tokens", param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"max_tokens: {len(token_ids)} prompt tokens + {max_tokens} output tokens exceed this "
+            f"model's context of {limit} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     params = sampling_params(fields, max_tokens=max_tokens, default_max_tokens=limit - len(token_ids))
     return _Prepared(text, token_ids, params)
 
@@ -293,26 +324,46 @@ def _prepare(state: ServerState, text: str | None, token_ids: list[int], fields:
 # -- running a request -------------------------------------------------------------------------------------
 
 
-async def _respond(state: ServerState, request: Request, stream: bool, stream_options: Any,
-                   prepared: list[_Prepared], format: ResponseFormat) -> Response:
+async def _respond(
+    state: ServerState,
+    request: Request,
+    stream: bool,
+    stream_options: Any,
+    prepared: list[_Prepared],
+    format: ResponseFormat,
+) -> Response:
     """Admit, start and answer a request of one or more prompts (``n`` sequences each)."""
     if not state.accepting:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     sequences = sum(p.params.n for p in prepared)
     if sequences > state.admission_limit:
-        raise APIError(400, f"n: {sequences} sequences can never be admitted; the limit is {state.admission_limit} "
-                            f"(scheduler.max_num_seqs + server.max_waiting)", param="n")
+        raise APIError(
+            400,
+            f"n: {sequences} sequences can never be admitted; the limit is {state.admission_limit} "
+            f"(scheduler.max_num_seqs + server.max_waiting)",
+            param="n",
+        )
     if state.admitted + sequences > state.admission_limit:
-        raise APIError(503, f"the server is at its limit of {state.admission_limit} sequences in flight "
-                            f"(scheduler.max_num_seqs + server.max_waiting); retry later", code="queue_full")
+        raise APIError(
+            503,
+            f"the server is at its limit of {state.admission_limit} sequences in flight "
+            f"(scheduler.max_num_seqs + server.max_waiting); retry later",
+            code="queue_full",
+        )
     state.admitted += sequences
     streams: list[Any] = []
     try:
         request_id = uuid.uuid4().hex
         for index, item in enumerate(prepared):
             try:
-                streams.append(await state.llm.add_request(item.token_ids, item.params, prompt=item.text,
-                                                           request_id=f"{format.id_prefix}-{request_id}-{index}"))
+                streams.append(
+                    await state.llm.add_request(
+                        item.token_ids,
+                        item.params,
+                        prompt=item.text,
+                        request_id=f"{format.id_prefix}-{request_id}-{index}",
+                    )
+                )
             except ValueError as exc:  # the engine refuses it (e.g. a parameter the sampler cannot serve)
                 if isinstance(exc, LookupError):  # an adapter the resolver stopped knowing
                     raise APIError(404, str(exc), param="model", code="model_not_found") from None
@@ -339,8 +390,9 @@ async def _respond(state: ServerState, request: Request, stream: bool, stream_op
             state.admitted -= sequences
 
     if stream:
-        return _ReleasingStreamingResponse(_sse(format, response_id, prepared, streams, include_usage, release),
-                                           release)
+        return _ReleasingStreamingResponse(
+            _sse(format, response_id, prepared, streams, include_usage, release), release
+        )
     try:
         outputs = await _collect_unless_disconnected(request, streams)
     finally:
@@ -408,7 +460,8 @@ async def _collect(streams: list[Any]) -> list[RequestOutput]:
 
 def _error_message(output: RequestOutput) -> str:
     detail = getattr(output, "error", None) or next(
-        (c.stop_reason for c in output.completions if c.finish_reason == "error"), None)
+        (c.stop_reason for c in output.completions if c.finish_reason == "error"), None
+    )
     return f"request {output.request_id} failed: {detail or 'a plugin failed'}"
 
 
@@ -445,8 +498,14 @@ async def _merge(streams: list[Any]) -> AsyncIterator[tuple[int, RequestDelta]]:
             task.cancel()
 
 
-async def _sse(format: ResponseFormat, response_id: str, prepared: list[_Prepared], streams: list[Any],
-               include_usage: bool, release: Callable[[], None]) -> AsyncIterator[str]:
+async def _sse(
+    format: ResponseFormat,
+    response_id: str,
+    prepared: list[_Prepared],
+    streams: list[Any],
+    include_usage: bool,
+    release: Callable[[], None],
+) -> AsyncIterator[str]:
     """Server-sent events: one chunk per delta and choice, the usage chunk if asked, then ``[DONE]``."""
     outputs: list[RequestOutput | None] = [None] * len(streams)
     try:
@@ -458,8 +517,11 @@ async def _sse(format: ResponseFormat, response_id: str, prepared: list[_Prepare
             if errors and delta.output is not None:
                 yield _event(APIError(500, _error_message(delta.output), code="engine_error").body())
                 break
-            chunks = [chunk for choice in delta.choices
-                      for chunk in format.chunks(response_id, prepared, prompt_index, choice, delta.output)]
+            chunks = [
+                chunk
+                for choice in delta.choices
+                for chunk in format.chunks(response_id, prepared, prompt_index, choice, delta.output)
+            ]
             yield from_chunks(chunks)
         else:
             if include_usage:
@@ -483,8 +545,12 @@ def _usage(prepared: list[_Prepared], outputs: list[RequestOutput | None]) -> di
     prompt_tokens = sum(len(p.token_ids) for p in prepared)
     completion_tokens = sum(len(c.token_ids) for o in outputs if o is not None for c in o.completions)
     cached = sum(o.metrics.num_cached_tokens for o in outputs if o is not None)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 # -- response shapes -------------------------------------------------------------------------------------
@@ -503,10 +569,21 @@ class ResponseFormat:
         self.model = state.model_name
         """The ``model`` responses report: the base model's name, or the adapter's when one answered."""
 
-    def envelope(self, response_id: str, choices: list[dict[str, Any]], *, chunk: bool = True,
-                 usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": response_id, "object": self.chunk_object_name if chunk else self.object_name,
-                                "created": int(time.time()), "model": self.model, "choices": choices}
+    def envelope(
+        self,
+        response_id: str,
+        choices: list[dict[str, Any]],
+        *,
+        chunk: bool = True,
+        usage: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": response_id,
+            "object": self.chunk_object_name if chunk else self.object_name,
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": choices,
+        }
         if usage is not None or not chunk:
             body["usage"] = usage
         return body
@@ -527,8 +604,9 @@ class ResponseFormat:
     def chunk(self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunks(self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any,
-               output: RequestOutput | None) -> list[dict[str, Any]]:
+    def chunks(
+        self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any, output: RequestOutput | None
+    ) -> list[dict[str, Any]]:
         """The stream's chunks for one choice's delta (``output``: the request's, once finished)."""
         return [self.chunk(response_id, prepared, prompt_index, choice)]
 
@@ -554,17 +632,31 @@ class CompletionFormat(ResponseFormat):
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     def chunk(self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any) -> dict[str, Any]:
-        return self.envelope(response_id, [{
-            "index": self.choice_index(prepared, prompt_index, choice.index), "text": choice.text,
-            "logprobs": self.logprobs(choice.logprobs, 0), "finish_reason": choice.finish_reason,
-            "stop_reason": choice.stop_reason,
-        }])
+        return self.envelope(
+            response_id,
+            [
+                {
+                    "index": self.choice_index(prepared, prompt_index, choice.index),
+                    "text": choice.text,
+                    "logprobs": self.logprobs(choice.logprobs, 0),
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
+                }
+            ],
+        )
 
     def response(self, response_id: str, prepared: list[_Prepared], outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = [{"index": self.choice_index(prepared, p, c.index), "text": c.text,
-                    "logprobs": self.logprobs(c.logprobs, 0), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
-                   for p, output in enumerate(outputs) for c in output.completions]
+        choices = [
+            {
+                "index": self.choice_index(prepared, p, c.index),
+                "text": c.text,
+                "logprobs": self.logprobs(c.logprobs, 0),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for p, output in enumerate(outputs)
+            for c in output.completions
+        ]
         return self.envelope(response_id, choices, chunk=False, usage=_usage(prepared, list(outputs)))
 
 
@@ -581,10 +673,17 @@ class ChatFormat(ResponseFormat):
             token = self.token_text(token_id)
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-        return {"content": [{**item(entry.token_ids[0], entry.logprobs[0]),
-                             "top_logprobs": [item(t, lp) for t, lp in zip(entry.token_ids[1:], entry.logprobs[1:],
-                                                                           strict=True)]}
-                            for entry in entries]}
+        return {
+            "content": [
+                {
+                    **item(entry.token_ids[0], entry.logprobs[0]),
+                    "top_logprobs": [
+                        item(t, lp) for t, lp in zip(entry.token_ids[1:], entry.logprobs[1:], strict=True)
+                    ],
+                }
+                for entry in entries
+            ]
+        }
 
     def __init__(self, state: ServerState, reader: AnswerReader) -> None:
         super().__init__(state)
@@ -594,9 +693,20 @@ class ChatFormat(ResponseFormat):
         """Choices that streamed a tool call (their ``stop`` is reported as ``tool_calls``)."""
 
     def first_chunks(self, response_id: str, prepared: list[_Prepared]) -> list[dict[str, Any]]:
-        return [self.envelope(response_id, [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}])
-                for index in range(sum(p.params.n for p in prepared))]
+        return [
+            self.envelope(
+                response_id,
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
+            for index in range(sum(p.params.n for p in prepared))
+        ]
 
     def chunk(self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any) -> dict[str, Any]:
         index = self.choice_index(prepared, prompt_index, choice.index)
@@ -616,11 +726,18 @@ class ChatFormat(ResponseFormat):
         if pieces:
             delta["tool_calls"] = [piece.as_openai() for piece in pieces]
             self._called.add(index)
-        return self.envelope(response_id, [{
-            "index": index, "delta": delta, "logprobs": self.logprobs(choice.logprobs),
-            "finish_reason": _finish_reason(choice.finish_reason, index in self._called),
-            "stop_reason": choice.stop_reason,
-        }])
+        return self.envelope(
+            response_id,
+            [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": self.logprobs(choice.logprobs),
+                    "finish_reason": _finish_reason(choice.finish_reason, index in self._called),
+                    "stop_reason": choice.stop_reason,
+                }
+            ],
+        )
 
     def response(self, response_id: str, prepared: list[_Prepared], outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
@@ -632,10 +749,15 @@ class ChatFormat(ResponseFormat):
                     message["reasoning_content"] = answer.reasoning
                 if answer.tool_calls:
                     message["tool_calls"] = [call.as_openai() for call in answer.tool_calls]
-                choices.append({"index": self.choice_index(prepared, p, c.index), "message": message,
-                                "logprobs": self.logprobs(c.logprobs),
-                                "finish_reason": _finish_reason(c.finish_reason, bool(answer.tool_calls)),
-                                "stop_reason": c.stop_reason})
+                choices.append(
+                    {
+                        "index": self.choice_index(prepared, p, c.index),
+                        "message": message,
+                        "logprobs": self.logprobs(c.logprobs),
+                        "finish_reason": _finish_reason(c.finish_reason, bool(answer.tool_calls)),
+                        "stop_reason": c.stop_reason,
+                    }
+                )
         return self.envelope(response_id, choices, chunk=False, usage=_usage(prepared, list(outputs)))
 
 

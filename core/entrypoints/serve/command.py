@@ -58,13 +58,16 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
     app.router.lifespan_context = lifespan
     server = settings.server
     limited = with_limits(app, server.host, server.max_body_bytes, server.allowed_hosts)
-    config = uvicorn.Config(limited, log_level="info" if settings.server.log_requests else "warning",
-                            access_log=settings.server.log_requests,
-                            # uvicorn annotates ints but hands both to asyncio timers, which take float seconds.
-                            timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
-                            timeout_keep_alive=server.idle_timeout,  # type: ignore[arg-type]
-                            lifespan="on",
-                            http=protocol_with_header_deadline(server.header_timeout, server.idle_timeout))
+    config = uvicorn.Config(
+        limited,
+        log_level="info" if settings.server.log_requests else "warning",
+        access_log=settings.server.log_requests,
+        # uvicorn annotates ints but hands both to asyncio timers, which take float seconds.
+        timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
+        timeout_keep_alive=server.idle_timeout,  # type: ignore[arg-type]
+        lifespan="on",
+        http=protocol_with_header_deadline(server.header_timeout, server.idle_timeout),
+    )
     return uvicorn.Server(config)
 
 
@@ -89,8 +92,11 @@ def serve_from_settings(settings: Settings, *, stream: TextIO = sys.stdout) -> i
     host, port = sock.getsockname()[:2]
     from patchbay.entrypoints.serve.app import model_name_of
 
-    print(f"patchbay serve: {model_name_of(settings)} on http://{host}:{port}/v1 "
-          f"(metrics at /metrics)", file=stream, flush=True)
+    print(
+        f"patchbay serve: {model_name_of(settings)} on http://{host}:{port}/v1 (metrics at /metrics)",
+        file=stream,
+        flush=True,
+    )
     try:
         asyncio.run(_serve_until_signal(server, sock))
     finally:

@@ -60,5 +60,8 @@ class _HeaderDeadlineProtocol(H11Protocol):
 
 def protocol_with_header_deadline(header_timeout: float, idle_timeout: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol class, closing connections whose headers are not complete within the deadline."""
-    return type("HeaderDeadlineProtocol", (_HeaderDeadlineProtocol,),
-                {"header_timeout": header_timeout, "idle_timeout": idle_timeout})
+    return type(
+        "HeaderDeadlineProtocol",
+        (_HeaderDeadlineProtocol,),
+        {"header_timeout": header_timeout, "idle_timeout": idle_timeout},
+    )

@@ -18,5 +18,8 @@ def answer_http_errors_in_openai_shape(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 400 and "parsing the body" in message:
             message = "the body is not valid JSON, or is nested too deeply"
-        return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            APIError(exc.status_code, message).body(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )

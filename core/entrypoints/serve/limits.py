@@ -25,9 +25,17 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 async def _answer(send: Send, error: APIError) -> None:
     body = json.dumps(error.body()).encode()
-    await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -43,8 +51,9 @@ class BodyLimit:
         self.max_bytes = max_bytes
 
     def _error(self) -> APIError:
-        return APIError(413, f"request body over server.max_body_bytes={self.max_bytes} bytes",
-                        code="request_too_large")
+        return APIError(
+            413, f"request body over server.max_body_bytes={self.max_bytes} bytes", code="request_too_large"
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -92,7 +101,7 @@ def _host_name(header: str) -> str:
     """``example.com:8000`` -> ``example.com``; ``[::1]:8000`` -> ``::1``."""
     header = header.strip().lower()
     if header.startswith("["):
-        return header[1:header.find("]")] if "]" in header else header
+        return header[1 : header.find("]")] if "]" in header else header
     return header.rpartition(":")[0] if header.count(":") == 1 else header
 
 
@@ -107,10 +116,16 @@ class HostCheck:
         if scope["type"] == "http" and "*" not in self.allowed:
             host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
             if _host_name(host) not in self.allowed:
-                await _answer(send, APIError(400, f"Host {host!r} is not served here: the server listens on "
-                                                  f"loopback and answers only {sorted(self.allowed)} (a DNS-rebound "
-                                                  f"page sends its own name); add it to server.allowed_hosts",
-                                             code="host_not_allowed"))
+                await _answer(
+                    send,
+                    APIError(
+                        400,
+                        f"Host {host!r} is not served here: the server listens on "
+                        f"loopback and answers only {sorted(self.allowed)} (a DNS-rebound "
+                        f"page sends its own name); add it to server.allowed_hosts",
+                        code="host_not_allowed",
+                    ),
+                )
                 return
         await self.app(scope, receive, send)
 

@@ -22,8 +22,15 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0
 class APIError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error", 503: "overloaded_error"}
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+        500: "internal_error",
+        503: "overloaded_error",
+    }
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -33,8 +40,14 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.code or self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "error"),
+                "param": self.param,
+                "code": self.code or self.status,
+            }
+        }
 
 
 def validation_error(exc: ValidationError, prefix: str = "") -> APIError:
@@ -167,8 +180,11 @@ class CompletionRequest(_GenerationRequest):
         return list(prompt)
 
     def check_supported(self) -> None:
-        for name, unsupported in (("echo", self.echo), ("suffix", self.suffix is not None),
-                                  ("best_of", self.best_of not in (None, self.n))):
+        for name, unsupported in (
+            ("echo", self.echo),
+            ("suffix", self.suffix is not None),
+            ("best_of", self.best_of not in (None, self.n)),
+        ):
             if unsupported:
                 raise APIError(400, f"{name}: not supported by patchbay", param=name)
 
@@ -192,8 +208,11 @@ class ChatMessage(BaseModel):
             texts = []
             for part in content:
                 if part.get("type") != "text":
-                    raise APIError(400, f"messages.{index}.content: only text parts are supported, got "
-                                        f"{part.get('type')!r}", param=f"messages.{index}.content")
+                    raise APIError(
+                        400,
+                        f"messages.{index}.content: only text parts are supported, got {part.get('type')!r}",
+                        param=f"messages.{index}.content",
+                    )
                 try:
                     texts.append(_encodable(str(part.get("text", ""))))
                 except ValueError as exc:
@@ -238,15 +257,25 @@ class ChatCompletionRequest(_GenerationRequest):
         if kind == "json_schema":
             json_schema = response_format.get("json_schema")
             if not isinstance(json_schema, dict):
-                raise APIError(400, "response_format.json_schema: an object with a 'schema' is required, got "
-                                    f"{type(json_schema).__name__}", param="response_format.json_schema")
+                raise APIError(
+                    400,
+                    "response_format.json_schema: an object with a 'schema' is required, got "
+                    f"{type(json_schema).__name__}",
+                    param="response_format.json_schema",
+                )
             schema = json_schema.get("schema")
             if not isinstance(schema, dict):
-                raise APIError(400, "response_format.json_schema.schema: a JSON schema object is required",
-                               param="response_format.json_schema.schema")
+                raise APIError(
+                    400,
+                    "response_format.json_schema.schema: a JSON schema object is required",
+                    param="response_format.json_schema.schema",
+                )
             return {"json_schema": schema}
-        raise APIError(400, f"response_format.type: {kind!r} is not one of text, json_object, json_schema",
-                       param="response_format.type")
+        raise APIError(
+            400,
+            f"response_format.type: {kind!r} is not one of text, json_object, json_schema",
+            param="response_format.type",
+        )
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -258,8 +287,11 @@ class ChatCompletionRequest(_GenerationRequest):
         constraint = self.structured_output()
         if constraint is not None:
             if "structured_output" in fields:
-                raise APIError(400, "structured_output: give response_format or structured_output, not both",
-                               param="structured_output")
+                raise APIError(
+                    400,
+                    "structured_output: give response_format or structured_output, not both",
+                    param="structured_output",
+                )
             fields["structured_output"] = constraint
         return fields
 
@@ -282,4 +314,3 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: TokenIds
-

@@ -97,8 +97,9 @@ class ResponsesRequest(BaseModel):
             if not isinstance(text_format.get("schema"), dict):
                 raise APIError(400, "text.format.schema: a JSON schema object is required", param="text.format.schema")
             return {"json_schema": text_format["schema"]}
-        raise APIError(400, f"text.format.type: {kind!r} is not one of text, json_object, json_schema",
-                       param="text.format.type")
+        raise APIError(
+            400, f"text.format.type: {kind!r} is not one of text, json_object, json_schema", param="text.format.type"
+        )
 
 
 # -- the request as a chat conversation ----------------------------------------------------------------------
@@ -111,8 +112,11 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     found = []
     for index, tool in enumerate(tools):
         if tool.get("type") != "function":
-            raise APIError(400, f"tools.{index}.type: only function tools are supported, got {tool.get('type')!r}",
-                           param=f"tools.{index}.type")
+            raise APIError(
+                400,
+                f"tools.{index}.type: only function tools are supported, got {tool.get('type')!r}",
+                param=f"tools.{index}.type",
+            )
         function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
         found.append({"type": "function", "function": function})
     return found
@@ -122,8 +126,11 @@ def chat_tool_choice(choice: Any) -> Any:
     """A Responses ``tool_choice`` in chat's shape (a named function is ``{"type": "function", "name"}``)."""
     if isinstance(choice, dict):
         if choice.get("type") != "function":
-            raise APIError(400, f"tool_choice.type: only 'function' is supported, got {choice.get('type')!r}",
-                           param="tool_choice.type")
+            raise APIError(
+                400,
+                f"tool_choice.type: only 'function' is supported, got {choice.get('type')!r}",
+                param="tool_choice.type",
+            )
         return {"type": "function", "function": {"name": choice.get("name")}}
     return choice
 
@@ -145,8 +152,12 @@ def input_messages(items: str | list[dict[str, Any]], known_calls: set[str]) -> 
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ChatRequestError(f"{where}.role", f"{role!r} is not one of user, assistant, system, developer")
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text_of(item.get("content"), f"{where}.content")})
+            messages.append(
+                {
+                    "role": "system" if role == "developer" else role,
+                    "content": _text_of(item.get("content"), f"{where}.content"),
+                }
+            )
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
             for field_name, value in (("call_id", call_id), ("name", name), ("arguments", arguments)):
@@ -166,15 +177,19 @@ def input_messages(items: str | list[dict[str, Any]], known_calls: set[str]) -> 
             call_id = item.get("call_id")
             if call_id not in known_calls:
                 made = ", ".join(sorted(known_calls)) or "none"
-                raise ChatRequestError(f"{where}.call_id", f"{call_id!r} answers no function_call made earlier in "
-                                                           f"the conversation (calls: {made})")
-            messages.append({"role": "tool", "tool_call_id": call_id,
-                             "content": _text_of(item.get("output"), f"{where}.output")})
+                raise ChatRequestError(
+                    f"{where}.call_id",
+                    f"{call_id!r} answers no function_call made earlier in the conversation (calls: {made})",
+                )
+            messages.append(
+                {"role": "tool", "tool_call_id": call_id, "content": _text_of(item.get("output"), f"{where}.output")}
+            )
         elif kind == "reasoning":
             continue  # the model's own earlier thinking; chat templates leave it out of the prompt
         else:
-            raise ChatRequestError(f"{where}.type", f"{kind!r} is not one of message, function_call, "
-                                                   "function_call_output, reasoning")
+            raise ChatRequestError(
+                f"{where}.type", f"{kind!r} is not one of message, function_call, function_call_output, reasoning"
+            )
     return messages
 
 
@@ -220,9 +235,13 @@ class StoredResponses:
     def get(self, response_id: str, param: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The response and conversation of ``response_id``; a 404 naming ``param`` if it is not kept."""
         if response_id not in self._kept:
-            raise APIError(404, f"{param}: no stored response {response_id!r} (it was never stored, was made with "
-                                f"store: false, or was dropped; this server keeps {self.capacity})",
-                           param=param, code="response_not_found")
+            raise APIError(
+                404,
+                f"{param}: no stored response {response_id!r} (it was never stored, was made with "
+                f"store: false, or was dropped; this server keeps {self.capacity})",
+                param=param,
+                code="response_not_found",
+            )
         self._kept.move_to_end(response_id)
         return self._kept[response_id]
 
@@ -235,18 +254,33 @@ def _item_id(prefix: str) -> str:
 
 
 def message_item(text: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+    return {
+        "type": "message",
+        "id": _item_id("msg"),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": _item_id("fc"), "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
+    return {
+        "type": "function_call",
+        "id": _item_id("fc"),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def reasoning_item(text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": _item_id("rs"), "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}]}
+    return {
+        "type": "reasoning",
+        "id": _item_id("rs"),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
 
 
 def output_items(answer: ChatAnswer) -> list[dict[str, Any]]:
@@ -262,8 +296,14 @@ class ResponsesFormat(ResponseFormat):
 
     id_prefix = "resp"
 
-    def __init__(self, state: ServerState, reader: AnswerReader, body: ResponsesRequest,
-                 conversation: list[dict[str, Any]], store: StoredResponses) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        reader: AnswerReader,
+        body: ResponsesRequest,
+        conversation: list[dict[str, Any]],
+        store: StoredResponses,
+    ) -> None:
         super().__init__(state)
         self.reader = reader
         self.body = body
@@ -277,31 +317,52 @@ class ResponsesFormat(ResponseFormat):
         self._calls: dict[int, dict[str, Any]] = {}
         self._sequence = 0
 
-    def response_object(self, response_id: str, output: list[dict[str, Any]], status: str,
-                        outputs: RequestOutput | None, prepared: list[_Prepared], finish: str | None) -> dict[str, Any]:
+    def response_object(
+        self,
+        response_id: str,
+        output: list[dict[str, Any]],
+        status: str,
+        outputs: RequestOutput | None,
+        prepared: list[_Prepared],
+        finish: str | None,
+    ) -> dict[str, Any]:
         body = self.body
         usage = None
         if outputs is not None:
             input_tokens = len(prepared[0].token_ids)
             output_tokens = sum(len(c.token_ids) for c in outputs.completions)
-            usage = {"input_tokens": input_tokens,
-                     "input_tokens_details": {"cached_tokens": outputs.metrics.num_cached_tokens},
-                     "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                     "total_tokens": input_tokens + output_tokens}
+            usage = {
+                "input_tokens": input_tokens,
+                "input_tokens_details": {"cached_tokens": outputs.metrics.num_cached_tokens},
+                "output_tokens": output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": input_tokens + output_tokens,
+            }
         if status == "completed" and finish == "length":
             status = "incomplete"
-        return {"id": response_id, "object": "response", "created_at": self.created_at, "status": status,
-                "error": None,
-                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-                "model": self.state.model_name, "output": output,
-                "parallel_tool_calls": body.parallel_tool_calls is not False,
-                "previous_response_id": body.previous_response_id,
-                "temperature": body.temperature if body.temperature is not None else OPENAI_DEFAULT_TEMPERATURE,
-                "top_p": body.top_p if body.top_p is not None else 1.0,
-                "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
-                "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}},
-                "truncation": "disabled", "store": body.store, "metadata": body.metadata or {}, "usage": usage}
+        return {
+            "id": response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "model": self.state.model_name,
+            "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id,
+            "temperature": body.temperature if body.temperature is not None else OPENAI_DEFAULT_TEMPERATURE,
+            "top_p": body.top_p if body.top_p is not None else 1.0,
+            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+            "tools": body.tools or [],
+            "text": body.text or {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "store": body.store,
+            "metadata": body.metadata or {},
+            "usage": usage,
+        }
 
     def _finished(self, response: dict[str, Any]) -> dict[str, Any]:
         if self.body.store:
@@ -312,8 +373,9 @@ class ResponsesFormat(ResponseFormat):
         (output,) = outputs
         completion = output.completions[0]
         items = output_items(self.reader.read(completion.text))
-        return self._finished(self.response_object(response_id, items, "completed", output, prepared,
-                                                   completion.finish_reason))
+        return self._finished(
+            self.response_object(response_id, items, "completed", output, prepared, completion.finish_reason)
+        )
 
     # -- streaming
 
@@ -323,15 +385,18 @@ class ResponsesFormat(ResponseFormat):
 
     def first_chunks(self, response_id: str, prepared: list[_Prepared]) -> list[dict[str, Any]]:
         started = self.response_object(response_id, [], "in_progress", None, prepared, None)
-        return [self._event("response.created", response=started),
-                self._event("response.in_progress", response=started)]
+        return [
+            self._event("response.created", response=started),
+            self._event("response.in_progress", response=started),
+        ]
 
     def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self._items.append(item)
         return [self._event("response.output_item.added", output_index=len(self._items) - 1, item=item)]
 
-    def chunks(self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any,
-               output: RequestOutput | None) -> list[dict[str, Any]]:
+    def chunks(
+        self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any, output: RequestOutput | None
+    ) -> list[dict[str, Any]]:
         delta = self._stream.feed(choice.text)
         events = self._delta_events(delta.reasoning, delta.content, delta.tool_calls)
         if choice.finish_reason is None:
@@ -339,8 +404,9 @@ class ResponsesFormat(ResponseFormat):
         last = self._stream.finish()
         events += self._delta_events(last.reasoning, last.content, last.tool_calls)
         events += self._close_events()
-        response = self._finished(self.response_object(response_id, self._items, "completed", output, prepared,
-                                                       choice.finish_reason))
+        response = self._finished(
+            self.response_object(response_id, self._items, "completed", output, prepared, choice.finish_reason)
+        )
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return [*events, self._event(kind, response=response)]
 
@@ -355,13 +421,26 @@ class ResponsesFormat(ResponseFormat):
             if self._message is None:
                 self._message = message_item("", status="in_progress")
                 events += self._open(self._message)
-                events.append(self._event("response.content_part.added", item_id=self._message["id"],
-                                          output_index=self._items.index(self._message), content_index=0,
-                                          part={"type": "output_text", "text": "", "annotations": []}))
+                events.append(
+                    self._event(
+                        "response.content_part.added",
+                        item_id=self._message["id"],
+                        output_index=self._items.index(self._message),
+                        content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": []},
+                    )
+                )
             self._message["content"][0]["text"] += content
-            events.append(self._event("response.output_text.delta", item_id=self._message["id"],
-                                      output_index=self._items.index(self._message), content_index=0, delta=content,
-                                      logprobs=[]))
+            events.append(
+                self._event(
+                    "response.output_text.delta",
+                    item_id=self._message["id"],
+                    output_index=self._items.index(self._message),
+                    content_index=0,
+                    delta=content,
+                    logprobs=[],
+                )
+            )
         for piece in pieces:
             if piece.index not in self._calls:
                 self._calls[piece.index] = call_item(piece.id, piece.name, "", status="in_progress")
@@ -369,8 +448,14 @@ class ResponsesFormat(ResponseFormat):
             item = self._calls[piece.index]
             item["arguments"] += piece.arguments
             if piece.arguments:
-                events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                          output_index=self._items.index(item), delta=piece.arguments))
+                events.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=self._items.index(item),
+                        delta=piece.arguments,
+                    )
+                )
         return events
 
     def _close_events(self) -> list[dict[str, Any]]:
@@ -379,13 +464,29 @@ class ResponsesFormat(ResponseFormat):
             item["status"] = "completed"
             if item is self._message:
                 part = item["content"][0]
-                events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                       content_index=0, text=part["text"], logprobs=[]),
-                           self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                       content_index=0, part=part)]
+                events += [
+                    self._event(
+                        "response.output_text.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=0,
+                        text=part["text"],
+                        logprobs=[],
+                    ),
+                    self._event(
+                        "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+                    ),
+                ]
             elif item["type"] == "function_call":
-                events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                          output_index=index, name=item["name"], arguments=item["arguments"]))
+                events.append(
+                    self._event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        name=item["name"],
+                        arguments=item["arguments"],
+                    )
+                )
             elif item["type"] == "reasoning":
                 del item["status"]
             events.append(self._event("response.output_item.done", output_index=index, item=item))
@@ -420,9 +521,12 @@ def add_responses_routes(app: FastAPI, state: ServerState, dependencies: list[An
             fields = {**body.sampling_fields(), "lora": adapter}
             if plan.enforced:
                 if "structured_output" in fields:
-                    raise ChatRequestError("tool_choice", f"{plan.mode} tool calls are enforced by a JSON schema; "
-                                                          "they cannot be combined with text.format or "
-                                                          "structured_output")
+                    raise ChatRequestError(
+                        "tool_choice",
+                        f"{plan.mode} tool calls are enforced by a JSON schema; "
+                        "they cannot be combined with text.format or "
+                        "structured_output",
+                    )
                 fields["structured_output"] = plan.constraint()
                 await _check_tool_constraint(state, plan)
         except ChatRequestError as exc:
@@ -432,8 +536,9 @@ def add_responses_routes(app: FastAPI, state: ServerState, dependencies: list[An
         prepared = [_prepare(state, text, token_ids, fields, body.max_output_tokens, "input")]
         if prepared[0].params.n != 1:
             raise APIError(400, "n: the Responses API answers with one output", param="n")
-        response_format = ResponsesFormat(state, AnswerReader(plan, tool_parser, reasoning_parser), body,
-                                          conversation, store)
+        response_format = ResponsesFormat(
+            state, AnswerReader(plan, tool_parser, reasoning_parser), body, conversation, store
+        )
         return await _respond(state, request, body.stream, None, prepared, response_format)
 
     @app.get("/v1/responses/{response_id}", dependencies=dependencies)

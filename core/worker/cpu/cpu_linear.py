@@ -23,8 +23,9 @@ DEFAULT_MAX_ROWS = 192
 """Above this many rows torch's own GEMM is as fast or faster (it parallelises well over rows)."""
 
 
-def row_split_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slices: int,
-                     max_rows: int = DEFAULT_MAX_ROWS) -> torch.Tensor:
+def row_split_linear(
+    inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slices: int, max_rows: int = DEFAULT_MAX_ROWS
+) -> torch.Tensor:
     """``F.linear(inputs, weight, bias)``, as ``slices`` batched row blocks of a contiguous ``weight``.
 
     Falls to ``F.linear`` above ``max_rows`` rows or when ``out_features`` does not divide into ``slices``.

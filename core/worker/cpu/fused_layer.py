@@ -80,8 +80,12 @@ def _parts(layer: LlamaStyleModule) -> tuple[Any, ...] | None:
         return None
     norm_in, norm_post = _own_forward(layer.input_layernorm), _own_forward(layer.post_attention_layernorm)
     attention, mlp = _own_forward(layer.self_attn), _own_forward(layer.mlp)
-    if not (isinstance(norm_in, FusedRMSNorm) and isinstance(norm_post, FusedRMSNorm)
-            and isinstance(attention, FusedRopeAttention) and isinstance(mlp, FusedSiluMLP)):
+    if not (
+        isinstance(norm_in, FusedRMSNorm)
+        and isinstance(norm_post, FusedRMSNorm)
+        and isinstance(attention, FusedRopeAttention)
+        and isinstance(mlp, FusedSiluMLP)
+    ):
         return None
     qkv, gate_up = _tiled_group(attention), _tiled_group(mlp)
     o_proj, down_proj = _tiled_linear(layer.self_attn.o_proj), _tiled_linear(layer.mlp.down_proj)
@@ -104,31 +108,69 @@ class FusedDecoderLayer:
         self.dtype = qkv.packed.dtype
         self.layout: TileLayout = qkv.layout
         q_size, k_size, v_size = attention.group.sizes
-        self.attention_inputs = (norm_in.module.weight, norm_in.eps, qkv.packed.tiles, attention.group.bias,
-                                 q_size, k_size, v_size)
+        self.attention_inputs = (
+            norm_in.module.weight,
+            norm_in.eps,
+            qkv.packed.tiles,
+            attention.group.bias,
+            q_size,
+            k_size,
+            v_size,
+        )
         self.head_size = attention.head_size
-        self.rest = (o_proj.packed.tiles, o_proj.bias, norm_post.module.weight, norm_post.eps, gate_up.packed.tiles,
-                     mlp.group.bias, gate_up.packed.out_features // 2, down_proj.packed.tiles, down_proj.bias)
+        self.rest = (
+            o_proj.packed.tiles,
+            o_proj.bias,
+            norm_post.module.weight,
+            norm_post.eps,
+            gate_up.packed.tiles,
+            mlp.group.bias,
+            gate_up.packed.out_features // 2,
+            down_proj.packed.tiles,
+            down_proj.bias,
+        )
         self.product = tiled_product_entry()
 
-    def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool | None = False,
-                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         ops = self.build.ready()
-        if (ops is None or cache is not None or kwargs.get("past_key_values") is not None
-                or position_embeddings is None or hidden_states.dtype != self.dtype
-                or position_embeddings[0].dtype != self.dtype or position_embeddings[1].dtype != self.dtype):
-            return type(self.layer).forward(self.layer, hidden_states, attention_mask=attention_mask,
-                                            position_ids=position_ids, cache=cache, use_cache=use_cache,
-                                            position_embeddings=position_embeddings, **kwargs)
+        if (
+            ops is None
+            or cache is not None
+            or kwargs.get("past_key_values") is not None
+            or position_embeddings is None
+            or hidden_states.dtype != self.dtype
+            or position_embeddings[0].dtype != self.dtype
+            or position_embeddings[1].dtype != self.dtype
+        ):
+            return type(self.layer).forward(
+                self.layer,
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
         rows = hidden_states.reshape(-1, self.width).contiguous()
         cos, sin = position_embeddings
         threads = self.layout.threads
-        query, key, value = ops.decoder_attention_inputs(self.product, rows, *self.attention_inputs, cos, sin,
-                                                         self.head_size, threads)
+        query, key, value = ops.decoder_attention_inputs(
+            self.product, rows, *self.attention_inputs, cos, sin, self.head_size, threads
+        )
         attended = attend(self.layer_idx, query, key, value)
-        output = ops.decoder_attention_output_and_mlp(self.product, attended.reshape(rows.shape[0], -1), rows,
-                                                      *self.rest, threads)
+        output = ops.decoder_attention_output_and_mlp(
+            self.product, attended.reshape(rows.shape[0], -1), rows, *self.rest, threads
+        )
         return output.view(hidden_states.shape)
 
 

@@ -67,8 +67,11 @@ class FusedOpsBuild(BackgroundBuild):
 def _reference_sources() -> tuple[str, str, str]:
     from transformers.models.llama import modeling_llama
 
-    return (inspect.getsource(modeling_llama.LlamaRMSNorm.forward), inspect.getsource(modeling_llama.LlamaMLP.forward),
-            inspect.getsource(modeling_llama.apply_rotary_pos_emb))
+    return (
+        inspect.getsource(modeling_llama.LlamaRMSNorm.forward),
+        inspect.getsource(modeling_llama.LlamaMLP.forward),
+        inspect.getsource(modeling_llama.apply_rotary_pos_emb),
+    )
 
 
 @functools.cache
@@ -80,8 +83,10 @@ def _attention_sources() -> frozenset[str]:
     from transformers.models.mistral import modeling_mistral
     from transformers.models.qwen2 import modeling_qwen2
 
-    return frozenset(inspect.getsource(cls.forward) for cls in (
-        modeling_llama.LlamaAttention, modeling_qwen2.Qwen2Attention, modeling_mistral.MistralAttention))
+    return frozenset(
+        inspect.getsource(cls.forward)
+        for cls in (modeling_llama.LlamaAttention, modeling_qwen2.Qwen2Attention, modeling_mistral.MistralAttention)
+    )
 
 
 @functools.cache
@@ -96,8 +101,10 @@ def _same_forward(cls: type[nn.Module], reference: int) -> bool:
 def _llama_style_attention(cls: type[nn.Module]) -> bool:
     try:
         module = sys.modules[cls.__module__]
-        return (inspect.getsource(cls.forward) in _attention_sources()
-                and inspect.getsource(module.apply_rotary_pos_emb) == _reference_sources()[2])
+        return (
+            inspect.getsource(cls.forward) in _attention_sources()
+            and inspect.getsource(module.apply_rotary_pos_emb) == _reference_sources()[2]
+        )
     except (OSError, TypeError, AttributeError, KeyError):
         return False
 
@@ -112,8 +119,11 @@ def is_llama_silu_mlp(module: nn.Module) -> bool:
     """Whether ``module`` is a Llama-style MLP (``down(act(gate(x)) * up(x))``) whose activation is SiLU."""
     act = getattr(module, "act_fn", None)
     # mypy wrongly finds a class from type() unhashable for functools.cache
-    return (_same_forward(type(module), 1) and isinstance(act, nn.Module)  # type: ignore[arg-type]
-            and type(act).__name__ in ("SiLU", "SiLUActivation"))
+    return (
+        _same_forward(type(module), 1)  # type: ignore[arg-type]
+        and isinstance(act, nn.Module)
+        and type(act).__name__ in ("SiLU", "SiLUActivation")
+    )
 
 
 def is_llama_style_attention(module: nn.Module) -> bool:
@@ -182,22 +192,33 @@ class FusedRopeAttention:
         self.group = query.group if isinstance(query, Member) else None
         self.head_size = int(module.head_dim)
 
-    def __call__(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
         ops = self.build.ready()
         module = self.module
         cos, sin = position_embeddings
-        if (ops is None or kwargs.get("cache") is not None or cos.dtype != hidden_states.dtype
-                or sin.dtype != hidden_states.dtype):
+        if (
+            ops is None
+            or kwargs.get("cache") is not None
+            or cos.dtype != hidden_states.dtype
+            or sin.dtype != hidden_states.dtype
+        ):
             return type(module).forward(module, hidden_states, position_embeddings, attention_mask, **kwargs)
         tokens = hidden_states.numel() // hidden_states.shape[-1]
         if self.group is not None:
             q_size, k_size, _ = self.group.sizes
             qkv = self.group.product(hidden_states, self.group.weight, self.group.bias).reshape(tokens, -1)
-            q_rows, k_rows, v_rows = qkv[:, :q_size], qkv[:, q_size:q_size + k_size], qkv[:, q_size + k_size:]
+            q_rows, k_rows, v_rows = qkv[:, :q_size], qkv[:, q_size : q_size + k_size], qkv[:, q_size + k_size :]
         else:
-            q_rows, k_rows, v_rows = (projection(hidden_states).reshape(tokens, -1)
-                                      for projection in (module.q_proj, module.k_proj, module.v_proj))
+            q_rows, k_rows, v_rows = (
+                projection(hidden_states).reshape(tokens, -1)
+                for projection in (module.q_proj, module.k_proj, module.v_proj)
+            )
         # The kernel reads rows of features; a product may hand them in another layout (row-split's is
         # feature-major).
         q_rows, k_rows = (rows if rows.stride(-1) == 1 else rows.contiguous() for rows in (q_rows, k_rows))
@@ -220,8 +241,9 @@ class FusedModules:
     (:mod:`patchbay.worker.cpu.fused_layer`)."""
 
 
-def use_fused_ops(model: nn.Module, *, device: torch.device, dtype: str,
-                  build: BackgroundBuild | None = None) -> FusedModules:
+def use_fused_ops(
+    model: nn.Module, *, device: torch.device, dtype: str, build: BackgroundBuild | None = None
+) -> FusedModules:
     """Route ``model``'s Llama-style RMS norms and SiLU MLPs through the C++ kernels; say how many.
 
     Nothing changes off the CPU, for dtypes other than float32 and bfloat16, or where no extension can be

@@ -102,8 +102,12 @@ def fuse_shared_input_projections(model: nn.Module, product: Product = F.linear,
             if len(linears) != len(names):
                 continue
             first = linears[0].weight
-            if any(linear.in_features != linears[0].in_features or linear.weight.dtype != first.dtype
-                   or linear.weight.device != first.device for linear in linears):
+            if any(
+                linear.in_features != linears[0].in_features
+                or linear.weight.dtype != first.dtype
+                or linear.weight.device != first.device
+                for linear in linears
+            ):
                 continue
             SharedInputProjections(linears, product, max_rows)  # the linears keep it alive through their forwards
             count += 1

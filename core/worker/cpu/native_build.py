@@ -85,16 +85,26 @@ class NativeExtension:
 
         missing = [str(path) for path in self.inputs() if not path.is_file()]
         if missing:
-            raise RuntimeError(f"cannot build {self.prefix}: its C++ source {', '.join(missing)} is missing "
-                               "(an installation without patchbay's package data; reinstall patchbay)")
+            raise RuntimeError(
+                f"cannot build {self.prefix}: its C++ source {', '.join(missing)} is missing "
+                "(an installation without patchbay's package data; reinstall patchbay)"
+            )
         cpu = CpuInfo.read()
         digest = hashlib.sha256()
         for path in self.inputs():
             digest.update(f"{path.name}\0".encode())
             digest.update(path.read_bytes())
             digest.update(b"\0")
-        key = "\0".join([digest.hexdigest(), *self.cflags, torch.__version__, str(Path(torch.__file__).parent),
-                         cpu.model_name, *sorted(cpu.flags)])
+        key = "\0".join(
+            [
+                digest.hexdigest(),
+                *self.cflags,
+                torch.__version__,
+                str(Path(torch.__file__).parent),
+                cpu.model_name,
+                *sorted(cpu.flags),
+            ]
+        )
         return f"{self.prefix}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
     def build_directory(self) -> Path:
@@ -129,10 +139,15 @@ class NativeExtension:
         (directory / BUILDER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}\n")
         from torch.utils.cpp_extension import load
 
-        return load(name=self.build_name(), sources=[str(source) for source in self.sources],
-                    extra_cflags=list(self.cflags), extra_ldflags=["-fopenmp"],
-                    extra_include_paths=[str(folder) for folder in self.include_dirs],
-                    build_directory=str(directory), verbose=False)
+        return load(
+            name=self.build_name(),
+            sources=[str(source) for source in self.sources],
+            extra_cflags=list(self.cflags),
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(folder) for folder in self.include_dirs],
+            build_directory=str(directory),
+            verbose=False,
+        )
 
 
 def clear_stale_lock(directory: Path) -> None:

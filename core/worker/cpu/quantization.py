@@ -87,8 +87,15 @@ class IntegerLinear:
         self.activation_dtype = linear.weight.dtype
         out_features = linear.out_features
         threads = self.threads = torch.get_num_threads()
-        parts = threads if (self.splits_over_threads and linear.weight.numel() >= SPLIT_MIN_WEIGHTS
-                            and out_features % (16 * threads) == 0) else 1
+        parts = (
+            threads
+            if (
+                self.splits_over_threads
+                and linear.weight.numel() >= SPLIT_MIN_WEIGHTS
+                and out_features % (16 * threads) == 0
+            )
+            else 1
+        )
         size = out_features // parts
         self.slices = [self.quantize(linear.weight[start : start + size]) for start in range(0, out_features, size)]
         self.float_forward: Callable[[torch.Tensor], torch.Tensor] = functools.partial(_float_product, linear)
@@ -201,8 +208,9 @@ class FusedIntegerProduct:
 def _packable(weight: torch.Tensor, scheme: str) -> bool:
     """int4 needs whole input groups and output rows in multiples of 16 (torch's packing); int8 takes any."""
     out_features, in_features = weight.shape
-    return weight.device.type == "cpu" and (scheme != "int4" or (in_features % INT4_GROUP_SIZE == 0
-                                                                 and out_features % 16 == 0))
+    return weight.device.type == "cpu" and (
+        scheme != "int4" or (in_features % INT4_GROUP_SIZE == 0 and out_features % 16 == 0)
+    )
 
 
 def quantize_linears(model: nn.Module, scheme: str, max_rows: int = INT8_MAX_ROWS) -> int:

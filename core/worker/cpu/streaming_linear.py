@@ -60,7 +60,6 @@ def tile(weight: torch.Tensor, lanes: int) -> torch.Tensor:
     return padded.reshape(-1, lanes, in_features).permute(0, 2, 1).contiguous()
 
 
-
 _helpers_in_use = False  # set once a weight is packed into tiles: this process's products run on the pool
 
 

@@ -127,8 +127,15 @@ class LayerShapes:
     def products(self) -> list[tuple[int, int]]:
         """``(in_features, out_features)`` of each linear, projections of one input listed one by one."""
         q, k, v = self.qkv
-        return [(self.hidden, q), (self.hidden, k), (self.hidden, v), (q, self.hidden),
-                (self.hidden, self.intermediate), (self.hidden, self.intermediate), (self.intermediate, self.hidden)]
+        return [
+            (self.hidden, q),
+            (self.hidden, k),
+            (self.hidden, v),
+            (q, self.hidden),
+            (self.hidden, self.intermediate),
+            (self.hidden, self.intermediate),
+            (self.intermediate, self.hidden),
+        ]
 
 
 @dataclass
@@ -179,12 +186,14 @@ class Tuning:
         speedups = ", ".join(f"{dtype} {gain:.2f}x" for dtype, gain in self.speedup.items() if dtype != "float32")
         packed = ", ".join(dtype for dtype in self.packed_dtypes if dtype not in self.tiled_dtypes) or "none"
         tiled = ", ".join(self.tiled_dtypes) or "none"
-        return (f"dtype {self.dtype} ({speedups or 'float32 only'} vs float32), "
-                f"tiled linears for {tiled}, oneDNN-packed linears for {packed}, otherwise "
-                f"row-split up to {self.row_split_max_rows} rows, fused projections up to {self.fuse_max_rows} rows; "
-                f"one thread for steps up to {self.single_thread_max_tokens.get(self.dtype, 0)} tokens; "
-                f"{self.cpu}, {self.threads} threads, torch {self.torch_version}"
-                f"{' (cached)' if self.cached else ''}")
+        return (
+            f"dtype {self.dtype} ({speedups or 'float32 only'} vs float32), "
+            f"tiled linears for {tiled}, oneDNN-packed linears for {packed}, otherwise "
+            f"row-split up to {self.row_split_max_rows} rows, fused projections up to {self.fuse_max_rows} rows; "
+            f"one thread for steps up to {self.single_thread_max_tokens.get(self.dtype, 0)} tokens; "
+            f"{self.cpu}, {self.threads} threads, torch {self.torch_version}"
+            f"{' (cached)' if self.cached else ''}"
+        )
 
 
 def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
@@ -198,20 +207,39 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
         for path, limit in ((measured.row_split, row_split_rows), (measured.fused, fuse_rows)):
             if rows <= limit:
                 unpacked["float32"][rows] = min(unpacked["float32"][rows], path[rows])
-    packed_dtypes = [dtype for dtype, times in unpacked.items() if dtype in measured.packed
-                     and _geometric_mean([times[rows] / measured.packed[dtype][rows] for rows in times]) >= PATH_GAIN]
+    packed_dtypes = [
+        dtype
+        for dtype, times in unpacked.items()
+        if dtype in measured.packed
+        and _geometric_mean([times[rows] / measured.packed[dtype][rows] for rows in times]) >= PATH_GAIN
+    ]
     fastest = {dtype: measured.packed[dtype] if dtype in packed_dtypes else times for dtype, times in unpacked.items()}
-    tiled_dtypes = [dtype for dtype, times in fastest.items() if dtype in measured.tiled
-                    and _geometric_mean([times[rows] / measured.tiled[dtype][rows] for rows in times]) >= PATH_GAIN]
+    tiled_dtypes = [
+        dtype
+        for dtype, times in fastest.items()
+        if dtype in measured.tiled
+        and _geometric_mean([times[rows] / measured.tiled[dtype][rows] for rows in times]) >= PATH_GAIN
+    ]
     fastest.update({dtype: measured.tiled[dtype] for dtype in tiled_dtypes})
-    speedup = {dtype: _geometric_mean([fastest["float32"][rows] / times[rows] for rows in times])
-               for dtype, times in fastest.items()}
+    speedup = {
+        dtype: _geometric_mean([fastest["float32"][rows] / times[rows] for rows in times])
+        for dtype, times in fastest.items()
+    }
     best = max(speedup, key=lambda dtype: speedup[dtype])
     dtype = best if speedup[best] >= MIN_GAIN else "float32"
-    single_thread = {name: STREAMED_MAX_ROWS if name in tiled_dtypes else
-                     _wins_up_to(measured.single_thread.get(name, {}),
-                                 measured.packed[name] if name in packed_dtypes else measured.by_dtype[name])
-                     for name in fastest} if threads > 1 else {name: 0 for name in fastest}
+    single_thread = (
+        {
+            name: STREAMED_MAX_ROWS
+            if name in tiled_dtypes
+            else _wins_up_to(
+                measured.single_thread.get(name, {}),
+                measured.packed[name] if name in packed_dtypes else measured.by_dtype[name],
+            )
+            for name in fastest
+        }
+        if threads > 1
+        else {name: 0 for name in fastest}
+    )
     return Tuning(
         dtype=dtype,
         row_split_max_rows=row_split_rows,
@@ -224,13 +252,17 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
         native_dtypes=list(natives),
         threads=threads,
         torch_version=torch.__version__,
-        measurements={path: {str(rows): seconds for rows, seconds in times.items()}
-                      for path, times in [*measured.by_dtype.items(), ("row_split", measured.row_split),
-                                          ("fused", measured.fused),
-                                          *((f"packed_{dtype}", times) for dtype, times in measured.packed.items()),
-                                          *((f"tiled_{dtype}", times) for dtype, times in measured.tiled.items()),
-                                          *((f"one_thread_{dtype}", times)
-                                            for dtype, times in measured.single_thread.items())]},
+        measurements={
+            path: {str(rows): seconds for rows, seconds in times.items()}
+            for path, times in [
+                *measured.by_dtype.items(),
+                ("row_split", measured.row_split),
+                ("fused", measured.fused),
+                *((f"packed_{dtype}", times) for dtype, times in measured.packed.items()),
+                *((f"tiled_{dtype}", times) for dtype, times in measured.tiled.items()),
+                *((f"one_thread_{dtype}", times) for dtype, times in measured.single_thread.items()),
+            ]
+        },
     )
 
 
@@ -259,17 +291,25 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
     packable = [dtype for dtype in dtypes if packing_supported(getattr(torch, dtype))]
     tileable = [dtype for dtype in dtypes if tiles_unavailable(getattr(torch, dtype)) is None]
     streamed_buckets = sum(1 for rows in ROW_BUCKETS if rows <= STREAMED_MAX_ROWS)
-    per_case = budget_seconds / (len(ROW_BUCKETS) * (len(dtypes) + len(packable) + len(tileable) + 2)
-                                 + streamed_buckets * len(dtypes))
+    per_case = budget_seconds / (
+        len(ROW_BUCKETS) * (len(dtypes) + len(packable) + len(tileable) + 2) + streamed_buckets * len(dtypes)
+    )
     measured = Measurements()
 
-    def per_layer(product, layers: list[list[torch.Tensor]],  # noqa: ANN001 - a product
-                  max_rows: int = ROW_BUCKETS[-1]) -> dict[int, float]:
+    def per_layer(
+        product,
+        layers: list[list[torch.Tensor]],  # noqa: ANN001 - a product
+        max_rows: int = ROW_BUCKETS[-1],
+    ) -> dict[int, float]:
         timed = {}
         for rows in (bucket for bucket in ROW_BUCKETS if bucket <= max_rows):
             used = layers if rows <= STREAMED_MAX_ROWS else layers[:1]
-            timed[rows] = _time(lambda x, used=used: [product(x[w.shape[1]], w) for layer in used for w in layer],
-                                rows, used[0], per_case) / len(used)
+            timed[rows] = _time(
+                lambda x, used=used: [product(x[w.shape[1]], w) for layer in used for w in layer],
+                rows,
+                used[0],
+                per_case,
+            ) / len(used)
         return timed
 
     for dtype in dtypes:
@@ -310,8 +350,10 @@ def _fused(weights: list[torch.Tensor]) -> list[torch.Tensor]:
 def _layers(shapes: LayerShapes, dtype: torch.dtype) -> list[list[torch.Tensor]]:
     """Copies of one layer's random weights, together at least twice the last-level cache (64 MiB at least)."""
     generator = torch.Generator().manual_seed(0)
-    layer = [torch.randn(out_features, in_features, generator=generator).to(dtype) * in_features ** -0.5
-             for in_features, out_features in shapes.products()]
+    layer = [
+        torch.randn(out_features, in_features, generator=generator).to(dtype) * in_features**-0.5
+        for in_features, out_features in shapes.products()
+    ]
     layer_bytes = sum(weight.numel() * weight.element_size() for weight in layer)
     copies = max(1, math.ceil(max(64 << 20, 2 * _last_level_cache_bytes()) / layer_bytes))
     return [layer] + [[weight.clone() for weight in layer] for _ in range(copies - 1)]
@@ -347,8 +389,15 @@ def _time(run, rows: int, weights: list[torch.Tensor], budget: float) -> float: 
     return sorted(samples)[len(samples) // 2]
 
 
-def apply_linear_paths(model: nn.Module, *, linear_kernel: str, fuse_projections: bool, dtype: str,
-                       device: torch.device, tuning: Tuning | None) -> LinearPaths:
+def apply_linear_paths(
+    model: nn.Module,
+    *,
+    linear_kernel: str,
+    fuse_projections: bool,
+    dtype: str,
+    device: torch.device,
+    tuning: Tuning | None,
+) -> LinearPaths:
     """Give ``model``'s linears the paths chosen (explicitly, or by ``tuning``); say how many took each.
 
     ``linear_kernel``: ``onednn`` (weights packed, every step), ``row_split`` (always, up to the default row
@@ -379,7 +428,9 @@ def apply_linear_paths(model: nn.Module, *, linear_kernel: str, fuse_projections
         fuse_rows = tuning.fuse_max_rows if tuning is not None else FUSE_MAX_ROWS
         product = functools.partial(row_split_linear, slices=slices, max_rows=max_rows) if slices > 1 else F.linear
         fused = fuse_shared_input_projections(model, product, max_rows=fuse_rows) if fuse_rows else 0
-    return LinearPaths(fused_groups=fused, row_split=use_row_split_linears(model, slices, max_rows) if slices > 1 else 0)
+    return LinearPaths(
+        fused_groups=fused, row_split=use_row_split_linears(model, slices, max_rows) if slices > 1 else 0
+    )
 
 
 @dataclass(frozen=True)
@@ -406,8 +457,14 @@ def tuning_path(key: str) -> Path:
     return cache_dir() / "tuning" / f"{key}.json"
 
 
-def tune(shapes: LayerShapes, *, threads: int | None = None, cpu: CpuInfo | None = None, fresh: bool = False,
-         budget_seconds: float = 1.5) -> Tuning:
+def tune(
+    shapes: LayerShapes,
+    *,
+    threads: int | None = None,
+    cpu: CpuInfo | None = None,
+    fresh: bool = False,
+    budget_seconds: float = 1.5,
+) -> Tuning:
     """The tuning for this machine and these shapes: cached, or measured now (and cached) when absent or ``fresh``."""
     cpu = cpu or CpuInfo.read()
     threads = threads or torch.get_num_threads()

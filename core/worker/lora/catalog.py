@@ -36,9 +36,17 @@ class AdapterInUseError(LoRAAdapterError):
 class AdapterCatalog:
     """Adapter names -> directories -> loaded :class:`LoRAAdapter`, keeping at most ``capacity`` loaded."""
 
-    def __init__(self, *, adapters: Mapping[str, Path], num_layers: int, shapes: Mapping[str, LinearShape],
-                 max_lora_rank: int, capacity: int, resolver: LoRAResolver | None = None,
-                 resolver_name: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        adapters: Mapping[str, Path],
+        num_layers: int,
+        shapes: Mapping[str, LinearShape],
+        max_lora_rank: int,
+        capacity: int,
+        resolver: LoRAResolver | None = None,
+        resolver_name: str | None = None,
+    ) -> None:
         self.paths = {name: Path(path) for name, path in adapters.items()}
         self.num_layers = num_layers
         self.shapes = dict(shapes)
@@ -49,17 +57,24 @@ class AdapterCatalog:
         self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
 
     @classmethod
-    def from_settings(cls, section: LoRASettings, registry: Registry, *, num_layers: int,
-                      shapes: Mapping[str, LinearShape]) -> AdapterCatalog:
+    def from_settings(
+        cls, section: LoRASettings, registry: Registry, *, num_layers: int, shapes: Mapping[str, LinearShape]
+    ) -> AdapterCatalog:
         """The catalog of a run's ``lora:`` section; the resolver plugin, if any, is built here."""
         resolver = None
         if section.resolver is not None:
             resolver_class = cast("type[LoRAResolver]", registry.resolve("lora_resolver", section.resolver))
             options = resolver_class.Options.model_validate(dict(section.resolver_options))
             resolver = resolver_class(options)
-        return cls(adapters=section.adapters, num_layers=num_layers, shapes=shapes,
-                   max_lora_rank=section.max_lora_rank, capacity=section.cpu_capacity, resolver=resolver,
-                   resolver_name=f"lora_resolver:{section.resolver}" if section.resolver else None)
+        return cls(
+            adapters=section.adapters,
+            num_layers=num_layers,
+            shapes=shapes,
+            max_lora_rank=section.max_lora_rank,
+            capacity=section.cpu_capacity,
+            resolver=resolver,
+            resolver_name=f"lora_resolver:{section.resolver}" if section.resolver else None,
+        )
 
     def path_of(self, name: str) -> Path:
         """The directory of adapter ``name``: listed in settings, else found by the resolver."""
@@ -69,7 +84,9 @@ class AdapterCatalog:
             try:
                 found = self.resolver.resolve(name)
             except LoRAResolveError as exc:
-                raise LoRAAdapterError(f"LoRA adapter {name!r}: {self.resolver_name} could not provide it: {exc}") from None
+                raise LoRAAdapterError(
+                    f"LoRA adapter {name!r}: {self.resolver_name} could not provide it: {exc}"
+                ) from None
             if found is not None:
                 return Path(found)
         known = sorted(self.known_names())
@@ -90,8 +107,9 @@ class AdapterCatalog:
         if adapter is not None:
             self._loaded.move_to_end(name)
             return adapter
-        adapter = load_adapter(name, self.path_of(name), num_layers=self.num_layers, shapes=self.shapes,
-                               max_lora_rank=self.max_lora_rank)
+        adapter = load_adapter(
+            name, self.path_of(name), num_layers=self.num_layers, shapes=self.shapes, max_lora_rank=self.max_lora_rank
+        )
         self._keep(adapter, pinned=pinned)
         return adapter
 
@@ -113,8 +131,9 @@ class AdapterCatalog:
         """
         if name in self.paths or name in self._loaded:
             raise AdapterExistsError(f"LoRA adapter {name!r} is already loaded; unload it first to replace it")
-        adapter = load_adapter(name, Path(path), num_layers=self.num_layers, shapes=self.shapes,
-                               max_lora_rank=self.max_lora_rank)
+        adapter = load_adapter(
+            name, Path(path), num_layers=self.num_layers, shapes=self.shapes, max_lora_rank=self.max_lora_rank
+        )
         self.paths[name] = Path(path)
         self._keep(adapter, pinned=())
         return adapter
@@ -132,4 +151,3 @@ class AdapterCatalog:
     def loaded_names(self) -> list[str]:
         """Loaded adapters, least recently used first."""
         return list(self._loaded)
-

@@ -31,8 +31,18 @@ class LoRAStep:
 class LoRALinear(nn.Module):
     """A target linear plus the stacked A and B of every slot for it."""
 
-    def __init__(self, base: nn.Module, step: LoRAStep, *, in_features: int, out_features: int, max_loras: int,
-                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        base: nn.Module,
+        step: LoRAStep,
+        *,
+        in_features: int,
+        out_features: int,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         self.base = base
         self.step = step

@@ -28,8 +28,9 @@ from patchbay.worker.lora.peft_adapter import TARGET_MODULES, LoRAAdapter, LoRAA
 class LoRAManager:
     """Slots of active adapters over one model's wrapped linears."""
 
-    def __init__(self, catalog: AdapterCatalog, step: LoRAStep, linears: dict[tuple[int, str], LoRALinear],
-                 max_loras: int) -> None:
+    def __init__(
+        self, catalog: AdapterCatalog, step: LoRAStep, linears: dict[tuple[int, str], LoRALinear], max_loras: int
+    ) -> None:
         self.catalog = catalog
         self.step = step
         self.linears = linears
@@ -69,8 +70,9 @@ class LoRAManager:
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"a step uses {len(wanted)} LoRA adapters but lora.max_loras is {self.max_loras}")
         slot_of = {name: self._slot_for(name, wanted) for name in wanted}
-        request_slots = np.fromiter((NO_ADAPTER if name is None else slot_of[name] for name in names),
-                                    dtype=np.int64, count=len(names))
+        request_slots = np.fromiter(
+            (NO_ADAPTER if name is None else slot_of[name] for name in names), dtype=np.int64, count=len(names)
+        )
         token_slots = torch.from_numpy(np.repeat(request_slots, num_scheduled))
         self.step.mapping = build_lora_mapping(token_slots.to(self.step.scalings.device))
 
@@ -104,20 +106,34 @@ class LoRAManager:
         self.slot_names[slot] = adapter.name
 
 
-def install_lora(model: object, section: LoRASettings, registry: Registry, *, device: torch.device,
-                 dtype: torch.dtype) -> LoRAManager:
+def install_lora(
+    model: object, section: LoRASettings, registry: Registry, *, device: torch.device, dtype: torch.dtype
+) -> LoRAManager:
     """Wrap ``model``'s (an ``HFCausalLM``) target linears and return the manager of its adapter slots.
 
     The listed adapters are each read and checked now, so a bad one fails the
     run at start, naming it.
     """
     kernel_class = cast("type[LoRAKernel]", registry.resolve("lora_kernel", section.kernel))
-    reasons = kernel_class.validate(LoRAKernelConfig(device=device.type, dtype=str(dtype).removeprefix("torch."),
-                                                     max_lora_rank=section.max_lora_rank,
-                                                     max_loras=section.max_loras))
+    reasons = kernel_class.validate(
+        LoRAKernelConfig(
+            device=device.type,
+            dtype=str(dtype).removeprefix("torch."),
+            max_lora_rank=section.max_lora_rank,
+            max_loras=section.max_loras,
+        )
+    )
     if reasons:
-        raise ConfigError([ConfigProblem("<run>", "lora.kernel", f"lora_kernel:{section.kernel} cannot serve this "
-                                         f"run: {'; '.join(reasons)}", plugin=f"lora_kernel:{section.kernel}")])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    "lora.kernel",
+                    f"lora_kernel:{section.kernel} cannot serve this run: {'; '.join(reasons)}",
+                    plugin=f"lora_kernel:{section.kernel}",
+                )
+            ]
+        )
     kernel = kernel_class(plugin_options(kernel_class, section.kernel_options, where="lora.kernel_options"))
     config = model.model.config  # type: ignore[attr-defined]
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -126,20 +142,42 @@ def install_lora(model: object, section: LoRASettings, registry: Registry, *, de
     step = LoRAStep(kernel=kernel, scalings=torch.zeros(section.max_loras, dtype=torch.float32, device=device))
     layers = getattr(model._decoder, "layers", None)  # type: ignore[attr-defined]
     if not isinstance(layers, nn.ModuleList) or len(layers) != num_layers:
-        raise ConfigError([ConfigProblem("<run>", "lora", "this model's decoder has no list of "
-                                         f"{num_layers} layers, so LoRA cannot wrap its projections")])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    "lora",
+                    f"this model's decoder has no list of {num_layers} layers, so LoRA cannot wrap its projections",
+                )
+            ]
+        )
     linears: dict[tuple[int, str], LoRALinear] = {}
     for index, layer in enumerate(layers):
         for module, block_name in TARGET_MODULES.items():
             block = getattr(layer, block_name, None)
             base = getattr(block, module, None) if block is not None else None
             if base is None:
-                raise ConfigError([ConfigProblem("<run>", "lora", f"layer {index} has no {block_name}.{module}, "
-                                                 "so LoRA cannot wrap it (Llama-like decoders only)")])
+                raise ConfigError(
+                    [
+                        ConfigProblem(
+                            "<run>",
+                            "lora",
+                            f"layer {index} has no {block_name}.{module}, "
+                            "so LoRA cannot wrap it (Llama-like decoders only)",
+                        )
+                    ]
+                )
             shape = shapes[module]
-            wrapped = LoRALinear(base, step, in_features=shape.in_features, out_features=shape.out_features,
-                                 max_loras=section.max_loras, max_rank=section.max_lora_rank, dtype=dtype,
-                                 device=device)
+            wrapped = LoRALinear(
+                base,
+                step,
+                in_features=shape.in_features,
+                out_features=shape.out_features,
+                max_loras=section.max_loras,
+                max_rank=section.max_lora_rank,
+                dtype=dtype,
+                device=device,
+            )
             setattr(block, module, wrapped)
             linears[(index, module)] = wrapped
     for name in catalog.paths:

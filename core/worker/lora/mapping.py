@@ -19,5 +19,6 @@ def build_lora_mapping(slots: torch.Tensor) -> LoRAMapping:
     starts = [0]
     for count in counts.tolist():
         starts.append(starts[-1] + count)
-    return LoRAMapping(slots=slots, order=rows[permutation], active_slots=tuple(active.tolist()),
-                       segment_starts=tuple(starts))
+    return LoRAMapping(
+        slots=slots, order=rows[permutation], active_slots=tuple(active.tolist()), segment_starts=tuple(starts)
+    )

@@ -28,12 +28,19 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 LEGACY_WEIGHTS_FILE = "adapter_model.bin"
 
 TARGET_MODULES: dict[str, str] = {
-    "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
 }
 """The linears an adapter may target, with the block that holds each."""
 
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.default)?\.weight$")
+_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.default)?\.weight$"
+)
 
 _UNSUPPORTED: dict[str, str] = {
     "use_dora": "DoRA (use_dora) is not supported",
@@ -70,9 +77,12 @@ def base_model_shapes(hf_config: Any) -> tuple[int, dict[str, LinearShape]]:
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     intermediate = hf_config.intermediate_size
     shapes = {
-        "q_proj": LinearShape(hidden, heads * head_dim), "k_proj": LinearShape(hidden, kv_heads * head_dim),
-        "v_proj": LinearShape(hidden, kv_heads * head_dim), "o_proj": LinearShape(heads * head_dim, hidden),
-        "gate_proj": LinearShape(hidden, intermediate), "up_proj": LinearShape(hidden, intermediate),
+        "q_proj": LinearShape(hidden, heads * head_dim),
+        "k_proj": LinearShape(hidden, kv_heads * head_dim),
+        "v_proj": LinearShape(hidden, kv_heads * head_dim),
+        "o_proj": LinearShape(heads * head_dim, hidden),
+        "gate_proj": LinearShape(hidden, intermediate),
+        "up_proj": LinearShape(hidden, intermediate),
         "down_proj": LinearShape(intermediate, hidden),
     }
     return hf_config.num_hidden_layers, shapes
@@ -118,7 +128,9 @@ def read_adapter_config(name: str, path: Path) -> dict[str, Any]:
             raise LoRAAdapterError(f"LoRA adapter {name!r}: {reason} ({CONFIG_FILE}: {key}={config[key]!r})")
     bias = config.get("bias", "none")
     if bias != "none":
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: trained biases are not supported ({CONFIG_FILE}: bias={bias!r})")
+        raise LoRAAdapterError(
+            f"LoRA adapter {name!r}: trained biases are not supported ({CONFIG_FILE}: bias={bias!r})"
+        )
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {CONFIG_FILE} needs a positive integer r, got {rank!r}")
@@ -134,8 +146,9 @@ def peft_scaling(config: Mapping[str, Any]) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def load_adapter(name: str, path: Path | str, *, num_layers: int, shapes: Mapping[str, LinearShape],
-                 max_lora_rank: int) -> LoRAAdapter:
+def load_adapter(
+    name: str, path: Path | str, *, num_layers: int, shapes: Mapping[str, LinearShape], max_lora_rank: int
+) -> LoRAAdapter:
     """Read adapter ``name`` from ``path`` and check it fits the base model (``num_layers``, ``shapes``)."""
     path = Path(path)
     config = read_adapter_config(name, path)
@@ -147,34 +160,49 @@ def load_adapter(name: str, path: Path | str, *, num_layers: int, shapes: Mappin
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
-            raise LoRAAdapterError(f"LoRA adapter {name!r}: weight {key!r} in {weights_path.name} is not a LoRA "
-                                   f"A or B of a decoder layer's linear (supported targets: {', '.join(TARGET_MODULES)})")
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r}: weight {key!r} in {weights_path.name} is not a LoRA "
+                f"A or B of a decoder layer's linear (supported targets: {', '.join(TARGET_MODULES)})"
+            )
         layer, block, module, half = int(match[1]), match[2], match[3], match[4]
         if TARGET_MODULES.get(module) != block:
-            raise LoRAAdapterError(f"LoRA adapter {name!r}: weight {key!r} targets {block}.{module}, which is not "
-                                   f"supported (supported targets: {', '.join(TARGET_MODULES)})")
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r}: weight {key!r} targets {block}.{module}, which is not "
+                f"supported (supported targets: {', '.join(TARGET_MODULES)})"
+            )
         if layer >= num_layers:
-            raise LoRAAdapterError(f"LoRA adapter {name!r} was built for another base model: weight {key!r} is for "
-                                   f"layer {layer}, but the model has {num_layers} layers")
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r} was built for another base model: weight {key!r} is for "
+                f"layer {layer}, but the model has {num_layers} layers"
+            )
         halves.setdefault((layer, module), {})[half] = tensor
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), pair in sorted(halves.items()):
         where = f"layers.{layer}.{TARGET_MODULES[module]}.{module}"
         if set(pair) != {"A", "B"}:
             missing = ({"A", "B"} - set(pair)).pop()
-            raise LoRAAdapterError(f"LoRA adapter {name!r}: {where} has no lora_{missing} weight in {weights_path.name}")
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r}: {where} has no lora_{missing} weight in {weights_path.name}"
+            )
         shape = shapes[module]
         a, b = pair["A"], pair["B"]
         expected_a, expected_b = (rank, shape.in_features), (shape.out_features, rank)
         if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
             raise LoRAAdapterError(
                 f"LoRA adapter {name!r} was built for another base model: {where} has lora_A {tuple(a.shape)} and "
-                f"lora_B {tuple(b.shape)}, but this model (rank {rank}) needs {expected_a} and {expected_b}")
+                f"lora_B {tuple(b.shape)}, but this model (rank {rank}) needs {expected_a} and {expected_b}"
+            )
         weights[(layer, module)] = (a.to(torch.float32).contiguous(), b.to(torch.float32).contiguous())
     if not weights:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {weights_path.name} holds no LoRA weights")
-    return LoRAAdapter(name=name, path=path, rank=rank, scaling=peft_scaling(config), weights=weights,
-                       fingerprint=_fingerprint(weights_path))
+    return LoRAAdapter(
+        name=name,
+        path=path,
+        rank=rank,
+        scaling=peft_scaling(config),
+        weights=weights,
+        fingerprint=_fingerprint(weights_path),
+    )
 
 
 def _read_weights(name: str, path: Path) -> tuple[dict[str, torch.Tensor], Path]:
@@ -192,7 +220,9 @@ def _read_weights(name: str, path: Path) -> tuple[dict[str, torch.Tensor], Path]
     except Exception as exc:  # a truncated or foreign file: say which adapter and file
         bad = safetensors_path if safetensors_path.is_file() else legacy_path
         raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {bad}: {type(exc).__name__}: {exc}") from None
-    raise LoRAAdapterError(f"LoRA adapter {name!r}: {safetensors_path} is missing (nor is there an {LEGACY_WEIGHTS_FILE})")
+    raise LoRAAdapterError(
+        f"LoRA adapter {name!r}: {safetensors_path} is missing (nor is there an {LEGACY_WEIGHTS_FILE})"
+    )
 
 
 def _fingerprint(weights_path: Path) -> str:

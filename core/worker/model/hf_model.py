@@ -98,10 +98,14 @@ class HFCausalLM:
         config = AutoConfig.from_pretrained(model_dir)
         architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
         if getattr(config, "is_encoder_decoder", False):
-            raise ModelLoadError(f"{architecture}: encoder-decoder models are not supported; patchbay runs decoder-only LMs")
+            raise ModelLoadError(
+                f"{architecture}: encoder-decoder models are not supported; patchbay runs decoder-only LMs"
+            )
         model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
         if model_class is None:
-            raise ModelLoadError(f"{architecture} ({config.model_type}) is not a causal language model transformers knows")
+            raise ModelLoadError(
+                f"{architecture} ({config.model_type}) is not a causal language model transformers knows"
+            )
         if not getattr(model_class, "_supports_attention_backend", False):
             raise ModelLoadError(
                 f"{architecture} does not support transformers' AttentionInterface, so its attention "
@@ -165,21 +169,29 @@ class AuxHiddenStates:
         ``model`` is an :class:`HFCausalLM` or a plain transformers causal LM (the drafter trainer's).
         """
         decoder = model._decoder if isinstance(model, HFCausalLM) else model.base_model
-        num_layers = model.shape.num_layers if isinstance(model, HFCausalLM) else \
-            getattr(model.config.get_text_config(), "num_hidden_layers", None)
+        num_layers = (
+            model.shape.num_layers
+            if isinstance(model, HFCausalLM)
+            else getattr(model.config.get_text_config(), "num_hidden_layers", None)
+        )
         decoder_layers = getattr(decoder, "layers", None)
         if not isinstance(decoder_layers, nn.ModuleList) or len(decoder_layers) != num_layers:
-            raise ModelLoadError(f"{type(model).__name__}: its decoder has no `layers` list of {num_layers} "
-                                 "layers, so their hidden states cannot be captured")
+            raise ModelLoadError(
+                f"{type(model).__name__}: its decoder has no `layers` list of {num_layers} "
+                "layers, so their hidden states cannot be captured"
+            )
         held_elsewhere = model.layers_elsewhere if isinstance(model, HFCausalLM) else frozenset()
         elsewhere = sorted(held_elsewhere.intersection(layers))
         if elsewhere:
-            raise ModelLoadError(f"decoder layers {elsewhere} run on other pipeline stages, so their hidden states "
-                                 "cannot be captured here (runtime.pipeline_parallel_size)")
+            raise ModelLoadError(
+                f"decoder layers {elsewhere} run on other pipeline stages, so their hidden states "
+                "cannot be captured here (runtime.pipeline_parallel_size)"
+            )
         self.layers = tuple(layers)
         self._outputs: dict[int, torch.Tensor] = {}
-        self._handles = [decoder_layers[index].register_forward_hook(self._keeper(index))
-                         for index in sorted(set(self.layers))]
+        self._handles = [
+            decoder_layers[index].register_forward_hook(self._keeper(index)) for index in sorted(set(self.layers))
+        ]
 
     def _keeper(self, index: int) -> Any:
         def keep(module: nn.Module, args: Any, output: Any) -> None:

@@ -120,8 +120,11 @@ def _save_dequantized(model, directory: Path) -> None:  # noqa: ANN001 - a trans
         model.generation_config.save_pretrained(directory)
     tensors = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
     output_embeddings = model.get_output_embeddings()
-    if getattr(config, "tie_word_embeddings", False) and output_embeddings is not None \
-            and output_embeddings.weight is model.get_input_embeddings().weight:
+    if (
+        getattr(config, "tie_word_embeddings", False)
+        and output_embeddings is not None
+        and output_embeddings.weight is model.get_input_embeddings().weight
+    ):
         tensors = {name: tensor for name, tensor in tensors.items() if not name.endswith("lm_head.weight")}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 

@@ -106,8 +106,9 @@ class RankGroup:
         A rank other than 0 says in the store that it is joining.
         """
         if store is None:
-            store = dist.TCPStore(setup.store_host, setup.store_port, setup.world_size, is_master=False,
-                                  timeout=setup.timeout)
+            store = dist.TCPStore(
+                setup.store_host, setup.store_port, setup.world_size, is_master=False, timeout=setup.timeout
+            )
         if rank != 0:
             store.set(joined_key(rank), str(os.getpid()))
         self.rank = rank
@@ -126,8 +127,9 @@ class RankGroup:
         self._store = store
         if setup.backend == "nccl":
             torch.cuda.set_device(device)  # NCCL works on the current device
-        self._group: dist.ProcessGroup | None = _process_group(setup, dist.PrefixStore("patchbay/group", store),
-                                                               rank, setup.world_size)
+        self._group: dist.ProcessGroup | None = _process_group(
+            setup, dist.PrefixStore("patchbay/group", store), rank, setup.world_size
+        )
         tensor_size = setup.settings.runtime.tensor_parallel_size
         self.tensor_size = tensor_size
         """The tensor-parallel ranks of this rank's pipeline stage (those :meth:`all_reduce` and :meth:`all_gather`

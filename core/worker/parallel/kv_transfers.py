@@ -32,8 +32,9 @@ class TransferReport:
 
     def encode(self) -> bytes:
         """The report as JSON bytes (ids sorted, so equal reports encode alike)."""
-        return json.dumps([sorted(self.finished_sending), sorted(self.finished_recving),
-                           sorted(self.invalid_block_ids)]).encode()
+        return json.dumps(
+            [sorted(self.finished_sending), sorted(self.finished_recving), sorted(self.invalid_block_ids)]
+        ).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> TransferReport:

@@ -90,18 +90,30 @@ def stage_layout(config: Any, num_stages: int, partition: list[int] | None = Non
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
     problems = []
     if config.model_type not in PIPELINED_MODEL_TYPES:
-        problems.append(f"{architecture} ({config.model_type}) cannot be split into stages; pipeline parallelism "
-                        f"supports {', '.join(sorted(PIPELINED_MODEL_TYPES))} models")
+        problems.append(
+            f"{architecture} ({config.model_type}) cannot be split into stages; pipeline parallelism "
+            f"supports {', '.join(sorted(PIPELINED_MODEL_TYPES))} models"
+        )
     if config.num_hidden_layers < num_stages:
-        problems.append(f"{architecture} has {config.num_hidden_layers} decoder layers, fewer than the "
-                        f"{num_stages} stages (each stage needs at least one)")
+        problems.append(
+            f"{architecture} has {config.num_hidden_layers} decoder layers, fewer than the "
+            f"{num_stages} stages (each stage needs at least one)"
+        )
     if problems:
         raise ConfigError([ConfigProblem("<run>", KEY, problem) for problem in problems])
-    if partition is not None and (len(partition) != num_stages or sum(partition) != config.num_hidden_layers
-                                  or min(partition) < 1):
-        raise ConfigError([ConfigProblem(
-            "<run>", PARTITION_KEY, f"{','.join(map(str, partition))} must give each of the {num_stages} stages at "
-            f"least one layer and add up to {architecture}'s {config.num_hidden_layers} decoder layers")])
+    if partition is not None and (
+        len(partition) != num_stages or sum(partition) != config.num_hidden_layers or min(partition) < 1
+    ):
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    PARTITION_KEY,
+                    f"{','.join(map(str, partition))} must give each of the {num_stages} stages at "
+                    f"least one layer and add up to {architecture}'s {config.num_hidden_layers} decoder layers",
+                )
+            ]
+        )
     return StageLayout(config.num_hidden_layers, num_stages, tuple(partition) if partition is not None else None)
 
 
@@ -116,8 +128,9 @@ class PassThroughLayer(nn.Module):
         return hidden_states
 
 
-def split_model(model: HFCausalLM, layout: StageLayout, rank: int, link: StageLink, *,
-                ranks_per_stage: int = 1) -> None:
+def split_model(
+    model: HFCausalLM, layout: StageLayout, rank: int, link: StageLink, *, ranks_per_stage: int = 1
+) -> None:
     """Keep the decoder layers of ``rank``'s stage in ``model``, hook the exchanges with the other stages over
     ``link`` and report only the kept layers in its layer specs.
 
@@ -131,8 +144,16 @@ def split_model(model: HFCausalLM, layout: StageLayout, rank: int, link: StageLi
     layers = getattr(decoder, "layers", None)
     norm = getattr(decoder, "norm", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) != layout.num_layers or not isinstance(norm, nn.Module):
-        raise ConfigError([ConfigProblem("<run>", KEY, f"{model.shape.architecture}: its decoder has no `layers` "
-                                                       f"list of {layout.num_layers} layers and final `norm`")])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    KEY,
+                    f"{model.shape.architecture}: its decoder has no `layers` "
+                    f"list of {layout.num_layers} layers and final `norm`",
+                )
+            ]
+        )
     _check_same_cache_groups(model, layout)
     kept = layout.layer_range(stage)
     for index in range(layout.num_layers):
@@ -149,6 +170,7 @@ def split_model(model: HFCausalLM, layout: StageLayout, rank: int, link: StageLi
 def _check_same_cache_groups(model: HFCausalLM, layout: StageLayout) -> None:
     """Every stage must see the model's KV-cache groups (one per distinct layer spec, in the same order): the
     scheduler's block tables, built from rank 0's, carry one table per group to every stage."""
+
     def group_specs(indices: range) -> list[Any]:
         specs = model.kv_cache_specs(1, "float32")
         names = {model.layer_specs[index].layer_name for index in indices}
@@ -158,15 +180,23 @@ def _check_same_cache_groups(model: HFCausalLM, layout: StageLayout) -> None:
     for stage in range(layout.num_stages):
         kept = layout.layer_range(stage)
         if group_specs(kept) != whole:
-            raise ConfigError([ConfigProblem(
-                "<run>", KEY, f"{model.shape.architecture}: stage {stage} (layers {kept.start}-{kept.stop - 1}) would "
-                f"not hold every kind of attention layer the model has ({len(whole)} KV-cache groups, "
-                "e.g. full and sliding-window layers); use fewer stages")])
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "<run>",
+                        KEY,
+                        f"{model.shape.architecture}: stage {stage} (layers {kept.start}-{kept.stop - 1}) would "
+                        f"not hold every kind of attention layer the model has ({len(whole)} KV-cache groups, "
+                        "e.g. full and sliding-window layers); use fewer stages",
+                    )
+                ]
+            )
 
 
 def _receiver(link: StageLink, from_rank: int) -> Callable[..., tuple[tuple[Any, ...], dict[str, Any]]]:
-    def receive(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...],
-                                                                                            dict[str, Any]]:
+    def receive(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if args:
             hidden_states = torch.empty_like(args[0])
             link.recv(hidden_states, from_rank)

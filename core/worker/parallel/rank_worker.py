@@ -73,12 +73,20 @@ def _receive(connection: Connection, rank: int) -> bytes:
     try:
         return connection.recv_bytes()
     except (EOFError, ConnectionResetError):
-        raise RankZeroGoneError(f"tensor-parallel rank {rank}: rank 0 closed the step channel before ending the run "
-                                "(it failed or died; its own error says why)") from None
+        raise RankZeroGoneError(
+            f"tensor-parallel rank {rank}: rank 0 closed the step channel before ending the run "
+            "(it failed or died; its own error says why)"
+        ) from None
 
 
-def run_rank(connection: Connection, rank: int, *, local_rank: int | None = None,
-             model_dir: Path | None = None, store: dist.Store | None = None) -> None:
+def run_rank(
+    connection: Connection,
+    rank: int,
+    *,
+    local_rank: int | None = None,
+    model_dir: Path | None = None,
+    store: dist.Store | None = None,
+) -> None:
     """Build this rank's runner from what rank 0 sends, then run its steps until rank 0 ends the run.
 
     By default (rank 0 started this rank on its machine) the rank's device is
@@ -92,28 +100,49 @@ def run_rank(connection: Connection, rank: int, *, local_rank: int | None = None
     if threads is not None:
         torch.set_num_threads(threads)
     keep_freed_memory()
-    device = (distributed.rank_device(torch.device(setup.device), rank) if local_rank is None
-              else launch_device(torch.device(setup.device), local_rank))
+    device = (
+        distributed.rank_device(torch.device(setup.device), rank)
+        if local_rank is None
+        else launch_device(torch.device(setup.device), local_rank)
+    )
     group = distributed.RankGroup(setup, rank, device, store)
     try:
         torch.manual_seed(settings.runtime.seed)
         registry = registry_for(settings.plugins)
-        loaded = load_rank_model(settings, model_dir or setup.model_dir, dtype=setup.dtype, device=device,
-                                 tuning=setup.tuning, rank=rank, all_reduce=group.all_reduce,
-                                 all_gather=group.all_gather, link=group,
-                                 shard_vocabulary=shards_vocabulary(settings, registry))
+        loaded = load_rank_model(
+            settings,
+            model_dir or setup.model_dir,
+            dtype=setup.dtype,
+            device=device,
+            tuning=setup.tuning,
+            rank=rank,
+            all_reduce=group.all_reduce,
+            all_gather=group.all_gather,
+            link=group,
+            shard_vocabulary=shards_vocabulary(settings, registry),
+        )
         spec: RunnerSpec = pickle.loads(_receive(connection, rank))
         # With a connector every rank saves and loads its own shard, and joins its reports with the others' each step.
         kv_connector = kv_reports = None
         if spec.kv_connector is not None:
             kv_connector = kv_connector_worker(settings, registry, spec.kv_connector, rank)
             kv_reports = RankTransferReports(group, setup.world_size)
-        runner = build_runner(loaded.model, settings, registry, spec, device=device, dtype=setup.dtype,
-                              kv_connector=kv_connector, kv_reports=kv_reports, rank=rank)
+        runner = build_runner(
+            loaded.model,
+            settings,
+            registry,
+            spec,
+            device=device,
+            dtype=setup.dtype,
+            kv_connector=kv_connector,
+            kv_reports=kv_reports,
+            rank=rank,
+        )
         torch.manual_seed(settings.runtime.seed)  # as rank 0 does once built: the samplers start alike
         runtime = settings.runtime
         sends_outputs = runtime.pipeline_parallel_size > 1 and rank == last_stage_rank(
-            runtime.pipeline_parallel_size, runtime.tensor_parallel_size)
+            runtime.pipeline_parallel_size, runtime.tensor_parallel_size
+        )
         group.barrier()
         while (message := _receive(connection, rank)) != END_OF_RUN:
             scheduler_output = pickle.loads(message)
@@ -133,8 +162,9 @@ def run_torchrun_rank(settings: Settings, launch: TorchrunLaunch) -> None:
     (each machine loads its own copy); the rest of the settings are rank 0's.
     """
     assert launch.rank != 0, "rank 0 runs the engine"
-    logging.basicConfig(level=logging.WARNING,
-                        format=f"patchbay rank {launch.rank}: %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format=f"patchbay rank {launch.rank}: %(levelname)s %(name)s: %(message)s"
+    )
     model_dir = resolve_model_dir(settings.model.path)
     store = rendezvous_store(settings, launch)
     with connect_to_rank_0(store, launch.rank) as connection:

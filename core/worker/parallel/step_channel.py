@@ -91,7 +91,8 @@ class StepListener:
                     missing = sorted(ranks - connected.keys())
                     raise StepChannelError(
                         f"tensor-parallel rank {missing[0]} did not connect to rank 0 within {timeout:g} s "
-                        f"(runtime.distributed_timeout); ranks still missing: {missing}")
+                        f"(runtime.distributed_timeout); ranks still missing: {missing}"
+                    )
                 try:
                     peer, _ = self._socket.accept()
                 except TimeoutError:
@@ -139,14 +140,16 @@ def connect_to_rank_0(store: dist.Store, rank: int) -> Connection:
     try:
         peer = socket.create_connection((host, int(port)))
     except OSError as exc:
-        raise StepChannelError(f"tensor-parallel rank {rank} cannot reach rank 0's step channel at {address}: "
-                               f"{exc}") from exc
+        raise StepChannelError(
+            f"tensor-parallel rank {rank} cannot reach rank 0's step channel at {address}: {exc}"
+        ) from exc
     connection = Connection(peer.detach())
     try:
         challenge = connection.recv_bytes(_CHALLENGE_BYTES)
         connection.send_bytes(rank.to_bytes(4, "big") + _proof(secret, challenge, rank))
     except (OSError, EOFError) as exc:
         connection.close()
-        raise StepChannelError(f"rank 0's step channel at {address} closed during tensor-parallel rank {rank}'s "
-                               f"handshake: {exc}") from exc
+        raise StepChannelError(
+            f"rank 0's step channel at {address} closed during tensor-parallel rank {rank}'s handshake: {exc}"
+        ) from exc
     return connection

@@ -93,21 +93,31 @@ def shard_layout(config: Any, world_size: int) -> ShardLayout:
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    layout = ShardLayout(world_size, num_heads, num_kv_heads,
-                         getattr(config, "head_dim", None) or config.hidden_size // num_heads,
-                         config.intermediate_size)
+    layout = ShardLayout(
+        world_size,
+        num_heads,
+        num_kv_heads,
+        getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        config.intermediate_size,
+    )
     problems = []
     if config.model_type not in SHARDABLE_MODEL_TYPES:
-        problems.append(f"{architecture} ({config.model_type}) cannot be sharded; tensor parallelism supports "
-                        f"{', '.join(sorted(SHARDABLE_MODEL_TYPES))} models")
+        problems.append(
+            f"{architecture} ({config.model_type}) cannot be sharded; tensor parallelism supports "
+            f"{', '.join(sorted(SHARDABLE_MODEL_TYPES))} models"
+        )
     if num_heads % world_size:
         problems.append(f"{architecture} has {num_heads} attention heads, not divisible by {world_size} ranks")
     if num_kv_heads % world_size and world_size % num_kv_heads:
-        problems.append(f"{architecture} has {num_kv_heads} KV heads (and {num_heads} attention heads): the KV "
-                        f"head count must divide or be divisible by the {world_size} ranks")
+        problems.append(
+            f"{architecture} has {num_kv_heads} KV heads (and {num_heads} attention heads): the KV "
+            f"head count must divide or be divisible by the {world_size} ranks"
+        )
     if layout.intermediate_size % world_size:
-        problems.append(f"{architecture} has an MLP of {layout.intermediate_size} features (intermediate_size), "
-                        f"not divisible by {world_size} ranks")
+        problems.append(
+            f"{architecture} has an MLP of {layout.intermediate_size} features (intermediate_size), "
+            f"not divisible by {world_size} ranks"
+        )
     if problems:
         raise ConfigError([ConfigProblem("<run>", KEY, problem) for problem in problems])
     return layout
@@ -160,13 +170,22 @@ class VocabShard:
         return torch.cat([kept, kept.new_zeros(padding, *kept.shape[1:])])
 
 
-def shard_model(model: HFCausalLM, layout: ShardLayout, rank: int, all_reduce: AllReduce,
-                all_gather: AllGather, *, shard_vocabulary: bool = True) -> None:
+def shard_model(
+    model: HFCausalLM,
+    layout: ShardLayout,
+    rank: int,
+    all_reduce: AllReduce,
+    all_gather: AllGather,
+    *,
+    shard_vocabulary: bool = True,
+) -> None:
     """Keep ``rank``'s shard of every decoder layer and, with ``shard_vocabulary``, of the vocabulary
     (:func:`shard_vocab`) of ``model`` and report per-rank head counts in its layer specs."""
     layers = getattr(model.model.base_model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ConfigError([ConfigProblem("<run>", KEY, f"{model.shape.architecture}: its decoder has no `layers` list")])
+        raise ConfigError(
+            [ConfigProblem("<run>", KEY, f"{model.shape.architecture}: its decoder has no `layers` list")]
+        )
     head_start, head_stop = (index * layout.head_size for index in layout.head_range(rank))
     kv_start, kv_stop = (index * layout.head_size for index in layout.kv_head_range(rank))
     feature_start, feature_stop = layout.feature_range(rank)
@@ -191,8 +210,9 @@ def shard_model(model: HFCausalLM, layout: ShardLayout, rank: int, all_reduce: A
         shard_vocab(model, layout.world_size, rank, all_reduce, all_gather)
 
 
-def shard_vocab(model: HFCausalLM, world_size: int, rank: int, all_reduce: AllReduce,
-                all_gather: AllGather) -> VocabShard:
+def shard_vocab(
+    model: HFCausalLM, world_size: int, rank: int, all_reduce: AllReduce, all_gather: AllGather
+) -> VocabShard:
     """Keep ``rank``'s rows of ``model``'s input embedding and LM head (one shared shard when they are tied).
 
     The embedding's lookups then give the rows of this shard's ids (zeros for the others) summed over the
@@ -202,14 +222,29 @@ def shard_vocab(model: HFCausalLM, world_size: int, rank: int, all_reduce: AllRe
     embedding = model.model.get_input_embeddings()
     lm_head = model.model.get_output_embeddings()
     if not isinstance(embedding, nn.Embedding) or not isinstance(lm_head, nn.Linear):
-        raise ConfigError([ConfigProblem(
-            "<run>", KEY, f"{model.shape.architecture}: only an nn.Embedding input embedding and an nn.Linear LM "
-            f"head can be sharded; found {type(embedding).__name__} and {type(lm_head).__name__}")])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    KEY,
+                    f"{model.shape.architecture}: only an nn.Embedding input embedding and an nn.Linear LM "
+                    f"head can be sharded; found {type(embedding).__name__} and {type(lm_head).__name__}",
+                )
+            ]
+        )
     vocab_size = embedding.num_embeddings
     if lm_head.out_features != vocab_size:
-        raise ConfigError([ConfigProblem("<run>", KEY, f"{model.shape.architecture}: its LM head has "
-                                                       f"{lm_head.out_features} outputs and its embedding "
-                                                       f"{vocab_size} rows; a sharded vocabulary needs them equal")])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    KEY,
+                    f"{model.shape.architecture}: its LM head has "
+                    f"{lm_head.out_features} outputs and its embedding "
+                    f"{vocab_size} rows; a sharded vocabulary needs them equal",
+                )
+            ]
+        )
     shard = VocabShard(vocab_size, world_size, rank)
     tied = lm_head.weight is embedding.weight
     with torch.no_grad():

@@ -48,16 +48,26 @@ def torchrun_launch(environ: Mapping[str, str] = os.environ) -> TorchrunLaunch |
     if not all(name in environ for name in VARIABLES):
         return None
     try:
-        return TorchrunLaunch(rank=int(environ["RANK"]), world_size=int(environ["WORLD_SIZE"]),
-                              local_rank=int(environ["LOCAL_RANK"]),
-                              local_world_size=int(environ.get("LOCAL_WORLD_SIZE", environ["WORLD_SIZE"])),
-                              master_addr=environ["MASTER_ADDR"],
-                              master_port=int(environ["MASTER_PORT"]),
-                              agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                              attempt=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        return TorchrunLaunch(
+            rank=int(environ["RANK"]),
+            world_size=int(environ["WORLD_SIZE"]),
+            local_rank=int(environ["LOCAL_RANK"]),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", environ["WORLD_SIZE"])),
+            master_addr=environ["MASTER_ADDR"],
+            master_port=int(environ["MASTER_PORT"]),
+            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            attempt=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        )
     except ValueError as exc:
-        raise ConfigError([ConfigProblem("<environment>", "RANK/WORLD_SIZE/LOCAL_RANK/MASTER_PORT",
-                                         f"torchrun's variables are not integers: {exc}")]) from None
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<environment>",
+                    "RANK/WORLD_SIZE/LOCAL_RANK/MASTER_PORT",
+                    f"torchrun's variables are not integers: {exc}",
+                )
+            ]
+        ) from None
 
 
 def check_world_size(settings: Settings, launch: TorchrunLaunch) -> None:
@@ -67,27 +77,41 @@ def check_world_size(settings: Settings, launch: TorchrunLaunch) -> None:
     size = runtime.world_size
     if launch.world_size != size:
         key = "runtime.pipeline_parallel_size" if runtime.pipeline_parallel_size > 1 else "runtime.tensor_parallel_size"
-        raise ConfigError([ConfigProblem("<run>", key,
-                                         f"torchrun started {launch.world_size} processes (WORLD_SIZE) and the run "
-                                         f"has {size} ranks (runtime.tensor_parallel_size {runtime.tensor_parallel_size}"
-                                         f" x runtime.pipeline_parallel_size {runtime.pipeline_parallel_size}); launch "
-                                         f"--nnodes x --nproc-per-node = {size} processes or change the settings")])
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    key,
+                    f"torchrun started {launch.world_size} processes (WORLD_SIZE) and the run "
+                    f"has {size} ranks (runtime.tensor_parallel_size {runtime.tensor_parallel_size}"
+                    f" x runtime.pipeline_parallel_size {runtime.pipeline_parallel_size}); launch "
+                    f"--nnodes x --nproc-per-node = {size} processes or change the settings",
+                )
+            ]
+        )
 
 
 def store_address(settings: Settings, launch: TorchrunLaunch) -> tuple[str, int]:
     """Where the run's store is: ``runtime.master_addr``/``master_port``, by default torchrun's."""
     runtime = settings.runtime
-    return (runtime.master_addr or launch.master_addr,
-            runtime.master_port if runtime.master_port is not None else launch.master_port)
+    return (
+        runtime.master_addr or launch.master_addr,
+        runtime.master_port if runtime.master_port is not None else launch.master_port,
+    )
 
 
 def rendezvous_store(settings: Settings, launch: TorchrunLaunch) -> dist.Store:
     """This rank's connection to the run's store (rank 0 hosts it unless torchrun's agent hosts it there)."""
     host, port = store_address(settings, launch)
     hosted_by_agent = launch.agent_store and (host, port) == (launch.master_addr, launch.master_port)
-    store = dist.TCPStore(host, port, launch.world_size, is_master=launch.rank == 0 and not hosted_by_agent,
-                          wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=settings.runtime.distributed_timeout))
+    store = dist.TCPStore(
+        host,
+        port,
+        launch.world_size,
+        is_master=launch.rank == 0 and not hosted_by_agent,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=settings.runtime.distributed_timeout),
+    )
     return dist.PrefixStore(f"patchbay/attempt-{launch.attempt}", store)
 
 

@@ -5,5 +5,8 @@ from patchbay import hookimpl
 
 @hookimpl
 def register_samplers(register):
-    register("example_argmax", "patchbay_duplicate.sampler:LowestIdSampler",
-             description="picks token 0 of every row (clashes with patchbay-example-plugin)")
+    register(
+        "example_argmax",
+        "patchbay_duplicate.sampler:LowestIdSampler",
+        description="picks token 0 of every row (clashes with patchbay-example-plugin)",
+    )

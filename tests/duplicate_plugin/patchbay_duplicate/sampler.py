@@ -12,8 +12,9 @@ from patchbay.interfaces import Sampler, SamplerCapabilities, SamplerOutput, Sam
 class LowestIdSampler(Sampler):
     """Returns token 0 for every row (a stand-in for a real sampler)."""
 
-    capabilities: ClassVar[SamplerCapabilities] = SamplerCapabilities(supported_params=frozenset(),
-                                                                      supports_random=False)
+    capabilities: ClassVar[SamplerCapabilities] = SamplerCapabilities(
+        supported_params=frozenset(), supports_random=False
+    )
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         return SamplerOutput(sampled_token_ids=torch.zeros(logits.shape[0], 1, dtype=torch.long))

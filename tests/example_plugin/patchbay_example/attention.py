@@ -36,8 +36,9 @@ class ExampleDenseImpl(AttentionImpl):
         self.layer = layer
         self.scale = scale
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: Any) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+    ) -> torch.Tensor:
         # Only CommonAttentionMetadata fields are read: the "common" builder carries them as `.common`,
         # "example_passthrough" returns them as they are.
         metadata = getattr(metadata, "common", metadata)

@@ -125,7 +125,9 @@ class InMemoryScheduler(KVConnectorScheduler):
             return 0, False
         return max(0, self._hit_tokens(request) - num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
         if num_external_tokens <= 0:
             return
         # Load tokens [end - num_external_tokens, end); e.g. block_size 4, end 11, 7 external -> blocks 1, 2.

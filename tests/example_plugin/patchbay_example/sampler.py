@@ -48,11 +48,20 @@ class ArgmaxVerifier(RejectionSampler):
     """Greedy verification: accepts drafts while they equal the target's argmax, then adds the target's token."""
 
     capabilities: ClassVar[SamplerCapabilities] = SamplerCapabilities(
-        role="verify", devices=("cpu", "cuda"), supported_params=frozenset(), supports_random=False,
+        role="verify",
+        devices=("cpu", "cuda"),
+        supported_params=frozenset(),
+        supports_random=False,
     )
 
-    def verify(self, metadata: SpecDecodeMetadata, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-               bonus_token_ids: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:
+    def verify(
+        self,
+        metadata: SpecDecodeMetadata,
+        draft_probs: torch.Tensor | None,
+        target_logits: torch.Tensor,
+        bonus_token_ids: torch.Tensor,
+        sampling: SamplingMetadata,
+    ) -> torch.Tensor:
         target = target_logits.argmax(dim=-1).tolist()
         drafts = metadata.draft_token_ids.tolist()
         width = max(metadata.num_draft_tokens, default=0) + 1
@@ -60,7 +69,7 @@ class ArgmaxVerifier(RejectionSampler):
         start = 0
         for row, count in enumerate(metadata.num_draft_tokens):
             accepted = []
-            for draft, best in zip(drafts[start:start + count], target[start:start + count], strict=True):
+            for draft, best in zip(drafts[start : start + count], target[start : start + count], strict=True):
                 accepted.append(best)
                 if draft != best:
                     break

@@ -15,7 +15,8 @@ from tiny_models import build_tiny_model, transformers_greedy
 
 pytestmark = pytest.mark.skipif(
     build_unavailable() is not None or tiles_unavailable(torch.float32) is not None,
-    reason=f"cannot build or tile here: {build_unavailable() or tiles_unavailable(torch.float32)}")
+    reason=f"cannot build or tile here: {build_unavailable() or tiles_unavailable(torch.float32)}",
+)
 
 PROMPTS = [[5, 9, 11, 3, 7], list(range(20, 90)), [42]]
 
@@ -64,8 +65,7 @@ def test_bfloat16_logprobs_equal_the_fused_modules_bit_for_bit(tiny_llama, monke
 
 
 def test_layers_with_hooks_or_untiled_products_keep_their_modules(tiny_llama):
-    torch_products = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32",
-                                  runtime__linear_kernel="torch")
+    torch_products = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32", runtime__linear_kernel="torch")
     assert torch_products.engine.fused_modules.attentions > 0
     assert torch_products.engine.fused_modules.layers == fused_layer_count(torch_products) == 0
 
@@ -88,8 +88,11 @@ def test_until_the_kernels_are_built_the_layer_runs_its_own_forward(tiny_llama, 
         fused = vars(layer)["forward"]
         monkeypatch.setattr(fused, "build", NotBuilt())
     original = type(llm.engine.model.model.model.layers[0]).forward
-    monkeypatch.setattr(type(llm.engine.model.model.model.layers[0]), "forward",
-                        lambda self, *args, **kwargs: calls.append(self) or original(self, *args, **kwargs))
+    monkeypatch.setattr(
+        type(llm.engine.model.model.model.layers[0]),
+        "forward",
+        lambda self, *args, **kwargs: calls.append(self) or original(self, *args, **kwargs),
+    )
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
     assert calls, "the layers' own forward never ran"
     assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, PROMPTS, 4)

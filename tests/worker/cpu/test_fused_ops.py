@@ -87,14 +87,19 @@ def test_silu_mlp_matches_transformers(dtype, rows, variant):
         gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
         activated = torch.empty(1, rows, 1540, dtype=dtype)
         Built(variant).ready().silu_and_mul(gate_up, activated)
-        torch.testing.assert_close(activated, F.silu(mlp.gate_proj(x)) * mlp.up_proj(x),
-                                   rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-6)
+        torch.testing.assert_close(
+            activated,
+            F.silu(mlp.gate_proj(x)) * mlp.up_proj(x),
+            rtol=1e-5 if dtype == torch.float32 else 8e-3,
+            atol=1e-6,
+        )
         assert fuse_shared_input_projections(mlp) == 1
         mlp.forward = fused_ops.FusedSiluMLP(mlp, Built(variant))
         assert mlp.forward.group is not None  # the gate/up product is the fused group's
         got = mlp(x)
-    torch.testing.assert_close(got, expected, rtol=1e-5 if dtype == torch.float32 else 2e-2,
-                               atol=1e-5 if dtype == torch.float32 else 2e-2)
+    torch.testing.assert_close(
+        got, expected, rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-5 if dtype == torch.float32 else 2e-2
+    )
 
 
 def test_modules_run_their_own_forward_until_the_kernels_are_built():
@@ -118,16 +123,26 @@ def test_only_modules_computing_the_llama_formulas_are_replaced():
         pass
 
     config = LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, hidden_act="gelu")
-    model = nn.ModuleDict({"norm": LlamaRMSNorm(8), "scaled": ScaledNorm(), "silu": LlamaMLP(
-        LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, hidden_act="silu")), "gelu": GeluMLP(config)})
+    model = nn.ModuleDict(
+        {
+            "norm": LlamaRMSNorm(8),
+            "scaled": ScaledNorm(),
+            "silu": LlamaMLP(
+                LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, hidden_act="silu")
+            ),
+            "gelu": GeluMLP(config),
+        }
+    )
     counts = fused_ops.use_fused_ops(model, device=torch.device("cpu"), dtype="float32", build=NotBuilt())
     assert counts == fused_ops.FusedModules(norms=1, mlps=1)
     assert isinstance(vars(model["norm"]).get("forward"), fused_ops.FusedRMSNorm)
     assert isinstance(vars(model["silu"]).get("forward"), fused_ops.FusedSiluMLP)
     assert "forward" not in vars(model["scaled"]) and "forward" not in vars(model["gelu"])
     # Off the CPU's float32/bfloat16 nothing changes.
-    assert fused_ops.use_fused_ops(LlamaRMSNorm(8).half(), device=torch.device("cpu"), dtype="float16",
-                                   build=NotBuilt()) == fused_ops.FusedModules()
+    assert (
+        fused_ops.use_fused_ops(LlamaRMSNorm(8).half(), device=torch.device("cpu"), dtype="float16", build=NotBuilt())
+        == fused_ops.FusedModules()
+    )
 
 
 def test_greedy_tokens_match_transformers_with_the_kernels_on(tiny_llama):
@@ -136,10 +151,12 @@ def test_greedy_tokens_match_transformers_with_the_kernels_on(tiny_llama):
     llm = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32", runtime__fused_ops=True)
     config = llm.engine.model.model.config
     tiled = llm.engine.linear_paths.layout == TileLayout.name  # then whole layers fuse (test_fused_layer.py)
-    assert llm.engine.fused_modules == fused_ops.FusedModules(norms=2 * config.num_hidden_layers + 1,
-                                                              mlps=config.num_hidden_layers,
-                                                              attentions=config.num_hidden_layers,
-                                                              layers=config.num_hidden_layers if tiled else 0)
+    assert llm.engine.fused_modules == fused_ops.FusedModules(
+        norms=2 * config.num_hidden_layers + 1,
+        mlps=config.num_hidden_layers,
+        attentions=config.num_hidden_layers,
+        layers=config.num_hidden_layers if tiled else 0,
+    )
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 12)
 
@@ -159,10 +176,10 @@ def test_rotary_matches_transformers(dtype, head_size, variant):
     query = torch.empty(tokens, q_heads, head_size, dtype=dtype)
     key = torch.empty(tokens, kv_heads, head_size, dtype=dtype)
     q_rows = qkv[:, : q_heads * head_size]
-    k_rows = qkv[:, q_heads * head_size: (q_heads + kv_heads) * head_size]  # views with the fused row stride
+    k_rows = qkv[:, q_heads * head_size : (q_heads + kv_heads) * head_size]  # views with the fused row stride
     Built(variant).ready().rotary(q_rows, k_rows, cos, sin, query, key)
     q = qkv[:, : q_heads * head_size].view(1, tokens, q_heads, head_size).transpose(1, 2)
-    k = qkv[:, q_heads * head_size: (q_heads + kv_heads) * head_size].view(1, tokens, kv_heads, head_size)
+    k = qkv[:, q_heads * head_size : (q_heads + kv_heads) * head_size].view(1, tokens, kv_heads, head_size)
     expected_q, expected_k = apply_rotary_pos_emb(q, k.transpose(1, 2), cos, sin)
     # The same roundings in the same order: equal, not close.
     assert torch.equal(query, expected_q[0].transpose(0, 1)) and torch.equal(key, expected_k[0].transpose(0, 1))

@@ -44,8 +44,8 @@ print(first == second)
 def test_glibc_keeps_a_freed_step_sized_block_for_the_next_step(mode, reused):
     """In a fresh process glibc maps a first 12 MB block apart and unmaps it when freed, so the next one lands
     elsewhere (and faults its pages in again); with the engine's thresholds it comes back from the heap."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in (*heap.OPERATOR_SETTINGS, "LD_PRELOAD")}
-    result = subprocess.run([sys.executable, "-c", FIRST_REUSE, mode], capture_output=True, text=True, env=env,
-                            check=True)
+    env = {key: value for key, value in os.environ.items() if key not in (*heap.OPERATOR_SETTINGS, "LD_PRELOAD")}
+    result = subprocess.run(
+        [sys.executable, "-c", FIRST_REUSE, mode], capture_output=True, text=True, env=env, check=True
+    )
     assert result.stdout.strip() == str(reused), result.stderr

@@ -80,21 +80,32 @@ CPP_LINE_STARTS = ("#include", "#define", "#pragma", "#if")
 
 def cpp_strings(source: str, filename: str = "<source>") -> list[int]:
     """The lines of ``source`` (Python) where a string constant holding C++ preprocessor lines starts."""
-    return [node.lineno for node in ast.walk(ast.parse(source, filename=filename))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str)
-            and any(line.lstrip().startswith(CPP_LINE_STARTS) for line in node.value.splitlines())]
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source, filename=filename))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and any(line.lstrip().startswith(CPP_LINE_STARTS) for line in node.value.splitlines())
+    ]
 
 
 def test_no_python_module_holds_cpp_source_in_a_string() -> None:
-    offenders = [f"{path}:{line}" for root in (REPO_ROOT / "core", REPO_ROOT / "plugins")
-                 for path in sorted(root.rglob("*.py")) for line in cpp_strings(path.read_text(), str(path))]
+    offenders = [
+        f"{path}:{line}"
+        for root in (REPO_ROOT / "core", REPO_ROOT / "plugins")
+        for path in sorted(root.rglob("*.py"))
+        for line in cpp_strings(path.read_text(), str(path))
+    ]
     assert offenders == [], f"C++ in Python strings (move it to a csrc/ folder): {offenders}"
 
 
-@pytest.mark.parametrize("source, found", [
-    ('SOURCE = r"""\n#include <torch/extension.h>\nint f() { return 1; }\n"""\n', [1]),
-    ('x = 1\nHELPERS = """\n  #if defined(__AVX2__)\n#endif\n"""\n', [2]),
-    ('"""Sources may ``#include "simd.h"`` from the shared folder."""\n', []),
-])
+@pytest.mark.parametrize(
+    "source, found",
+    [
+        ('SOURCE = r"""\n#include <torch/extension.h>\nint f() { return 1; }\n"""\n', [1]),
+        ('x = 1\nHELPERS = """\n  #if defined(__AVX2__)\n#endif\n"""\n', [2]),
+        ('"""Sources may ``#include "simd.h"`` from the shared folder."""\n', []),
+    ],
+)
 def test_the_scan_for_cpp_in_strings_finds_it(source: str, found: list[int]) -> None:
     assert cpp_strings(source) == found

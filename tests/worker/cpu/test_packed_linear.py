@@ -35,8 +35,9 @@ def test_a_packed_product_is_torch_s_product(shape, bias, dtype):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # Non-contiguous inputs (a slice of a wider tensor) are multiplied as their values.
     wide = torch.randn(5, 96, dtype=dtype)[:, ::2]
-    torch.testing.assert_close(packed_linear(wide, pack(linear.weight), linear.bias),
-                               F.linear(wide, linear.weight, linear.bias))
+    torch.testing.assert_close(
+        packed_linear(wide, pack(linear.weight), linear.bias), F.linear(wide, linear.weight, linear.bias)
+    )
 
 
 class _Block(nn.Module):
@@ -53,7 +54,9 @@ def test_packing_releases_plain_weights_but_keeps_tied_ones():
     torch.manual_seed(0)
     block = _Block()
     inputs = torch.randn(3, 16)
-    expected = {name: getattr(block, name)(inputs).detach() for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head")}
+    expected = {
+        name: getattr(block, name)(inputs).detach() for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head")
+    }
     other = torch.randn(2, 16)
     expected_other = block.k_proj(other).detach()
     assert fuse_shared_input_projections(block, max_rows=1 << 62) == 1
@@ -69,8 +72,10 @@ def test_packing_releases_plain_weights_but_keeps_tied_ones():
     torch.testing.assert_close(block.k_proj(other), expected_other, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU cannot pack bfloat16 weights for oneDNN "
-                    "(as on AVX2-only CPUs)")
+@pytest.mark.skipif(
+    not packing_supported(torch.bfloat16),
+    reason="this CPU cannot pack bfloat16 weights for oneDNN (as on AVX2-only CPUs)",
+)
 def test_quantized_linears_keep_integer_products_for_few_rows_and_run_packed_ones_above():
     from patchbay.worker.cpu.quantization import quantize_linears
 
@@ -104,8 +109,12 @@ def test_bfloat16_logits_are_the_same_packed_or_not(tiny_llama):
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
     results = {}
     for kernel in ("torch", "onednn"):
-        llm = patchbay.LLM(model__path=str(tiny_llama), model__dtype="bfloat16", runtime__linear_kernel=kernel,
-                           runtime__fuse_projections=False)
+        llm = patchbay.LLM(
+            model__path=str(tiny_llama),
+            model__dtype="bfloat16",
+            runtime__linear_kernel=kernel,
+            runtime__fuse_projections=False,
+        )
         results[kernel] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
     assert results["onednn"] == results["torch"]
 
@@ -118,8 +127,18 @@ def test_onednn_on_a_dtype_it_cannot_pack_is_refused_naming_the_setting(tiny_lla
 def test_row_counts_run_in_buckets_and_padding_never_shows():
     from patchbay.worker.cpu.packed_linear import row_bucket
 
-    assert [row_bucket(rows) for rows in (1, 7, 16, 17, 32, 33, 256, 257, 320, 2000)] == \
-        [1, 7, 16, 32, 32, 48, 256, 320, 320, 2048]
+    assert [row_bucket(rows) for rows in (1, 7, 16, 17, 32, 33, 256, 257, 320, 2000)] == [
+        1,
+        7,
+        16,
+        32,
+        32,
+        48,
+        256,
+        320,
+        320,
+        2048,
+    ]
     assert len({row_bucket(rows) for rows in range(1, 2049)}) <= 16 + 15 + 28  # kernels built per weight shape
     torch.manual_seed(0)
     weight = torch.randn(24, 40)

@@ -7,12 +7,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patchbay.worker.cpu.quantization import (Int4Linear, Int8Linear, TiledInt8Linear, integer_linear_class,
-                                          quantize_int4, quantize_int8, quantize_linears)
+from patchbay.worker.cpu.quantization import (
+    Int4Linear,
+    Int8Linear,
+    TiledInt8Linear,
+    integer_linear_class,
+    quantize_int4,
+    quantize_int8,
+    quantize_linears,
+)
 from patchbay.worker.cpu.streaming_linear import tiles_unavailable
 
-TILED = [pytest.param(TiledInt8Linear, marks=pytest.mark.skipif(tiles_unavailable(torch.float32) is not None,
-                                                            reason="no tiled kernels here"))]
+TILED = [
+    pytest.param(
+        TiledInt8Linear,
+        marks=pytest.mark.skipif(tiles_unavailable(torch.float32) is not None, reason="no tiled kernels here"),
+    )
+]
 
 
 def test_int8_is_symmetric_per_row_and_within_half_a_step():
@@ -47,7 +58,8 @@ def _dequantised(module) -> torch.Tensor:
     scales, zeros = scales_and_zeros[..., 0].t().double(), scales_and_zeros[..., 1].t().double()
     out_features, in_features = levels.shape
     return ((levels.double().view(out_features, -1, 32) - 8) * scales[..., None] + zeros[..., None]).view(
-        out_features, in_features)
+        out_features, in_features
+    )
 
 
 @pytest.mark.parametrize("linear_class", [Int8Linear, Int4Linear, *TILED])
@@ -115,7 +127,9 @@ def test_an_engine_with_integer_weights_runs_them_in_decode_steps(tiny_llama, sc
     llm = patchbay.LLM(model__path=str(tiny_llama), model__dtype="bfloat16", model__quantization=scheme)
     assert llm.engine.quantized_linears > 0
     calls = []
-    linear = next(m for m in llm.engine.model.model.modules() if isinstance(vars(m).get("forward"), Int8Linear | Int4Linear))
+    linear = next(
+        m for m in llm.engine.model.model.modules() if isinstance(vars(m).get("forward"), Int8Linear | Int4Linear)
+    )
     product = vars(linear)["forward"].product
     vars(linear)["forward"].product = lambda flat: calls.append(flat.shape[0]) or product(flat)
     outputs = llm.generate(prompts, params)
@@ -132,8 +146,9 @@ def test_fused_projections_run_one_integer_product_over_their_concatenated_weigh
     class Attention(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(64, width, bias=False, dtype=torch.bfloat16)
-                                                     for width in (64, 32, 32))
+            self.q_proj, self.k_proj, self.v_proj = (
+                nn.Linear(64, width, bias=False, dtype=torch.bfloat16) for width in (64, 32, 32)
+            )
 
     layer = Attention()
     inputs = torch.randn(1, 2, 64).to(torch.bfloat16)

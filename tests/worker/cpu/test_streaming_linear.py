@@ -19,8 +19,9 @@ from patchbay.worker.cpu.packed_linear import use_packed_linears
 from patchbay.worker.cpu.streaming_linear import TileLayout, tiles_unavailable
 from tiny_models import transformers_greedy
 
-pytestmark = pytest.mark.skipif(tiles_unavailable(torch.float32) is not None,
-                                reason=f"no tiled products here: {tiles_unavailable(torch.float32)}")
+pytestmark = pytest.mark.skipif(
+    tiles_unavailable(torch.float32) is not None, reason=f"no tiled products here: {tiles_unavailable(torch.float32)}"
+)
 
 # bfloat16 inputs and weights are exact in float64; the kernel sums in float32 and rounds the output once.
 TOLERANCE = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
@@ -59,11 +60,13 @@ def test_leading_dimensions_and_strided_inputs_are_multiplied_as_their_values(dt
     layout = TileLayout(2)
     packed = layout.pack(weight)
     batched = torch.randn(2, 3, 64).to(dtype)
-    torch.testing.assert_close(layout.product(batched, packed, None).double(), _oracle(batched, weight, None),
-                               **TOLERANCE[dtype])
+    torch.testing.assert_close(
+        layout.product(batched, packed, None).double(), _oracle(batched, weight, None), **TOLERANCE[dtype]
+    )
     strided = torch.randn(5, 128).to(dtype)[:, ::2]  # a view whose features are not contiguous
-    torch.testing.assert_close(layout.product(strided, packed, None).double(), _oracle(strided, weight, None),
-                               **TOLERANCE[dtype])
+    torch.testing.assert_close(
+        layout.product(strided, packed, None).double(), _oracle(strided, weight, None), **TOLERANCE[dtype]
+    )
     assert layout.product(torch.empty(0, 64, dtype=dtype), packed, None).shape == (0, 40)
 
 

@@ -16,8 +16,10 @@ from patchbay.worker.cpu import tuning
 from patchbay.worker.cpu.tuning import CpuInfo, LayerShapes, Measurements, apply_linear_paths, choose
 
 AVX2_EPYC = CpuInfo("AMD EPYC 7B13", frozenset({"avx2", "fma", "avx512f"}))
-AMX_XEON = CpuInfo("Intel(R) Xeon(R) Platinum 8481C", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16",
-                                                                  "amx_tile", "avx512_fp16"}))
+AMX_XEON = CpuInfo(
+    "Intel(R) Xeon(R) Platinum 8481C",
+    frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16"}),
+)
 SHAPES = LayerShapes(hidden=64, qkv=(64, 16, 16), intermediate=128)
 
 
@@ -25,14 +27,23 @@ def _times(**per_bucket: list[float]) -> dict[str, dict[int, float]]:
     return {name: dict(zip(tuning.ROW_BUCKETS, values, strict=True)) for name, values in per_bucket.items()}
 
 
-def _measured(float32, bfloat16=None, float16=None, row_split=None, fused=None, packed=None,
-              single_thread=None, tiled=None) -> Measurements:
-    by_dtype = _times(float32=float32, **({"bfloat16": bfloat16} if bfloat16 else {}),
-                      **({"float16": float16} if float16 else {}))
-    few_rows = {dtype: dict(zip(tuning.ROW_BUCKETS, values, strict=False)) for dtype, values in (single_thread or {}).items()}
-    return Measurements(by_dtype=by_dtype, row_split=_times(x=row_split or float32)["x"],
-                        fused=_times(x=fused or float32)["x"], packed=_times(**(packed or {})), single_thread=few_rows,
-                        tiled=_times(**(tiled or {})))
+def _measured(
+    float32, bfloat16=None, float16=None, row_split=None, fused=None, packed=None, single_thread=None, tiled=None
+) -> Measurements:
+    by_dtype = _times(
+        float32=float32, **({"bfloat16": bfloat16} if bfloat16 else {}), **({"float16": float16} if float16 else {})
+    )
+    few_rows = {
+        dtype: dict(zip(tuning.ROW_BUCKETS, values, strict=False)) for dtype, values in (single_thread or {}).items()
+    }
+    return Measurements(
+        by_dtype=by_dtype,
+        row_split=_times(x=row_split or float32)["x"],
+        fused=_times(x=fused or float32)["x"],
+        packed=_times(**(packed or {})),
+        single_thread=few_rows,
+        tiled=_times(**(tiled or {})),
+    )
 
 
 def test_native_dtypes_follow_the_flags():
@@ -50,8 +61,9 @@ def test_an_avx2_cpu_keeps_float32_even_where_emulated_bf16_measured_faster():
 
 
 def test_an_amx_cpu_picks_bfloat16_when_it_is_measured_faster():
-    chosen = choose(AMX_XEON, _measured(float32=[1, 2, 8, 30], bfloat16=[1.2, 1, 2.5, 8], float16=[1, 2, 8, 30]),
-                    threads=2)
+    chosen = choose(
+        AMX_XEON, _measured(float32=[1, 2, 8, 30], bfloat16=[1.2, 1, 2.5, 8], float16=[1, 2, 8, 30]), threads=2
+    )
     assert chosen.dtype == "bfloat16"
     assert chosen.speedup["bfloat16"] > tuning.MIN_GAIN > chosen.speedup["float16"]
 
@@ -72,8 +84,11 @@ def test_linear_paths_win_up_to_the_last_bucket_of_an_unbroken_run_of_wins():
 
 
 def test_packing_is_chosen_per_dtype_and_dtypes_compare_on_their_fastest_paths():
-    measured = _measured(float32=[1, 2, 8, 30], bfloat16=[1.2, 1, 2.5, 8],
-                         packed={"float32": [0.5, 1, 4, 15], "bfloat16": [1.15, 0.95, 2.4, 7.9]})
+    measured = _measured(
+        float32=[1, 2, 8, 30],
+        bfloat16=[1.2, 1, 2.5, 8],
+        packed={"float32": [0.5, 1, 4, 15], "bfloat16": [1.15, 0.95, 2.4, 7.9]},
+    )
     chosen = choose(AMX_XEON, measured, threads=2)
     assert chosen.packed_dtypes == ["float32"]  # packed bfloat16 gains under PATH_GAIN over its torch products
     # bfloat16 beats float32's torch products 1.8x, but packed float32 nearly as fast: float32 stays.
@@ -83,16 +98,23 @@ def test_packing_is_chosen_per_dtype_and_dtypes_compare_on_their_fastest_paths()
 
 
 def test_an_avx2_cpu_packs_float32_and_never_an_emulated_dtype():
-    measured = _measured(float32=[1, 2, 8, 30], bfloat16=[0.5, 1, 4, 15],
-                         packed={"float32": [0.5, 1, 4, 15], "bfloat16": [0.2, 0.4, 2, 7]})
+    measured = _measured(
+        float32=[1, 2, 8, 30],
+        bfloat16=[0.5, 1, 4, 15],
+        packed={"float32": [0.5, 1, 4, 15], "bfloat16": [0.2, 0.4, 2, 7]},
+    )
     chosen = choose(AVX2_EPYC, measured, threads=2)
     assert (chosen.dtype, chosen.packed_dtypes) == ("float32", ["float32"])
 
 
 def test_tiles_replace_oneDNN_only_where_they_win_over_the_row_counts():
     # An AVX512-BF16 CPU without AMX: tiles stream few-row products faster and match oneDNN on many rows.
-    measured = _measured(float32=[1, 2, 8, 30], bfloat16=[0.8, 1, 2, 8], packed={"bfloat16": [0.4, 0.45, 0.8, 2]},
-                         tiled={"bfloat16": [0.11, 0.17, 0.46, 1.9], "float32": [0.9, 1.9, 8.5, 31]})
+    measured = _measured(
+        float32=[1, 2, 8, 30],
+        bfloat16=[0.8, 1, 2, 8],
+        packed={"bfloat16": [0.4, 0.45, 0.8, 2]},
+        tiled={"bfloat16": [0.11, 0.17, 0.46, 1.9], "float32": [0.9, 1.9, 8.5, 31]},
+    )
     chosen = choose(AMX_XEON, measured, threads=2)
     assert (chosen.dtype, chosen.tiled_dtypes) == ("bfloat16", ["bfloat16"])  # float32 tiles gain nothing
     # The tiled products keep their own threads: only the ops around them go to one thread, up to 8 tokens.
@@ -100,15 +122,23 @@ def test_tiles_replace_oneDNN_only_where_they_win_over_the_row_counts():
     assert "tiled linears for bfloat16, oneDNN-packed linears for none" in chosen.describe()  # tiles replace it
     assert chosen.measurements["tiled_bfloat16"]["256"] == 1.9
     # With AMX, oneDNN is several times faster on many rows: over the row counts the tiles lose, oneDNN stays.
-    amx = _measured(float32=[1, 2, 8, 30], bfloat16=[0.8, 1, 2, 8], packed={"bfloat16": [0.4, 0.45, 0.3, 0.6]},
-                    tiled={"bfloat16": [0.11, 0.17, 0.9, 3.5]})
+    amx = _measured(
+        float32=[1, 2, 8, 30],
+        bfloat16=[0.8, 1, 2, 8],
+        packed={"bfloat16": [0.4, 0.45, 0.3, 0.6]},
+        tiled={"bfloat16": [0.11, 0.17, 0.9, 3.5]},
+    )
     chosen = choose(AMX_XEON, amx, threads=2)
     assert chosen.tiled_dtypes == [] and chosen.packed_dtypes == ["bfloat16"]
 
 
 def test_steps_run_on_one_thread_up_to_the_last_bucket_where_one_thread_wins():
-    measured = _measured(float32=[1, 2, 8, 30], bfloat16=[0.8, 1, 2, 8], packed={"bfloat16": [0.5, 0.6, 1.5, 6]},
-                         single_thread={"bfloat16": [0.3, 0.5], "float32": [1.2, 1.9]})
+    measured = _measured(
+        float32=[1, 2, 8, 30],
+        bfloat16=[0.8, 1, 2, 8],
+        packed={"bfloat16": [0.5, 0.6, 1.5, 6]},
+        single_thread={"bfloat16": [0.3, 0.5], "float32": [1.2, 1.9]},
+    )
     chosen = choose(AMX_XEON, measured, threads=2)
     # bfloat16 runs packed, and its packed layer is faster on one thread at 1 and 8 rows; float32's is not.
     assert chosen.single_thread_max_tokens == {"float32": 0, "bfloat16": 8}
@@ -118,8 +148,10 @@ def test_steps_run_on_one_thread_up_to_the_last_bucket_where_one_thread_wins():
 
 def test_cpuinfo_is_read_for_x86_and_arm(tmp_path):
     x86 = tmp_path / "x86"
-    x86.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_bf16\n\n"
-                   "processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_bf16\n")
+    x86.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_bf16\n\n"
+        "processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_bf16\n"
+    )
     assert CpuInfo.read(x86) == CpuInfo("AMD EPYC", frozenset({"fpu", "avx2", "avx512_bf16"}))
     arm = tmp_path / "arm"
     arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\nCPU implementer\t: 0x41\n")
@@ -142,7 +174,9 @@ def test_tune_measures_once_caches_per_cpu_and_measures_again_when_asked(tmp_pat
     assert tuning.tune(SHAPES, threads=2, cpu=AVX2_EPYC).dtype == "float32"  # another CPU: its own entry
     tuning.tune(SHAPES, threads=2, cpu=AMX_XEON, fresh=True)
     assert len(calls) == 3
-    (cached_file,) = [p for p in (tmp_path / "tuning").iterdir() if json.loads(p.read_text())["cpu"] == AMX_XEON.model_name]
+    (cached_file,) = [
+        p for p in (tmp_path / "tuning").iterdir() if json.loads(p.read_text())["cpu"] == AMX_XEON.model_name
+    ]
     cached_file.write_text("{not json")  # a damaged entry is measured again, not an error
     assert tuning.tune(SHAPES, threads=2, cpu=AMX_XEON).cached is False
 
@@ -154,8 +188,10 @@ class _Layer(nn.Module):
         self.o_proj = nn.Linear(64, 64, bias=False, dtype=dtype)
 
 
-@pytest.mark.parametrize("kernel, row_split_rows, expect_split", [("auto", 8, True), ("auto", 0, False),
-                                                                  ("torch", 8, False), ("row_split", 0, True)])
+@pytest.mark.parametrize(
+    "kernel, row_split_rows, expect_split",
+    [("auto", 8, True), ("auto", 0, False), ("torch", 8, False), ("row_split", 0, True)],
+)
 def test_linear_paths_follow_the_setting_or_the_tuning(kernel, row_split_rows, expect_split):
     chosen = choose(AVX2_EPYC, _measured(float32=[1, 2, 8, 30]), threads=2)
     chosen.row_split_max_rows, chosen.fuse_max_rows = row_split_rows, 8
@@ -163,8 +199,9 @@ def test_linear_paths_follow_the_setting_or_the_tuning(kernel, row_split_rows, e
     inputs = torch.randn(3, 64)
     expected = [linear(inputs) for linear in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
     torch.set_num_threads(2)
-    paths = apply_linear_paths(layer, linear_kernel=kernel, fuse_projections=True, dtype="float32",
-                               device=torch.device("cpu"), tuning=chosen)
+    paths = apply_linear_paths(
+        layer, linear_kernel=kernel, fuse_projections=True, dtype="float32", device=torch.device("cpu"), tuning=chosen
+    )
     assert paths.fused_groups == 1 and (paths.row_split > 0) == expect_split and paths.packed == 0
     got = [linear(inputs) for linear in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
     for want, have in zip(expected, got, strict=True):
@@ -176,15 +213,17 @@ def test_auto_packs_the_linears_of_a_dtype_the_tuning_packs():
     layer = _Layer(torch.float32)
     inputs = torch.randn(3, 64)
     expected = [linear(inputs).detach() for linear in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
-    paths = apply_linear_paths(layer, linear_kernel="auto", fuse_projections=True, dtype="float32",
-                               device=torch.device("cpu"), tuning=chosen)
+    paths = apply_linear_paths(
+        layer, linear_kernel="auto", fuse_projections=True, dtype="float32", device=torch.device("cpu"), tuning=chosen
+    )
     assert (paths.fused_groups, paths.packed, paths.row_split) == (1, 4, 0)
     for want, linear in zip(expected, (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj), strict=True):
         torch.testing.assert_close(linear(inputs), want)
     # A dtype the tuning did not pack keeps the other paths.
     other = _Layer(torch.bfloat16)
-    unpacked = apply_linear_paths(other, linear_kernel="auto", fuse_projections=True,
-                                  dtype="bfloat16", device=torch.device("cpu"), tuning=chosen)
+    unpacked = apply_linear_paths(
+        other, linear_kernel="auto", fuse_projections=True, dtype="bfloat16", device=torch.device("cpu"), tuning=chosen
+    )
     assert unpacked.packed == 0 and not other.q_proj.weight.is_meta
 
 
@@ -193,14 +232,18 @@ def test_auto_tiles_the_linears_of_a_dtype_the_tuning_tiles():
 
     if tiles_unavailable(torch.float32) is not None:
         pytest.skip(tiles_unavailable(torch.float32))
-    chosen = choose(AVX2_EPYC, _measured(float32=[1, 2, 8, 30], packed={"float32": [0.5, 1, 4, 15]},
-                                         tiled={"float32": [0.2, 0.5, 4, 15]}), threads=2)
+    chosen = choose(
+        AVX2_EPYC,
+        _measured(float32=[1, 2, 8, 30], packed={"float32": [0.5, 1, 4, 15]}, tiled={"float32": [0.2, 0.5, 4, 15]}),
+        threads=2,
+    )
     assert chosen.tiled_dtypes == ["float32"]
     layer = _Layer(torch.float32)
     inputs = torch.randn(3, 64)
     expected = [linear(inputs).detach() for linear in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
-    paths = apply_linear_paths(layer, linear_kernel="auto", fuse_projections=True, dtype="float32",
-                               device=torch.device("cpu"), tuning=chosen)
+    paths = apply_linear_paths(
+        layer, linear_kernel="auto", fuse_projections=True, dtype="float32", device=torch.device("cpu"), tuning=chosen
+    )
     assert (paths.layout, paths.fused_groups, paths.packed) == ("output tiles", 1, 4)
     for want, linear in zip(expected, (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj), strict=True):
         torch.testing.assert_close(linear(inputs), want, rtol=2e-5, atol=2e-5)
@@ -212,9 +255,11 @@ def test_an_engine_left_on_auto_runs_the_tuned_dtype(tiny_llama, tmp_path, monke
     monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("PATCHBAY_MODEL__DTYPE", raising=False)
     monkeypatch.setattr(tuning.CpuInfo, "read", classmethod(lambda cls, cpuinfo=None: AMX_XEON))
-    monkeypatch.setattr(tuning, "measure",
-                        lambda shapes, dtypes, threads, budget_seconds=1.5: _measured(float32=[1, 2, 8, 30],
-                                                                                      bfloat16=[1, 1, 2, 8]))
+    monkeypatch.setattr(
+        tuning,
+        "measure",
+        lambda shapes, dtypes, threads, budget_seconds=1.5: _measured(float32=[1, 2, 8, 30], bfloat16=[1, 1, 2, 8]),
+    )
     llm = patchbay.LLM(model__path=str(tiny_llama))
     assert llm.engine.dtype == "bfloat16" and llm.engine.tuning.dtype == "bfloat16"
     pinned = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32")
@@ -227,8 +272,13 @@ def test_patchbay_tune_measures_afresh_and_prints_the_choice(tiny_llama, tmp_pat
     monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning.CpuInfo, "read", classmethod(lambda cls, cpuinfo=None: AMX_XEON))
     calls = []
-    monkeypatch.setattr(tuning, "measure", lambda shapes, dtypes, threads, budget_seconds=1.5: calls.append(shapes)
-                        or _measured(float32=[1, 2, 8, 30], bfloat16=[1, 1, 2, 8], row_split=[0.5, 3, 9, 31]))
+    monkeypatch.setattr(
+        tuning,
+        "measure",
+        lambda shapes, dtypes, threads, budget_seconds=1.5: (
+            calls.append(shapes) or _measured(float32=[1, 2, 8, 30], bfloat16=[1, 1, 2, 8], row_split=[0.5, 3, 9, 31])
+        ),
+    )
     assert main(["tune", "--set", f"model.path={tiny_llama}"]) == 0
     printed = capsys.readouterr().out
     assert f"cpu: {AMX_XEON.model_name}; native dtypes: float32, bfloat16, float16" in printed
@@ -241,5 +291,6 @@ def test_patchbay_tune_measures_afresh_and_prints_the_choice(tiny_llama, tmp_pat
     config = json.loads((tiny_llama / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     kv_width = config["num_key_value_heads"] * head_dim  # 8 query heads, 2 KV heads: GQA shapes
-    assert calls[0] == LayerShapes(config["hidden_size"], (config["hidden_size"], kv_width, kv_width),
-                                   config["intermediate_size"])
+    assert calls[0] == LayerShapes(
+        config["hidden_size"], (config["hidden_size"], kv_width, kv_width), config["intermediate_size"]
+    )

@@ -33,8 +33,13 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("backend", ["reference", "torch_sdpa", "flex"])
 def test_greedy_matches_transformers(tiny_model: Path, backend: str):
-    llm = patchbay.LLM(model__path=str(tiny_model), attention__backend=backend, cache__block_size=16,
-                       scheduler__max_num_batched_tokens=64, runtime__threads=2)
+    llm = patchbay.LLM(
+        model__path=str(tiny_model),
+        attention__backend=backend,
+        cache__block_size=16,
+        scheduler__max_num_batched_tokens=64,
+        runtime__threads=2,
+    )
     prompts = _prompts(llm.engine.model.shape.vocab_size)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True))
     expected = transformers_greedy(tiny_model, prompts, NUM_NEW_TOKENS)
@@ -43,7 +48,9 @@ def test_greedy_matches_transformers(tiny_model: Path, backend: str):
 
 
 def test_mixed_window_model_has_two_cache_groups(tmp_path):
-    llm = patchbay.LLM(model__path=str(build_tiny_model(tmp_path, "qwen2-mixed-window")), attention__backend="reference")
+    llm = patchbay.LLM(
+        model__path=str(build_tiny_model(tmp_path, "qwen2-mixed-window")), attention__backend="reference"
+    )
     windows = sorted((g.spec.sliding_window or 0, len(g.layer_names)) for g in llm.engine.groups)
     assert windows == [(0, 2), (24, 2)]
 

@@ -68,8 +68,13 @@ FIRST = list(range(10, 17))
 LONG = [5, 6, 7, 8] * 10  # longer than the step budget: prefilled in chunks
 Workload = tuple[list[list[int]], list[list[int]]]
 """Prompts, and the greedy tokens of each."""
-CRAMPED = dict(scheduler__max_num_batched_tokens=16, cache__block_size=4, cache__num_blocks=17,
-               model__max_model_len=64, speculative={"method": "ngram", "num_speculative_tokens": 3})
+CRAMPED = dict(
+    scheduler__max_num_batched_tokens=16,
+    cache__block_size=4,
+    cache__num_blocks=17,
+    model__max_model_len=64,
+    speculative={"method": "ngram", "num_speculative_tokens": 3},
+)
 """16 usable blocks of 4 tokens: each request fits, the three at once do not (the scheduler preempts)."""
 
 
@@ -113,9 +118,12 @@ def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tp2_shared(tiny_llama: Path, store_dir: Path) -> Iterator[patchbay.LLM]:
     """Two tensor-parallel ranks over one shared_storage directory."""
-    llm = patchbay.LLM(model__path=str(tiny_llama), runtime__tensor_parallel_size=2,
-                       kv_connector={"name": "shared_storage", "options": {"path": str(store_dir)},
-                                     "stall_timeout": 30}, **CRAMPED)
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama),
+        runtime__tensor_parallel_size=2,
+        kv_connector={"name": "shared_storage", "options": {"path": str(store_dir)}, "stall_timeout": 30},
+        **CRAMPED,
+    )
     yield llm
     llm.engine.close()
 
@@ -132,16 +140,17 @@ def rank_entries(llm: patchbay.LLM, store_dir: Path, rank: int) -> list[Path]:
 
 
 @pytest.mark.slow
-def test_two_ranks_with_shared_storage_cold_then_warm_equal_one_process(tp2_shared: patchbay.LLM,
-                                                                       store_dir: Path,
-                                                                       workload: Workload) -> None:
+def test_two_ranks_with_shared_storage_cold_then_warm_equal_one_process(
+    tp2_shared: patchbay.LLM, store_dir: Path, workload: Workload
+) -> None:
     prompts, expected = workload
     engine = tp2_shared.engine
     assert greedy(tp2_shared, prompts) == expected
     assert engine.stats.num_preemptions > 0 and tp2_shared.spec_stats.num_draft_tokens > 0
     rank0, rank1 = rank_entries(tp2_shared, store_dir, 0), rank_entries(tp2_shared, store_dir, 1)
     assert rank0 and [path.name for path in rank0] == [path.name for path in rank1], (
-        "each rank saves every block under its own namespace")
+        "each rank saves every block under its own namespace"
+    )
     assert rank0[0].read_bytes() != rank1[0].read_bytes()
 
     before = loaded_tokens(tp2_shared)
@@ -151,8 +160,9 @@ def test_two_ranks_with_shared_storage_cold_then_warm_equal_one_process(tp2_shar
 
 
 @pytest.mark.slow
-def test_a_block_one_rank_cannot_load_is_recomputed_by_both(tp2_shared: patchbay.LLM, store_dir: Path,
-                                                            workload: Workload) -> None:
+def test_a_block_one_rank_cannot_load_is_recomputed_by_both(
+    tp2_shared: patchbay.LLM, store_dir: Path, workload: Workload
+) -> None:
     prompts, expected = workload
     assert greedy(tp2_shared, prompts) == expected  # the store holds every block for both ranks (also when run alone)
     # Rank 1's entries go bad behind the engine's back: present, so rank 0 plans their loads; rank 1 cannot load them.
@@ -175,16 +185,23 @@ REDIS_URL = os.environ.get("PATCHBAY_TEST_REDIS_URL")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("section", [
-    {"name": "host_offload", "options": {"namespace": "tp2-test"}},  # a store in each rank's process
-    pytest.param({"name": "redis", "options": {"url": REDIS_URL, "key_prefix": f"patchbay-tp2:{uuid.uuid4().hex}:"}},
-                 marks=pytest.mark.skipif(not REDIS_URL, reason="PATCHBAY_TEST_REDIS_URL is not set"), id="redis"),
-], ids=lambda section: section["name"])
-def test_two_ranks_with_other_connectors_each_reload_their_own_heads(tiny_llama: Path, workload: Workload,
-                                                                     section: dict) -> None:
+@pytest.mark.parametrize(
+    "section",
+    [
+        {"name": "host_offload", "options": {"namespace": "tp2-test"}},  # a store in each rank's process
+        pytest.param(
+            {"name": "redis", "options": {"url": REDIS_URL, "key_prefix": f"patchbay-tp2:{uuid.uuid4().hex}:"}},
+            marks=pytest.mark.skipif(not REDIS_URL, reason="PATCHBAY_TEST_REDIS_URL is not set"),
+            id="redis",
+        ),
+    ],
+    ids=lambda section: section["name"],
+)
+def test_two_ranks_with_other_connectors_each_reload_their_own_heads(
+    tiny_llama: Path, workload: Workload, section: dict
+) -> None:
     prompts, expected = workload
-    llm = patchbay.LLM(model__path=str(tiny_llama), runtime__tensor_parallel_size=2, kv_connector=section,
-                       **CRAMPED)
+    llm = patchbay.LLM(model__path=str(tiny_llama), runtime__tensor_parallel_size=2, kv_connector=section, **CRAMPED)
     try:
         assert greedy(llm, prompts) == expected
         before = loaded_tokens(llm)
@@ -195,13 +212,18 @@ def test_two_ranks_with_other_connectors_each_reload_their_own_heads(tiny_llama:
 
 
 @pytest.mark.slow
-def test_two_pipeline_stages_with_shared_storage_equal_one_process(tiny_llama: Path, tmp_path: Path,
-                                                                  workload: Workload) -> None:
+def test_two_pipeline_stages_with_shared_storage_equal_one_process(
+    tiny_llama: Path, tmp_path: Path, workload: Workload
+) -> None:
     from patchbay.plugins.kv_connectors._blocks import read_header
 
     prompts, expected = workload
-    llm = patchbay.LLM(model__path=str(tiny_llama), runtime__pipeline_parallel_size=2,
-                       kv_connector={"name": "shared_storage", "options": {"path": str(tmp_path)}}, **CRAMPED)
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama),
+        runtime__pipeline_parallel_size=2,
+        kv_connector={"name": "shared_storage", "options": {"path": str(tmp_path)}},
+        **CRAMPED,
+    )
     try:
         assert greedy(llm, prompts) == expected
         before = loaded_tokens(llm)

@@ -53,8 +53,9 @@ def on_loopback(words: list[str], port: int) -> list[str]:
     words = list(words)
     words[words.index("--master-addr") + 1] = "127.0.0.1"
     words[words.index("--master-port") + 1] = str(port)
-    torchrun = [str(BIN / "torchrun")] if (BIN / "torchrun").exists() else [sys.executable, "-m",
-                                                                            "torch.distributed.run"]
+    torchrun = (
+        [str(BIN / "torchrun")] if (BIN / "torchrun").exists() else [sys.executable, "-m", "torch.distributed.run"]
+    )
     return torchrun + words[1:]
 
 
@@ -93,7 +94,8 @@ def alive(pids: list[int]) -> list[int]:
 def write_job(directory: Path, model: Path, *, max_tokens: int, prompts: list[list[int]], server_port: int = 0) -> None:
     """The guide's ``job.yaml``, for the tiny model: two ranks, one thread each (both "nodes" share this machine)."""
     items = "\n".join(f"    - {{prompt_token_ids: {prompt}}}" for prompt in prompts)
-    (directory / "job.yaml").write_text(textwrap.dedent(f"""\
+    (directory / "job.yaml").write_text(
+        textwrap.dedent(f"""\
         server: {{host: 127.0.0.1, port: {server_port}}}
         model: {{path: {model}, dtype: float32, max_model_len: 128}}
         runtime: {{tensor_parallel_size: 2, threads: 1, distributed_timeout: 60}}
@@ -102,7 +104,10 @@ def write_job(directory: Path, model: Path, *, max_tokens: int, prompts: list[li
         inputs:
           sampling: {{max_tokens: {max_tokens}, ignore_eos: true, temperature: 0.0}}
           prompts:
-        """) + items + "\noutputs: {path: results.jsonl}\n")
+        """)
+        + items
+        + "\noutputs: {path: results.jsonl}\n"
+    )
 
 
 class Nodes:
@@ -117,8 +122,9 @@ class Nodes:
         for node, words in sorted(documented_node_commands().items()):
             with self.logs[node].open("w") as log:
                 words = [command if word == "run" else word for word in words]
-                self.processes[node] = subprocess.Popen(on_loopback(words, port), cwd=directory, env=env,
-                                                        stdout=log, stderr=subprocess.STDOUT)
+                self.processes[node] = subprocess.Popen(
+                    on_loopback(words, port), cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT
+                )
 
     def log(self, node: int) -> str:
         return self.logs[node].read_text(errors="replace")
@@ -161,21 +167,24 @@ def launch_nodes() -> Iterator[Callable[..., Nodes]]:
 
 
 @pytest.mark.slow
-def test_the_documented_two_node_recipe_runs_one_job(tiny_llama: Path, tmp_path: Path,
-                                                     launch_nodes: Callable[..., Nodes]) -> None:
+def test_the_documented_two_node_recipe_runs_one_job(
+    tiny_llama: Path, tmp_path: Path, launch_nodes: Callable[..., Nodes]
+) -> None:
     write_job(tmp_path, tiny_llama, max_tokens=NUM_TOKENS, prompts=PROMPTS)
     nodes = launch_nodes(tmp_path)
     status = {node: nodes.wait(node) for node in (0, 1)}
     assert status == {0: 0, 1: 0}, f"node 0:\n{nodes.log(0)[-3000:]}\nnode 1:\n{nodes.log(1)[-3000:]}"
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert [result["token_ids"] for result in sorted(results, key=lambda r: int(r["id"]))] == \
-        transformers_greedy(tiny_llama, PROMPTS, NUM_TOKENS)
+    assert [result["token_ids"] for result in sorted(results, key=lambda r: int(r["id"]))] == transformers_greedy(
+        tiny_llama, PROMPTS, NUM_TOKENS
+    )
     assert "results:" in nodes.log(0) and "results:" not in nodes.log(1)  # only rank 0 ran the job
 
 
 @pytest.mark.slow
 def test_killing_node_1_fails_node_0_naming_rank_1_and_leaves_no_process(
-        tiny_llama: Path, tmp_path: Path, launch_nodes: Callable[..., Nodes]) -> None:
+    tiny_llama: Path, tmp_path: Path, launch_nodes: Callable[..., Nodes]
+) -> None:
     # One request at a time, each the longest the model allows: the job runs long after the ranks are built.
     write_job(tmp_path, tiny_llama, max_tokens=120, prompts=PROMPTS[:1] * 8)
     nodes = launch_nodes(tmp_path)
@@ -194,8 +203,9 @@ def test_killing_node_1_fails_node_0_naming_rank_1_and_leaves_no_process(
 
 
 @pytest.mark.slow
-def test_patchbay_serve_on_two_nodes_answers_and_both_end_with_node_0(tiny_llama: Path, tmp_path: Path,
-                                                                      launch_nodes: Callable[..., Nodes]) -> None:
+def test_patchbay_serve_on_two_nodes_answers_and_both_end_with_node_0(
+    tiny_llama: Path, tmp_path: Path, launch_nodes: Callable[..., Nodes]
+) -> None:
     import httpx
 
     port = free_port()
@@ -205,9 +215,11 @@ def test_patchbay_serve_on_two_nodes_answers_and_both_end_with_node_0(tiny_llama
     while True:
         assert nodes.processes[0].poll() is None and time.monotonic() < deadline, nodes.log(0)[-3000:]
         try:
-            response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                                  json={"model": tiny_llama.name, "prompt": "hello world", "max_tokens": 8,
-                                        "temperature": 0.0})
+            response = httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                timeout=60,
+                json={"model": tiny_llama.name, "prompt": "hello world", "max_tokens": 8, "temperature": 0.0},
+            )
             break
         except httpx.TransportError:
             time.sleep(0.2)
@@ -221,10 +233,19 @@ def test_patchbay_serve_on_two_nodes_answers_and_both_end_with_node_0(tiny_llama
 
 
 def test_a_world_size_other_than_the_rank_count_names_the_setting(tmp_path: Path) -> None:
-    launch = torchrun_launch({"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                              "MASTER_PORT": "29500"})
-    assert launch == TorchrunLaunch(rank=1, world_size=3, local_rank=0, local_world_size=3, master_addr="127.0.0.1",
-                                    master_port=29500, agent_store=False, attempt=0)
+    launch = torchrun_launch(
+        {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    )
+    assert launch == TorchrunLaunch(
+        rank=1,
+        world_size=3,
+        local_rank=0,
+        local_world_size=3,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        agent_store=False,
+        attempt=0,
+    )
     settings = load_settings(None, overrides=["runtime.tensor_parallel_size=2"])
     with pytest.raises(ConfigError, match=r"runtime\.tensor_parallel_size: torchrun started 3 processes"):
         check_world_size(settings, launch)
@@ -236,13 +257,21 @@ def test_without_all_of_torchruns_variables_there_is_no_launch() -> None:
 
 @pytest.mark.parametrize("command", ["run", "serve"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_patchbay_under_a_wrong_world_size_fails_on_every_rank_before_loading(tmp_path: Path, command: str,
-                                                                              rank: int) -> None:
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
+def test_patchbay_under_a_wrong_world_size_fails_on_every_rank_before_loading(
+    tmp_path: Path, command: str, rank: int
+) -> None:
+    env = {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     (tmp_path / "job.yaml").write_text("inputs: {prompts: [hello]}\n")
-    result = subprocess.run([str(BIN / "patchbay"), command, "job.yaml"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [str(BIN / "patchbay"), command, "job.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2 and "runtime.tensor_parallel_size: torchrun started 2 processes" in result.stderr
 
 

@@ -33,8 +33,13 @@ from patchbay.contract.settings import ConfigError, load_settings
 from patchbay.engine import EngineDeadError
 from patchbay.engine.ranks import RankDiedError
 
-PP2 = dict(runtime__pipeline_parallel_size=2, scheduler__max_num_batched_tokens=16, cache__block_size=4,
-           cache__num_blocks=64, model__max_model_len=128)
+PP2 = dict(
+    runtime__pipeline_parallel_size=2,
+    scheduler__max_num_batched_tokens=16,
+    cache__block_size=4,
+    cache__num_blocks=64,
+    model__max_model_len=128,
+)
 ONE_STAGE = {**PP2, "runtime__pipeline_parallel_size": 1}
 
 
@@ -78,12 +83,18 @@ def test_stages_take_contiguous_layers_the_first_ones_one_more_when_they_do_not_
     from patchbay.worker.parallel.pipeline_parallel import StageLayout
 
     assert [list(StageLayout(4, 2).layer_range(s)) for s in range(2)] == [[0, 1], [2, 3]]
-    assert [list(StageLayout(30, 4).layer_range(s)) for s in range(4)] == \
-        [list(range(0, 8)), list(range(8, 16)), list(range(16, 23)), list(range(23, 30))]
+    assert [list(StageLayout(30, 4).layer_range(s)) for s in range(4)] == [
+        list(range(0, 8)),
+        list(range(8, 16)),
+        list(range(16, 23)),
+        list(range(23, 30)),
+    ]
     assert [len(StageLayout(3, 3).layer_range(s)) for s in range(3)] == [1, 1, 1]
     # runtime.pipeline_layer_partition: the last stage, which also computes the logits, may take fewer.
-    assert [list(StageLayout(30, 2, (19, 11)).layer_range(s)) for s in range(2)] == [list(range(19)),
-                                                                                    list(range(19, 30))]
+    assert [list(StageLayout(30, 2, (19, 11)).layer_range(s)) for s in range(2)] == [
+        list(range(19)),
+        list(range(19, 30)),
+    ]
 
 
 def test_a_layer_partition_must_give_every_stage_layers_adding_up_to_the_model_s(tiny_llama: Path) -> None:
@@ -99,8 +110,9 @@ def test_a_layer_partition_must_give_every_stage_layers_adding_up_to_the_model_s
     assert "add up to LlamaForCausalLM's 4 decoder layers" in caught.value.problems[0].message
     with pytest.raises(ConfigError, match="pipeline_layer_partition gives 2 stages' layers"):
         load_settings(overrides=["runtime.pipeline_parallel_size=3", "runtime.pipeline_layer_partition=3,1"])
-    assert load_settings(overrides=["runtime.pipeline_parallel_size=2", "runtime.pipeline_layer_partition=3,1"]
-                         ).runtime.pipeline_layer_partition == [3, 1]
+    assert load_settings(
+        overrides=["runtime.pipeline_parallel_size=2", "runtime.pipeline_layer_partition=3,1"]
+    ).runtime.pipeline_layer_partition == [3, 1]
 
 
 def test_stages_share_the_cores_like_tensor_parallel_ranks() -> None:
@@ -109,8 +121,9 @@ def test_stages_share_the_cores_like_tensor_parallel_ranks() -> None:
     # Batches in flight on every stage: the stages compute at the same time, so they share the cores.
     cores = len(os.sched_getaffinity(0))
     assert rank_threads(load_settings(overrides=["runtime.pipeline_parallel_size=2"])) == max(1, cores // 2)
-    assert rank_threads(load_settings(overrides=["runtime.pipeline_parallel_size=2",
-                                                 "runtime.tensor_parallel_size=2"])) == max(1, cores // 4)
+    assert rank_threads(
+        load_settings(overrides=["runtime.pipeline_parallel_size=2", "runtime.tensor_parallel_size=2"])
+    ) == max(1, cores // 4)
     assert rank_threads(load_settings(overrides=["runtime.pipeline_parallel_size=2", "runtime.threads=3"])) == 3
 
 
@@ -166,8 +179,9 @@ def test_each_stage_holds_its_layers_and_their_kv_cache_only(pp2: patchbay.LLM) 
 
 
 @pytest.mark.slow
-def test_greedy_tokens_over_two_stages_equal_one_process_and_transformers(pp2: patchbay.LLM, single: patchbay.LLM,
-                                                                          tiny_llama: Path) -> None:
+def test_greedy_tokens_over_two_stages_equal_one_process_and_transformers(
+    pp2: patchbay.LLM, single: patchbay.LLM, tiny_llama: Path
+) -> None:
     expected = transformers_greedy(tiny_llama, PROMPTS, NUM_TOKENS)
     assert len(PROMPTS[1]) > PP2["scheduler__max_num_batched_tokens"]  # a chunked prefill
     assert greedy(single) == expected
@@ -183,8 +197,9 @@ def test_greedy_tokens_over_two_stages_equal_one_process_and_transformers(pp2: p
 
 
 @pytest.mark.slow
-def test_stage_0_starts_the_next_batch_before_the_last_stage_returns_the_first(pp2: patchbay.LLM,
-                                                                               single: patchbay.LLM) -> None:
+def test_stage_0_starts_the_next_batch_before_the_last_stage_returns_the_first(
+    pp2: patchbay.LLM, single: patchbay.LLM
+) -> None:
     engine = pp2.engine
     params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, temperature=0.0)
     prompts = [[token + 200 for token in prompt] for prompt in PROMPTS]  # not in the prefix cache yet
@@ -205,12 +220,15 @@ def test_stage_0_starts_the_next_batch_before_the_last_stage_returns_the_first(p
 
 
 @pytest.mark.slow
-def test_three_stages_keep_three_batches_in_flight_and_equal_one_process(tiny_llama: Path,
-                                                                          single: patchbay.LLM) -> None:
+def test_three_stages_keep_three_batches_in_flight_and_equal_one_process(
+    tiny_llama: Path, single: patchbay.LLM
+) -> None:
     """Layers 0, 1-2 and 3 (a partition of its own): the middle stage receives and sends, the last one returns
     the outputs to rank 0."""
-    llm = patchbay.LLM(model__path=str(tiny_llama), **{**PP2, "runtime__pipeline_parallel_size": 3,
-                                                        "runtime__pipeline_layer_partition": [1, 2, 1]})
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama),
+        **{**PP2, "runtime__pipeline_parallel_size": 3, "runtime__pipeline_layer_partition": [1, 2, 1]},
+    )
     try:
         assert sorted(llm.engine.model.layer_specs) == [0]
         assert greedy(llm) == greedy(single)
@@ -220,14 +238,14 @@ def test_three_stages_keep_three_batches_in_flight_and_equal_one_process(tiny_ll
 
 
 @pytest.mark.slow
-def test_n_gram_drafts_verified_on_the_last_stage_leave_the_tokens_unchanged(tiny_llama: Path,
-                                                                             single: patchbay.LLM) -> None:
+def test_n_gram_drafts_verified_on_the_last_stage_leave_the_tokens_unchanged(
+    tiny_llama: Path, single: patchbay.LLM
+) -> None:
     """A request's drafts come with its output, and it is scheduled again only then: overlap leaves them whole."""
     # A prompt that repeats itself gives the random model's output an ngram match.
     prompts = [PROMPTS[0] + generated + PROMPTS[0] + generated[:3] for generated in greedy(single, PROMPTS[:1])]
     prompts += PROMPTS
-    llm = patchbay.LLM(model__path=str(tiny_llama), speculative={"method": "ngram", "num_speculative_tokens": 3},
-                       **PP2)
+    llm = patchbay.LLM(model__path=str(tiny_llama), speculative={"method": "ngram", "num_speculative_tokens": 3}, **PP2)
     try:
         assert greedy(llm, prompts) == greedy(single, prompts)
         assert llm.engine.stats.num_overlapped_batches > 0
@@ -253,9 +271,11 @@ def test_requests_preempted_over_two_stages_come_back_with_the_same_tokens(tiny_
 @pytest.mark.slow
 def test_seeded_sampling_over_two_stages_equals_one_process(pp2: patchbay.LLM, single: patchbay.LLM) -> None:
     # Batches differ with overlap (a request in flight sits a batch out): seeded requests draw the same anyway.
-    params = [SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.9, seed=7),
-              SamplingParams(max_tokens=NUM_TOKENS, temperature=0.8, top_k=20, seed=8, n=2),
-              SamplingParams(max_tokens=NUM_TOKENS, temperature=1.2, min_p=0.05, seed=9, logprobs=2)]
+    params = [
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.9, seed=7),
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=0.8, top_k=20, seed=8, n=2),
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=1.2, min_p=0.05, seed=9, logprobs=2),
+    ]
     prompts = PROMPTS
 
     def sample(llm: patchbay.LLM) -> list[list[list[int]]]:
@@ -290,7 +310,8 @@ def test_structured_output_over_two_stages_equals_one_process_with_llguidance(ti
 
 @pytest.mark.slow
 def test_two_stages_of_two_tensor_parallel_ranks_equal_transformers_until_a_killed_rank_ends_the_run(
-        tiny_llama: Path) -> None:
+    tiny_llama: Path,
+) -> None:
     """TP 2 x PP 2: ranks 0-1 run layers 0-1 with 4 heads and half the vocabulary each, ranks 2-3 layers 2-3; then
     rank 2 is killed."""
     running = child_ranks()
@@ -309,8 +330,11 @@ def test_two_stages_of_two_tensor_parallel_ranks_equal_transformers_until_a_kill
         llm.engine.step()
         os.kill(workers[1], signal.SIGKILL)
         started = time.monotonic()
-        with pytest.raises(RankDiedError, match=rf"^pipeline stage 1, tensor-parallel rank 0 \(rank 2, pid "
-                                                rf"{workers[1]}\) was killed by SIGKILL"):
+        with pytest.raises(
+            RankDiedError,
+            match=rf"^pipeline stage 1, tensor-parallel rank 0 \(rank 2, pid "
+            rf"{workers[1]}\) was killed by SIGKILL",
+        ):
             llm.engine.step()
         print(f"the killed rank ended the run in {time.monotonic() - started:.3f} s")
         with pytest.raises(EngineDeadError, match="stage 1"):

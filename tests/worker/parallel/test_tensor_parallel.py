@@ -37,14 +37,19 @@ if TYPE_CHECKING:
 
 PROMPTS = [
     list(range(10, 17)),
-    [5, 6, 7, 8] * 10,                          # longer than the step budget: prefilled in chunks
+    [5, 6, 7, 8] * 10,  # longer than the step budget: prefilled in chunks
     list(range(10, 17)) + [40, 41, 42, 43, 44],  # shares its first block with the first prompt
 ]
 NUM_TOKENS = 12
-TP2 = dict(runtime__tensor_parallel_size=2, scheduler__max_num_batched_tokens=16, cache__block_size=4,
-           cache__num_blocks=64, model__max_model_len=128,
-           # Compact JSON: a random model given any whitespace may never close its object.
-           structured_output__options={"any_whitespace": False})
+TP2 = dict(
+    runtime__tensor_parallel_size=2,
+    scheduler__max_num_batched_tokens=16,
+    cache__block_size=4,
+    cache__num_blocks=64,
+    model__max_model_len=128,
+    # Compact JSON: a random model given any whitespace may never close its object.
+    structured_output__options={"any_whitespace": False},
+)
 
 
 def rank_processes() -> list[int]:
@@ -96,10 +101,16 @@ def structured_batch() -> tuple[list[list[int]], list[SamplingParams]]:
     for index, constraint in enumerate(constraints):
         for prompt in prompts[index : index + 2]:  # the chunked prompt and the drafting one get constraints
             batch.append((prompt, SamplingParams(max_tokens=64, structured_output=constraint)))
-            batch.append((prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=10 + index, n=2,
-                                                 structured_output=constraint)))
-    batch += [(prompt, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, temperature=0.0))
-              for prompt in (PROMPTS[0], digits)]
+            batch.append(
+                (
+                    prompt,
+                    SamplingParams(max_tokens=64, temperature=1.0, seed=10 + index, n=2, structured_output=constraint),
+                )
+            )
+    batch += [
+        (prompt, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, temperature=0.0))
+        for prompt in (PROMPTS[0], digits)
+    ]
     batch.append((PROMPTS[2], SamplingParams(max_tokens=8, structured_output={"regex": "(("})))
     return [prompt for prompt, _ in batch], [param for _, param in batch]
 
@@ -107,8 +118,11 @@ def structured_batch() -> tuple[list[list[int]], list[SamplingParams]]:
 REGEX = r"([0-9]{3}-){2}[a-z]{2}"
 ORDER = {
     "type": "object",
-    "properties": {"item": {"enum": ["tea", "coffee", "juice"]}, "iced": {"type": "boolean"},
-                   "size": {"enum": [1, 2, 3]}},
+    "properties": {
+        "item": {"enum": ["tea", "coffee", "juice"]},
+        "iced": {"type": "boolean"},
+        "size": {"enum": [1, 2, 3]},
+    },
     "required": ["item", "iced", "size"],
     "additionalProperties": False,
 }
@@ -177,19 +191,28 @@ def test_ranks_share_the_cores_unless_runtime_threads_says_otherwise() -> None:
     assert rank_threads(load_settings(overrides=["runtime.tensor_parallel_size=2", "runtime.threads=3"])) == 3
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "ranks", "says"), [
-    (8, 2, 3, "8 attention heads, not divisible by 3 ranks"),
-    (12, 3, 2, "3 KV heads (and 12 attention heads)"),
-    (12, 4, 3, "4 KV heads (and 12 attention heads)"),
-])
-def test_heads_that_do_not_split_name_the_setting_and_the_counts(heads: int, kv_heads: int, ranks: int,
-                                                                  says: str) -> None:
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "ranks", "says"),
+    [
+        (8, 2, 3, "8 attention heads, not divisible by 3 ranks"),
+        (12, 3, 2, "3 KV heads (and 12 attention heads)"),
+        (12, 4, 3, "4 KV heads (and 12 attention heads)"),
+    ],
+)
+def test_heads_that_do_not_split_name_the_setting_and_the_counts(
+    heads: int, kv_heads: int, ranks: int, says: str
+) -> None:
     from transformers import LlamaConfig
 
     from patchbay.worker.parallel.tensor_parallel import shard_layout
 
-    config = LlamaConfig(hidden_size=heads * 16, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         intermediate_size=96, architectures=["LlamaForCausalLM"])
+    config = LlamaConfig(
+        hidden_size=heads * 16,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=96,
+        architectures=["LlamaForCausalLM"],
+    )
     with pytest.raises(ConfigError) as caught:
         shard_layout(config, ranks)
     problem = caught.value.problems[0]
@@ -202,8 +225,9 @@ def test_kv_heads_fewer_than_ranks_are_replicated_to_the_ranks_that_read_them() 
 
     from patchbay.worker.parallel.tensor_parallel import shard_layout
 
-    layout = shard_layout(LlamaConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
-                                      intermediate_size=96), 4)
+    layout = shard_layout(
+        LlamaConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96), 4
+    )
     assert (layout.heads_per_rank, layout.kv_heads_per_rank) == (2, 1)
     # Query heads 0-3 read KV head 0, heads 4-7 KV head 1.
     assert [layout.kv_head_range(rank) for rank in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
@@ -221,8 +245,12 @@ def test_unsupported_architectures_are_refused_before_any_rank_starts(tiny_llama
         patchbay.LLM(model__path=str(tiny_llama), runtime__tensor_parallel_size=3)
     assert "8 attention heads, not divisible by 3 ranks" in str(caught.value)
     with pytest.raises(ConfigError, match="runtime.distributed_backend"):
-        patchbay.LLM(model__path=str(tiny_llama), runtime__tensor_parallel_size=2, runtime__device="cpu",
-                     runtime__distributed_backend="nccl")
+        patchbay.LLM(
+            model__path=str(tiny_llama),
+            runtime__tensor_parallel_size=2,
+            runtime__device="cpu",
+            runtime__distributed_backend="nccl",
+        )
     assert set(rank_processes()) <= running
 
 
@@ -272,7 +300,8 @@ def load_cpu(model_dir: Path) -> HFCausalLM:
 
 @pytest.mark.parametrize(("model_fixture", "world_size"), [("tiny_llama", 2), ("odd_tied", 2), ("odd_tied", 3)])
 def test_each_rank_keeps_its_share_of_the_vocabulary_and_the_shares_add_up_to_the_whole(
-        request: pytest.FixtureRequest, model_fixture: str, world_size: int) -> None:
+    request: pytest.FixtureRequest, model_fixture: str, world_size: int
+) -> None:
     from patchbay.worker.parallel.tensor_parallel import shard_vocab
 
     model_dir: Path = request.getfixturevalue(model_fixture)
@@ -297,8 +326,10 @@ def test_each_rank_keeps_its_share_of_the_vocabulary_and_the_shares_add_up_to_th
         assert shard.rows_per_rank - vocab_size / world_size < 16
         assert (lm_head.weight is embedding.weight) == tied
         dropped_rows = (vocab_size - shard.rows_per_rank) * (1 if tied else 2)
-        assert sum(parameter.numel() for parameter in model.model.parameters()) == \
-            whole_parameters - dropped_rows * hidden_size
+        assert (
+            sum(parameter.numel() for parameter in model.model.parameters())
+            == whole_parameters - dropped_rows * hidden_size
+        )
         with torch.inference_mode():
             embeddings += embedding(ids)
             assert model.logits(hidden).shape == (3, vocab_size)  # the padding is cut off
@@ -332,14 +363,13 @@ def test_the_lm_head_s_cpu_paths_run_on_its_shard(odd_tied: Path, path: str) -> 
     hidden = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))  # few rows: the integer product runs
     with torch.inference_mode():
         model.logits(hidden)
-        expected = whole.logits(hidden)[:, shard.start:shard.stop]
+        expected = whole.logits(hidden)[:, shard.start : shard.stop]
     (local,) = collectives.gathered
-    assert torch.all(local[:, shard.stop - shard.start:] == 0)
+    assert torch.all(local[:, shard.stop - shard.start :] == 0)
     if path == "int4":  # the whole head (1001 rows) stays float: compare with it loosely
         assert torch.linalg.vector_norm(local[:, :489] - expected) < 0.1 * torch.linalg.vector_norm(expected)
     else:
         torch.testing.assert_close(local[:, :489], expected, rtol=1e-4, atol=1e-4)
-
 
 
 def test_an_lm_head_of_another_width_than_the_embedding_names_the_setting_and_both_sizes(odd_tied: Path) -> None:
@@ -355,6 +385,7 @@ def test_an_lm_head_of_another_width_than_the_embedding_names_the_setting_and_bo
     assert caught.value.problems[0].path == "runtime.tensor_parallel_size"
     assert "its LM head has 1000 outputs and its embedding 1001 rows" in caught.value.problems[0].message
 
+
 def test_drafters_that_read_the_whole_lm_head_refuse_a_sharded_one(odd_tied: Path) -> None:
     from patchbay.plugins.drafters.heads import target_parts
     from patchbay.worker.parallel.tensor_parallel import shard_vocab
@@ -363,9 +394,13 @@ def test_drafters_that_read_the_whole_lm_head_refuse_a_sharded_one(odd_tied: Pat
     target_parts(model.model)
     collectives = RecordedCollectives(2)
     shard_vocab(model, 2, 0, collectives.all_reduce, collectives.all_gather)
-    with pytest.raises(ValueError, match=r"512 of its 1001 vocabulary rows on each of 2 ranks "
-                                         r"\(runtime.tensor_parallel_size\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"512 of its 1001 vocabulary rows on each of 2 ranks "
+        r"\(runtime.tensor_parallel_size\)",
+    ):
         target_parts(model.model)
+
 
 # -- the same tokens over two ranks ---------------------------------------------------------------
 
@@ -382,8 +417,9 @@ def test_each_rank_holds_its_heads_and_their_kv_cache_only(tp2: patchbay.LLM, si
 
 
 @pytest.mark.slow
-def test_greedy_tokens_over_two_ranks_equal_one_process_and_transformers(tp2: patchbay.LLM, single: patchbay.LLM,
-                                                                         tiny_llama: Path) -> None:
+def test_greedy_tokens_over_two_ranks_equal_one_process_and_transformers(
+    tp2: patchbay.LLM, single: patchbay.LLM, tiny_llama: Path
+) -> None:
     expected = transformers_greedy(tiny_llama, PROMPTS, NUM_TOKENS)
     assert len(PROMPTS[1]) > TP2["scheduler__max_num_batched_tokens"]  # a chunked prefill
     assert greedy(single) == expected
@@ -410,13 +446,13 @@ def test_preempted_requests_over_two_ranks_come_back_with_the_same_tokens(tiny_l
 
 
 @pytest.mark.slow
-def test_runtime_master_addr_and_port_place_the_store_of_the_ranks_started_here(tiny_llama: Path,
-                                                                               single: patchbay.LLM) -> None:
+def test_runtime_master_addr_and_port_place_the_store_of_the_ranks_started_here(
+    tiny_llama: Path, single: patchbay.LLM
+) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    llm = patchbay.LLM(model__path=str(tiny_llama), runtime__master_addr="127.0.0.1", runtime__master_port=port,
-                       **TP2)
+    llm = patchbay.LLM(model__path=str(tiny_llama), runtime__master_addr="127.0.0.1", runtime__master_port=port, **TP2)
     try:
         assert llm.engine.ranks is not None
         assert (llm.engine.ranks.setup.store_host, llm.engine.ranks.setup.store_port) == ("127.0.0.1", port)
@@ -427,8 +463,10 @@ def test_runtime_master_addr_and_port_place_the_store_of_the_ranks_started_here(
 
 @pytest.mark.slow
 def test_seeded_sampling_over_two_ranks_equals_one_process(tp2: patchbay.LLM, single: patchbay.LLM) -> None:
-    params = [SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.9, seed=7),
-              SamplingParams(max_tokens=NUM_TOKENS, temperature=0.8, top_k=20, seed=8, n=2)]
+    params = [
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.9, seed=7),
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=0.8, top_k=20, seed=8, n=2),
+    ]
     prompts = PROMPTS[:2]
 
     def sample(llm: patchbay.LLM) -> list[list[list[int]]]:
@@ -452,6 +490,8 @@ def test_prompt_and_sample_logprobs_over_two_ranks_equal_one_process(tp2: patchb
     assert [ids for ids, _ in sharded] == [ids for ids, _ in whole]
     for (_, sharded_values), (_, whole_values) in zip(sharded, whole, strict=True):
         assert sharded_values == pytest.approx(whole_values, abs=1e-4)
+
+
 @pytest.mark.slow
 def test_step_timings_split_the_all_reduces_out_of_the_forward_pass(tp2: patchbay.LLM) -> None:
     tp2.engine.reset_step_timings()
@@ -464,7 +504,8 @@ def test_step_timings_split_the_all_reduces_out_of_the_forward_pass(tp2: patchba
 
 @pytest.mark.slow
 def test_structured_output_over_two_ranks_equals_one_process_and_keeps_every_constraint(
-        tp2: patchbay.LLM, single: patchbay.LLM) -> None:
+    tp2: patchbay.LLM, single: patchbay.LLM
+) -> None:
     """Rank 0's matchers fill the bitmasks; both ranks mask alike, so greedy and seeded samples equal one process's."""
     pytest.importorskip("xgrammar")
     prompts, params = structured_batch()
@@ -477,17 +518,20 @@ def test_structured_output_over_two_ranks_equals_one_process_and_keeps_every_con
 
 
 @pytest.mark.slow
-def test_preempted_constrained_requests_over_two_ranks_resume_with_the_same_tokens(tiny_llama: Path,
-                                                                                  single: patchbay.LLM) -> None:
+def test_preempted_constrained_requests_over_two_ranks_resume_with_the_same_tokens(
+    tiny_llama: Path, single: patchbay.LLM
+) -> None:
     """A preempted request comes back as new: rank 0 rebuilds its matcher from the tokens it had generated."""
     pytest.importorskip("xgrammar")
     # 15 usable blocks of 4 tokens: the chunked prompt's regex request (40 + 10 tokens) and the JSON one do not
     # fit together, so the scheduler preempts (as in the unconstrained case above).
     llm = patchbay.LLM(model__path=str(tiny_llama), **{**TP2, "cache__num_blocks": 16, "model__max_model_len": 56})
     try:
-        params = [SamplingParams(max_tokens=48, structured_output={"json_schema": ORDER}),
-                  SamplingParams(max_tokens=16, structured_output={"regex": REGEX}),
-                  SamplingParams(max_tokens=8, structured_output={"choice": ["yes", "no", "maybe"]})]
+        params = [
+            SamplingParams(max_tokens=48, structured_output={"json_schema": ORDER}),
+            SamplingParams(max_tokens=16, structured_output={"regex": REGEX}),
+            SamplingParams(max_tokens=8, structured_output={"choice": ["yes", "no", "maybe"]}),
+        ]
         outputs = llm.generate(PROMPTS, params)
         assert llm.engine.stats.num_preemptions > 0
         assert completions(outputs) == completions(single.generate(PROMPTS, params))
@@ -505,8 +549,9 @@ def test_structured_output_with_speculative_decoding_over_two_ranks_equals_one_p
     speculative = {"method": "ngram", "num_speculative_tokens": 3}
     llm = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative, **TP2)
     try:
-        reference = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative,
-                                 **{**TP2, "runtime__tensor_parallel_size": 1})
+        reference = patchbay.LLM(
+            model__path=str(tiny_llama), speculative=speculative, **{**TP2, "runtime__tensor_parallel_size": 1}
+        )
         prompts, params = structured_batch()
         # Seeded drafts' samples depend on the step's token budget, so on when each grammar is ready: compile
         # them beforehand in both, and both schedule alike.
@@ -523,13 +568,17 @@ def test_structured_output_with_speculative_decoding_over_two_ranks_equals_one_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("architecture", [
-    "mistral-window",      # 4 heads, 1 KV head (replicated on both ranks), a 20-token sliding window
-    "qwen2-mixed-window",  # 4 heads, 2 KV heads; q/k/v biases sharded with their rows; two KV-cache groups
-    "llama-odd-vocab-tied",  # 4 heads, 2 KV heads; 1,001 tokens in 512-row shards, one shared by the tied LM head
-])
-def test_other_architectures_over_two_ranks_equal_transformers(tmp_path_factory: pytest.TempPathFactory,
-                                                                architecture: str) -> None:
+@pytest.mark.parametrize(
+    "architecture",
+    [
+        "mistral-window",  # 4 heads, 1 KV head (replicated on both ranks), a 20-token sliding window
+        "qwen2-mixed-window",  # 4 heads, 2 KV heads; q/k/v biases sharded with their rows; two KV-cache groups
+        "llama-odd-vocab-tied",  # 4 heads, 2 KV heads; 1,001 tokens in 512-row shards, one shared by the tied LM head
+    ],
+)
+def test_other_architectures_over_two_ranks_equal_transformers(
+    tmp_path_factory: pytest.TempPathFactory, architecture: str
+) -> None:
     model_dir = build_tiny_model(tmp_path_factory.mktemp(architecture), architecture)
     llm = patchbay.LLM(model__path=str(model_dir), **TP2)
     try:
@@ -546,16 +595,18 @@ def test_other_architectures_over_two_ranks_equal_transformers(tmp_path_factory:
 
 
 @pytest.mark.slow
-def test_speculative_decoding_over_two_ranks_then_a_killed_rank_ends_the_run(tiny_llama: Path,
-                                                                              single: patchbay.LLM) -> None:
+def test_speculative_decoding_over_two_ranks_then_a_killed_rank_ends_the_run(
+    tiny_llama: Path, single: patchbay.LLM
+) -> None:
     speculative = {"method": "ngram", "num_speculative_tokens": 3}
     llm = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative, server__api_keys="secret", **TP2)
     try:
         ranks = llm.engine.ranks
         assert ranks is not None
         assert ranks.setup.settings.server.api_keys == [], "the ranks need no server settings, least of all keys"
-        reference = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative,
-                                 **{**TP2, "runtime__tensor_parallel_size": 1})
+        reference = patchbay.LLM(
+            model__path=str(tiny_llama), speculative=speculative, **{**TP2, "runtime__tensor_parallel_size": 1}
+        )
         # A prompt that repeats itself gives the random model's output an ngram match.
         prompts = [PROMPTS[0] + generated + PROMPTS[0] + generated[:3] for generated in greedy(single, PROMPTS[:1])]
         prompts += PROMPTS
@@ -590,8 +641,12 @@ RANK0_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
 def test_ranks_exit_when_rank_0_dies(tiny_llama: Path, how: signal.Signals) -> None:
-    rank0 = subprocess.Popen([sys.executable, "-c", RANK0_SCRIPT, str(tiny_llama)], stdout=subprocess.PIPE,
-                             text=True, env={**os.environ, "PATCHBAY_MODEL__DTYPE": "float32"})
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", RANK0_SCRIPT, str(tiny_llama)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PATCHBAY_MODEL__DTYPE": "float32"},
+    )
     try:
         assert rank0.stdout is not None
         workers = [int(pid) for pid in rank0.stdout.readline().split()]
@@ -626,8 +681,9 @@ def test_a_drafter_reading_the_lm_head_keeps_the_vocabulary_whole_and_equals_one
     speculative = {"method": "medusa", "num_speculative_tokens": 2}
     llm = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative, **TP2)
     try:
-        reference = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative,
-                                 **{**TP2, "runtime__tensor_parallel_size": 1})
+        reference = patchbay.LLM(
+            model__path=str(tiny_llama), speculative=speculative, **{**TP2, "runtime__tensor_parallel_size": 1}
+        )
         model = llm.engine.model
         assert model.layer_specs[0].num_heads == 4  # heads sharded over the two ranks ...
         vocab_size = model.shape.vocab_size  # ... the vocabulary not
