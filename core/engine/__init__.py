@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from patchbay.engine.admission import check_num_sequences
     from patchbay.engine.async_llm import AsyncLLM, ChoiceDelta, EngineSnapshot, RequestDelta
     from patchbay.engine.builder import measure_machine_defaults
     from patchbay.engine.detokenizer import IncrementalDetokenizer, StreamingText
@@ -19,9 +20,13 @@ if TYPE_CHECKING:
     from patchbay.engine.ranks import run_launched_rank
     from patchbay.engine.report import EngineReport, EngineStats
     from patchbay.engine.step_failures import EngineDeadError
+    from patchbay.worker.lora.catalog import AdapterExistsError, AdapterInUseError, UnknownAdapterError
+    from patchbay.worker.lora.peft_adapter import LoRAAdapterError
     from patchbay.worker.model.model_loader import ModelLoadError
 
 __all__ = [
+    "AdapterExistsError",
+    "AdapterInUseError",
     "AsyncLLM",
     "ChoiceDelta",
     "Completion",
@@ -32,12 +37,15 @@ __all__ = [
     "EngineStats",
     "IncrementalDetokenizer",
     "KVConnectorStalledError",
+    "LoRAAdapterError",
     "ModelLoadError",
     "Prompt",
     "RequestDelta",
     "RequestMetrics",
     "RequestOutput",
     "StreamingText",
+    "UnknownAdapterError",
+    "check_num_sequences",
     "encode_prompt",
     "measure_machine_defaults",
     "run_launched_rank",
@@ -60,6 +68,11 @@ _MODULE_OF = {
     "Prompt": "patchbay.engine.prompts",
     "encode_prompt": "patchbay.engine.prompts",
     "run_launched_rank": "patchbay.engine.ranks",
+    "check_num_sequences": "patchbay.engine.admission",
+    "AdapterExistsError": "patchbay.worker.lora.catalog",
+    "AdapterInUseError": "patchbay.worker.lora.catalog",
+    "UnknownAdapterError": "patchbay.worker.lora.catalog",
+    "LoRAAdapterError": "patchbay.worker.lora.peft_adapter",
 }
 """Where each public name lives when it is not in :mod:`patchbay.engine.outputs`."""
 

@@ -9,7 +9,7 @@ from typing import Any
 from patchbay.contract.registry import Registry, registry_for
 from patchbay.contract.settings import DEFAULT_MODEL, Settings, load_settings
 from patchbay.engine import Engine, Prompt, RequestOutput, encode_prompt
-from patchbay.engine.admission import check_num_sequences
+from patchbay.engine import check_num_sequences
 from patchbay.entrypoints.chat import (
     AnswerReader,
     ChatAnswer,

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings
 from patchbay.engine import EngineDeadError, RequestOutput
-from patchbay.engine.admission import check_num_sequences
+from patchbay.engine import check_num_sequences
 from patchbay.entrypoints.result_file import ResultFile, ResultsNotWritten, check_output_path
 from patchbay.sampling_params import SamplingParams
 

@@ -16,9 +16,8 @@ from fastapi.params import Depends
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from patchbay.engine import AdapterExistsError, AdapterInUseError, LoRAAdapterError, UnknownAdapterError
 from patchbay.entrypoints.serve.protocol import APIError
-from patchbay.worker.lora.catalog import AdapterExistsError, AdapterInUseError, UnknownAdapterError
-from patchbay.worker.lora.peft_adapter import LoRAAdapterError
 
 if TYPE_CHECKING:
     from patchbay.engine import Engine
