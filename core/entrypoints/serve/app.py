@@ -215,16 +215,7 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
                 render_chat, llm.tokenizer, messages, tools=body.tools, template=state.chat.template
             )
             fields = {**body.sampling_fields(), "lora": adapter}
-            if plan.enforced:
-                if "structured_output" in fields:
-                    raise ChatRequestError(
-                        "tool_choice",
-                        f"{plan.mode} tool calls are enforced by a JSON schema; "
-                        "they cannot be combined with response_format or "
-                        "structured_output",
-                    )
-                fields["structured_output"] = plan.constraint()
-                await _check_tool_constraint(state, plan)
+            await _enforce_tool_choice(state, plan, fields, "response_format")
         except ChatRequestError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
         prepared = [_prepare(state, text, token_ids, fields, body.output_limit(), "messages")]
@@ -270,6 +261,21 @@ def _adapter_names(state: ServerState) -> list[str]:
 
 
 COMPILED_CONSTRAINTS_KEPT = 256
+
+
+async def _enforce_tool_choice(state: ServerState, plan: ToolPlan, fields: dict[str, Any], format_field: str) -> None:
+    """Hold a ``required`` or named tool choice to the tools' JSON schema through the run's structured-output
+    backend, compiled before the request is admitted; ``format_field`` names the request's own output format."""
+    if not plan.enforced:
+        return
+    if "structured_output" in fields:
+        raise ChatRequestError(
+            "tool_choice",
+            f"{plan.mode} tool calls are enforced by a JSON schema; they cannot be combined with {format_field} "
+            "or structured_output",
+        )
+    fields["structured_output"] = plan.constraint()
+    await _check_tool_constraint(state, plan)
 
 
 async def _check_tool_constraint(state: ServerState, plan: ToolPlan) -> None:

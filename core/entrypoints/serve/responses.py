@@ -15,6 +15,8 @@ request says ``store: false``.
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import time
 import uuid
@@ -38,7 +40,7 @@ from patchbay.entrypoints.serve.app import (
     ResponseFormat,
     ServerState,
     _check_model,
-    _check_tool_constraint,
+    _enforce_tool_choice,
     _prepare,
     _Prepared,
     _respond,
@@ -517,18 +519,11 @@ def add_responses_routes(app: FastAPI, state: ServerState, dependencies: list[An
             tool_parser, reasoning_parser = state.chat.for_request(None, None)
             system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
             messages = template_messages([*system, *conversation])
-            text, token_ids = render_chat(llm.tokenizer, messages, tools=tools, template=state.chat.template)
+            text, token_ids = await asyncio.to_thread(
+                render_chat, llm.tokenizer, messages, tools=tools, template=state.chat.template
+            )
             fields = {**body.sampling_fields(), "lora": adapter}
-            if plan.enforced:
-                if "structured_output" in fields:
-                    raise ChatRequestError(
-                        "tool_choice",
-                        f"{plan.mode} tool calls are enforced by a JSON schema; "
-                        "they cannot be combined with text.format or "
-                        "structured_output",
-                    )
-                fields["structured_output"] = plan.constraint()
-                await _check_tool_constraint(state, plan)
+            await _enforce_tool_choice(state, plan, fields, "text.format")
         except ChatRequestError as exc:
             param = responses_param(exc.param)
             message = str(exc).replace(exc.param, param, 1)
