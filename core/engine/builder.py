@@ -25,7 +25,7 @@ from patchbay.contract.registry import Registry
 from patchbay.contract.selection import require_serves, select_attention_backend
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings, plugin_options
 from patchbay.engine.admission import AdmissionLimits, effective_max_logprobs
-from patchbay.engine.kv_sizing import KVSizing, size_kv_pool
+from patchbay.engine.kv_sizing import KVSizing, memory_in_use, size_kv_pool
 from patchbay.engine.memory_check import check_fits, format_bytes
 from patchbay.engine.model_identity import weights_fingerprint
 from patchbay.engine.ranks import ParallelRanks, check_parallel
@@ -274,6 +274,7 @@ class _RankZeroBuild:
 
     def build(self) -> EngineParts:
         settings, registry, collectives = self.settings, self.registry, self.collectives
+        self.held_before_load = memory_in_use(self.device)
         loaded = load_rank_model(
             settings,
             self.model_dir,
@@ -529,6 +530,7 @@ class _RankZeroBuild:
             max_model_len=self.max_model_len,
             activation_bytes=activations,
             step_tokens=step_tokens,
+            held_before_load=self.held_before_load,
             ranks=ranks_on_this_machine(self.settings),
         )
         logger.info("KV cache (cache.memory auto): %s", self.kv_sizing.describe())

@@ -2,11 +2,13 @@
 
 The budget is ``cache.memory_utilization`` of the device's memory (on the
 CPU, the machine's, or its cgroup's limit). From it come off what this
-process holds once the model is loaded (each tensor-parallel rank holding
-as much) and the peak activations of the largest step, measured by running
-it (:mod:`patchbay.worker.memory_profile`). The pool never exceeds what is
-free right now, nor what ``scheduler.max_num_seqs`` requests of
-``max_model_len`` tokens could ever fill.
+engine's model added to the process (each tensor-parallel rank holding as
+much) and the peak activations of the largest step, measured by running it
+(:mod:`patchbay.worker.memory_profile`). What the process held before the
+engine began loading (another engine, an embedder's own data) is not this
+engine's to count against its budget; it is still not free, and the pool
+never exceeds what is free right now, nor what ``scheduler.max_num_seqs``
+requests of ``max_model_len`` tokens could ever fill.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class KVSizing:
     budget: int
     """``cache.memory_utilization`` of the device's memory, for every rank together."""
     model_bytes: int
-    """What each rank held before the KV pool (weights, buffers, the interpreter)."""
+    """What each rank's model added to the process before the KV pool (weights, buffers, adapters)."""
     activation_bytes: int
     """Peak activations of the largest step, measured."""
     step_tokens: int
@@ -63,9 +65,14 @@ def size_kv_pool(
     max_model_len: int,
     activation_bytes: int,
     step_tokens: int,
+    held_before_load: int,
     ranks: int = 1,
 ) -> KVSizing:
-    """The pool's block count (per group, null block included) for ``cache.memory: auto``."""
+    """The pool's block count (per group, null block included) for ``cache.memory: auto``.
+
+    ``held_before_load`` is :func:`memory_in_use` taken before the engine
+    loaded its model: what the model holds is the growth since.
+    """
     cache = settings.cache
     utilization = cache.memory_utilization or DEFAULT_UTILIZATION.get(device.type, DEFAULT_UTILIZATION["cpu"])
     total = device_memory(device)
@@ -81,7 +88,7 @@ def size_kv_pool(
             ]
         )
     budget = int(utilization * total)
-    held = memory_in_use(device)
+    held = max(0, memory_in_use(device) - held_before_load)
     room = budget - ranks * (held + activation_bytes)
     limited_by = "budget"
     free = available_memory(device)
@@ -100,7 +107,7 @@ def size_kv_pool(
                     "<run>",
                     "cache.memory_utilization",
                     f"cache.memory auto leaves no room for the KV cache: {utilization:g} of {format_bytes(total)} is "
-                    f"{format_bytes(budget)}, the model holds {format_bytes(held)}"
+                    f"{format_bytes(budget)}, the loaded model holds {format_bytes(held)}"
                     f"{' per rank' if ranks > 1 else ''} and a "
                     f"{step_tokens}-token step {format_bytes(activation_bytes)} more"
                     + (f", and {format_bytes(free)} is free" if free is not None else "")

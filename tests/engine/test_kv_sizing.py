@@ -29,7 +29,13 @@ def _machine(monkeypatch, *, total: int, held: int, free: int | None) -> None:
 
 
 def _size(
-    monkeypatch, *, ranks: int = 1, max_num_seqs: int = 1024, utilization: float | None = None, **machine: int | None
+    monkeypatch,
+    *,
+    ranks: int = 1,
+    max_num_seqs: int = 1024,
+    utilization: float | None = None,
+    held_before_load: int = 0,
+    **machine: int | None,
 ) -> kv_sizing.KVSizing:
     _machine(monkeypatch, **machine)
     settings = Settings(
@@ -42,6 +48,7 @@ def _size(
         max_model_len=4096,
         activation_bytes=GiB // 2,
         step_tokens=2048,
+        held_before_load=held_before_load,
         ranks=ranks,
     )
 
@@ -56,6 +63,18 @@ def test_the_pool_gets_the_budget_left_after_the_model_and_a_step(monkeypatch):
     # Two ranks on one machine: each holds its model and runs its step; the rest is split between them.
     both = _size(monkeypatch, total=32 * GiB, held=2 * GiB, free=30 * GiB, ranks=2)
     assert both.num_blocks == (16 * GiB - 2 * (2 * GiB + GiB // 2)) // 2 // BLOCK_BYTES
+
+
+def test_only_what_the_engine_loaded_counts_against_its_budget(monkeypatch):
+    # CI found it: a process already holding 11.8 GiB (other engines, test data) left a new engine on a
+    # 23.5 GiB machine no pool at all, with 16 GiB free. What the process held before the load is not the
+    # engine's; free memory still bounds the pool.
+    crowded_process = _size(monkeypatch, total=32 * GiB, held=14 * GiB, free=16 * GiB, held_before_load=12 * GiB)
+    assert crowded_process.model_bytes == 2 * GiB and crowded_process.limited_by == "budget"
+    assert crowded_process.num_blocks == (16 * GiB - 2 * GiB - GiB // 2) // BLOCK_BYTES
+    nearly_full = _size(monkeypatch, total=32 * GiB, held=14 * GiB, free=3 * GiB, held_before_load=12 * GiB)
+    assert nearly_full.limited_by == "free memory"
+    assert nearly_full.num_blocks == (3 * GiB - GiB // 2) // BLOCK_BYTES
 
 
 def test_the_pool_never_exceeds_free_memory_or_what_the_requests_can_fill(monkeypatch):
