@@ -170,3 +170,41 @@ def test_ngram_speculative_decoding_stays_lossless_with_adapters(tiny_llama, ada
     outputs = llm.generate(looped, [SamplingParams(max_tokens=48, ignore_eos=True, lora=n) for n in names])
     assert [o.token_ids for o in outputs] == _expected(tiny_llama, adapters, looped, names, num_tokens=48)
     assert llm.engine.spec_stats.num_draft_tokens > 0, "the drafter proposed nothing, so this proves nothing"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_shards_give_peft_s_tokens_for_every_adapter(tiny_llama, adapters, prompts):
+    """Two ranks: each keeps its part of every adapter (B's rows of its q/k/v/gate/up outputs, A's columns of its
+    o/down inputs), and the partial products are summed with the base output's own."""
+    settings = Settings(
+        model={"path": str(tiny_llama)},
+        runtime={"threads": 2, "tensor_parallel_size": 2},
+        cache={"block_size": 16},
+        scheduler={"max_num_batched_tokens": 64},
+        lora={"adapters": {name: str(path) for name, path in adapters.items()}, "max_lora_rank": 8},
+    )
+    llm = patchbay.LLM(settings)
+    try:
+        outputs = llm.generate(
+            prompts, [SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True, lora=n) for n in NAMES]
+        )
+    finally:
+        llm.engine.close()
+    assert [o.token_ids for o in outputs] == _expected(tiny_llama, adapters, prompts, NAMES)
+
+
+@pytest.mark.parametrize(
+    ("runtime", "lora", "key"),
+    [
+        ({"pipeline_parallel_size": 2}, {}, "runtime.pipeline_parallel_size"),
+        ({"tensor_parallel_size": 2}, {"allow_runtime_updates": True}, "lora.allow_runtime_updates"),
+    ],
+)
+def test_layouts_lora_cannot_serve_are_refused_naming_the_key(tiny_llama, adapters, runtime, lora, key):
+    settings = Settings(
+        model={"path": str(tiny_llama)},
+        runtime=runtime,
+        lora={"adapters": {name: str(path) for name, path in adapters.items()}, "max_lora_rank": 8, **lora},
+    )
+    with pytest.raises(ConfigError, match=key):
+        patchbay.LLM(settings)

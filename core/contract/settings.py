@@ -310,7 +310,8 @@ class LoRASettings(Section):
     """Options of the resolver plugin (``directory``: ``{root: FOLDER}``)."""
     allow_runtime_updates: bool = False
     """Whether the server's ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (behind the API key)
-    may add and remove adapters while it runs; off by default, so they answer 404."""
+    may add and remove adapters while it runs; off by default, so they answer 404.  Refused with
+    ``runtime.tensor_parallel_size`` > 1: the other ranks would not see the change."""
 
     @field_validator("adapters", mode="before")
     @classmethod

@@ -38,8 +38,8 @@ from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.worker.parallel import distributed
 from patchbay.worker.cpu.fused_ops import FusedModules
 from patchbay.worker.cpu.heap import keep_freed_memory
-from patchbay.worker.lora.manager import LoRAManager, install_lora
-from patchbay.worker.model.hf_model import HFCausalLM, torch_dtype
+from patchbay.worker.lora.manager import LoRAManager
+from patchbay.worker.model.hf_model import HFCausalLM
 from patchbay.worker.parallel.kv_transfers import RankTransferReports
 from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
 from patchbay.worker.model.model_loader import resolve_model_dir
@@ -51,6 +51,7 @@ from patchbay.worker.runner_build import (
     build_runner,
     drafter_config,
     load_rank_model,
+    rank_lora,
     rank_shard,
     shards_vocabulary,
 )
@@ -287,11 +288,7 @@ class _RankZeroBuild:
             shard_vocabulary=shards_vocabulary(settings, registry),
         )
         self.model = loaded.model
-        self.lora = (
-            install_lora(self.model, settings.lora, registry, device=self.device, dtype=torch_dtype(self.dtype))
-            if settings.lora is not None
-            else None
-        )
+        self.lora = rank_lora(self.model, settings, registry, device=self.device, dtype=self.dtype)
         shape = self.model.shape
         self.max_model_len = min(settings.model.max_model_len or 1 << 62, shape.max_position_embeddings or 1 << 62)
         if self.max_model_len >= 1 << 62:

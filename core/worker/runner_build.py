@@ -37,7 +37,7 @@ from patchbay.worker.cpu.fused_ops import FusedModules, use_fused_ops
 from patchbay.worker.cpu.fused_projections import fuse_shared_input_projections
 from patchbay.worker.model.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.parallel.kv_transfers import RankTransferReports
-from patchbay.worker.lora.manager import LoRAManager
+from patchbay.worker.lora.manager import LoRAManager, install_lora
 from patchbay.worker.model_runner import ModelRunner
 from patchbay.worker.cpu.packed_linear import packing_supported
 from patchbay.worker.cpu.streaming_linear import tiles_unavailable
@@ -121,16 +121,44 @@ def load_rank_model(
 
 
 def check_lora_layout(settings: Settings) -> None:
-    """LoRA runs in one process: its adapter weights are not sharded over ranks or split over stages yet."""
+    """LoRA runs on one rank or over tensor-parallel shards; its adapters are not split over pipeline stages yet,
+    and a shard cannot follow adapters loaded at run time (each rank reads the listed or resolved ones itself)."""
     runtime = settings.runtime
-    for key, size in (
-        ("runtime.tensor_parallel_size", runtime.tensor_parallel_size),
-        ("runtime.pipeline_parallel_size", runtime.pipeline_parallel_size),
-    ):
-        if size > 1:
-            raise ConfigError(
-                [ConfigProblem("<run>", key, f"LoRA adapters (the lora: section) run on one rank; {key} is {size}")]
+    problems = []
+    if runtime.pipeline_parallel_size > 1:
+        problems.append(
+            ConfigProblem(
+                "<run>",
+                "runtime.pipeline_parallel_size",
+                "LoRA adapters (the lora: section) are not split over pipeline stages; "
+                f"runtime.pipeline_parallel_size is {runtime.pipeline_parallel_size}",
             )
+        )
+    if runtime.tensor_parallel_size > 1 and settings.lora is not None and settings.lora.allow_runtime_updates:
+        problems.append(
+            ConfigProblem(
+                "<run>",
+                "lora.allow_runtime_updates",
+                "adapters loaded at run time reach rank 0 only; with runtime.tensor_parallel_size "
+                f"{runtime.tensor_parallel_size} list them in lora.adapters or let lora.resolver find them",
+            )
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
+def rank_lora(
+    model: HFCausalLM, settings: Settings, registry: Registry, *, device: torch.device, dtype: str, rank: int = 0
+) -> LoRAManager | None:
+    """Wrap ``rank``'s model for the ``lora:`` section (``None`` without one): on a tensor-parallel shard, each
+    adapter keeps the shard's part of every projection."""
+    if settings.lora is None:
+        return None
+    tensor_size = settings.runtime.tensor_parallel_size
+    slices = (
+        shard_layout(model.model.config, tensor_size).projection_slices(rank % tensor_size) if tensor_size > 1 else None
+    )
+    return install_lora(model, settings.lora, registry, device=device, dtype=torch_dtype(dtype), slices=slices)
 
 
 def speed_up_linears(

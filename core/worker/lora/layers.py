@@ -5,6 +5,12 @@ in a :class:`LoRALinear` holding that layer's stacked slot weights.  The
 wrapper runs the base linear (whatever CPU path it took), then, when the
 step has rows with an adapter, the kernel's ``add_lora`` over the step's
 :class:`~patchbay.interfaces.LoRAMapping`, read from the shared :class:`LoRAStep`.
+
+On a tensor-parallel rank the wrapped linear is a shard
+(:class:`~patchbay.worker.parallel.tensor_parallel.ProjectionSlice`): each slot
+keeps the matching rows of B (column parallel) or columns of A (row parallel),
+so the rank adds its part of the adapter's product, summed over the ranks with
+the base output's own partial sums.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 from torch import nn
 
 from patchbay.interfaces import LoRAKernel, LoRAMapping
+from patchbay.worker.parallel.tensor_parallel import ProjectionSlice
 
 
 @dataclass
@@ -42,10 +49,13 @@ class LoRALinear(nn.Module):
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        keeps: ProjectionSlice | None = None,
     ) -> None:
         super().__init__()
         self.base = base
         self.step = step
+        self.keeps = keeps
+        """This rank's part of the projection (``None``: all of it); ``in_features``/``out_features`` are the part's."""
         self.in_features, self.out_features = in_features, out_features
         self.lora_a = torch.zeros(max_loras, max_rank, in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
@@ -59,6 +69,10 @@ class LoRALinear(nn.Module):
         if a is None or b is None:
             self.used_slots.discard(slot)
             return
+        if self.keeps is not None and self.keeps.keeps == "outputs":
+            b = b[self.keeps.start : self.keeps.stop]
+        elif self.keeps is not None:
+            a = a[:, self.keeps.start : self.keeps.stop]
         rank = a.shape[0]
         self.lora_a[slot, :rank].copy_(a)
         self.lora_b[slot, :, :rank].copy_(b)

@@ -9,7 +9,7 @@ this step uses), then builds the step's mapping in one vectorised pass.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import cast
 
 import numpy as np
@@ -22,6 +22,7 @@ from patchbay.interfaces import NO_ADAPTER, LoRAKernel, LoRAKernelConfig
 from patchbay.worker.lora.catalog import AdapterCatalog
 from patchbay.worker.lora.layers import LoRALinear, LoRAStep
 from patchbay.worker.lora.mapping import build_lora_mapping
+from patchbay.worker.parallel.tensor_parallel import ProjectionSlice
 from patchbay.worker.lora.peft_adapter import TARGET_MODULES, LoRAAdapter, LoRAAdapterError, base_model_shapes
 
 
@@ -107,12 +108,21 @@ class LoRAManager:
 
 
 def install_lora(
-    model: object, section: LoRASettings, registry: Registry, *, device: torch.device, dtype: torch.dtype
+    model: object,
+    section: LoRASettings,
+    registry: Registry,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    slices: Mapping[str, ProjectionSlice] | None = None,
 ) -> LoRAManager:
     """Wrap ``model``'s (an ``HFCausalLM``) target linears and return the manager of its adapter slots.
 
-    The listed adapters are each read and checked now, so a bad one fails the
-    run at start, naming it.
+    ``slices``: what this tensor-parallel rank keeps of each projection
+    (``ShardLayout.projection_slices``; ``None`` on one rank). Forward hooks
+    of a wrapped linear (a rank's sum of partial outputs) move to its wrapper,
+    so they see the adapted output.  The listed adapters are each read and
+    checked now, so a bad one fails the run at start, naming it.
     """
     kernel_class = cast("type[LoRAKernel]", registry.resolve("lora_kernel", section.kernel))
     reasons = kernel_class.validate(
@@ -168,16 +178,25 @@ def install_lora(
                     ]
                 )
             shape = shapes[module]
+            keeps = slices.get(module) if slices is not None else None
+            in_features, out_features = shape.in_features, shape.out_features
+            if keeps is not None and keeps.keeps == "outputs":
+                out_features = keeps.stop - keeps.start
+            elif keeps is not None:
+                in_features = keeps.stop - keeps.start
             wrapped = LoRALinear(
                 base,
                 step,
-                in_features=shape.in_features,
-                out_features=shape.out_features,
+                in_features=in_features,
+                out_features=out_features,
                 max_loras=section.max_loras,
                 max_rank=section.max_lora_rank,
                 dtype=dtype,
                 device=device,
+                keeps=keeps,
             )
+            wrapped._forward_hooks.update(base._forward_hooks)
+            base._forward_hooks.clear()
             setattr(block, module, wrapped)
             linears[(index, module)] = wrapped
     for name in catalog.paths:

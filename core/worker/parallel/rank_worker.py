@@ -56,6 +56,7 @@ from patchbay.worker.runner_build import (
     build_runner,
     kv_connector_worker,
     load_rank_model,
+    rank_lora,
     shards_vocabulary,
 )
 from patchbay.worker.parallel.step_channel import connect_to_rank_0, pipe_end
@@ -121,6 +122,7 @@ def run_rank(
             link=group,
             shard_vocabulary=shards_vocabulary(settings, registry),
         )
+        lora = rank_lora(loaded.model, settings, registry, device=device, dtype=setup.dtype, rank=rank)
         spec: RunnerSpec = pickle.loads(_receive(connection, rank))
         # With a connector every rank saves and loads its own shard, and joins its reports with the others' each step.
         kv_connector = kv_reports = None
@@ -137,6 +139,7 @@ def run_rank(
             kv_connector=kv_connector,
             kv_reports=kv_reports,
             rank=rank,
+            lora=lora,
         )
         torch.manual_seed(settings.runtime.seed)  # as rank 0 does once built: the samplers start alike
         runtime = settings.runtime

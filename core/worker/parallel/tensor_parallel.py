@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,20 @@ SHARDABLE_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 """transformers ``model_type`` values whose decoder layers have the projections sharded here."""
 
 KEY = "runtime.tensor_parallel_size"
+
+
+@dataclass(frozen=True)
+class ProjectionSlice:
+    """The part of one decoder projection a rank keeps.
+
+    ``keeps="outputs"`` (column parallel: ``q/k/v_proj``, ``gate/up_proj``): output features
+    ``[start, stop)``; ``keeps="inputs"`` (row parallel: ``o_proj``, ``down_proj``): input features
+    ``[start, stop)``, whose partial outputs are summed over the ranks.
+    """
+
+    keeps: Literal["outputs", "inputs"]
+    start: int
+    stop: int
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,23 @@ class ShardLayout:
         """This rank's intermediate MLP features, ``[start, stop)``."""
         share = self.intermediate_size // self.world_size
         return rank * share, (rank + 1) * share
+
+    def projection_slices(self, rank: int) -> dict[str, ProjectionSlice]:
+        """What ``rank`` keeps of each decoder layer's projections, by the projection's attribute name."""
+        head_start, head_stop = self.head_range(rank)
+        kv_start, kv_stop = self.kv_head_range(rank)
+        size = self.head_size
+        heads, kv_heads = (head_start * size, head_stop * size), (kv_start * size, kv_stop * size)
+        features = self.feature_range(rank)
+        return {
+            "q_proj": ProjectionSlice("outputs", *heads),
+            "k_proj": ProjectionSlice("outputs", *kv_heads),
+            "v_proj": ProjectionSlice("outputs", *kv_heads),
+            "o_proj": ProjectionSlice("inputs", *heads),
+            "gate_proj": ProjectionSlice("outputs", *features),
+            "up_proj": ProjectionSlice("outputs", *features),
+            "down_proj": ProjectionSlice("inputs", *features),
+        }
 
 
 def shard_layout(config: Any, world_size: int) -> ShardLayout:
@@ -186,22 +217,18 @@ def shard_model(
         raise ConfigError(
             [ConfigProblem("<run>", KEY, f"{model.shape.architecture}: its decoder has no `layers` list")]
         )
-    head_start, head_stop = (index * layout.head_size for index in layout.head_range(rank))
-    kv_start, kv_stop = (index * layout.head_size for index in layout.kv_head_range(rank))
-    feature_start, feature_stop = layout.feature_range(rank)
+    slices = layout.projection_slices(rank)
     reduce_hook = _reducer(all_reduce)
     layer: LlamaStyleModule
     for layer in layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        _keep_outputs(attention.q_proj, head_start, head_stop)
-        _keep_outputs(attention.k_proj, kv_start, kv_stop)
-        _keep_outputs(attention.v_proj, kv_start, kv_stop)
-        _keep_inputs(attention.o_proj, head_start, head_stop, keep_bias=rank == 0)
-        _keep_outputs(mlp.gate_proj, feature_start, feature_stop)
-        _keep_outputs(mlp.up_proj, feature_start, feature_stop)
-        _keep_inputs(mlp.down_proj, feature_start, feature_stop, keep_bias=rank == 0)
-        attention.o_proj.register_forward_hook(reduce_hook)
-        mlp.down_proj.register_forward_hook(reduce_hook)
+        for name, part in slices.items():
+            block = layer.self_attn if hasattr(layer.self_attn, name) else layer.mlp
+            linear = getattr(block, name)
+            if part.keeps == "outputs":
+                _keep_outputs(linear, part.start, part.stop)
+            else:
+                _keep_inputs(linear, part.start, part.stop, keep_bias=rank == 0)
+                linear.register_forward_hook(reduce_hook)
     model.layer_specs = {
         index: dataclasses.replace(spec, num_heads=layout.heads_per_rank, num_kv_heads=layout.kv_heads_per_rank)
         for index, spec in model.layer_specs.items()
