@@ -3,6 +3,8 @@ the standard checkpoint handed to other engines.  vLLM itself is never installed
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import stat
 import sys
@@ -34,11 +36,13 @@ class _Engine:
     def __init__(self):
         self.requests, self.most = {}, 0
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, lora_request=None):
         if not prompt["prompt_token_ids"]:
             raise ValueError("empty prompt")
         assert params.kwargs == {"max_tokens": params.kwargs["max_tokens"], "ignore_eos": True, "temperature": 0.0}
-        self.requests[request_id] = (sum(prompt["prompt_token_ids"]), params.kwargs["max_tokens"], [])
+        # An adapter shifts the tokens by 100 x its id, so a test sees which one each request ran with.
+        shift = 100 * lora_request.lora_int_id if lora_request is not None else 0
+        self.requests[request_id] = (sum(prompt["prompt_token_ids"]) + shift, params.kwargs["max_tokens"], [])
         self.most = max(self.most, len(self.requests))
         with open(os.environ["FAKE_VLLM_RECORD"], "w") as record:
             json.dump({"most_unfinished": self.most}, record)
@@ -60,13 +64,22 @@ class LLM:
     def __init__(self, model, dtype, **kwargs):
         if not os.path.isdir(model):
             raise ValueError(f"no model directory {model}")
+        if kwargs.get("enable_lora"):
+            assert kwargs["max_loras"] == kwargs["max_cpu_loras"] and kwargs["max_lora_rank"] == 16
         print("fake vLLM log line on standard output")
         self.llm_engine = _Engine()
 """
 
+FAKE_LORA_REQUEST = """
+class LoRARequest:
+    def __init__(self, lora_name, lora_int_id, lora_path):
+        assert lora_int_id > 0, "vLLM's adapter ids start at 1"
+        self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+"""
 
-def _expected(prompt: list[int], count: int) -> list[int]:
-    return [(sum(prompt) + step) % 1000 for step in range(count)]
+
+def _expected(prompt: list[int], count: int, shift: int = 0) -> list[int]:
+    return [(sum(prompt) + shift + step) % 1000 for step in range(count)]
 
 
 @pytest.fixture()
@@ -75,6 +88,9 @@ def fake_peer_python(tmp_path: Path) -> Path:
     site = tmp_path / "site"
     (site / "vllm").mkdir(parents=True)
     (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (site / "vllm" / "lora").mkdir()
+    (site / "vllm" / "lora" / "__init__.py").write_text("")
+    (site / "vllm" / "lora" / "request.py").write_text(FAKE_LORA_REQUEST)
     python = tmp_path / "peer-venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
@@ -101,6 +117,22 @@ def test_driver_runs_the_workload_on_token_ids_at_its_concurrency(fake_peer_pyth
         again = peer.run(Workload("latency", requests[:1], concurrency=1))
         assert again.token_ids == [_expected(requests[0].prompt_token_ids, requests[0].max_tokens)]
         assert "fake vLLM log line" in peer.log_tail()  # the peer's prints went to the log, not the protocol
+    finally:
+        peer.close()
+
+
+def test_each_request_reaches_the_peer_with_its_lora_adapter(fake_peer_python, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(tmp_path / "record.json"))
+    adapters = (("first", str(tmp_path / "a")), ("second", str(tmp_path / "b")))
+    spec = dataclasses.replace(_spec(fake_peer_python, tmp_path), lora_adapters=adapters)
+    peer = SubprocessPeer(spec)
+    try:
+        assert peer.name == "vLLM-CPU 0.0.fake (float32) with 2 LoRA adapters"
+        names = [None, "first", "second", "first"]
+        requests = [BenchRequest([7, i], 3, lora=name) for i, name in enumerate(names)]
+        run = peer.run(Workload("lora", requests, concurrency=4))
+        shifts = {None: 0, "first": 100, "second": 200}
+        assert run.token_ids == [_expected(r.prompt_token_ids, 3, shifts[r.lora]) for r in requests]
     finally:
         peer.close()
 

@@ -11,10 +11,12 @@ writes ``{"ready": {"engine": ..., "version": ..., "load_s": ...}}``, or
 ``{"error": "..."}`` and exits when the package or the model cannot be loaded.
 Then, for each line on its standard input::
 
-    {"prompts": [[token ids], ...], "max_tokens": [n, ...], "concurrency": c}
+    {"prompts": [[token ids], ...], "max_tokens": [n, ...], "concurrency": c, "loras": [name or null, ...]}
 
-it generates exactly ``max_tokens`` tokens per prompt, greedily with EOS
-ignored, keeping at most ``c`` requests in flight, and answers::
+(``loras`` optional: the adapter of each request, among the config's
+``lora_adapters``, a name to PEFT folder mapping), it generates exactly
+``max_tokens`` tokens per prompt, greedily with EOS ignored, keeping at
+most ``c`` requests in flight, and answers::
 
     {"token_ids": [[...], ...], "seconds": wall time, "ttft_s": [seconds per request]}
 
@@ -64,9 +66,28 @@ class VllmBackend:
             max_model_len=config["max_model_len"],
             max_num_seqs=config["max_num_seqs"],
             seed=0,
+            **self._lora_options(config),
         )
         self.engine = self.llm.llm_engine
         self.runs = 0
+
+    def _lora_options(self, config: dict[str, Any]) -> dict[str, Any]:
+        adapters = config.get("lora_adapters") or {}
+        self.lora_requests: dict[str, Any] = {}
+        if not adapters:
+            return {}
+        from vllm.lora.request import LoRARequest
+
+        self.lora_requests = {
+            name: LoRARequest(name, number, path) for number, (name, path) in enumerate(adapters.items(), start=1)
+        }
+        self.engine_name += f" with {len(adapters)} LoRA adapters"
+        return {
+            "enable_lora": True,
+            "max_loras": len(adapters),
+            "max_cpu_loras": len(adapters),
+            "max_lora_rank": config.get("max_lora_rank", 16),
+        }
 
     def _params(self, max_tokens: int) -> Any:
         from vllm import SamplingParams
@@ -74,9 +95,15 @@ class VllmBackend:
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: list[int], concurrency: int, on_first_token: Callable[[int], None]
+        self,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        concurrency: int,
+        on_first_token: Callable[[int], None],
+        loras: list[str | None] | None = None,
     ) -> list[list[int]]:
         self.runs += 1
+        adapters = [self.lora_requests[name] if name else None for name in loras or [None] * len(prompts)]
         waiting = deque(range(len(prompts)))
         running: set[int] = set()
         started: set[int] = set()
@@ -88,7 +115,10 @@ class VllmBackend:
                     index = waiting.popleft()
                     running.add(index)
                     self.engine.add_request(
-                        f"{prefix}{index}", {"prompt_token_ids": prompts[index]}, self._params(max_tokens[index])
+                        f"{prefix}{index}",
+                        {"prompt_token_ids": prompts[index]},
+                        self._params(max_tokens[index]),
+                        **({"lora_request": adapters[index]} if adapters[index] is not None else {}),
                     )
                 for output in self.engine.step():
                     if not output.request_id.startswith(prefix):
@@ -128,8 +158,15 @@ class LlamaCppBackend:
         )
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: list[int], concurrency: int, on_first_token: Callable[[int], None]
+        self,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        concurrency: int,
+        on_first_token: Callable[[int], None],
+        loras: list[str | None] | None = None,
     ) -> list[list[int]]:
+        if any(loras or []):
+            raise ValueError("the llama.cpp peer serves the base model only, not LoRA adapters")
         results = []
         for index, (prompt, count) in enumerate(zip(prompts, max_tokens, strict=True)):
             self.llm.reset()  # no reuse of an earlier request's prefix
@@ -154,9 +191,15 @@ class PeerBackend(Protocol):
     version: str
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: list[int], concurrency: int, on_first_token: Callable[[int], None]
+        self,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        concurrency: int,
+        on_first_token: Callable[[int], None],
+        loras: list[str | None] | None = None,
     ) -> list[list[int]]:
-        """The greedy completion of each prompt, calling ``on_first_token(index)`` as each produces its first."""
+        """The greedy completion of each prompt (with its LoRA adapter, if any), calling ``on_first_token(index)``
+        as each produces its first."""
         ...
 
 
@@ -171,7 +214,8 @@ def _run(backend: PeerBackend, request: dict[str, Any]) -> dict[str, Any]:
     def on_first_token(index: int) -> None:
         ttft[index] = time.perf_counter() - start
 
-    token_ids = backend.generate(prompts, max_tokens, int(request.get("concurrency", len(prompts))), on_first_token)
+    concurrency = int(request.get("concurrency", len(prompts)))
+    token_ids = backend.generate(prompts, max_tokens, concurrency, on_first_token, request.get("loras"))
     seconds = time.perf_counter() - start
     return {"token_ids": token_ids, "seconds": seconds, "ttft_s": ttft}
 

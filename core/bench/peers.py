@@ -45,6 +45,9 @@ class PeerSpec:
     max_num_seqs: int
     threads: int | None = None
     env: tuple[tuple[str, str], ...] = ()
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters (name, PEFT folder) the peer serves besides the base model; requests name them."""
+    max_lora_rank: int = 16
 
     def config(self) -> dict[str, Any]:
         return {
@@ -54,6 +57,8 @@ class PeerSpec:
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,
             "threads": self.threads,
+            "lora_adapters": dict(self.lora_adapters),
+            "max_lora_rank": self.max_lora_rank,
         }
 
 
@@ -96,6 +101,8 @@ class SubprocessPeer:
             "max_tokens": [r.max_tokens for r in workload.requests],
             "concurrency": workload.concurrency,
         }
+        if any(r.lora is not None for r in workload.requests):
+            request["loras"] = [r.lora for r in workload.requests]
         assert self._process.stdin is not None
         try:
             self._process.stdin.write(json.dumps(request) + "\n")

@@ -26,6 +26,8 @@ COPY_TASKS = (
 class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
+    lora: str | None = None
+    """The LoRA adapter the request runs with (``None``: the base model)."""
 
 
 @dataclass(frozen=True)
