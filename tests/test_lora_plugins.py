@@ -33,26 +33,40 @@ def test_the_mapping_groups_rows_by_slot_in_row_order():
     assert not empty.has_adapters and empty.segment_starts == (0,) and empty.order.numel() == 0
 
 
-class _SwappedSlots(TorchLoRAKernel):
+class _PerSlot(TorchLoRAKernel):
+    """The torch kernel with ``add_lora`` through its per-slot ``shrink`` and ``expand``, which the defects break."""
+
+    add_lora = LoRAKernel.add_lora
+
+
+class _SwappedSlots(_PerSlot):
     """Wrong on purpose: every row uses the next slot's adapter."""
 
     def shrink(self, x, lora_a, scalings, mapping):
         return super().shrink(x, lora_a.roll(1, 0), scalings.roll(1, 0), mapping)
 
 
-class _NoScale(TorchLoRAKernel):
+class _NoScale(_PerSlot):
     """Wrong on purpose: ignores the scales."""
 
     def shrink(self, x, lora_a, scalings, mapping):
         return super().shrink(x, lora_a, torch.ones_like(scalings), mapping)
 
 
-class _TouchesBaseRows(TorchLoRAKernel):
+class _TouchesBaseRows(_PerSlot):
     """Wrong on purpose: adds a rounding-sized amount to every row, adapter or not."""
 
     def expand(self, output, h, lora_b, mapping):
         super().expand(output, h, lora_b, mapping)
         output.add_(1e-7)
+
+
+class _KeepsFirstStackedWeights(TorchLoRAKernel):
+    """Wrong on purpose: stacks each B once and never notices a slot reloaded in place."""
+
+    def _stacked(self, lora_b, active):
+        kept = self._stacked_b.get(id(lora_b))
+        return kept[2] if kept is not None else super()._stacked(lora_b, active)
 
 
 @pytest.mark.parametrize("broken", [_SwappedSlots, _NoScale, _TouchesBaseRows])
@@ -63,6 +77,24 @@ def test_the_kernel_suite_fails_a_wrong_kernel(broken: type[LoRAKernel]):
     case = suite._case(1, torch.float32, slots=[0, NO_ADAPTER, 1, 0, 1], ranks=[max_rank, 4], max_rank=max_rank)
     with pytest.raises(AssertionError):
         suite._check_add_lora(kernel, case, "float32")
+
+
+def test_the_kernel_suite_fails_a_kernel_keeping_stale_weights():
+    suite = LoRAKernelSuite()
+    suite.test_slots_rewritten_in_place_are_read_afresh(TorchLoRAKernel())  # the real one passes
+    with pytest.raises(AssertionError):
+        suite.test_slots_rewritten_in_place_are_read_afresh(_KeepsFirstStackedWeights())
+
+
+def test_the_stacked_path_and_the_per_slot_path_agree():
+    """The torch kernel stacks the active slots when several are active; its per-slot path is the reference."""
+    suite = LoRAKernelSuite()
+    case = suite._case(3, torch.float32, slots=[0, NO_ADAPTER, 1, 2, 0, 1], ranks=[8, 4, 2], max_rank=8)
+    stacked, per_slot = case.base_output(), case.base_output()
+    TorchLoRAKernel().add_lora(stacked, case.x_in, case.a_in, case.b_in, case.scalings_in, case.mapping)
+    _PerSlot().add_lora(per_slot, case.x_in, case.a_in, case.b_in, case.scalings_in, case.mapping)
+    torch.testing.assert_close(stacked, per_slot, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(stacked, case.base_output())
 
 
 def test_the_directory_resolver_needs_an_existing_root(tmp_path: Path):

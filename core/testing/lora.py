@@ -249,6 +249,20 @@ class LoRAKernelSuite(LoRAKernelBaseSuite):
         case.b_in[1] = float("nan")
         self._check_add_lora(kernel, case, "float32")  # the oracle reads only the slots rows use
 
+    def test_slots_rewritten_in_place_are_read_afresh(self, kernel: LoRAKernel) -> None:
+        """The runner reloads a slot by overwriting its A, B and scale in place: a kernel keeping anything derived
+        from them (stacked or packed weights, scaled masks) must notice, even under the same mapping."""
+        dtype = self._dtype(kernel, "float32")
+        max_rank = self._max_rank(kernel)
+        slots = [0, 1, 0, NO_ADAPTER, 1, 1]
+        case = self._case(SEED + 11, dtype, slots=slots, ranks=[max_rank, max_rank], max_rank=max_rank)
+        self._check_add_lora(kernel, case, "float32")
+        other = self._case(SEED + 12, dtype, slots=slots, ranks=[max_rank, max_rank], max_rank=max_rank)
+        case.a_in.copy_(other.a_in)
+        case.b_in.copy_(other.b_in)
+        case.scalings_in.mul_(3.0)
+        self._check_add_lora(kernel, case, "float32")  # the oracle reads the rewritten tensors
+
     def test_shrink_and_expand_each_match_their_half(self, kernel: LoRAKernel) -> None:
         import torch
 
