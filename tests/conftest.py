@@ -26,6 +26,12 @@ TESTS_DIR = Path(__file__).resolve().parent
 # Tests that mean another dtype say so; tests of `auto` itself remove this variable.
 os.environ.setdefault("PATCHBAY_MODEL__DTYPE", "float32")
 
+# `cache.memory: auto` gives a CPU engine half the machine for its KV pool, touched block by block as requests
+# use it; engines shared for the whole session touch more and more of it (CI saw one test process at 11.8 GiB).
+# The suite's requests need a small share: pinning it keeps the session's peak low. Tests of the sizing
+# itself give their own figures.
+os.environ.setdefault("PATCHBAY_CACHE__MEMORY_UTILIZATION", "0.15")
+
 # Inherited by every process the session starts (orphans keep it), so a test can tell its own rank processes
 # from another session's on the same machine. Not PATCHBAY_*: those are settings, and clean_env drops them.
 os.environ.setdefault("PYTEST_PATCHBAY_SESSION", uuid.uuid4().hex)
