@@ -69,6 +69,20 @@ def test_a_mixed_batch_gives_peft_s_tokens_for_every_adapter_and_the_base(tiny_l
 
 
 @pytest.mark.slow
+def test_adapters_stay_exact_through_the_fused_cpu_ops(tiny_llama, adapters, prompts):
+    """The fused norms, rotary and SiLU stay on with a lora: section; they must call the wrapped projections."""
+    from patchbay.worker.cpu.fused_ops import FusedOpsBuild
+
+    if FusedOpsBuild.shared().wait(timeout=600) is None:
+        pytest.skip("the fused CPU kernels cannot be built here")
+    llm = _llm(tiny_llama, adapters)
+    fused = llm.engine.fused_modules
+    assert fused.mlps > 0 and fused.attentions > 0 and fused.layers == 0, fused
+    outputs = llm.generate(prompts, [SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True, lora=n) for n in NAMES])
+    assert [o.token_ids for o in outputs] == _expected(tiny_llama, adapters, prompts, NAMES)
+
+
+@pytest.mark.slow
 def test_the_prefix_cache_never_shares_blocks_between_adapters(tiny_llama, adapters, prompts):
     llm = _llm(tiny_llama, adapters)
     prompt = prompts[6]  # 40 tokens: two full blocks to reuse

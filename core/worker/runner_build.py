@@ -108,14 +108,16 @@ def load_rank_model(
     runtime = settings.runtime
     if settings.lora is not None:
         check_lora_layout(settings)
-        # LoRA adds each target's product after its own linear: no fused q/k/v or gate/up, no fused layers.
-        runtime = runtime.model_copy(update={"fuse_projections": False, "fused_ops": False})
+        # LoRA adds each target's product after its own linear: no fused q/k/v or gate/up. The fused norms,
+        # rotary and SiLU call each projection through its module, which LoRA then wraps; whole fused layers
+        # would not, so they stay off.
+        runtime = runtime.model_copy(update={"fuse_projections": False})
     quantized, paths = speed_up_linears(
         model, runtime, settings.model.quantization, device=device, dtype=dtype, tuning=tuning
     )
     # After the linears: the fused MLP computes gate/up through the group those paths gave it.
     fused = use_fused_ops(model.model, device=device, dtype=dtype) if runtime.fused_ops else FusedModules()
-    if fused.attentions:  # then whole layers, where their products are tiled
+    if fused.attentions and settings.lora is None:  # then whole layers, where their products are tiled
         fused = dataclasses.replace(fused, layers=use_fused_layers(model.model))
     return LoadedModel(model, quantized, paths, fused)
 
