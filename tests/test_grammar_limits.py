@@ -156,3 +156,32 @@ def test_a_request_whose_compile_times_out_fails_alone_with_the_setting_named(he
     assert reason == "error"
     assert message.startswith("structured_output backend 'held' cannot compile structured_output.regex: ")
     assert "structured_output.compile_timeout=0.2 s" in message
+
+
+def test_a_long_compile_is_its_own_step_phase_with_a_warning_in_the_run_summary(tiny_llama, monkeypatch):
+    """Grammars as a denial of service: a 20 s compile showed as "schedule 98 %", with no warning."""
+    import patchbay
+    from patchbay.entrypoints import run_command
+    from patchbay.scheduling import structured_output
+
+    monkeypatch.setattr(run_command, "SLOW_COMPILE_SECONDS", 0.0)  # every compile counts as long here
+    monkeypatch.setattr(structured_output, "SLOW_COMPILE_SECONDS", 0.0)
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama),
+        attention__backend="torch_sdpa",
+        runtime__threads=1,
+        cache__num_blocks=64,
+        model__max_model_len=64,
+    )
+    (output,) = llm.generate(
+        [[5, 6, 7]], patchbay.SamplingParams(max_tokens=2, temperature=0, structured_output={"choice": ["a", "b"]})
+    )
+    assert output.finish_reason in ("stop", "length")
+    timings = llm.engine.step_timings()
+    assert list(timings)[:2] == ["schedule", "compile"] and timings["compile"] > 0
+    summary = run_command.summarise([output], 1.0, llm.engine)
+    assert "compile " in next(line for line in summary.splitlines() if line.startswith("step time:"))
+    grammars = next(line for line in summary.splitlines() if line.startswith("grammars:"))
+    assert grammars.startswith("grammars:            1 compiled (longest ")
+    assert "0 past structured_output.compile_timeout" in grammars
+    assert any(line.startswith("warning:") and "grammar compile(s)" in line for line in summary.splitlines())

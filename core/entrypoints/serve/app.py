@@ -66,6 +66,8 @@ class ServerState:
     admitted: int = 0
     """Sequences of the requests in flight, counted on admission (before the engine sees them)."""
     accepting: bool = True
+    grace_over: bool = False
+    """The shutdown's grace period is over: requests in flight were aborted (non-streamed ones get a 503)."""
     created: int = field(default_factory=lambda: int(time.time()))
     compiled_tool_constraints: dict[str, None] = field(default_factory=dict)
     """Keys of tool constraints known to compile (insertion-ordered, bounded), so each is checked once."""
@@ -413,6 +415,13 @@ async def _respond(
         outputs = await _collect_unless_disconnected(request, streams)
     finally:
         release()
+    if outputs is not None and state.grace_over and _aborted(outputs):
+        raise APIError(
+            503,
+            f"the server shut down before the request finished (server.shutdown_grace_period="
+            f"{state.settings.server.shutdown_grace_period:g} s); retry it on another server",
+            code="shutting_down",
+        )
     if outputs is None:
         return Response(status_code=499)  # nobody is listening; the requests were aborted by release()
     return JSONResponse(format.response(response_id, prepared, outputs))
@@ -487,6 +496,10 @@ async def _collect(streams: list[Any]) -> list[RequestOutput]:
     if failed:
         raise APIError(500, _error_message(failed[0]), code="engine_error")
     return outputs
+
+
+def _aborted(outputs: list[RequestOutput]) -> bool:
+    return any(c.finish_reason == "abort" for o in outputs for c in o.completions)
 
 
 def _error_message(output: RequestOutput) -> str:
