@@ -67,9 +67,7 @@ def held():
 
 
 def _compilations(**kwargs: Any) -> GrammarCompilations:
-    return GrammarCompilations(
-        lambda: HeldBackend(tokenizer=None, vocab_size=32, stop_token_ids=[0]), "held", **kwargs
-    )
+    return GrammarCompilations(lambda: HeldBackend(tokenizer=None, vocab_size=32, stop_token_ids=[0]), "held", **kwargs)
 
 
 def test_a_compile_past_compile_timeout_fails_alone_and_frees_the_worker(held):

@@ -9,7 +9,6 @@ import threading
 from urllib.parse import urlsplit
 
 import httpx
-import pytest
 
 from patchbay.contract.settings import load_settings
 from serving import running_server
