@@ -183,3 +183,17 @@ def test_a_long_compile_is_its_own_step_phase_with_a_warning_in_the_run_summary(
     assert grammars.startswith("grammars:            1 compiled (longest ")
     assert "0 past structured_output.compile_timeout" in grammars
     assert any(line.startswith("warning:") and "grammar compile(s)" in line for line in summary.splitlines())
+
+
+def test_constraints_that_fail_to_compile_are_not_kept(held):
+    """Grammars as a denial of service: distinct failing constraints must not pile up in the cache."""
+
+    class Refusing(HeldBackend):
+        def compile(self, params: StructuredOutputParams) -> Any:
+            raise ValueError(f"no grammar for {params.spec}")
+
+    grammars = GrammarCompilations(lambda: Refusing(tokenizer=None, vocab_size=32, stop_token_ids=[0]), "refusing")
+    for index in range(20):
+        with pytest.raises(ValueError, match=f"no grammar for bad-{index}"):
+            grammars.submit(StructuredOutputParams(regex=f"bad-{index}")).result(timeout=20)
+    assert grammars.stats.num_failed == 20 and len(grammars._entries) == 0

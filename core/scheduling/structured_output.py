@@ -205,6 +205,7 @@ class GrammarCompilations:
                 self._num_running -= 1
                 if error is not None:
                     self.stats.num_failed += 1
+                    self._forget(params.key, future)  # not cached: distinct bad constraints must not pile up
                     future.set_exception(error)
                 else:
                     self.stats.num_compiled += 1
@@ -229,12 +230,16 @@ class GrammarCompilations:
             self._timed_out[key] = message
             while len(self._timed_out) > TIMED_OUT_KEPT:
                 self._timed_out.popitem(last=False)
-            entry = self._entries.get(key)
-            if entry is not None and entry.future is future:
-                del self._entries[key]
+            self._forget(key, future)
             future.set_exception(GrammarCompileTimeout(message))
             self._start_queued()
         logger.warning("structured_output backend %r: %s (%s)", self.backend_name, message, params.field_path)
+
+    def _forget(self, key: GrammarKey, future: concurrent.futures.Future[Any]) -> None:
+        """Drop the cache entry of ``key`` if it is still ``future``'s (lock held)."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.future is future:
+            del self._entries[key]
 
     def _store(self, key: GrammarKey, future: concurrent.futures.Future[Any], size: int) -> None:
         """Count a finished grammar in the cache, then evict the least recently used done ones past the bound."""
