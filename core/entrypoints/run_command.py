@@ -18,7 +18,6 @@ from patchbay.engine import EngineDeadError, RequestOutput
 from patchbay.engine import check_num_sequences
 from patchbay.entrypoints.result_file import ResultFile, ResultsNotWritten, check_output_path
 from patchbay.sampling_params import SamplingParams
-from patchbay.scheduling.structured_output import SLOW_COMPILE_SECONDS
 
 if TYPE_CHECKING:
     from patchbay.engine import Engine
@@ -189,7 +188,7 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Engine) -> s
         if slow or grammars.num_timed_out:
             lines.append(
                 f"warning:             {len(slow) + grammars.num_timed_out} grammar compile(s) took "
-                f"{SLOW_COMPILE_SECONDS:g} s or more; constrained requests waited for them (the step time's "
+                f"{grammars.slow_compile_seconds:g} s or more; constrained requests waited for them (the step time's "
                 "compile phase)"
             )
     spec = report.speculative

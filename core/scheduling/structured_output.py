@@ -65,11 +65,13 @@ class CompileStats:
     backend_init_seconds: float = 0.0
     cached_bytes: int = 0
     """Estimated size of the compiled grammars the cache holds now."""
+    slow_compile_seconds: float = field(default_factory=lambda: SLOW_COMPILE_SECONDS)
+    """A compile at least this long is logged as a warning and counted in :attr:`slow_compiles`."""
 
     @property
     def slow_compiles(self) -> list[float]:
-        """Compile times of at least :data:`SLOW_COMPILE_SECONDS`."""
-        return [seconds for seconds in self.compile_seconds if seconds >= SLOW_COMPILE_SECONDS]
+        """Compile times of at least :attr:`slow_compile_seconds`."""
+        return [seconds for seconds in self.compile_seconds if seconds >= self.slow_compile_seconds]
 
 
 @dataclass
@@ -190,7 +192,7 @@ class GrammarCompilations:
         seconds = time.perf_counter() - started
         if timer is not None:
             timer.cancel()
-        if seconds >= SLOW_COMPILE_SECONDS:
+        if seconds >= self.stats.slow_compile_seconds:
             logger.warning(
                 "structured_output backend %r took %.1f s to compile %s (steps with only constrained requests "
                 "wait for it; structured_output.compile_timeout bounds it)",
