@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
@@ -29,6 +30,16 @@ def _token_id_key(value: Any) -> Any:
     return _strict_token_id(value)
 
 
+def _real_number(value: Any) -> Any:
+    # "0.5" and true are not numbers: refused, not read as 0.5 and 1.0.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"expected a number, got {type(value).__name__} {value!r}")
+    return value
+
+
+Number = Annotated[float, BeforeValidator(_real_number)]
+"""A real number as JSON or Python writes it (an integer too); a string or a boolean is refused."""
+
 TokenId = Annotated[int, BeforeValidator(_strict_token_id), Field(ge=0)]
 """A vocabulary index: a non-negative integer (its upper bound is the model's, checked by the engine)."""
 TokenIdKey = Annotated[int, BeforeValidator(_token_id_key), Field(ge=0)]
@@ -54,7 +65,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=1e30)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[TokenIdKey, float] | None = None
+    logit_bias: dict[TokenIdKey, Number] | None = None
     """Added to the logits of these token ids (finite values)."""
     min_tokens: int = Field(default=0, ge=0)
     bad_words: list[str] | None = None
@@ -104,9 +115,24 @@ class SamplingParams(BaseModel):
 
     @field_validator("seed", "max_tokens", "min_tokens", "n", "top_k", "logprobs", "prompt_logprobs", mode="before")
     @classmethod
-    def _integer_not_bool(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError(f"expected an integer, got bool {value!r}")
+    def _integer(cls, value: Any) -> Any:
+        # Not coerced: "5", 5.0 and true are refused, not read as 5, 5 and 1.
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise ValueError(f"expected an integer, got {type(value).__name__} {value!r}")
+        return value
+
+    @field_validator(
+        "temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", mode="before"
+    )
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        return _real_number(value)
+
+    @field_validator("ignore_eos", mode="before")
+    @classmethod
+    def _boolean(cls, value: Any) -> Any:
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {type(value).__name__} {value!r}")
         return value
 
     @model_validator(mode="after")

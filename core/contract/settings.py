@@ -284,6 +284,13 @@ class StructuredOutputSettings(Section):
     """A registered structured-output backend: ``xgrammar`` or ``llguidance`` built in."""
     options: dict[str, Any] = Field(default_factory=dict)
     """The backend's options, validated against its ``Options`` model (the built-in ones are below)."""
+    compile_timeout: PositiveFloat | None = 30.0
+    """Seconds one constraint may take to compile; past it the requests waiting on it fail alone (a 400 on the
+    server) and the next constraints compile at once while the runaway compile ends in the background.  The
+    same constraint sent again fails at once.  ``null``: no limit."""
+    cache_bytes: PositiveInt = 1 << 30
+    """Compiled grammars are kept for reuse while their estimated sizes add up to at most this many bytes
+    (least recently used out first); one 100k-value ``choice`` can hold hundreds of MB."""
 
 
 class LoRASettings(Section):

@@ -196,6 +196,11 @@ class AsyncLLM:
         """:meth:`abort` without waiting (from a ``finally`` or a callback): done before the engine's next step."""
         self._submit(lambda: self._abort(request_id))
 
+    def abort_all_soon(self) -> None:
+        """Abort every request in flight without waiting (a server's grace period is over); each stream ends
+        with a last delta of finish reason ``abort``."""
+        self._submit(self._abort_all)
+
     async def call(self, function: Callable[[Engine], Any]) -> Any:
         """Run ``function(engine)`` in the engine thread between steps; its result (for reads that need a
         consistent view, e.g. tests checking the block pool)."""

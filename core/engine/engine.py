@@ -88,6 +88,8 @@ class Engine:
         self.stats = EngineStats()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._engine_timings: dict[str, float] = defaultdict(float)
+        self._grammar_wait_start = 0.0
+        """The scheduler's ``grammar_wait_seconds`` at the last reset of the step timings."""
         self._batches: deque[SchedulerOutput] = deque()
         """With pipeline stages: the batches in flight (scheduled, their outputs not back), oldest first."""
         self._dead: str | None = None
@@ -122,6 +124,7 @@ class Engine:
             fused_modules=self.fused_modules,
             kv_connector=copy.copy(self.scheduler.kv_connector_stats) if self.kv_connector is not None else None,
             speculative=copy.deepcopy(self.spec_stats),
+            grammars=copy.deepcopy(self.grammars.stats),
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -498,7 +501,9 @@ class Engine:
     def step_timings(self) -> dict[str, float]:
         """Seconds spent per phase of a step since the last reset, in step order.
 
-        ``schedule`` (the scheduler), the runner's ``update`` (persistent
+        ``schedule`` (the scheduler), ``compile`` (when a step had nothing to
+        run but requests waiting for their grammars: the scheduler's wait on
+        the compilations, taken out of ``schedule``), the runner's ``update`` (persistent
         batch), ``prepare`` (inputs and attention metadata), ``forward`` (the
         model, logits included), ``sample``, ``output`` (recording samples),
         ``draft`` (speculative proposals, when a drafter runs), ``structure`` (filling and
@@ -512,7 +517,10 @@ class Engine:
         waiting for the last stage's outputs (the pipeline's bubbles as rank 0
         sees them).
         """
-        timings = {"schedule": self._engine_timings["schedule"]}
+        compile_wait = self.scheduler.grammar_wait_seconds - self._grammar_wait_start
+        timings = {"schedule": self._engine_timings["schedule"] - compile_wait}
+        if compile_wait > 0:
+            timings["compile"] = compile_wait
         for phase, seconds in self.runner.timings.items():
             if phase == "forward" and self.ranks is not None and self.ranks.group is not None:
                 all_reduce = self.ranks.group.all_reduce_seconds
@@ -527,6 +535,7 @@ class Engine:
     def reset_step_timings(self) -> None:
         """Start :meth:`step_timings` from zero (after a warm-up, say)."""
         self._engine_timings.clear()
+        self._grammar_wait_start = self.scheduler.grammar_wait_seconds
         self.runner.timings.clear()
         if self.ranks is not None and self.ranks.group is not None:
             self.ranks.group.all_reduce_seconds = 0.0

@@ -159,6 +159,8 @@ class OutputProcessor:
             if update.finish_reason is not None:
                 output.finish_reason = update.finish_reason
                 output.stop_reason = update.stop_reason
+                if update.finish_reason == "error":  # the scheduler failed it: a grammar, a matcher, a connector
+                    output.error = str(update.stop_reason)
                 output.metrics.finish_time = now
                 applied.finished_ids.append(update.request_id)
         return applied

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from patchbay.scheduling.scheduler import KVConnectorStats
+from patchbay.scheduling.structured_output import CompileStats
 from patchbay.worker.cpu.fused_ops import FusedModules
 from patchbay.worker.spec_decode import SpecDecodeStats
 from patchbay.worker.cpu.tuning import LinearPaths
@@ -55,3 +56,5 @@ class EngineReport:
     """What the KV connector did (``None``: the run has no ``kv_connector:``)."""
     speculative: SpecDecodeStats
     """Drafted and accepted tokens (all zero without ``speculative:``)."""
+    grammars: CompileStats
+    """Grammar compilations: how many, how long, failed, past ``structured_output.compile_timeout``."""

@@ -37,7 +37,13 @@ def grammar_compilations(
     def build() -> StructuredOutputBackend:
         return backend_class(options, tokenizer=tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
 
-    return GrammarCompilations(build, section.backend, constraint_kinds=backend_class.capabilities.constraint_kinds)
+    return GrammarCompilations(
+        build,
+        section.backend,
+        constraint_kinds=backend_class.capabilities.constraint_kinds,
+        cache_bytes=section.cache_bytes,
+        compile_timeout=section.compile_timeout,
+    )
 
 
 def check_constraint(request_id: str, params: SamplingParams, grammars: GrammarCompilations) -> None:

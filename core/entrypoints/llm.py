@@ -155,7 +155,7 @@ class LLM:
                 )
             grammars = self.engine.grammars
             check_constraint_compiles(
-                plan, lambda schema: grammars.backend.compile(StructuredOutputParams(json_schema=schema))
+                plan, lambda schema: grammars.submit(StructuredOutputParams(json_schema=schema)).result()
             )
             params = SamplingParams.model_validate(
                 {**params.model_dump(exclude_unset=True), "structured_output": plan.constraint()}

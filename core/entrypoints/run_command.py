@@ -176,6 +176,21 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Engine) -> s
             f"kv connector:        {kv.num_loaded_tokens} tokens loaded, {kv.num_recomputed_blocks} blocks "
             f"recomputed after load errors"
         )
+    grammars = report.grammars
+    if grammars.num_compiled or grammars.num_failed or grammars.num_timed_out:
+        longest = max(grammars.compile_seconds, default=0.0)
+        lines.append(
+            f"grammars:            {grammars.num_compiled} compiled (longest {longest:.2f} s), "
+            f"{grammars.num_failed} failed, {grammars.num_timed_out} past structured_output.compile_timeout, "
+            f"{grammars.num_cache_hits} cache hits"
+        )
+        slow = grammars.slow_compiles
+        if slow or grammars.num_timed_out:
+            lines.append(
+                f"warning:             {len(slow) + grammars.num_timed_out} grammar compile(s) took "
+                f"{grammars.slow_compile_seconds:g} s or more; constrained requests waited for them (the step time's "
+                "compile phase)"
+            )
     spec = report.speculative
     if spec.num_draft_tokens:
         per_position = ", ".join(f"{rate:.2f}" for rate in spec.acceptance_rate_per_position)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -142,6 +143,8 @@ class Scheduler:
         self.kv_connector_stats = KVConnectorStats()
         self.grammars = grammars
         """Compiles structured-output constraints; ``None``: constrained requests are refused."""
+        self.grammar_wait_seconds = 0.0
+        """Seconds :meth:`schedule` spent blocked on grammar compilations with nothing else to run."""
         self._failed_updates: list[RequestUpdate] = []
         """Requests failed while scheduling (a constraint that cannot compile), reported by the next update."""
 
@@ -529,7 +532,9 @@ class Scheduler:
             return
         futures = self._grammar_futures()
         if len(futures) == len(self.waiting):
+            started = time.perf_counter()
             self.grammars.wait_any(futures, timeout=1.0)
+            self.grammar_wait_seconds += time.perf_counter() - started
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether the head request's grammar is compiled (it becomes ``WAITING``).

@@ -1,19 +1,35 @@
-"""Grammar compilation for structured output: asynchronous, cached by constraint, off the step's path.
+"""Grammar compilation for structured output: asynchronous, cached by constraint, bounded in time and memory.
 
 The scheduler submits a constrained request's constraint when the request
-arrives; a worker thread compiles it through the run's grammar backend while
+arrives; a compile thread compiles it through the run's grammar backend while
 steps go on, and the request waits (``WAITING_FOR_GRAMMAR``, vLLM's
 ``WAITING_FOR_FSM``) until its grammar is ready.  Requests with the same
 constraint share one compilation.  The backend itself is built on first use,
 so runs without constrained requests never pay for its tokenizer tables.
+
+A compile cannot be interrupted (backends compile in native code), so each
+one runs on a thread of its own, at most ``max_workers`` at once.  One still
+running after ``compile_timeout`` seconds fails its requests with
+:class:`GrammarCompileTimeout` and stops counting against the workers: the
+next constraint starts at once on a new thread while the runaway one
+finishes in the background and its result is dropped.  At most
+``max_runaway`` such threads are left running; past that, new compiles wait
+for one of them to end, so a flood of huge grammars cannot take every core.
+A constraint that timed out is remembered and fails at once when it comes
+back, without compiling again.
+
+Compiled grammars are kept, least recently used first out, while their
+estimated sizes (the backend's :meth:`~StructuredOutputBackend.grammar_size_bytes`)
+add up to at most ``cache_bytes``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,22 +37,60 @@ from typing import Any
 from patchbay.interfaces import StructuredOutputBackend, StructuredOutputParams
 from patchbay.interfaces.structured_output import CONSTRAINT_KINDS
 
+logger = logging.getLogger(__name__)
+
 GrammarKey = tuple[str, str]
+
+SLOW_COMPILE_SECONDS = 1.0
+"""A compile at least this long is logged as a warning and named in the run summary."""
+
+TIMED_OUT_KEPT = 1024
+"""Constraints remembered as timed out (their keys only), so they fail at once when sent again."""
+
+
+class GrammarCompileTimeout(TimeoutError):
+    """A constraint whose compile ran past ``structured_output.compile_timeout``."""
 
 
 @dataclass
 class CompileStats:
-    """Grammar compilations of a run: how many, how long (seconds, on the worker thread), cache hits."""
+    """Grammar compilations of a run: how many, how long (seconds, on the compile threads), cache hits."""
 
     num_compiled: int = 0
     num_failed: int = 0
+    num_timed_out: int = 0
     num_cache_hits: int = 0
+    num_evicted: int = 0
     compile_seconds: list[float] = field(default_factory=list)
     backend_init_seconds: float = 0.0
+    cached_bytes: int = 0
+    """Estimated size of the compiled grammars the cache holds now."""
+    slow_compile_seconds: float = field(default_factory=lambda: SLOW_COMPILE_SECONDS)
+    """A compile at least this long is logged as a warning and counted in :attr:`slow_compiles`."""
+
+    @property
+    def slow_compiles(self) -> list[float]:
+        """Compile times of at least :attr:`slow_compile_seconds`."""
+        return [seconds for seconds in self.compile_seconds if seconds >= self.slow_compile_seconds]
+
+
+@dataclass
+class _Entry:
+    """One constraint's compilation: its future, and the compiled grammar's estimated size once done."""
+
+    future: concurrent.futures.Future[Any]
+    size: int = 0
+
+
+def _reusable(future: concurrent.futures.Future[Any]) -> bool:
+    """Whether a cached compilation serves a new request: still running, or done with a grammar."""
+    if not future.done():
+        return True
+    return not future.cancelled() and future.exception() is None
 
 
 class GrammarCompilations:
-    """Compiles constraints on a worker thread and keeps the latest ``cache_size`` results by key."""
+    """Compiles constraints on compile threads and keeps the results within ``cache_bytes`` (estimated)."""
 
     def __init__(
         self,
@@ -44,18 +98,31 @@ class GrammarCompilations:
         backend_name: str,
         *,
         constraint_kinds: tuple[str, ...] = CONSTRAINT_KINDS,
-        cache_size: int = 256,
+        cache_bytes: int = 1 << 30,
+        compile_timeout: float | None = None,
         max_workers: int = 1,
+        max_runaway: int = 2,
     ) -> None:
         self.backend_name = backend_name
         self.constraint_kinds = constraint_kinds
         """What the backend declares it compiles (its capabilities' ``constraint_kinds``)."""
+        self.compile_timeout = compile_timeout
+        """Seconds a compile may run before its requests fail (``None``: no limit)."""
         self._backend_factory = backend_factory
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
-        self._cache_size = cache_size
-        self._futures: OrderedDict[GrammarKey, concurrent.futures.Future[Any]] = OrderedDict()
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="patchbay-grammar")
+        self._cache_bytes = cache_bytes
+        self._max_workers = max_workers
+        self._max_runaway = max_runaway
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[GrammarKey, _Entry] = OrderedDict()
+        self._timed_out: OrderedDict[GrammarKey, str] = OrderedDict()
+        self._queue: deque[tuple[StructuredOutputParams, concurrent.futures.Future[Any]]] = deque()
+        self._num_running = 0
+        """Compiles running within their time (they hold a worker)."""
+        self._num_runaway = 0
+        """Compiles past their timeout whose threads still run (their results will be dropped)."""
+        self._closed = False
         self.stats = CompileStats()
 
     @property
@@ -69,33 +136,129 @@ class GrammarCompilations:
             return self._backend
 
     def submit(self, params: StructuredOutputParams) -> concurrent.futures.Future[Any]:
-        """Start compiling ``params`` (or reuse the compilation of the same constraint)."""
+        """Start compiling ``params`` (or reuse the compilation of the same constraint); thread-safe."""
         key = params.key
-        future = self._futures.get(key)
-        if future is not None and not (future.done() and future.exception() is not None):
-            self._futures.move_to_end(key)
-            self.stats.num_cache_hits += 1
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and _reusable(entry.future):
+                self._entries.move_to_end(key)
+                self.stats.num_cache_hits += 1
+                return entry.future
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            timed_out = self._timed_out.get(key)
+            if timed_out is not None:
+                self._timed_out.move_to_end(key)
+                future.set_exception(GrammarCompileTimeout(timed_out))
+                return future
+            self._entries[key] = _Entry(future)
+            self._queue.append((params, future))
+            self._start_queued()
             return future
-        future = self._executor.submit(self._compile, params)
-        self._futures[key] = future
-        while len(self._futures) > self._cache_size:
-            oldest_key, oldest = next(iter(self._futures.items()))
-            if not oldest.done():
-                break  # still wanted by a waiting request; the cache shrinks once it is done
-            del self._futures[oldest_key]
-        return future
 
-    def _compile(self, params: StructuredOutputParams) -> Any:
-        backend = self.backend
+    def _start_queued(self) -> None:
+        """Start queued compiles while a worker is free and the runaway threads leave room (lock held)."""
+        while (
+            self._queue
+            and not self._closed
+            and self._num_running < self._max_workers
+            and self._num_running + self._num_runaway < self._max_workers + self._max_runaway
+        ):
+            params, future = self._queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            self._num_running += 1
+            timer = None
+            if self.compile_timeout is not None:
+                timer = threading.Timer(self.compile_timeout, self._expire, (params, future))
+                timer.daemon = True
+            thread = threading.Thread(
+                target=self._run, args=(params, future, timer), name="patchbay-grammar", daemon=True
+            )
+            thread.start()
+            if timer is not None:
+                timer.start()
+
+    def _run(
+        self, params: StructuredOutputParams, future: concurrent.futures.Future[Any], timer: threading.Timer | None
+    ) -> None:
         started = time.perf_counter()
+        grammar: Any = None
+        error: BaseException | None = None
         try:
-            grammar = backend.compile(params)
-        except Exception:
-            self.stats.num_failed += 1
-            raise
-        self.stats.compile_seconds.append(time.perf_counter() - started)
-        self.stats.num_compiled += 1
-        return grammar
+            grammar = self.backend.compile(params)
+            size = max(0, int(self.backend.grammar_size_bytes(grammar, params)))
+        except Exception as exc:  # noqa: BLE001 - handed to the requests waiting on it
+            error = exc
+        seconds = time.perf_counter() - started
+        if timer is not None:
+            timer.cancel()
+        if seconds >= self.stats.slow_compile_seconds:
+            logger.warning(
+                "structured_output backend %r took %.1f s to compile %s (steps with only constrained requests "
+                "wait for it; structured_output.compile_timeout bounds it)",
+                self.backend_name,
+                seconds,
+                params.field_path,
+            )
+        with self._lock:
+            if future.done():  # timed out: its requests failed already, the result is dropped
+                self._num_runaway -= 1
+            else:
+                self._num_running -= 1
+                if error is not None:
+                    self.stats.num_failed += 1
+                    self._forget(params.key, future)  # not cached: distinct bad constraints must not pile up
+                    future.set_exception(error)
+                else:
+                    self.stats.num_compiled += 1
+                    self.stats.compile_seconds.append(seconds)
+                    future.set_result(grammar)
+                    self._store(params.key, future, size)
+            self._start_queued()
+
+    def _expire(self, params: StructuredOutputParams, future: concurrent.futures.Future[Any]) -> None:
+        """The timer of a compile past ``compile_timeout``: fail its requests and free its worker."""
+        with self._lock:
+            if future.done():
+                return
+            message = (
+                f"compiling took longer than structured_output.compile_timeout={self.compile_timeout:g} s; "
+                "simplify the constraint (fewer choices, a smaller schema)"
+            )
+            self._num_running -= 1
+            self._num_runaway += 1
+            self.stats.num_timed_out += 1
+            key = params.key
+            self._timed_out[key] = message
+            while len(self._timed_out) > TIMED_OUT_KEPT:
+                self._timed_out.popitem(last=False)
+            self._forget(key, future)
+            future.set_exception(GrammarCompileTimeout(message))
+            self._start_queued()
+        logger.warning("structured_output backend %r: %s (%s)", self.backend_name, message, params.field_path)
+
+    def _forget(self, key: GrammarKey, future: concurrent.futures.Future[Any]) -> None:
+        """Drop the cache entry of ``key`` if it is still ``future``'s (lock held)."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.future is future:
+            del self._entries[key]
+
+    def _store(self, key: GrammarKey, future: concurrent.futures.Future[Any], size: int) -> None:
+        """Count a finished grammar in the cache, then evict the least recently used done ones past the bound."""
+        entry = self._entries.get(key)
+        if entry is None or entry.future is not future:
+            return
+        entry.size = size
+        self.stats.cached_bytes += size
+        for old_key in list(self._entries):
+            if self.stats.cached_bytes <= self._cache_bytes:
+                break
+            old = self._entries[old_key]
+            if not old.future.done():
+                continue  # still compiling for waiting requests
+            del self._entries[old_key]
+            self.stats.cached_bytes -= old.size
+            self.stats.num_evicted += 1
 
     def error_message(self, params: StructuredOutputParams, exc: BaseException) -> str:
         """What a request whose constraint failed reports: backend, field, and the backend's reason."""
@@ -109,5 +272,9 @@ class GrammarCompilations:
             concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def shutdown(self) -> None:
-        """Stop the worker thread (pending compilations are cancelled)."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Start no more compiles; queued ones are cancelled (running ones end on their daemon threads)."""
+        with self._lock:
+            self._closed = True
+            while self._queue:
+                _, future = self._queue.popleft()
+                future.cancel()

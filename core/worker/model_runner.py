@@ -110,6 +110,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         drafter: Drafter | None = None,
         drafter_name: str = "",
+        sampler_name: str = "",
         rejection_sampler: RejectionSampler | None = None,
         num_speculative_tokens: int = 0,
         kv_connector: KVConnectorWorker | None = None,
@@ -163,7 +164,8 @@ class ModelRunner:
         self.timings: dict[str, float] = defaultdict(float)
         """Seconds spent per phase since creation: update, prepare, forward, structure, sample, output."""
         self.num_steps = 0
-        self.constrained = ConstrainedDecoding(grammars) if grammars is not None else None
+        sampler_name = sampler_name or f"sampler {type(sampler).__module__}.{type(sampler).__qualname__}"
+        self.constrained = ConstrainedDecoding(grammars, sampler_name) if grammars is not None else None
         """Grammar matchers of the constrained requests (``None``: the run has no grammar backend)."""
 
     # -- setup -----------------------------------------------------------------------------

@@ -364,6 +364,7 @@ def build_runner(
         eos_token_ids=model.shape.eos_token_ids,
         drafter=drafter,
         drafter_name=f"drafter:{speculative.method}" if speculative else "",
+        sampler_name=f"sampler:{settings.sampler.name}",
         rejection_sampler=verifier,
         num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
         kv_connector=kv_connector,

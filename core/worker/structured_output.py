@@ -83,9 +83,15 @@ def _mask_rows(logits: torch.Tensor, words_by_row: np.ndarray, rows: Sequence[in
 class ConstrainedDecoding:
     """The grammar matchers of the batch's constrained requests."""
 
-    def __init__(self, grammars: GrammarCompilations) -> None:
+    def __init__(self, grammars: GrammarCompilations, sampler_name: str = "sampler") -> None:
         self.grammars = grammars
+        self.sampler_name = sampler_name
+        """How messages name the sampler plugin (``sampler:NAME``), when a token it drew was masked."""
         self.matchers: dict[str, GrammarMatcher] = {}
+        self._applied: dict[str, np.ndarray] = {}
+        """This step's bitmask rows by request (its bonus row, or one per draft then the bonus row): the
+        masks the engine applied, kept to tell a sampler that drew a masked token from a matcher that refused
+        a token its own bitmask allowed."""
         self.failed: dict[str, str] = {}
         """Requests whose backend failed, with the message; reported once, then the scheduler finishes them."""
         self._field_paths: dict[str, str] = {}
@@ -126,6 +132,7 @@ class ConstrainedDecoding:
         verifier rejects that draft (its probability is zero), so they are never used.
         """
         matchers = self.matchers
+        self._applied = {}
         if not any(req_id in matchers for req_id in req_ids):
             return
         bitmask = np.empty((logits.shape[0], self.grammars.backend.bitmask_width), dtype=np.int32)
@@ -137,6 +144,8 @@ class ConstrainedDecoding:
             row = int(first_rows[index])
             num_rows = self._fill_rows(req_id, matcher, drafts[index] if drafts else (), bitmask, row)
             rows.extend(range(row, row + num_rows))
+            if num_rows:
+                self._applied[req_id] = bitmask[row : row + num_rows]
         apply_token_bitmask(logits, bitmask, rows)
 
     def update(self, dropped: Iterable[str], new_requests: Iterable[NewRequestData]) -> None:
@@ -162,6 +171,7 @@ class ConstrainedDecoding:
         fails gets none and is reported by :meth:`take_failed`.
         """
         filled: dict[str, np.ndarray] = {}
+        self._applied = filled
         for req_id in req_ids:
             matcher = self.matchers.get(req_id)
             if matcher is None:
@@ -201,6 +211,7 @@ class ConstrainedDecoding:
         """Accept each sampling request's new tokens (accepted drafts and the sampled one)."""
         for req_id, tokens in zip(req_ids, new_tokens, strict=True):
             matcher = self.matchers.get(req_id)
+            applied = self._applied.pop(req_id, None)  # the rows masked these tokens; consumed here
             if matcher is None or not tokens:
                 continue
             try:
@@ -208,9 +219,29 @@ class ConstrainedDecoding:
             except Exception as exc:
                 self._fail(req_id, f"failed to accept tokens: {type(exc).__name__}: {exc}")
                 continue
-            # Tokens after an accepted stop token are dropped by the scheduler; any other refusal is a backend bug.
+            # Tokens after an accepted stop token are dropped by the scheduler; any other refusal is a bug.
             if accepted != len(tokens) and not matcher.is_terminated():
-                self._fail(req_id, f"rejected token {tokens[accepted]}, which its own bitmask allowed")
+                self._blame_refusal(req_id, tokens[accepted], accepted, applied)
+
+    def _blame_refusal(self, req_id: str, token: int, position: int, applied: np.ndarray | None) -> None:
+        """Fail a request whose matcher refused its new token ``token`` (``position`` among the step's tokens),
+        naming the plugin at fault: the sampler, when the row the engine applied (``applied[position]``) had
+        masked that token; the backend, when its own bitmask allowed it."""
+        if applied is None or position >= len(applied):
+            self._fail(req_id, f"rejected token {token}, for which no bitmask row was applied this step")
+            return
+        words = applied[position]
+        in_row = 0 <= token < 32 * len(words)
+        if in_row and (int(words[token // 32]) >> (token % 32)) & 1:
+            self._fail(req_id, f"rejected token {token}, which its own bitmask allowed")
+            return
+        field_path = self._field_paths.get(req_id, "structured_output")
+        self.matchers.pop(req_id, None)
+        self.failed[req_id] = (
+            f"{self.sampler_name} returned token {token}, which the grammar's bitmask masked (the engine set its "
+            f"logit to -inf before sampling; {field_path} of structured_output backend "
+            f"{self.grammars.backend_name!r}): the sampler drew a token of probability zero"
+        )
 
     def take_failed(self) -> dict[str, str]:
         """The failures since the last call (each reported once)."""

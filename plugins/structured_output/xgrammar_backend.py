@@ -123,5 +123,8 @@ class XGrammarBackend(StructuredOutputBackend):
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own errors, with a message
             raise GrammarCompileError(f"{type(exc).__name__}: {exc}".strip()) from exc
 
+    def grammar_size_bytes(self, grammar: Any, params: StructuredOutputParams) -> int:
+        return int(grammar.memory_size_bytes)
+
     def matcher(self, grammar: Any) -> GrammarMatcher:
         return XGrammarMatcher(self._xgrammar.GrammarMatcher(grammar))

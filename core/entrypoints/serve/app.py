@@ -66,6 +66,8 @@ class ServerState:
     admitted: int = 0
     """Sequences of the requests in flight, counted on admission (before the engine sees them)."""
     accepting: bool = True
+    grace_over: bool = False
+    """The shutdown's grace period is over: requests in flight were aborted (non-streamed ones get a 503)."""
     created: int = field(default_factory=lambda: int(time.time()))
     compiled_tool_constraints: dict[str, None] = field(default_factory=dict)
     """Keys of tool constraints known to compile (insertion-ordered, bounded), so each is checked once."""
@@ -196,8 +198,11 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
         adapter = _check_model(state, body.model)
         body.check_supported()
         fields = {**body.sampling_fields(), "lora": adapter}
+        prompts = body.prompts()
+        # Counted before tokenizing: a list of 200k tiny prompts is refused without encoding any of them.
+        _check_admission(state, len(prompts) * (body.n or 1))
         # Tokenized off the event loop: a huge prompt must not stall every other client (/health included).
-        encoded = await asyncio.to_thread(lambda: [llm.encode(prompt) for prompt in body.prompts()])
+        encoded = await asyncio.to_thread(lambda: [llm.encode(prompt) for prompt in prompts])
         prepared = [_prepare(state, text, token_ids, fields, body.max_tokens, "prompt") for text, token_ids in encoded]
         return await _respond(state, request, body.stream, body.stream_options, prepared, CompletionFormat(state))
 
@@ -287,7 +292,8 @@ async def _check_tool_constraint(state: ServerState, plan: ToolPlan) -> None:
     grammars = state.llm.engine.grammars
 
     def compile_schema(schema: dict[str, Any]) -> None:
-        grammars.backend.compile(StructuredOutputParams(json_schema=schema))
+        # Through the run's compilations: cached, and bounded by structured_output.compile_timeout.
+        grammars.submit(StructuredOutputParams(json_schema=schema)).result()
 
     await asyncio.to_thread(check_constraint_compiles, plan, compile_schema)
     state.compiled_tool_constraints[key] = None
@@ -330,18 +336,10 @@ def _prepare(
 # -- running a request -------------------------------------------------------------------------------------
 
 
-async def _respond(
-    state: ServerState,
-    request: Request,
-    stream: bool,
-    stream_options: Any,
-    prepared: list[_Prepared],
-    format: ResponseFormat,
-) -> Response:
-    """Admit, start and answer a request of one or more prompts (``n`` sequences each)."""
+def _check_admission(state: ServerState, sequences: int) -> None:
+    """Refuse a request of ``sequences`` sequences the server cannot take now (503) or ever (400)."""
     if not state.accepting:
         raise APIError(503, "the server is shutting down", code="shutting_down")
-    sequences = sum(p.params.n for p in prepared)
     if sequences > state.admission_limit:
         raise APIError(
             400,
@@ -356,9 +354,23 @@ async def _respond(
             f"(scheduler.max_num_seqs + server.max_waiting); retry later",
             code="queue_full",
         )
+
+
+async def _respond(
+    state: ServerState,
+    request: Request,
+    stream: bool,
+    stream_options: Any,
+    prepared: list[_Prepared],
+    format: ResponseFormat,
+) -> Response:
+    """Admit, start and answer a request of one or more prompts (``n`` sequences each)."""
+    sequences = sum(p.params.n for p in prepared)
+    _check_admission(state, sequences)
     state.admitted += sequences
     streams: list[Any] = []
     try:
+        await _compile_constraints(state, prepared)
         request_id = uuid.uuid4().hex
         for index, item in enumerate(prepared):
             try:
@@ -403,9 +415,31 @@ async def _respond(
         outputs = await _collect_unless_disconnected(request, streams)
     finally:
         release()
+    if outputs is not None and state.grace_over and _aborted(outputs):
+        raise APIError(
+            503,
+            f"the server shut down before the request finished (server.shutdown_grace_period="
+            f"{state.settings.server.shutdown_grace_period:g} s); retry it on another server",
+            code="shutting_down",
+        )
     if outputs is None:
         return Response(status_code=499)  # nobody is listening; the requests were aborted by release()
     return JSONResponse(format.response(response_id, prepared, outputs))
+
+
+async def _compile_constraints(state: ServerState, prepared: list[_Prepared]) -> None:
+    """Compile the prompts' structured-output constraints before the engine sees them, so a constraint the
+    backend cannot compile (or not within ``structured_output.compile_timeout``) is a 400 naming the field,
+    not a failed generation.  The grammars are cached: the engine's own compile is a cache hit."""
+    grammars = state.llm.engine.grammars
+    for item in prepared:
+        constraint = item.params.structured_output
+        if constraint is None or constraint.kind not in grammars.constraint_kinds:
+            continue  # an unsupported kind is refused by the engine, naming it
+        try:
+            await asyncio.wrap_future(grammars.submit(constraint))
+        except Exception as exc:  # noqa: BLE001 - the backend's reason, in the request's error
+            raise APIError(400, grammars.error_message(constraint, exc), param=constraint.field_path) from None
 
 
 DISCONNECT_POLL_SECONDS = 0.5
@@ -462,6 +496,10 @@ async def _collect(streams: list[Any]) -> list[RequestOutput]:
     if failed:
         raise APIError(500, _error_message(failed[0]), code="engine_error")
     return outputs
+
+
+def _aborted(outputs: list[RequestOutput]) -> bool:
+    return any(c.finish_reason == "abort" for o in outputs for c in o.completions)
 
 
 def _error_message(output: RequestOutput) -> str:

@@ -2,8 +2,9 @@
 
 On SIGTERM uvicorn stops accepting connections and waits up to
 ``server.shutdown_grace_period`` seconds for responses in flight; then the
-engine aborts what is left, lets a KV connector finish its transfers, and
-the process exits.
+engine aborts what is left (clients see an ``abort`` finish, see
+:mod:`patchbay.entrypoints.serve.shutdown`), lets a KV connector finish its
+transfers, and the process exits.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
     from patchbay.entrypoints.serve.app import build_app
     from patchbay.entrypoints.serve.connections import protocol_with_header_deadline
     from patchbay.entrypoints.serve.limits import with_limits
+    from patchbay.entrypoints.serve.shutdown import FORCE_AFTER, GracefulServer
 
     app = build_app(llm, settings)
     grace = settings.server.shutdown_grace_period
@@ -62,17 +64,19 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
         limited,
         log_level="info" if settings.server.log_requests else "warning",
         access_log=settings.server.log_requests,
-        # uvicorn annotates ints but hands both to asyncio timers, which take float seconds.
-        timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
+        # uvicorn annotates ints but hands both to asyncio timers, which take float seconds.  Its deadline
+        # cancels the handlers; ours (the grace period) aborts the requests first, so theirs is a backstop.
+        timeout_graceful_shutdown=grace + FORCE_AFTER,  # type: ignore[arg-type]
         timeout_keep_alive=server.idle_timeout,  # type: ignore[arg-type]
         lifespan="on",
         http=protocol_with_header_deadline(server.header_timeout, server.idle_timeout),
     )
-    return uvicorn.Server(config)
+    return GracefulServer(config, llm=llm, state=app.state.patchbay, grace_period=grace)
 
 
 async def _serve_until_signal(server, sock: socket.socket) -> None:  # noqa: ANN001 - uvicorn.Server
-    """Serve; SIGTERM or SIGINT starts the graceful shutdown (a second one forces it), and the exit is clean.
+    """Serve; SIGTERM or SIGINT starts the graceful shutdown (a second one ends the grace period at once, a
+    third forces the exit), and the exit is clean.
 
     uvicorn's own handlers re-raise the signal once it has shut down, which
     would kill the process before the engine and the KV connector are released.

@@ -38,7 +38,7 @@ LATENCY_BUCKETS = (
     40.0,
     80.0,
 )
-STEP_PHASE_PLUGIN = {"forward": "attention", "sample": "sampler", "draft": "drafter"}
+STEP_PHASE_PLUGIN = {"forward": "attention", "sample": "sampler", "draft": "drafter", "compile": "structured_output"}
 """The plugin kind that does most of a step phase's work (the phase label says which)."""
 
 

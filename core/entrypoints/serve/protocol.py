@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, StrictInt, ValidationError
 
 from patchbay.sampling_params import SamplingParams
 
@@ -97,6 +97,9 @@ def _checked_text(value: Any) -> Any:
     return _encodable(value) if isinstance(value, str) else value
 
 
+Number = Annotated[float, Strict()]
+"""A JSON number (an integer too); ``"0.5"`` or ``true`` is a 400, not 0.5 or 1.0."""
+
 Text = Annotated[str, BeforeValidator(_checked_text)]
 """A string a tokenizer can take: refused (400 naming the field) if it holds a lone surrogate."""
 
@@ -110,8 +113,8 @@ Prompt = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidato
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class _GenerationRequest(BaseModel):
@@ -121,15 +124,15 @@ class _GenerationRequest(BaseModel):
 
     model: str | None = None
     n: StrictInt = Field(default=1, ge=1)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, BeforeValidator(_checked_texts_and_ids)] = None
-    temperature: float | None = None
-    top_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
     seed: StrictInt | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Number] | None = None
     user: str | None = None
     """Accepted and ignored (OpenAI uses it for abuse monitoring)."""
 
@@ -164,9 +167,9 @@ class CompletionRequest(_GenerationRequest):
     prompt: Prompt
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: one text or token list each."""
@@ -227,17 +230,17 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     tool_parser: str | None = None
     """patchbay's: the tool-call parser for this request instead of ``chat.tool_parser``."""
     reasoning_parser: str | None = None
     """patchbay's: the reasoning parser for this request instead of ``chat.reasoning_parser``."""
     response_format: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
     def check_supported(self) -> None:
         self.structured_output()  # a malformed response_format is a 400 before anything runs
@@ -304,7 +307,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from patchbay.engine import RequestOutput
 from patchbay.entrypoints.chat import (
@@ -45,7 +45,7 @@ from patchbay.entrypoints.serve.app import (
     _Prepared,
     _respond,
 )
-from patchbay.entrypoints.serve.protocol import OPENAI_DEFAULT_TEMPERATURE, APIError
+from patchbay.entrypoints.serve.protocol import OPENAI_DEFAULT_TEMPERATURE, APIError, Number
 
 
 class ResponsesRequest(BaseModel):
@@ -59,13 +59,13 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     text: dict[str, Any] | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    store: bool = True
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Number | None = None
+    top_p: Number | None = None
+    stream: StrictBool = False
+    store: StrictBool = True
     metadata: dict[str, str] | None = None
     include: list[str] | None = None
     """Accepted; patchbay has no extra output to include."""
