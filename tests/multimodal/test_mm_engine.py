@@ -9,6 +9,7 @@ the image through transformers' own forward.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -18,6 +19,7 @@ from mm_models import test_image, transformers_greedy_mm
 from patchbay import LLM, SamplingParams, hookimpl
 from patchbay.contract.registry import Registry
 from patchbay.engine import MultiModalInputError
+from patchbay.entrypoints.run_command import summarise
 from patchbay.interfaces import DraftBatch, Drafter, DrafterCapabilities, DraftProposals
 
 NUM_TOKENS = 8
@@ -83,13 +85,18 @@ def test_mixed_batch_equals_transformers(family: tuple[str, Path]) -> None:
     name, model_dir = family
     llm = make_llm(model_dir)
     prompts = mixed_batch(name)
-    assert greedy_tokens(llm, prompts) == expected(model_dir, prompts)
+    outputs = llm.generate(prompts, GREEDY)
+    assert [output.completions[0].token_ids for output in outputs] == expected(model_dir, prompts)
     stats = llm.engine.scheduler.encoder_cache.stats
     # CAT is used three times (one request, twice in another), WIDE and DOG once: 3 encoded, 2 shared.
     assert (stats.misses, stats.hits) == (3, 2)
     report = llm.engine.report()
-    assert report.encoder_cache is not None and report.encoder_cache.hits == 2
-    assert "encoder" in report.step_timings
+    assert report.encoder_cache == stats
+    assert report.step_timings["encoder"] > 0
+    summary = summarise(outputs, 1.0, llm.engine)
+    assert re.search(
+        r"^encoder cache: +3 images encoded \(\d+ tokens, [\d.]+ s\), 2 served from the cache$", summary, re.M
+    )
 
 
 def test_chunked_prefill_through_images(family: tuple[str, Path]) -> None:
