@@ -242,3 +242,27 @@ def test_bad_image_requests_fail_alone_naming_the_request(tiny_qwen2_vl: Path, t
     # The engine goes on serving.
     prompts = [image_prompt("qwen2_vl", "Fine: {}", [CAT])]
     assert greedy_tokens(llm, prompts) == expected(tiny_qwen2_vl, prompts)
+
+
+def test_a_step_failing_for_one_request_replays_image_requests_alone(
+    tiny_qwen2_vl: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replay of a failed step runs each image request alone, with its images and M-RoPE positions."""
+    llm = make_llm(tiny_qwen2_vl)
+    base = type(llm.engine.sampler)
+
+    class FussySampler(base):  # type: ignore[misc, valid-type]
+        def sample(self, logits: Any, metadata: Any) -> Any:
+            if (metadata.temperature == 0.5).any():
+                raise RuntimeError("this sampler cannot take that temperature")
+            return super().sample(logits, metadata)
+
+    fussy = FussySampler(llm.engine.sampler.options)
+    monkeypatch.setattr(llm.engine, "sampler", fussy)
+    monkeypatch.setattr(llm.engine.runner, "sampler", fussy)
+    prompts = mixed_batch("qwen2_vl")
+    bad = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.5)
+    outputs = llm.generate([*prompts, prompts[0]], [GREEDY] * len(prompts) + [bad])
+    assert outputs[-1].finish_reason == "error"
+    assert [output.completions[0].token_ids for output in outputs[:-1]] == expected(tiny_qwen2_vl, prompts)
+    assert llm.engine.scheduler.encoder_cache.num_entries == 0
