@@ -226,7 +226,9 @@ class SchedulerSettings(Section):
     encoder_cache_size: PositiveInt = 8192
     """Capacity of the encoder cache, in placeholder tokens: encoded images wait there (shared by identical
     images) until every request using them has computed their placeholders. A chunk whose image does not fit
-    stops before it; a request with an image larger than this is refused."""
+    stops before it; a request with an image larger than this is refused. Its full size (these many rows of the
+    model's hidden size) is reserved beside the step's activations when ``cache.memory: auto`` sizes the KV
+    pool."""
 
 
 class AttentionSettings(Section):

@@ -545,6 +545,7 @@ class _RankZeroBuild:
             step_tokens=step_tokens,
             held_before_load=self.held_before_load,
             ranks=ranks_on_this_machine(self.settings),
+            encoder_cache_bytes=self._encoder_cache_bytes(),
         )
         logger.info("KV cache (cache.memory auto): %s", self.kv_sizing.describe())
         return self.kv_sizing.num_blocks
@@ -579,9 +580,25 @@ class _RankZeroBuild:
             f"the persistent batch ({max_num_reqs} rows of {self.max_model_len} tokens{each})",
             host_ranks * max_num_reqs * row_bytes,
         )
+        needs = [kv]
+        if self.model.vision is not None:
+            needs.append(
+                (
+                    "scheduler.encoder_cache_size",
+                    f"the encoder cache ({settings.scheduler.encoder_cache_size} image tokens)",
+                    self._encoder_cache_bytes(),
+                )
+            )
         if self.device.type == "cpu":
-            check_fits([kv, batch], self.device)
+            check_fits([*needs, batch], self.device)
         else:
-            check_fits([kv], self.device)
+            check_fits(needs, self.device)
             check_fits([batch], torch.device("cpu"))
         return max_num_reqs, max_step_tokens
+
+    def _encoder_cache_bytes(self) -> int:
+        """The encoder cache full (``scheduler.encoder_cache_size`` rows of the hidden size); 0 for a text model."""
+        if self.model.vision is None:
+            return 0
+        element = torch.tensor([], dtype=torch_dtype(self.dtype)).element_size()
+        return self.settings.scheduler.encoder_cache_size * self.model.shape.hidden_size * element

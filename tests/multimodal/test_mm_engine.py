@@ -18,6 +18,7 @@ import pytest
 from mm_models import test_image, transformers_greedy_mm
 from patchbay import LLM, SamplingParams, hookimpl
 from patchbay.contract.registry import Registry
+from patchbay.contract.settings import ConfigError
 from patchbay.engine import MultiModalInputError
 from patchbay.entrypoints.run_command import summarise
 from patchbay.interfaces import DraftBatch, Drafter, DrafterCapabilities, DraftProposals
@@ -266,3 +267,8 @@ def test_a_step_failing_for_one_request_replays_image_requests_alone(
     assert outputs[-1].finish_reason == "error"
     assert [output.completions[0].token_ids for output in outputs[:-1]] == expected(tiny_qwen2_vl, prompts)
     assert llm.engine.scheduler.encoder_cache.num_entries == 0
+
+
+def test_the_encoder_cache_counts_in_automatic_kv_sizing(tiny_qwen2_vl: Path) -> None:
+    with pytest.raises(ConfigError, match=r"the encoder cache [\d.]+ GiB \(scheduler.encoder_cache_size\)"):
+        LLM(model__path=str(tiny_qwen2_vl), scheduler__encoder_cache_size=10**9)
