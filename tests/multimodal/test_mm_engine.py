@@ -8,6 +8,7 @@ the image through transformers' own forward.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -272,3 +273,27 @@ def test_a_step_failing_for_one_request_replays_image_requests_alone(
 def test_the_encoder_cache_counts_in_automatic_kv_sizing(tiny_qwen2_vl: Path) -> None:
     with pytest.raises(ConfigError, match=r"the encoder cache [\d.]+ GiB \(scheduler.encoder_cache_size\)"):
         LLM(model__path=str(tiny_qwen2_vl), scheduler__encoder_cache_size=10**9)
+
+
+def test_the_async_engine_takes_images(tiny_llava: Path) -> None:
+    from patchbay.contract.settings import load_settings
+    from patchbay.engine import AsyncLLM
+
+    prompt = image_prompt("llava", "Async {} here", [WIDE])
+
+    async def scenario() -> list[int]:
+        settings = load_settings(None, overrides=[f"model.path={tiny_llava}", "model.max_model_len=256"])
+        llm = AsyncLLM(settings)
+        try:
+            text, token_ids = llm.encode(prompt)
+            last = None
+            async for delta in llm.generate(
+                token_ids, GREEDY, prompt=text, multi_modal_data=prompt["multi_modal_data"]
+            ):
+                last = delta
+            assert last is not None and last.output is not None
+            return last.output.completions[0].token_ids
+        finally:
+            await llm.shutdown()
+
+    assert asyncio.run(scenario()) == expected(tiny_llava, [prompt])[0]
