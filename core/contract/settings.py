@@ -224,11 +224,9 @@ class SchedulerSettings(Section):
     runs in it. An image is encoded whole in the step whose chunk first reaches it; when the budget cannot take
     it, the chunk stops before the image. A request with an image larger than this is refused."""
     encoder_cache_size: PositiveInt = 8192
-    """Capacity of the encoder cache, in placeholder tokens: encoded images wait there (shared by identical
-    images) until every request using them has computed their placeholders. A chunk whose image does not fit
-    stops before it; a request with an image larger than this is refused. Its full size (these many rows of the
-    model's hidden size) is reserved beside the step's activations when ``cache.memory: auto`` sizes the KV
-    pool."""
+    """Capacity of the encoder cache, in placeholder tokens: encoded images stay there, shared by identical
+    images, until their requests computed their placeholders. A chunk whose image does not fit stops before it;
+    a larger image is refused. ``cache.memory: auto`` reserves it full (docs/design/multimodal.md)."""
 
 
 class AttentionSettings(Section):

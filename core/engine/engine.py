@@ -538,7 +538,8 @@ class Engine:
         """Seconds spent per phase of a step since the last reset, in step order.
 
         ``schedule`` (the scheduler), the runner's ``update`` (persistent
-        batch), ``prepare`` (inputs and attention metadata), ``forward`` (the
+        batch), ``prepare`` (inputs and attention metadata), ``encoder`` (a
+        vision-language model's image encoding), ``forward`` (the
         model, logits included), ``sample``, ``output`` (recording samples),
         ``draft`` (speculative proposals, when a drafter runs), ``structure`` (filling and
         applying grammar bitmasks and advancing matchers, when constrained requests run), then

@@ -162,7 +162,8 @@ class ModelRunner:
         # Scratch index vector, sliced each step instead of allocated.
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len) + 1, dtype=np.int32)
         self.timings: dict[str, float] = defaultdict(float)
-        """Seconds spent per phase since creation: update, prepare, forward, structure, sample, output."""
+        """Seconds spent per phase since creation: update, prepare, encoder (images), forward, structure, sample,
+        output."""
         self.num_steps = 0
         self.constrained = ConstrainedDecoding(grammars) if grammars is not None else None
         """Grammar matchers of the constrained requests (``None``: the run has no grammar backend)."""
