@@ -503,8 +503,9 @@ class Scheduler:
             num_new = min(num_new, token_budget)
             plan: list[tuple[int, bool]] = []
             if request.mm_features:
+                wanted = num_new
                 num_new, plan = self._plan_encoder_inputs(request, num_computed, num_new, encoder_budget)
-                if num_new <= 0:
+                if num_new <= 0 or (must_fit_whole and num_new < wanted):
                     break  # its next image waits for encoder budget or cache room; later arrivals wait behind it
             if computed_block_ids is None:
                 request.num_computed_tokens = num_computed

@@ -125,3 +125,23 @@ def test_preemption_releases_images() -> None:
     assert sched.encoder_cache.num_entries == 0
     again = sched.schedule()  # it comes back and encodes its image again
     assert again.scheduled_encoder_inputs == {"a": [0]} and again.free_encoder_hashes == ["cat"]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_all_its_images() -> None:
+    groups = [KVCacheGroup(KVCacheSpec(block_size=BLOCK, num_kv_heads=1, head_size=8), ["layers.0"])]
+    sched = Scheduler(
+        KVCacheManager(groups, 64),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        block_size=BLOCK,
+        chunked_prefill=False,
+        max_num_encoder_input_tokens=8,
+        encoder_cache_size=100,
+    )
+    sched.add_request(image_request("a", [("cat", 0, 8)], length=12))
+    sched.add_request(image_request("b", [("dog", 4, 8)], length=12))
+    first = sched.schedule()  # "b" would be cut before its image (the budget went to "cat"): it waits whole
+    assert first.num_scheduled_tokens == {"a": 12}
+    run(sched, first)
+    assert sched.schedule().num_scheduled_tokens == {"a": 1, "b": 12}
