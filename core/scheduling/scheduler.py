@@ -230,6 +230,17 @@ class Scheduler:
                         f"request {request.request_id!r}: image {index} takes {feature.length} placeholder tokens, "
                         f"more than {key}={limit}; raise it or send a smaller image"
                     )
+        if not self.chunked_prefill and request.mm_features:
+            # A prompt that runs whole encodes all its (distinct) images in one step.
+            total = sum({feature.content_hash: feature.length for feature in request.mm_features}.values())
+            limit = min(self.max_num_encoder_input_tokens, self.encoder_cache.capacity)
+            if total > limit:
+                raise ValueError(
+                    f"request {request.request_id!r}: its images take {total} placeholder tokens, more than one "
+                    f"step's encoder budget and cache ({limit}) while scheduler.chunked_prefill is off; enable "
+                    "it, raise scheduler.max_num_encoder_input_tokens and scheduler.encoder_cache_size, or send "
+                    "fewer images"
+                )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish the requests as aborted and free their blocks; unknown or finished ids are ignored."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from patchbay.sampling_params import SamplingParams
 from patchbay.scheduling.kv_cache_manager import KVCacheManager
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup, KVCacheSpec
@@ -145,3 +147,19 @@ def test_without_chunked_prefill_a_prompt_waits_for_all_its_images() -> None:
     assert first.num_scheduled_tokens == {"a": 12}
     run(sched, first)
     assert sched.schedule().num_scheduled_tokens == {"a": 1, "b": 12}
+
+
+def test_without_chunked_prefill_images_over_one_steps_budget_are_refused() -> None:
+    groups = [KVCacheGroup(KVCacheSpec(block_size=BLOCK, num_kv_heads=1, head_size=8), ["layers.0"])]
+    sched = Scheduler(
+        KVCacheManager(groups, 64),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        block_size=BLOCK,
+        chunked_prefill=False,
+        max_num_encoder_input_tokens=8,
+    )
+    sched.add_request(image_request("same", [("cat", 0, 8), ("cat", 10, 8)], length=20))  # one encoding
+    with pytest.raises(ValueError, match="'two'.*16 placeholder tokens.*chunked_prefill is off"):
+        sched.add_request(image_request("two", [("cat", 0, 8), ("dog", 10, 8)], length=20))
