@@ -60,20 +60,18 @@ class VisionEncoder:
     @torch.inference_mode()
     def encode(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Run the vision tower and projector once over ``images`` (each image's processor tensors, as
-        :func:`patchbay.engine.multimodal_inputs` made them); one ``[placeholder_tokens, hidden]`` per image."""
+        :mod:`patchbay.engine.multimodal_inputs` made them); one ``[placeholder_tokens, hidden]`` per image."""
         if not images:
             return []
+        # The processor's tensors are on the CPU, in float32: onto the model's device, pixels in its dtype.
+        device, dtype = self._model.device, self._model.dtype
+        pixels = torch.cat([image["pixel_values"] for image in images]).to(device=device, dtype=dtype)
         if self.family == "qwen2_vl":
             # Qwen2-VL's processor flattens an image's patches: [patches, dim] rows, concatenated over images.
-            output = self._model.get_image_features(
-                torch.cat([image["pixel_values"] for image in images]),
-                torch.cat([image["image_grid_thw"] for image in images]),
-                return_dict=True,
-            )
+            grids = torch.cat([image["image_grid_thw"] for image in images]).to(device)
+            output = self._model.get_image_features(pixels, grids, return_dict=True)
         else:
-            output = self._model.get_image_features(
-                torch.cat([image["pixel_values"] for image in images]), return_dict=True, **self._options
-            )
+            output = self._model.get_image_features(pixels, return_dict=True, **self._options)
         return list(output.pooler_output)
 
 
