@@ -153,9 +153,10 @@ class AsyncLLM:
         *,
         prompt: str | None = None,
         request_id: str | None = None,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Queue a request; returns its stream of deltas.  Invalid requests raise ``ValueError``
-        (from :meth:`Engine.add_request`, naming the request)."""
+        (from :meth:`Engine.add_request`, naming the request); ``multi_modal_data`` as there."""
         request_id = request_id or uuid.uuid4().hex
         n = sampling_params.n
         stream = _Stream(
@@ -165,7 +166,9 @@ class AsyncLLM:
             [0] * n,
             [False] * n,
         )
-        await self._call(lambda: self._add(request_id, prompt_token_ids, sampling_params, prompt, stream))
+        await self._call(
+            lambda: self._add(request_id, prompt_token_ids, sampling_params, prompt, stream, multi_modal_data)
+        )
         return RequestStream(self, request_id, stream.queue)
 
     async def generate(
@@ -175,12 +178,15 @@ class AsyncLLM:
         *,
         prompt: str | None = None,
         request_id: str | None = None,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Add a request and yield its deltas until the last one (whose ``output`` is the finished request).
 
         Leaving the loop early (or the task being cancelled) aborts the request.
         """
-        stream = await self.add_request(prompt_token_ids, sampling_params, prompt=prompt, request_id=request_id)
+        stream = await self.add_request(
+            prompt_token_ids, sampling_params, prompt=prompt, request_id=request_id, multi_modal_data=multi_modal_data
+        )
         try:
             async for delta in stream:
                 yield delta
@@ -238,9 +244,17 @@ class AsyncLLM:
     # -- the engine thread ------------------------------------------------------------------
 
     def _add(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None, stream: _Stream
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        stream: _Stream,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> None:
-        self.engine.add_request(prompt_token_ids, params, prompt=prompt, request_id=request_id)
+        self.engine.add_request(
+            prompt_token_ids, params, prompt=prompt, request_id=request_id, multi_modal_data=multi_modal_data
+        )
         self._streams[request_id] = stream
         self._num_sequences += params.n
 

@@ -39,7 +39,7 @@ from patchbay.worker.parallel import distributed
 from patchbay.worker.cpu.fused_ops import FusedModules
 from patchbay.worker.cpu.heap import keep_freed_memory
 from patchbay.worker.lora.manager import LoRAManager
-from patchbay.worker.model.hf_model import HFCausalLM
+from patchbay.worker.model.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.parallel.kv_transfers import RankTransferReports
 from patchbay.worker.memory_profile import PeakUnmeasurable, step_activation_bytes
 from patchbay.worker.model.model_loader import resolve_model_dir
@@ -288,6 +288,17 @@ class _RankZeroBuild:
             shard_vocabulary=shards_vocabulary(settings, registry),
         )
         self.model = loaded.model
+        if self.model.vision is not None and self.ranks is not None:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "<run>",
+                        "runtime.tensor_parallel_size",
+                        f"{self.model.shape.architecture} is a vision-language model: it runs in one process "
+                        "(its vision tower is not sharded or staged yet); use one rank",
+                    )
+                ]
+            )
         self.lora = rank_lora(self.model, settings, registry, device=self.device, dtype=self.dtype)
         shape = self.model.shape
         self.max_model_len = min(settings.model.max_model_len or 1 << 62, shape.max_position_embeddings or 1 << 62)
@@ -344,6 +355,8 @@ class _RankZeroBuild:
             max_batches_in_flight=pipeline_depth(settings),
             pipelined=settings.runtime.pipeline_parallel_size > 1,
             max_loras=settings.lora.max_loras if settings.lora is not None else None,
+            max_num_encoder_input_tokens=settings.scheduler.max_num_encoder_input_tokens,
+            encoder_cache_size=settings.scheduler.encoder_cache_size,
         )
         spec = RunnerSpec(
             backend_name,
@@ -529,6 +542,7 @@ class _RankZeroBuild:
             step_tokens=step_tokens,
             held_before_load=self.held_before_load,
             ranks=ranks_on_this_machine(self.settings),
+            encoder_cache_bytes=self._encoder_cache_bytes(),
         )
         logger.info("KV cache (cache.memory auto): %s", self.kv_sizing.describe())
         return self.kv_sizing.num_blocks
@@ -563,9 +577,25 @@ class _RankZeroBuild:
             f"the persistent batch ({max_num_reqs} rows of {self.max_model_len} tokens{each})",
             host_ranks * max_num_reqs * row_bytes,
         )
+        needs = [kv]
+        if self.model.vision is not None:
+            needs.append(
+                (
+                    "scheduler.encoder_cache_size",
+                    f"the encoder cache ({settings.scheduler.encoder_cache_size} image tokens)",
+                    self._encoder_cache_bytes(),
+                )
+            )
         if self.device.type == "cpu":
-            check_fits([kv, batch], self.device)
+            check_fits([*needs, batch], self.device)
         else:
-            check_fits([kv], self.device)
+            check_fits(needs, self.device)
             check_fits([batch], torch.device("cpu"))
         return max_num_reqs, max_step_tokens
+
+    def _encoder_cache_bytes(self) -> int:
+        """The encoder cache full (``scheduler.encoder_cache_size`` rows of the hidden size); 0 for a text model."""
+        if self.model.vision is None:
+            return 0
+        element = torch.tensor([], dtype=torch_dtype(self.dtype)).element_size()
+        return self.settings.scheduler.encoder_cache_size * self.model.shape.hidden_size * element

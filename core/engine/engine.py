@@ -28,6 +28,7 @@ from patchbay.contract.registry import PluginError, Registry, registry_for
 from patchbay.contract.settings import Settings
 from patchbay.engine.admission import check_request
 from patchbay.engine.builder import build_engine_parts, pipeline_depth
+from patchbay.engine.multimodal_inputs import ImageInputs, MultiModalInputError, request_images
 from patchbay.engine.output_processor import OutputProcessor
 from patchbay.engine.outputs import RequestOutput
 from patchbay.engine.ranks import parallel_settings
@@ -36,6 +37,7 @@ from patchbay.engine.step_failures import EngineDeadError, describe_failure, fai
 from patchbay.engine.structured_output import check_constraint
 from patchbay.interfaces import Sampler, SamplerConfig
 from patchbay.sampling_params import SamplingParams
+from patchbay.scheduling.multimodal import ImageFeature
 from patchbay.scheduling.request import Request
 from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from patchbay.worker.lora.catalog import AdapterInUseError
@@ -97,6 +99,11 @@ class Engine:
         self._stalled_since: float | None = None
         self._stalled_on: list[str] = []
         """When the steps started doing nothing but wait on the connector (``None``: they are not)."""
+        vision = self.model.vision
+        self.image_inputs = ImageInputs.for_model(
+            self.model_dir, vision.family if vision is not None else None, self.model.shape.architecture
+        )
+        """A vision-language model's image processing (``None``: the model takes text only)."""
         self._ids = itertools.count()
         eos = self.model.shape.eos_token_ids
         self._eos_token_id = eos[0] if eos else None
@@ -125,6 +132,7 @@ class Engine:
             kv_connector=copy.copy(self.scheduler.kv_connector_stats) if self.kv_connector is not None else None,
             speculative=copy.deepcopy(self.spec_stats),
             grammars=copy.deepcopy(self.grammars.stats),
+            encoder_cache=copy.copy(self.scheduler.encoder_cache.stats) if self.image_inputs is not None else None,
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -136,30 +144,55 @@ class Engine:
         *,
         prompt: str | None = None,
         request_id: str | None = None,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> str:
         """Queue a request; returns its id.  Invalid requests raise ``ValueError`` naming the request.
 
         A request with ``n > 1`` runs as ``n`` sequences (seeded ones with
         seeds ``seed, seed + 1, ...``) and finishes as one output holding all
-        ``n`` completions.
+        ``n`` completions.  ``multi_modal_data`` (``{"image": image or [images]}``)
+        gives a vision-language model the images of the prompt's image markers
+        (:mod:`patchbay.engine.multimodal_inputs`); bad images raise
+        :class:`MultiModalInputError`.
         """
         self._require_alive()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        features: list[ImageFeature] = []
+        if multi_modal_data is not None:
+            prompt_token_ids, features = self._expand_images(request_id, prompt_token_ids, multi_modal_data)
         self.check_request(request_id, prompt_token_ids, sampling_params)
         sampling_params = self._complete_params(sampling_params)
         if sampling_params.n == 1:
-            self._add_sequence(request_id, prompt_token_ids, sampling_params, prompt)
+            self._add_sequence(request_id, prompt_token_ids, sampling_params, prompt, features=features)
             return request_id
         children = [f"{request_id}#{index}" for index in range(sampling_params.n)]
         self.output_processor.add_group(request_id, children)
         for index, child in enumerate(children):
             seed = None if sampling_params.seed is None else sampling_params.seed + index
             self._add_sequence(
-                child, prompt_token_ids, sampling_params.model_copy(update={"seed": seed}), prompt, request_id
+                child,
+                prompt_token_ids,
+                sampling_params.model_copy(update={"seed": seed}),
+                prompt,
+                request_id,
+                features=features,
             )
         return request_id
+
+    def _expand_images(
+        self, request_id: str, prompt_token_ids: list[int], multi_modal_data: dict[str, Any]
+    ) -> tuple[list[int], list[ImageFeature]]:
+        """The prompt with its image markers expanded to placeholders, and its images' features."""
+        images = request_images(request_id, multi_modal_data)
+        if not images:
+            return prompt_token_ids, []
+        if self.image_inputs is None:
+            raise MultiModalInputError(
+                f"request {request_id!r} has images, but this model ({self.model.shape.architecture}) takes text only"
+            )
+        return self.image_inputs.process(request_id, prompt_token_ids, images)
 
     def _complete_params(self, params: SamplingParams) -> SamplingParams:
         """Fill what the engine knows and the request cannot: extra EOS ids, bad words as token ids."""
@@ -184,6 +217,8 @@ class Engine:
         params: SamplingParams,
         prompt: str | None,
         request_id: str | None = None,
+        *,
+        features: list[ImageFeature] | None = None,
     ) -> None:
         # An adapter's identity (its weights' fingerprint) enters the block hashes: prefix cache and KV connectors.
         salt = self.lora.identity(params.lora) if params.lora is not None and self.lora is not None else None
@@ -194,6 +229,7 @@ class Engine:
             eos_token_id=self._eos_token_id,
             block_size=self.settings.cache.block_size,
             cache_salt=salt,
+            mm_features=features or (),
         )
         self.scheduler.add_request(request)
         self.output_processor.add_sequence(
@@ -440,6 +476,9 @@ class Engine:
         for sequence_id, stop in applied.stopped:
             self.scheduler.finish_requests([sequence_id], "stop", stop)
         finished = self.output_processor.finish(applied.finished_ids)
+        if self.runner.images is not None and not self.scheduler.has_unfinished_requests():
+            # Idle: drop the encoder outputs the last step released now, not at a next step that may not come.
+            self.runner.images.cache.free(self.scheduler.encoder_cache.take_freed())
         self._engine_timings["finish"] += time.perf_counter() - ran
         self._check_liveness(scheduler_output.is_empty and not finished)
         return finished
@@ -504,7 +543,8 @@ class Engine:
         ``schedule`` (the scheduler), ``compile`` (when a step had nothing to
         run but requests waiting for their grammars: the scheduler's wait on
         the compilations, taken out of ``schedule``), the runner's ``update`` (persistent
-        batch), ``prepare`` (inputs and attention metadata), ``forward`` (the
+        batch), ``prepare`` (inputs and attention metadata), ``encoder`` (a
+        vision-language model's image encoding), ``forward`` (the
         model, logits included), ``sample``, ``output`` (recording samples),
         ``draft`` (speculative proposals, when a drafter runs), ``structure`` (filling and
         applying grammar bitmasks and advancing matchers, when constrained requests run), then

@@ -67,11 +67,13 @@ def size_kv_pool(
     step_tokens: int,
     held_before_load: int,
     ranks: int = 1,
+    encoder_cache_bytes: int = 0,
 ) -> KVSizing:
     """The pool's block count (per group, null block included) for ``cache.memory: auto``.
 
     ``held_before_load`` is :func:`memory_in_use` taken before the engine
     loaded its model: what the model holds is the growth since.
+    ``encoder_cache_bytes``: a vision-language model's encoder cache, full, reserved beside the step.
     """
     cache = settings.cache
     utilization = cache.memory_utilization or DEFAULT_UTILIZATION.get(device.type, DEFAULT_UTILIZATION["cpu"])
@@ -89,11 +91,12 @@ def size_kv_pool(
         )
     budget = int(utilization * total)
     held = max(0, memory_in_use(device) - held_before_load)
-    room = budget - ranks * (held + activation_bytes)
+    beside = activation_bytes + encoder_cache_bytes
+    room = budget - ranks * (held + beside)
     limited_by = "budget"
     free = available_memory(device)
-    if free is not None and free - ranks * activation_bytes < room:
-        room, limited_by = free - ranks * activation_bytes, "free memory"
+    if free is not None and free - ranks * beside < room:
+        room, limited_by = free - ranks * beside, "free memory"
     bytes_per_block = sum(len(group.layer_names) * group.spec.page_size_bytes for group in groups)
     block_size = groups[0].spec.block_size
     num_blocks = num_blocks_for_memory(groups, max(0, room // ranks))
@@ -110,6 +113,11 @@ def size_kv_pool(
                     f"{format_bytes(budget)}, the loaded model holds {format_bytes(held)}"
                     f"{' per rank' if ranks > 1 else ''} and a "
                     f"{step_tokens}-token step {format_bytes(activation_bytes)} more"
+                    + (
+                        f", the encoder cache {format_bytes(encoder_cache_bytes)} (scheduler.encoder_cache_size)"
+                        if encoder_cache_bytes
+                        else ""
+                    )
                     + (f", and {format_bytes(free)} is free" if free is not None else "")
                     + "; raise cache.memory_utilization, lower scheduler.max_num_batched_tokens, or give cache.memory",
                 )

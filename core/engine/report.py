@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from patchbay.scheduling.encoder_cache_manager import EncoderCacheStats
 from patchbay.scheduling.scheduler import KVConnectorStats
 from patchbay.scheduling.structured_output import CompileStats
 from patchbay.worker.cpu.fused_ops import FusedModules
@@ -58,3 +59,6 @@ class EngineReport:
     """Drafted and accepted tokens (all zero without ``speculative:``)."""
     grammars: CompileStats
     """Grammar compilations: how many, how long, failed, past ``structured_output.compile_timeout``."""
+    encoder_cache: EncoderCacheStats | None = None
+    """Images encoded and shared through the encoder cache (``None``: the model takes text only); the encoder's
+    time is the ``encoder`` phase of :attr:`step_timings`."""

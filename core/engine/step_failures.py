@@ -107,6 +107,7 @@ def replay_alone(
                     sampling_params=request.sampling_params,
                     block_ids=scheduler.kv_cache_manager.get_block_ids(req_id),
                     num_computed_tokens=request.num_computed_tokens,
+                    mm_features=request.mm_features,
                 )
             ],
             scheduled_cached_reqs=CachedRequestData(),
@@ -115,6 +116,11 @@ def replay_alone(
             scheduled_spec_decode_tokens={req_id: drafts}
             if (drafts := scheduler_output.scheduled_spec_decode_tokens.get(req_id))
             else {},
+            # The images this step encodes for it (those encoded before are still cached).
+            scheduled_encoder_inputs={req_id: images}
+            if (images := scheduler_output.scheduled_encoder_inputs.get(req_id))
+            else {},
+            free_encoder_hashes=scheduler_output.free_encoder_hashes,
         )
         try:
             output = runner.execute_model(alone)

@@ -1,0 +1,1 @@
+"""The runner's images: encoder cache, M-RoPE, merged embeddings."""
