@@ -146,6 +146,22 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama-gqa4")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2-VL (M-RoPE) saved with its tokenizer and image processor, built once per session."""
+    from mm_models import build_tiny_qwen2_vl
+
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaVA (CLIP vision tower, Llama text model) saved with its processor, built once per session."""
+    from mm_models import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("llava"))
+
+
 # ------------------------------------------------------------------------------------------------
 # Engines shared by the tests that only read them (see tests/shared_engines.py for the rules)
 #
