@@ -153,9 +153,11 @@ class AsyncLLM:
         *,
         prompt: str | None = None,
         request_id: str | None = None,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Queue a request; returns its stream of deltas.  Invalid requests raise ``ValueError``
-        (from :meth:`Engine.add_request`, naming the request)."""
+        (from :meth:`Engine.add_request`, naming the request).  ``multi_modal_data`` carries the prompt's
+        images (``{"image": [PIL images]}``), as :meth:`Engine.add_request` takes them."""
         request_id = request_id or uuid.uuid4().hex
         n = sampling_params.n
         stream = _Stream(
@@ -165,7 +167,9 @@ class AsyncLLM:
             [0] * n,
             [False] * n,
         )
-        await self._call(lambda: self._add(request_id, prompt_token_ids, sampling_params, prompt, stream))
+        await self._call(
+            lambda: self._add(request_id, prompt_token_ids, sampling_params, prompt, stream, multi_modal_data)
+        )
         return RequestStream(self, request_id, stream.queue)
 
     async def generate(
@@ -233,9 +237,16 @@ class AsyncLLM:
     # -- the engine thread ------------------------------------------------------------------
 
     def _add(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None, stream: _Stream
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        stream: _Stream,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> None:
-        self.engine.add_request(prompt_token_ids, params, prompt=prompt, request_id=request_id)
+        images = {"multi_modal_data": multi_modal_data} if multi_modal_data is not None else {}
+        self.engine.add_request(prompt_token_ids, params, prompt=prompt, request_id=request_id, **images)
         self._streams[request_id] = stream
         self._num_sequences += params.n
 

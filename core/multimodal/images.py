@@ -282,3 +282,17 @@ def _remote_bytes(url: str, limits: MultimodalSettings, where: str) -> bytes:
             where, f"the remote image is over {limits.max_image_bytes} bytes (multimodal.max_image_bytes)"
         )
     return data
+
+
+def load_multi_modal_data(data: Any, *, limits: MultimodalSettings, where: str) -> dict[str, list[Image.Image]]:
+    """A prompt's ``multi_modal_data`` (``{"image": source | [sources]}``) with every image loaded (RGB), the
+    count checked against ``multimodal.max_images_per_prompt``."""
+    if not isinstance(data, dict):
+        raise ImageInputError(where, f'must be an object like {{"image": [...]}}, got {type(data).__name__}')
+    unknown = sorted(str(key) for key in data if key != "image")
+    if unknown:
+        raise ImageInputError(f"{where}.{unknown[0]}", "only 'image' inputs are taken")
+    sources = data.get("image", [])
+    if not isinstance(sources, (list, tuple)):
+        sources = [sources]
+    return {"image": load_images(list(sources), limits=limits, where=f"{where}.image")}

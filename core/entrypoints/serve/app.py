@@ -36,6 +36,12 @@ from patchbay.entrypoints.chat import (
     render_chat,
     template_messages,
 )
+from patchbay.entrypoints.chat_images import (
+    ImagePart,
+    load_chat_images,
+    refuse_images_for_text_model,
+    split_image_parts,
+)
 from patchbay.entrypoints.serve.metrics import ServerMetrics
 from patchbay.entrypoints.serve.http_errors import answer_http_errors_in_openai_shape
 from patchbay.entrypoints.serve.keys import accepted_api_keys
@@ -49,6 +55,7 @@ from patchbay.entrypoints.serve.protocol import (
     sampling_params,
 )
 from patchbay.interfaces import StructuredOutputParams
+from patchbay.multimodal.images import ImageInputError
 from patchbay.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -82,6 +89,8 @@ class _Prepared:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+    multi_modal_data: dict[str, Any] | None = None
+    """The prompt's images (``{"image": [PIL images]}``), decoded; the engine expands their markers."""
 
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -174,6 +183,10 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
+            for index, message in enumerate(body.messages):
+                if message.has_parts_other_than_text():
+                    where = f"messages.{index}.content"
+                    raise APIError(400, f"{where}: /tokenize takes text parts only", param=where)
             messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
             _, token_ids = await asyncio.to_thread(llm.encode, {"messages": messages})
         else:
@@ -208,17 +221,24 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
         try:
             plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
             tool_parser, reasoning_parser = state.chat.for_request(body.tool_parser, body.reasoning_parser)
-            messages = template_messages(
-                [message.as_template_message(index) for index, message in enumerate(body.messages)]
+            messages, image_parts = split_image_parts(
+                template_messages([message.as_template_message(index) for index, message in enumerate(body.messages)])
             )
-            text, token_ids = await asyncio.to_thread(
-                render_chat, llm.tokenizer, messages, tools=body.tools, template=state.chat.template
+            if image_parts and llm.engine.image_inputs is None:
+                refuse_images_for_text_model(image_parts, model_name)
+            # Rendering and image decoding run off the event loop: a large image must not stall other clients.
+            text, token_ids, images = await asyncio.to_thread(
+                _render_with_images, state, messages, body.tools, image_parts
             )
             fields = {**body.sampling_fields(), "lora": adapter}
             await _enforce_tool_choice(state, plan, fields, "response_format")
         except ChatRequestError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
+        except ImageInputError as exc:
+            raise APIError(400, str(exc), param=exc.where) from None
         prepared = [_prepare(state, text, token_ids, fields, body.output_limit(), "messages")]
+        if images:
+            prepared[0].multi_modal_data = {"image": images}
         reader = AnswerReader(plan, tool_parser, reasoning_parser)
         return await _respond(state, request, body.stream, body.stream_options, prepared, ChatFormat(state, reader))
 
@@ -227,6 +247,15 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
 
     add_responses_routes(app, state, authorized)
     return app
+
+
+def _render_with_images(
+    state: ServerState, messages: list[dict[str, Any]], tools: Any, image_parts: list[ImagePart]
+) -> tuple[str, list[int], list[Any]]:
+    """The prompt's text and token ids (image markers not yet expanded) and its images, decoded."""
+    images = load_chat_images(image_parts, state.settings.multimodal) if image_parts else []
+    text, token_ids = render_chat(state.llm.tokenizer, messages, tools=tools, template=state.chat.template)
+    return text, token_ids, images
 
 
 def _version() -> str:
@@ -368,6 +397,7 @@ async def _respond(
                         item.params,
                         prompt=item.text,
                         request_id=f"{format.id_prefix}-{request_id}-{index}",
+                        multi_modal_data=item.multi_modal_data,
                     )
                 )
             except ValueError as exc:  # the engine refuses it (e.g. a parameter the sampler cannot serve)
@@ -548,7 +578,10 @@ def _event(payload: dict[str, Any]) -> str:
 
 
 def _usage(prepared: list[_Prepared], outputs: list[RequestOutput | None]) -> dict[str, Any]:
-    prompt_tokens = sum(len(p.token_ids) for p in prepared)
+    # The engine's prompt: an image's marker expanded to its placeholder tokens, so usage counts image tokens.
+    prompt_tokens = sum(
+        len(o.prompt_token_ids) if o is not None else len(p.token_ids) for p, o in zip(prepared, outputs, strict=True)
+    )
     completion_tokens = sum(len(c.token_ids) for o in outputs if o is not None for c in o.completions)
     cached = sum(o.metrics.num_cached_tokens for o in outputs if o is not None)
     return {
