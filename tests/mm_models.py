@@ -217,6 +217,8 @@ def transformers_greedy_mm(model_dir: Path, prompt: str, images: list[Any], num_
     inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if images:
         inputs.update(AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt"))
+        if model.config.model_type == "qwen2_vl":  # what Qwen2-VL's processor adds: where M-RoPE's image grids go
+            inputs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=num_tokens, do_sample=False, pad_token_id=0)
     return out[0, ids.shape[1] :].tolist()

@@ -219,6 +219,14 @@ class SchedulerSettings(Section):
     """Most sequences one request may ask for (its ``n``) in ``LLM.generate`` and ``patchbay run``: each sequence
     is a request of its own, built when the request is added, so a larger ``n`` is refused up front, naming the
     request.  The server bounds ``n`` by ``scheduler.max_num_seqs + server.max_waiting`` instead."""
+    max_num_encoder_input_tokens: PositiveInt = 8192
+    """Encoder budget of one step, for vision-language models: the placeholder tokens of the images whose encoder
+    runs in it. An image is encoded whole in the step whose chunk first reaches it; when the budget cannot take
+    it, the chunk stops before the image. A request with an image larger than this is refused."""
+    encoder_cache_size: PositiveInt = 8192
+    """Capacity of the encoder cache, in placeholder tokens: encoded images wait there (shared by identical
+    images) until every request using them has computed their placeholders. A chunk whose image does not fit
+    stops before it; a request with an image larger than this is refused."""
 
 
 class AttentionSettings(Section):

@@ -347,6 +347,8 @@ class _RankZeroBuild:
             max_batches_in_flight=pipeline_depth(settings),
             pipelined=settings.runtime.pipeline_parallel_size > 1,
             max_loras=settings.lora.max_loras if settings.lora is not None else None,
+            max_num_encoder_input_tokens=settings.scheduler.max_num_encoder_input_tokens,
+            encoder_cache_size=settings.scheduler.encoder_cache_size,
         )
         spec = RunnerSpec(
             backend_name,

@@ -28,6 +28,7 @@ from patchbay.contract.registry import PluginError, Registry, registry_for
 from patchbay.contract.settings import Settings
 from patchbay.engine.admission import check_request
 from patchbay.engine.builder import build_engine_parts, pipeline_depth
+from patchbay.engine.multimodal_inputs import ImageInputs, MultiModalInputError, request_images
 from patchbay.engine.output_processor import OutputProcessor
 from patchbay.engine.outputs import RequestOutput
 from patchbay.engine.ranks import parallel_settings
@@ -36,6 +37,7 @@ from patchbay.engine.step_failures import EngineDeadError, describe_failure, fai
 from patchbay.engine.structured_output import check_constraint
 from patchbay.interfaces import Sampler, SamplerConfig
 from patchbay.sampling_params import SamplingParams
+from patchbay.scheduling.multimodal import ImageFeature
 from patchbay.scheduling.request import Request
 from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from patchbay.worker.lora.catalog import AdapterInUseError
@@ -95,6 +97,11 @@ class Engine:
         self._stalled_since: float | None = None
         self._stalled_on: list[str] = []
         """When the steps started doing nothing but wait on the connector (``None``: they are not)."""
+        vision = self.model.vision
+        self.image_inputs = ImageInputs.for_model(
+            self.model_dir, vision.family if vision is not None else None, self.model.shape.architecture
+        )
+        """A vision-language model's image processing (``None``: the model takes text only)."""
         self._ids = itertools.count()
         eos = self.model.shape.eos_token_ids
         self._eos_token_id = eos[0] if eos else None
@@ -133,30 +140,55 @@ class Engine:
         *,
         prompt: str | None = None,
         request_id: str | None = None,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> str:
         """Queue a request; returns its id.  Invalid requests raise ``ValueError`` naming the request.
 
         A request with ``n > 1`` runs as ``n`` sequences (seeded ones with
         seeds ``seed, seed + 1, ...``) and finishes as one output holding all
-        ``n`` completions.
+        ``n`` completions.  ``multi_modal_data`` (``{"image": image or [images]}``)
+        gives a vision-language model the images of the prompt's image markers
+        (:mod:`patchbay.engine.multimodal_inputs`); bad images raise
+        :class:`MultiModalInputError`.
         """
         self._require_alive()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        features: list[ImageFeature] = []
+        if multi_modal_data is not None:
+            prompt_token_ids, features = self._expand_images(request_id, prompt_token_ids, multi_modal_data)
         self.check_request(request_id, prompt_token_ids, sampling_params)
         sampling_params = self._complete_params(sampling_params)
         if sampling_params.n == 1:
-            self._add_sequence(request_id, prompt_token_ids, sampling_params, prompt)
+            self._add_sequence(request_id, prompt_token_ids, sampling_params, prompt, features=features)
             return request_id
         children = [f"{request_id}#{index}" for index in range(sampling_params.n)]
         self.output_processor.add_group(request_id, children)
         for index, child in enumerate(children):
             seed = None if sampling_params.seed is None else sampling_params.seed + index
             self._add_sequence(
-                child, prompt_token_ids, sampling_params.model_copy(update={"seed": seed}), prompt, request_id
+                child,
+                prompt_token_ids,
+                sampling_params.model_copy(update={"seed": seed}),
+                prompt,
+                request_id,
+                features=features,
             )
         return request_id
+
+    def _expand_images(
+        self, request_id: str, prompt_token_ids: list[int], multi_modal_data: dict[str, Any]
+    ) -> tuple[list[int], list[ImageFeature]]:
+        """The prompt with its image markers expanded to placeholders, and its images' features."""
+        images = request_images(request_id, multi_modal_data)
+        if not images:
+            return prompt_token_ids, []
+        if self.image_inputs is None:
+            raise MultiModalInputError(
+                f"request {request_id!r} has images, but this model ({self.model.shape.architecture}) takes text only"
+            )
+        return self.image_inputs.process(request_id, prompt_token_ids, images)
 
     def _complete_params(self, params: SamplingParams) -> SamplingParams:
         """Fill what the engine knows and the request cannot: extra EOS ids, bad words as token ids."""
@@ -181,6 +213,8 @@ class Engine:
         params: SamplingParams,
         prompt: str | None,
         request_id: str | None = None,
+        *,
+        features: list[ImageFeature] | None = None,
     ) -> None:
         # An adapter's identity (its weights' fingerprint) enters the block hashes: prefix cache and KV connectors.
         salt = self.lora.identity(params.lora) if params.lora is not None and self.lora is not None else None
@@ -191,6 +225,7 @@ class Engine:
             eos_token_id=self._eos_token_id,
             block_size=self.settings.cache.block_size,
             cache_salt=salt,
+            mm_features=features or (),
         )
         self.scheduler.add_request(request)
         self.output_processor.add_sequence(

@@ -71,6 +71,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched continuously; outputs come back in prompt order.
 
+        A prompt object may carry ``multi_modal_data={"image": PIL.Image or [images]}`` for a
+        vision-language model, one image marker per image in its text (vLLM's shape).
+
         ``sampling_params`` is one for all prompts or one per prompt (default:
         greedy, 16 tokens).  ``on_finished`` is called as each request ends
         (progress bars, streaming to a file).  ``request_ids`` names the
@@ -111,7 +114,10 @@ class LLM:
                     text, token_ids = self.encode(prompt)
                 except ValueError as exc:
                     raise ValueError(f"request {request_id if request_id is not None else index!r}: {exc}") from None
-                request_id = self.engine.add_request(token_ids, params, prompt=text, request_id=request_id)
+                images = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+                request_id = self.engine.add_request(
+                    token_ids, params, prompt=text, request_id=request_id, multi_modal_data=images
+                )
                 order[request_id] = index
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():

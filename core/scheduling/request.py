@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from patchbay.sampling_params import SamplingParams
+from patchbay.scheduling.multimodal import ImageFeature
 
 
 class RequestStatus(enum.Enum):
@@ -67,7 +68,9 @@ class Request:
     ``block_hashes[i]`` is the chained hash of tokens ``[i * block_size, (i + 1) * block_size)``
     of :attr:`all_token_ids`, kept up to date as output tokens are appended.
     ``cache_salt`` (a model identity, a tenant key, ...) enters the first block's
-    hash, so requests with different salts never share cached blocks.
+    hash, so requests with different salts never share cached blocks.  ``mm_features``
+    are the prompt's images (placeholder ranges in order); each image's content hash
+    enters the hash of every block its placeholders overlap.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class Request:
         *,
         block_size: int = 16,
         cache_salt: str | bytes | None = None,
+        mm_features: Sequence[ImageFeature] = (),
     ) -> None:
         if block_size < 1:
             raise ValueError(f"request {request_id!r}: block_size must be positive, got {block_size}")
@@ -94,6 +98,8 @@ class Request:
         if lora is not None:  # an adapter's KV differs from the base model's: its blocks never match another's
             self.cache_salt += b"\0lora:" + lora.encode()
 
+        self.mm_features: list[ImageFeature] = sorted(mm_features, key=lambda feature: feature.offset)
+        """The prompt's images, by placeholder offset."""
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
@@ -150,6 +156,13 @@ class Request:
         for index in range(len(self.block_hashes), self.num_tokens // size):
             parent = self.block_hashes[-1] if self.block_hashes else None
             extra = self.cache_salt if index == 0 else b""
+            if self.mm_features:
+                start, end = index * size, (index + 1) * size
+                extra += b"".join(
+                    b"\0image:" + feature.content_hash.encode()
+                    for feature in self.mm_features
+                    if feature.overlaps(start, end)
+                )
             tokens = self.all_token_ids[index * size : (index + 1) * size]
             self.block_hashes.append(hash_block_tokens(parent, tokens, extra))
 

@@ -44,6 +44,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from patchbay.scheduling.encoder_cache_manager import EncoderCacheManager
 from patchbay.scheduling.kv_cache_manager import KVCacheManager
 from patchbay.scheduling.request import FINISHED_STATUS_BY_REASON, Request, RequestStatus
 from patchbay.scheduling.scheduler_output import (
@@ -106,11 +107,14 @@ class Scheduler:
         max_batches_in_flight: int = 1,
         pipelined: bool = False,
         max_loras: int | None = None,
+        max_num_encoder_input_tokens: int = 8192,
+        encoder_cache_size: int = 8192,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_model_len", max_model_len),
+            ("max_num_encoder_input_tokens", max_num_encoder_input_tokens),
         ):
             if value < 1:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -140,6 +144,9 @@ class Scheduler:
         """LoRA adapters the running requests may use at once (``lora.max_loras``); ``None``: no adapters."""
         """``producer`` never loads; ``consumer`` and ``both`` ask the connector for every waiting request."""
         self.kv_connector_stats = KVConnectorStats()
+        self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
+        """Encoder budget of one step: placeholder tokens of the images encoded in it."""
+        self.encoder_cache = EncoderCacheManager(encoder_cache_size)
         self.grammars = grammars
         """Compiles structured-output constraints; ``None``: constrained requests are refused."""
         self._failed_updates: list[RequestUpdate] = []
@@ -199,6 +206,7 @@ class Scheduler:
             raise ValueError(
                 f"request {request_id!r} hashes blocks of {request.block_size} tokens, the cache uses {self.block_size}"
             )
+        self._check_images(request)
         request.status = RequestStatus.WAITING
         constraint = request.sampling_params.structured_output
         if constraint is not None:
@@ -209,6 +217,19 @@ class Scheduler:
         self.requests[request_id] = request
         self._arrival_order[request_id] = (request.arrival_time, next(self._counter))
         self.waiting.append(request)
+
+    def _check_images(self, request: Request) -> None:
+        """Refuse a request with an image larger than one step's encoder budget or the whole encoder cache."""
+        for index, feature in enumerate(request.mm_features):
+            for key, limit in (
+                ("scheduler.max_num_encoder_input_tokens", self.max_num_encoder_input_tokens),
+                ("scheduler.encoder_cache_size", self.encoder_cache.capacity),
+            ):
+                if feature.length > limit:
+                    raise ValueError(
+                        f"request {request.request_id!r}: image {index} takes {feature.length} placeholder tokens, "
+                        f"more than {key}={limit}; raise it or send a smaller image"
+                    )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish the requests as aborted and free their blocks; unknown or finished ids are ignored."""
@@ -246,6 +267,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating their blocks."""
         token_budget = self.max_num_batched_tokens
+        encoder_budget = self.max_num_encoder_input_tokens
+        encoder_inputs: dict[str, list[int]] = {}
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
@@ -269,12 +292,16 @@ class Scheduler:
                 token_budget,
                 self.max_model_len - request.num_computed_tokens,
             )
+            plan: list[tuple[int, bool]] = []
+            if request.mm_features:
+                num_new, plan = self._plan_encoder_inputs(request, request.num_computed_tokens, num_new, encoder_budget)
             if num_new <= 0:
                 index += 1
                 continue
             new_block_ids = self._allocate_or_preempt(request, num_new, preempted)
             if new_block_ids is None:
                 break  # the request preempted itself: every one after it is gone too
+            encoder_budget -= self._commit_encoder_inputs(request, plan, encoder_inputs)
             # Drafts are the last scheduled tokens; the budget may cut some off.
             num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
             if num_drafts > 0:
@@ -302,7 +329,9 @@ class Scheduler:
 
         # A step that preempted admits no one: the freed blocks go to running requests first.
         if not preempted:
-            token_budget = self._schedule_waiting(token_budget, num_scheduled, new_reqs, seats)
+            token_budget = self._schedule_waiting(
+                token_budget, num_scheduled, new_reqs, seats, encoder_budget, encoder_inputs
+            )
 
         if (
             not num_scheduled
@@ -327,6 +356,8 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted,
             reset_req_ids=reset,
+            scheduled_encoder_inputs=encoder_inputs,
+            free_encoder_hashes=self.encoder_cache.take_freed(),
         )
         output.highest_block_ids = self.kv_cache_manager.highest_block_ids
         if self.kv_connector is not None:
@@ -369,6 +400,8 @@ class Scheduler:
             # 1 rejected, so 3 tokens join the cache.
             num_rejected = len(drafts) + 1 - len(sampled) if drafts and sampled else 0
             request.num_computed_tokens += num_scheduled - num_rejected
+            if request.mm_features:
+                self._release_consumed_images(request)
             if request.num_computed_tokens < request.num_tokens:
                 sampled = []  # a partial prefill samples nothing; a runner that did anyway is ignored
 
@@ -414,10 +447,16 @@ class Scheduler:
                 return None
 
     def _schedule_waiting(
-        self, token_budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData], seats: int
+        self,
+        token_budget: int,
+        num_scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        seats: int,
+        encoder_budget: int,
+        encoder_inputs: dict[str, list[int]],
     ) -> int:
         """Admit waiting requests in arrival order while budget, seats (``max_num_seqs`` running, ``seats`` in this
-        batch) and blocks last; returns the budget left."""
+        batch), blocks and the encoder budget last; returns the token budget left."""
         skipped: list[Request] = []
         adapters = {r.sampling_params.lora for r in self.running} - {None}
         while (
@@ -462,6 +501,11 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             num_new = min(num_new, token_budget)
+            plan: list[tuple[int, bool]] = []
+            if request.mm_features:
+                num_new, plan = self._plan_encoder_inputs(request, num_computed, num_new, encoder_budget)
+                if num_new <= 0:
+                    break  # its next image waits for encoder budget or cache room; later arrivals wait behind it
             if computed_block_ids is None:
                 request.num_computed_tokens = num_computed
                 allocated = self.kv_cache_manager.allocate_slots(request, num_new)
@@ -479,6 +523,7 @@ class Scheduler:
             self._loaded.discard(request_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
+            encoder_budget -= self._commit_encoder_inputs(request, plan, encoder_inputs)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_local
             self._tell_connector_after_alloc(request, num_external)
@@ -503,16 +548,75 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             grammar=request.grammar,
+            mm_features=request.mm_features,
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.encoder_cache.release_all(request.request_id, request.mm_features)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()
         request.num_preemptions += 1
         self._reset_req_ids.discard(request.request_id)
         self.waiting.appendleft(request)
+
+    # -- images ----------------------------------------------------------------
+
+    def _plan_encoder_inputs(
+        self, request: Request, start: int, num_new: int, encoder_budget: int
+    ) -> tuple[int, list[tuple[int, bool]]]:
+        """The images the chunk ``[start, start + num_new)`` needs, and the chunk cut to what can be served.
+
+        Returns the tokens to schedule and ``(image index, cached)`` for each image the request does not hold
+        yet whose placeholders the chunk reaches: a cached one is shared, another is encoded whole this step.
+        An image the step's encoder budget or the cache's free room cannot take stops the chunk before its
+        first placeholder (0 tokens when the chunk starts inside it or on it).  Nothing is recorded yet.
+        """
+        cache = self.encoder_cache
+        plan: list[tuple[int, bool]] = []
+        planned: set[str] = set()
+        budget, room = encoder_budget, cache.num_free_tokens
+        for index, feature in enumerate(request.mm_features):
+            if feature.offset >= start + num_new:
+                break
+            if feature.end <= start or cache.uses(request.request_id, index, feature):
+                continue  # its placeholders are computed already, or its output is held
+            if cache.is_cached(feature) or feature.content_hash in planned:
+                plan.append((index, True))
+                continue
+            if feature.length > budget or feature.length > room:
+                return max(0, feature.offset - start), plan
+            plan.append((index, False))
+            planned.add(feature.content_hash)
+            budget -= feature.length
+            room -= feature.length
+        return num_new, plan
+
+    def _commit_encoder_inputs(
+        self, request: Request, plan: list[tuple[int, bool]], encoder_inputs: dict[str, list[int]]
+    ) -> int:
+        """Record a scheduled chunk's images (:meth:`_plan_encoder_inputs`); returns the encoder budget spent."""
+        cache = self.encoder_cache
+        spent = 0
+        for index, cached in plan:
+            feature = request.mm_features[index]
+            cached = cached and cache.is_cached(feature)
+            cache.use(request.request_id, index, feature)
+            if cached:
+                cache.stats.hits += 1
+                continue
+            cache.stats.misses += 1
+            cache.stats.encoded_tokens += feature.length
+            encoder_inputs.setdefault(request.request_id, []).append(index)
+            spent += feature.length
+        return spent
+
+    def _release_consumed_images(self, request: Request) -> None:
+        """Release the images whose placeholders are all computed: their outputs are needed no more."""
+        for index, feature in enumerate(request.mm_features):
+            if feature.end <= request.num_computed_tokens:
+                self.encoder_cache.release(request.request_id, index, feature)
 
     # -- structured output ---------------------------------------------------
 
@@ -751,6 +855,7 @@ class Scheduler:
         self._loaded.discard(request_id)
         self._reset_req_ids.discard(request_id)
         self._num_tokens_sent.pop(request_id, None)
+        self.encoder_cache.release_all(request_id, request.mm_features)
         if pending:
             self._held[request_id] = (request, pending)
         else:

@@ -34,6 +34,8 @@ class NewRequestData:
     num_computed_tokens: int
     grammar: Any = None
     """The compiled structured-output grammar of a constrained request (``None``: unconstrained)."""
+    mm_features: list[Any] = field(default_factory=list)
+    """The prompt's images (:class:`patchbay.scheduling.multimodal.ImageFeature`, by placeholder offset)."""
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -79,6 +81,12 @@ class SchedulerOutput:
     step's figure are new this step, possibly for a request that only waits on a KV connector's load: a
     runner that leaves its pool unwritten zeroes them before anything (the connector's load included)
     writes to them."""
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    """Images to encode this step, by request: indices into its ``mm_features``. Each is encoded whole in the
+    step whose chunk first reaches its placeholders, before the forward pass."""
+    free_encoder_hashes: list[str] = field(default_factory=list)
+    """Content hashes of encoder outputs no request needs any more: the runner drops them before this step's
+    encoding (an image dropped and encoded again in one step is encoded afresh)."""
     grammar_bitmasks: dict[str, Any] | None = None
     """With several ranks: the structured-output token bitmask rows rank 0 filled for this step, by request
     (numpy int32 ``[rows, ceil(vocab_size / 32)]``: one row per draft position, then the bonus row; fewer

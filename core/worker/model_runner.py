@@ -50,6 +50,7 @@ from patchbay.worker.input_batch import InputBatch
 from patchbay.worker.parallel.kv_transfers import RankTransferReports, TransferReport
 from patchbay.worker.logprobs import Logprobs, PromptLogprobs
 from patchbay.worker.lora.manager import LoRAManager
+from patchbay.worker.multimodal.step_images import StepImages
 from patchbay.worker.spec_decode import (
     LogitsLayout,
     SpecDecodeStats,
@@ -165,6 +166,8 @@ class ModelRunner:
         self.num_steps = 0
         self.constrained = ConstrainedDecoding(grammars) if grammars is not None else None
         """Grammar matchers of the constrained requests (``None``: the run has no grammar backend)."""
+        self.images = StepImages(model.vision) if model.vision is not None else None
+        """The running requests' images and the encoder cache (``None``: the model takes text only)."""
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -255,6 +258,8 @@ class ModelRunner:
         clock = self._lap("update", clock)
         connector = self.kv_connector
         if scheduler_output.is_empty:
+            if self.images is not None:
+                self.images.cache.free(scheduler_output.free_encoder_hashes)
             output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             if connector is not None:  # async transfers go on, and are reported, while nothing runs
                 connector.start_load_kv(scheduler_output.kv_connector_metadata)
@@ -263,13 +268,19 @@ class ModelRunner:
             return output
         step = self._prepare_inputs(scheduler_output)
         clock = self._lap("prepare", clock)
+        positions, inputs_embeds = step.positions, None
+        if self.images is not None:
+            self.images.encode(scheduler_output.free_encoder_hashes, scheduler_output.scheduled_encoder_inputs)
+            clock = self._lap("encoder", clock)
+            positions, inputs_embeds = self._image_inputs(step)
+            clock = self._lap("prepare", clock)
         if connector is not None:
             connector.start_load_kv(scheduler_output.kv_connector_metadata)
         if self.lora is not None:
             self.lora.begin_step([self.batch.sampling_params[row].lora for row in step.rows], step.num_scheduled)
         try:
             with forward_context(ForwardContext(self._bindings, step.group_metadata, connector)):
-                hidden_states = self.model.hidden_states(step.input_ids, step.positions)
+                hidden_states = self.model.hidden_states(step.input_ids, positions, inputs_embeds)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
@@ -428,11 +439,15 @@ class ModelRunner:
         for req_id in dropped:
             batch.remove_request(req_id)
             self.prompt_logprobs.forget(req_id)
+            if self.images is not None:
+                self.images.remove_request(req_id)
         for request in scheduler_output.scheduled_new_reqs:
             for group, block_ids in enumerate(request.block_ids):
                 self._zero_new_blocks(group, block_ids)
             batch.add_request(request)
             self.prompt_logprobs.forget(request.req_id)
+            if self.images is not None:
+                self.images.add_request(request.req_id, len(request.prompt_token_ids), request.mm_features)
         if self.constrained is not None and scheduler_output.grammar_bitmasks is None:
             self.constrained.update(dropped, scheduler_output.scheduled_new_reqs)  # ranks: fill_grammar_bitmasks did
         cached = scheduler_output.scheduled_cached_reqs
@@ -534,6 +549,17 @@ class ModelRunner:
             group_metadata=group_metadata,
             common_metadata=commons[0],
         )
+
+    def _image_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's positions (M-RoPE ones for a Qwen2-VL) and its input embeddings with image rows merged
+        (``None``: no chunk reaches an image)."""
+        assert self.images is not None
+        req_ids = [self.batch.req_ids[row] or "" for row in step.rows]
+        starts = step.seq_lens - step.num_scheduled
+        flat = step.positions.cpu().numpy()
+        positions = self.images.positions(req_ids, starts, step.num_scheduled, flat)
+        embeds = self.images.inputs_embeds(self.model.embed, step.input_ids, req_ids, starts, step.num_scheduled)
+        return self._to_device(torch.from_numpy(np.ascontiguousarray(positions))), embeds
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":

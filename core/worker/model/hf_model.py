@@ -21,6 +21,7 @@ from patchbay.interfaces import AttentionLayerSpec
 from patchbay.scheduling.kv_cache_spec import KVCacheSpec
 from patchbay.worker.model.forward_context import attend
 from patchbay.worker.model.model_loader import ModelLoadError
+from patchbay.worker.model.vision import VisionEncoder, is_vision_language
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -77,22 +78,35 @@ class ModelShape:
 
 
 class HFCausalLM:
-    """A transformers causal LM whose attention runs through patchbay."""
+    """A transformers causal LM whose attention runs through patchbay.
 
-    def __init__(self, model: PreTrainedModel, layer_specs: dict[int, AttentionLayerSpec], shape: ModelShape) -> None:
+    A vision-language model (LLaVA, Qwen2-VL) is one too: its language model is the decoder, and
+    :attr:`vision` encodes its images.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        layer_specs: dict[int, AttentionLayerSpec],
+        shape: ModelShape,
+        vision: VisionEncoder | None = None,
+    ) -> None:
         self.model = model
         self.layer_specs = layer_specs
         self.shape = shape
+        self.vision = vision
+        """The image encoder of a vision-language model (``None``: the model takes text only)."""
         self.layers_elsewhere: frozenset[int] = frozenset()
         """Decoder layers another pipeline stage runs (set when the model is split into stages)."""
-        self._decoder = model.base_model
+        self._decoder = model.model.language_model if vision is not None else model.base_model
+        self._embed_tokens = model.get_input_embeddings()
         self._lm_head = model.get_output_embeddings()
         self._final_soft_cap = getattr(model.config, "final_logit_softcapping", None)
 
     @classmethod
     def load(cls, model_dir: Path, *, dtype: str, device: torch.device) -> HFCausalLM:
         """Load ``model_dir`` with patchbay attention; unsupported architectures raise :class:`ModelLoadError`."""
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         register_attention_function()
         config = AutoConfig.from_pretrained(model_dir)
@@ -101,6 +115,8 @@ class HFCausalLM:
             raise ModelLoadError(
                 f"{architecture}: encoder-decoder models are not supported; patchbay runs decoder-only LMs"
             )
+        if is_vision_language(config):
+            return cls._load_vision_language(model_dir, config, architecture, dtype=dtype, device=device)
         model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
         if model_class is None:
             raise ModelLoadError(
@@ -115,18 +131,34 @@ class HFCausalLM:
             model_dir, dtype=torch_dtype(dtype), attn_implementation=ATTN_IMPLEMENTATION
         )
         model.to(device).eval()  # type: ignore[arg-type]  # transformers' typing of its wrapped to() misses self
-        layer_specs = _attention_layers(model, architecture)
-        eos = _eos_token_ids(model_dir, config, GenerationConfig)
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        shape = ModelShape(
-            architecture=architecture,
-            num_layers=len(layer_specs),
-            vocab_size=text_config.vocab_size,
-            hidden_size=text_config.hidden_size,
-            max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
-            eos_token_ids=eos,
+        return cls(model, *_specs_and_shape(model, model_dir, config, architecture))
+
+    @classmethod
+    def _load_vision_language(
+        cls, model_dir: Path, config: Any, architecture: str, *, dtype: str, device: torch.device
+    ) -> HFCausalLM:
+        """A vision-language model: its language model attends through patchbay, its vision tower through
+        transformers' own attention (sdpa), outside the paged cache."""
+        from transformers import AutoModelForImageTextToText
+
+        model_class = AutoModelForImageTextToText._model_mapping.get(type(config), None)
+        if model_class is None:
+            raise ModelLoadError(
+                f"{architecture} ({config.model_type}) has a vision tower but is no image-text-to-text model "
+                "transformers knows"
+            )
+        if not getattr(model_class, "_supports_attention_backend", False):
+            raise ModelLoadError(
+                f"{architecture} does not support transformers' AttentionInterface, so its attention "
+                "cannot be routed to patchbay's paged KV cache"
+            )
+        attention = {"text_config": ATTN_IMPLEMENTATION, "vision_config": "sdpa", "": "sdpa"}
+        model = AutoModelForImageTextToText.from_pretrained(
+            model_dir, dtype=torch_dtype(dtype), attn_implementation=attention
         )
-        return cls(model, layer_specs, shape)
+        model.to(device).eval()  # type: ignore[arg-type]  # transformers' typing of its wrapped to() misses self
+        vision = VisionEncoder(model, architecture)
+        return cls(model, *_specs_and_shape(model, model_dir, config, architecture), vision=vision)
 
     def kv_cache_specs(self, block_size: int, dtype: str) -> dict[str, KVCacheSpec]:
         """Each attention layer's KV-cache spec, by layer name (in layer order)."""
@@ -136,10 +168,28 @@ class HFCausalLM:
         }
 
     @torch.inference_mode()
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states ``[num_tokens, hidden]`` of one flattened step (inside a forward context)."""
-        output = self._decoder(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final hidden states ``[num_tokens, hidden]`` of one flattened step (inside a forward context).
+
+        ``positions`` is ``[num_tokens]``, or ``[3, num_tokens]`` M-RoPE positions for a Qwen2-VL;
+        ``inputs_embeds`` (``[num_tokens, hidden]``, images merged in) replaces the embedding of ``input_ids``.
+        """
+        if inputs_embeds is None:
+            output = self._decoder(
+                input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(-2), use_cache=False
+            )
+        else:
+            output = self._decoder(
+                inputs_embeds=inputs_embeds.unsqueeze(0), position_ids=positions.unsqueeze(-2), use_cache=False
+            )
         return output.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The language model's input embeddings ``[num_tokens, hidden]`` of ``input_ids``."""
+        return self._embed_tokens(input_ids)
 
     @torch.inference_mode()
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -216,6 +266,25 @@ class AuxHiddenStates:
         for handle in self._handles:
             handle.remove()
         self._handles, self._outputs = [], {}
+
+
+def _specs_and_shape(
+    model: PreTrainedModel, model_dir: Path, config: Any, architecture: str
+) -> tuple[dict[int, AttentionLayerSpec], ModelShape]:
+    from transformers import GenerationConfig
+
+    layer_specs = _attention_layers(model, architecture)
+    eos = _eos_token_ids(model_dir, config, GenerationConfig)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    shape = ModelShape(
+        architecture=architecture,
+        num_layers=len(layer_specs),
+        vocab_size=text_config.vocab_size,
+        hidden_size=text_config.hidden_size,
+        max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
+        eos_token_ids=eos,
+    )
+    return layer_specs, shape
 
 
 def _attention_layers(model: PreTrainedModel, architecture: str) -> dict[int, AttentionLayerSpec]:
