@@ -245,8 +245,9 @@ class AsyncLLM:
         stream: _Stream,
         multi_modal_data: dict[str, Any] | None = None,
     ) -> None:
-        images = {"multi_modal_data": multi_modal_data} if multi_modal_data is not None else {}
-        self.engine.add_request(prompt_token_ids, params, prompt=prompt, request_id=request_id, **images)
+        self.engine.add_request(
+            prompt_token_ids, params, prompt=prompt, request_id=request_id, multi_modal_data=multi_modal_data
+        )
         self._streams[request_id] = stream
         self._num_sequences += params.n
 

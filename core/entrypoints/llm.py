@@ -71,18 +71,15 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched continuously; outputs come back in prompt order.
 
-        A prompt object may carry ``multi_modal_data={"image": PIL.Image or [images]}`` for a
-        vision-language model, one image marker per image in its text (vLLM's shape).
+        A prompt object may carry ``multi_modal_data={"image": image or [images]}`` for a
+        vision-language model, one image marker per image in its text (vLLM's shape); an
+        image is a path, bytes, a ``PIL.Image.Image``, a numpy array or a ``data:`` URL,
+        decoded and checked against the ``multimodal:`` limits first.
 
         ``sampling_params`` is one for all prompts or one per prompt (default:
         greedy, 16 tokens).  ``on_finished`` is called as each request ends
         (progress bars, streaming to a file).  ``request_ids`` names the
-        requests (default: the engine numbers them).  A prompt
-        ``{"prompt": text, "multi_modal_data": {"image": image | [images]}}``
-        carries images (paths, bytes, ``PIL.Image.Image``, numpy arrays,
-        ``data:`` URLs ...), each decoded and checked against the
-        ``multimodal:`` limits first; ``text`` holds the model's image marker
-        where each goes.
+        requests (default: the engine numbers them).
 
         A request that cannot run raises ``ValueError`` naming it before any
         runs; one that fails inside a step comes back with ``finish_reason``
@@ -174,12 +171,12 @@ class LLM:
         plan = plan_tools(tools, tool_choice, parallel_tool_calls)
         parsers = self._chat.for_request(tool_parser, reasoning_parser)
         messages, images = split_image_parts(template_messages(messages))
+        if images and self.engine.image_inputs is None:
+            refuse_images_for_text_model(images, Path(str(self.engine.model_dir)).name)
         text, token_ids = render_chat(self.tokenizer, messages, tools=tools, template=self._chat.template)
         prompt: Prompt = {"prompt_token_ids": token_ids, "prompt": text}
         if images:
-            if self.engine.image_inputs is None:
-                refuse_images_for_text_model(images, Path(str(self.engine.model_dir)).name)
-            prompt = {"prompt": text, "multi_modal_data": {"image": load_chat_images(images, self.settings.multimodal)}}
+            prompt["multi_modal_data"] = {"image": load_chat_images(images, self.settings.multimodal)}
         params = sampling_params or SamplingParams()
         if plan.enforced:
             if params.structured_output is not None:

@@ -39,7 +39,7 @@ def rendered(model_dir, num_images: int) -> str:
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen2_vl) -> patchbay.LLM:
-    return patchbay.LLM(model__path=str(tiny_qwen2_vl), cache__num_blocks=64, multimodal__max_images_per_prompt=2)
+    return patchbay.LLM(model__path=str(tiny_qwen2_vl), cache__num_blocks=128, multimodal__max_images_per_prompt=2)
 
 
 def test_every_source_kind_gives_transformers_greedy_tokens(llm, tiny_qwen2_vl, tmp_path):
@@ -90,7 +90,7 @@ def rendered_prompt_with_markers(count: int) -> str:
 
 
 def test_a_text_only_model_refuses_chat_images_naming_the_part(tiny_llama):
-    llm = patchbay.LLM(model__path=str(tiny_llama), cache__num_blocks=32)
+    llm = patchbay.LLM(model__path=str(tiny_llama), cache__num_blocks=64, model__max_model_len=512)
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image", "image": IMAGE}]}]
     with pytest.raises(ChatRequestError) as caught:
         llm.chat(messages, GREEDY)
