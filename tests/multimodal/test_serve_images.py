@@ -8,6 +8,7 @@ in OpenAI's shape naming the part while a concurrent good request succeeds; a te
 from __future__ import annotations
 
 import asyncio
+import threading
 import base64
 import io
 from pathlib import Path
@@ -288,3 +289,53 @@ def test_a_file_url_under_the_allowed_folder_is_served(client, media, tiny_qwen2
     (media / "link.png").symlink_to(media.parent)  # a link out of the folder
     with pytest.raises(openai.BadRequestError, match="outside multimodal.allowed_local_media_path"):
         ask(client, [{"role": "user", "content": [image_part(escape)]}])
+
+
+def test_image_tokens_count_against_the_context(server, client, tiny_qwen2_vl):
+    _, prompt_tokens = reference(tiny_qwen2_vl, [IMAGE])
+    limit = server.llm.max_model_len
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny-vl", messages=[user_message(IMAGE)], max_tokens=limit - prompt_tokens + 1
+        )
+    error = caught.value.body
+    assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
+    assert f"{prompt_tokens} prompt tokens" in error["message"]
+    response = client.chat.completions.create(
+        model="tiny-vl", messages=[user_message(IMAGE)], max_tokens=1, extra_body={"ignore_eos": True}
+    )
+    assert response.usage.prompt_tokens == prompt_tokens
+
+
+def test_tokenize_refuses_image_parts_naming_them(server):
+    response = httpx.post(f"{server.url}/tokenize", json={"messages": [user_message(IMAGE)]}, timeout=60)
+    assert_openai_error(response, "messages.0.content", "/tokenize takes text parts only")
+
+
+def test_an_image_being_decoded_does_not_stall_health(server, monkeypatch):
+    """Images are decoded in a worker thread, as prompts are tokenized: the event loop keeps answering."""
+    import patchbay.entrypoints.serve.app as app_module
+
+    decoding, release = threading.Event(), threading.Event()
+    real_load = app_module.load_chat_images
+
+    def slow_load(images, limits):
+        decoding.set()
+        release.wait(30)  # stands for a large image's decoding
+        return real_load(images, limits)
+
+    monkeypatch.setattr(app_module, "load_chat_images", slow_load)
+    body = {"messages": [user_message(IMAGE)], "max_tokens": 2}
+    responses = []
+    worker = threading.Thread(
+        target=lambda: responses.append(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60))
+    )
+    worker.start()
+    try:
+        assert decoding.wait(30)
+        with httpx.Client(base_url=server.url, timeout=10) as other:
+            assert other.get("/health").status_code == 200  # times out when the loop is busy decoding
+    finally:
+        release.set()
+        worker.join(60)
+    assert responses and responses[0].status_code == 200, responses

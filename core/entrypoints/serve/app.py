@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from patchbay.contract.registry import registry_for
 from patchbay.contract.settings import DEFAULT_MODEL, Settings
-from patchbay.engine import AsyncLLM, EngineDeadError, RequestDelta, RequestOutput
+from patchbay.engine import AsyncLLM, EngineDeadError, MultiModalInputError, RequestDelta, RequestOutput
 from patchbay.entrypoints.chat import (
     AnswerReader,
     AnswerStream,
@@ -227,7 +227,7 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
             if image_parts and llm.engine.image_inputs is None:
                 refuse_images_for_text_model(image_parts, model_name)
             # Rendering and image decoding run off the event loop: a large image must not stall other clients.
-            text, token_ids, images = await asyncio.to_thread(
+            text, token_ids, images, num_prompt_tokens = await asyncio.to_thread(
                 _render_with_images, state, messages, body.tools, image_parts
             )
             fields = {**body.sampling_fields(), "lora": adapter}
@@ -236,7 +236,7 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
             raise APIError(400, str(exc), param=exc.param) from None
         except ImageInputError as exc:
             raise APIError(400, str(exc), param=exc.where) from None
-        prepared = [_prepare(state, text, token_ids, fields, body.output_limit(), "messages")]
+        prepared = [_prepare(state, text, token_ids, fields, body.output_limit(), "messages", num_prompt_tokens)]
         if images:
             prepared[0].multi_modal_data = {"image": images}
         reader = AnswerReader(plan, tool_parser, reasoning_parser)
@@ -251,11 +251,21 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
 
 def _render_with_images(
     state: ServerState, messages: list[dict[str, Any]], tools: Any, image_parts: list[ImagePart]
-) -> tuple[str, list[int], list[Any]]:
-    """The prompt's text and token ids (image markers not yet expanded) and its images, decoded."""
+) -> tuple[str, list[int], list[Any], int]:
+    """The prompt's text and token ids (image markers not yet expanded), its images decoded, and its length in
+    tokens once each marker is expanded to the image's placeholders (what the context and usage count)."""
     images = load_chat_images(image_parts, state.settings.multimodal) if image_parts else []
     text, token_ids = render_chat(state.llm.tokenizer, messages, tools=tools, template=state.chat.template)
-    return text, token_ids, images
+    if not images:
+        return text, token_ids, images, len(token_ids)
+    image_inputs = state.llm.engine.image_inputs
+    assert image_inputs is not None  # a text-only model was refused before
+    try:
+        expanded, _ = image_inputs.process("messages", token_ids, images)
+    except MultiModalInputError as exc:  # e.g. a chat template that writes no image markers
+        message = str(exc).removeprefix("request 'messages': ")
+        raise ChatRequestError("messages", message) from None
+    return text, token_ids, images, len(expanded)
 
 
 def _version() -> str:
@@ -331,28 +341,33 @@ def _prepare(
     fields: dict[str, Any],
     max_tokens: int | None,
     prompt_field: str,
+    num_prompt_tokens: int | None = None,
 ) -> _Prepared:
-    """Check the prompt's length against the model and build the sampling parameters (400 naming the field)."""
+    """Check the prompt's length against the model and build the sampling parameters (400 naming the field).
+
+    ``num_prompt_tokens`` is the prompt's length in the engine when it differs from ``token_ids``'s (each image
+    marker expanded to the image's placeholder tokens)."""
     limit = state.llm.max_model_len
     if not token_ids:
         raise APIError(400, f"{prompt_field}: the prompt is empty", param=prompt_field)
-    if len(token_ids) >= limit:
+    length = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
+    if length >= limit:
         raise APIError(
             400,
-            f"{prompt_field}: the prompt has {len(token_ids)} tokens; this model's context is "
+            f"{prompt_field}: the prompt has {length} tokens; this model's context is "
             f"{limit} tokens, prompt and output together",
             param=prompt_field,
             code="context_length_exceeded",
         )
-    if max_tokens is not None and len(token_ids) + max_tokens > limit:
+    if max_tokens is not None and length + max_tokens > limit:
         raise APIError(
             400,
-            f"max_tokens: {len(token_ids)} prompt tokens + {max_tokens} output tokens exceed this "
+            f"max_tokens: {length} prompt tokens + {max_tokens} output tokens exceed this "
             f"model's context of {limit} tokens",
             param="max_tokens",
             code="context_length_exceeded",
         )
-    params = sampling_params(fields, max_tokens=max_tokens, default_max_tokens=limit - len(token_ids))
+    params = sampling_params(fields, max_tokens=max_tokens, default_max_tokens=limit - length)
     return _Prepared(text, token_ids, params)
 
 
