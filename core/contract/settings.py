@@ -373,7 +373,7 @@ class ChatSettings(Section):
 
 class MultimodalSettings(Section):
     """How images in prompts are read and bounded: counts, sizes, and which local files and remote URLs may be
-    read (docs/serving.md)."""
+    read (docs/serving.md#images)."""
 
     max_images_per_prompt: PositiveInt = 8
     """Most images one prompt (one chat request, one offline prompt) may carry; more is an error naming the
