@@ -174,7 +174,7 @@ class LLM:
         if images and self.engine.image_inputs is None:
             refuse_images_for_text_model(images, Path(str(self.engine.model_dir)).name)
         text, token_ids = render_chat(self.tokenizer, messages, tools=tools, template=self._chat.template)
-        prompt: Prompt = {"prompt_token_ids": token_ids, "prompt": text}
+        prompt: dict[str, Any] = {"prompt_token_ids": token_ids, "prompt": text}
         if images:
             prompt["multi_modal_data"] = {"image": load_chat_images(images, self.settings.multimodal)}
         params = sampling_params or SamplingParams()
