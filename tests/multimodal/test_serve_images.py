@@ -339,3 +339,14 @@ def test_an_image_being_decoded_does_not_stall_health(server, monkeypatch):
         release.set()
         worker.join(60)
     assert responses and responses[0].status_code == 200, responses
+
+
+def test_a_llava_model_answers_image_url_parts_as_transformers_does(tiny_llava):
+    """The other family (plain positions, a fixed count of ``<image>`` placeholders) through the same route."""
+    expected, prompt_tokens = reference(tiny_llava, [IMAGE])
+    with running_server(settings_for(tiny_llava, "server.served_model_name=tiny-vl")) as llava:
+        client = openai.OpenAI(base_url=f"{llava.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        response = ask(client, [user_message(IMAGE)])
+        assert [entry.token for entry in response.choices[0].logprobs.content] == expected
+        assert response.usage.prompt_tokens == prompt_tokens
+        llava.wait_until_idle()
