@@ -216,7 +216,7 @@ def test_the_feature_table_answers_where_each_feature_lives():
         "tensor and pipeline parallelism",
         "KV connectors",
         "LoRA adapters",
-        "multimodal (planned)",
+        "multimodal (images)",
         "tool calling, reasoning output",
     ):
         assert re.search(rf"^\| {re.escape(feature)} \|", table, re.MULTILINE), feature

@@ -287,6 +287,17 @@ class _RankZeroBuild:
             shard_vocabulary=shards_vocabulary(settings, registry),
         )
         self.model = loaded.model
+        if self.model.vision is not None and self.ranks is not None:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "<run>",
+                        "runtime.tensor_parallel_size",
+                        f"{self.model.shape.architecture} is a vision-language model: it runs in one process "
+                        "(its vision tower is not sharded or staged yet); use one rank",
+                    )
+                ]
+            )
         self.lora = (
             install_lora(self.model, settings.lora, registry, device=self.device, dtype=torch_dtype(self.dtype))
             if settings.lora is not None

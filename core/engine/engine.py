@@ -129,6 +129,7 @@ class Engine:
             fused_modules=self.fused_modules,
             kv_connector=copy.copy(self.scheduler.kv_connector_stats) if self.kv_connector is not None else None,
             speculative=copy.deepcopy(self.spec_stats),
+            encoder_cache=copy.copy(self.scheduler.encoder_cache.stats) if self.image_inputs is not None else None,
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -472,6 +473,9 @@ class Engine:
         for sequence_id, stop in applied.stopped:
             self.scheduler.finish_requests([sequence_id], "stop", stop)
         finished = self.output_processor.finish(applied.finished_ids)
+        if self.runner.images is not None and not self.scheduler.has_unfinished_requests():
+            # Idle: drop the encoder outputs the last step released now, not at a next step that may not come.
+            self.runner.images.cache.free(self.scheduler.encoder_cache.take_freed())
         self._engine_timings["finish"] += time.perf_counter() - ran
         self._check_liveness(scheduler_output.is_empty and not finished)
         return finished

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from patchbay.scheduling.encoder_cache_manager import EncoderCacheStats
 from patchbay.scheduling.scheduler import KVConnectorStats
 from patchbay.worker.cpu.fused_ops import FusedModules
 from patchbay.worker.spec_decode import SpecDecodeStats
@@ -55,3 +56,6 @@ class EngineReport:
     """What the KV connector did (``None``: the run has no ``kv_connector:``)."""
     speculative: SpecDecodeStats
     """Drafted and accepted tokens (all zero without ``speculative:``)."""
+    encoder_cache: EncoderCacheStats | None = None
+    """Images encoded and shared through the encoder cache (``None``: the model takes text only); the encoder's
+    time is the ``encoder`` phase of :attr:`step_timings`."""

@@ -176,6 +176,12 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Engine) -> s
             f"kv connector:        {kv.num_loaded_tokens} tokens loaded, {kv.num_recomputed_blocks} blocks "
             f"recomputed after load errors"
         )
+    if report.encoder_cache is not None:
+        images = report.encoder_cache
+        lines.append(
+            f"encoder cache:       {images.misses} images encoded ({images.encoded_tokens} tokens, "
+            f"{report.step_timings.get('encoder', 0.0):.3f} s), {images.hits} served from the cache"
+        )
     spec = report.speculative
     if spec.num_draft_tokens:
         per_position = ", ".join(f"{rate:.2f}" for rate in spec.acceptance_rate_per_position)

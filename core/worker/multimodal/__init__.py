@@ -1,1 +1,1 @@
-"""Images in the runner's step: the encoder-output cache, M-RoPE positions, and merging image rows into embeddings."""
+"""The runner's images: encoder cache, M-RoPE, merged embeddings."""

@@ -1,0 +1,183 @@
+"""Image requests through the engine give transformers' own greedy tokens, for LLaVA and Qwen2-VL (M-RoPE).
+
+Every case runs image+text requests batched with text-only ones and compares
+each request's greedy tokens with ``generate`` of the same tiny random model
+(tests/mm_models.py), which expands the image markers on the text and runs
+the image through transformers' own forward.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mm_models import test_image, transformers_greedy_mm
+from patchbay import LLM, SamplingParams
+from patchbay.engine import MultiModalInputError
+
+NUM_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+MARKERS = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>"}
+CAT, DOG, WIDE = test_image(32, 32, 1), test_image(32, 32, 2), test_image(64, 48, 3)
+
+
+@pytest.fixture(params=["qwen2_vl", "llava"])
+def family(request: pytest.FixtureRequest, tiny_qwen2_vl: Path, tiny_llava: Path) -> tuple[str, Path]:
+    return request.param, tiny_qwen2_vl if request.param == "qwen2_vl" else tiny_llava
+
+
+_REFERENCES: dict[tuple[Path, str, tuple[int, ...]], list[int]] = {}
+
+
+def reference(model_dir: Path, prompt: str, images: tuple[Any, ...]) -> list[int]:
+    """transformers' greedy tokens, computed once per model, prompt and images (the module's image objects)."""
+    key = (model_dir, prompt, tuple(id(image) for image in images))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = transformers_greedy_mm(model_dir, prompt, list(images), NUM_TOKENS)
+    return _REFERENCES[key]
+
+
+def image_prompt(family: str, text: str, images: list[Any]) -> dict[str, Any]:
+    """``text`` with ``{}`` where each image goes, as a prompt with its images."""
+    return {"prompt": text.format(*[MARKERS[family]] * len(images)), "multi_modal_data": {"image": images}}
+
+
+def mixed_batch(family: str) -> list[dict[str, Any] | str]:
+    """Image requests (one image, two images, an image repeated) between text-only ones."""
+    return [
+        image_prompt(family, "Describe {} in a few words.", [CAT]),
+        "A text-only request between image requests",
+        image_prompt(family, "Compare {} with {} please.", [WIDE, DOG]),
+        image_prompt(family, "The same image twice: {} and {} again.", [CAT, CAT]),
+        "Another text-only one",
+    ]
+
+
+def expected(model_dir: Path, prompts: list[dict[str, Any] | str]) -> list[list[int]]:
+    return [
+        reference(model_dir, prompt, ())
+        if isinstance(prompt, str)
+        else reference(model_dir, prompt["prompt"], tuple(prompt["multi_modal_data"]["image"]))
+        for prompt in prompts
+    ]
+
+
+def greedy_tokens(llm: LLM, prompts: list[Any], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [output.completions[0].token_ids for output in llm.generate(prompts, params)]
+
+
+def make_llm(model_dir: Path, **overrides: Any) -> LLM:
+    settings: dict[str, Any] = dict(
+        model__path=str(model_dir), model__max_model_len=256, cache__block_size=8, cache__num_blocks=128
+    )
+    return LLM(**{**settings, **overrides})
+
+
+def test_mixed_batch_equals_transformers(family: tuple[str, Path]) -> None:
+    name, model_dir = family
+    llm = make_llm(model_dir)
+    prompts = mixed_batch(name)
+    assert greedy_tokens(llm, prompts) == expected(model_dir, prompts)
+    stats = llm.engine.scheduler.encoder_cache.stats
+    # CAT is used three times (one request, twice in another), WIDE and DOG once: 3 encoded, 2 shared.
+    assert (stats.misses, stats.hits) == (3, 2)
+    report = llm.engine.report()
+    assert report.encoder_cache is not None and report.encoder_cache.hits == 2
+    assert "encoder" in report.step_timings
+
+
+def test_chunked_prefill_through_images(family: tuple[str, Path]) -> None:
+    """Chunks of 5 tokens cut through every image; an encoder budget of one image a step stops chunks too."""
+    name, model_dir = family
+    one_image = 16  # the largest image of the batch in either family
+    llm = make_llm(model_dir, scheduler__max_num_batched_tokens=5, scheduler__max_num_encoder_input_tokens=one_image)
+    prompts = mixed_batch(name)
+    assert greedy_tokens(llm, prompts) == expected(model_dir, prompts)
+
+
+def test_preemption_recomputes_image_requests(family: tuple[str, Path]) -> None:
+    name, model_dir = family
+    # 8 usable blocks of 8 tokens: the batch cannot hold all its requests' prompts and outputs at once.
+    llm = make_llm(model_dir, cache__num_blocks=9, model__max_model_len=64, scheduler__max_num_batched_tokens=64)
+    prompts = mixed_batch(name)
+    assert greedy_tokens(llm, prompts) == expected(model_dir, prompts)
+    assert llm.engine.stats.num_preemptions > 0
+
+
+def test_another_image_never_hits_the_prefix_cache(family: tuple[str, Path]) -> None:
+    name, model_dir = family
+    llm = make_llm(model_dir)
+    manager = llm.engine.kv_cache_manager
+    text = "Tell me about this picture: {} and nothing else, please, in detail."
+    first, other, same = (image_prompt(name, text, [image]) for image in (CAT, DOG, CAT))
+    greedy_tokens(llm, [first])
+    hits = manager.prefix_cache_hits
+    assert greedy_tokens(llm, [other]) == expected(model_dir, [other])
+    # Only the blocks before the image's placeholders are shared.
+    prompt_ids = llm.encode(other)[1]
+    image_start = prompt_ids.index(llm.engine.image_inputs.image_token_id)
+    assert manager.prefix_cache_hits - hits == image_start // 8 * 8
+    hits = manager.prefix_cache_hits
+    assert greedy_tokens(llm, [same]) == expected(model_dir, [same])
+    assert manager.prefix_cache_hits - hits > image_start // 8 * 8  # the image's blocks hit too
+
+
+def test_ngram_speculation_and_json_schema_on_image_requests(family: tuple[str, Path]) -> None:
+    name, model_dir = family
+    llm = make_llm(model_dir, speculative={"method": "ngram", "num_speculative_tokens": 3})
+    prompts = mixed_batch(name)
+    assert greedy_tokens(llm, prompts) == expected(model_dir, prompts)
+    # A random model never stops on its own: a schema of bounded length, and no free whitespace.
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "boolean"}, "b": {"enum": ["x", "y"]}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_output={"json_schema": schema})
+    constrained = make_llm(model_dir, structured_output={"options": {"any_whitespace": False}})
+    (output,) = constrained.generate([image_prompt(name, "JSON about {}:", [WIDE])], params)
+    answer = json.loads(output.completions[0].text)
+    assert isinstance(answer["a"], bool) and answer["b"] in ("x", "y")
+
+
+def test_a_loop_of_image_requests_leaves_caches_empty(tiny_qwen2_vl: Path) -> None:
+    llm = make_llm(tiny_qwen2_vl, scheduler__max_num_seqs=8, scheduler__max_num_batched_tokens=24)
+    images = [test_image(32, 32, seed) for seed in range(10)]
+    prompts = [image_prompt("qwen2_vl", f"Image {index}: {{}} ok", [images[index % 10]]) for index in range(100)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert len(outputs) == 100
+    engine = llm.engine
+    assert engine.scheduler.encoder_cache.num_entries == 0
+    assert len(engine.runner.images.cache) == 0
+    stats = engine.scheduler.encoder_cache.stats
+    assert stats.misses + stats.hits == 100  # every image was encoded or shared, once per request
+    manager = engine.kv_cache_manager
+    assert not engine.has_unfinished_requests()
+    assert manager.num_free_blocks == manager.num_blocks - 1  # all but the null block
+
+
+def test_bad_image_requests_fail_alone_naming_the_request(tiny_qwen2_vl: Path, tiny_llama: Path) -> None:
+    text_only = LLM(model__path=str(tiny_llama), model__max_model_len=128, cache__num_blocks=32)
+    with pytest.raises(MultiModalInputError, match="'7'.*takes text only"):
+        text_only.generate([{"prompt": "hi", "multi_modal_data": {"image": CAT}}], GREEDY, request_ids=["7"])
+    llm = make_llm(tiny_qwen2_vl)
+    with pytest.raises(MultiModalInputError, match="'two'.*1 image markers.*2 images"):
+        llm.generate(
+            [image_prompt("qwen2_vl", "{}", [CAT]) | {"multi_modal_data": {"image": [CAT, DOG]}}],
+            GREEDY,
+            request_ids=["two"],
+        )
+    with pytest.raises(MultiModalInputError, match="'arr'.*image 0 is a str"):
+        llm.generate(
+            [{"prompt": MARKERS["qwen2_vl"], "multi_modal_data": {"image": "cat.png"}}], GREEDY, request_ids=["arr"]
+        )
+    big = make_llm(tiny_qwen2_vl, scheduler__encoder_cache_size=8)
+    with pytest.raises(ValueError, match="'huge'.*image 0 takes 12 placeholder tokens.*encoder_cache_size=8"):
+        big.generate([image_prompt("qwen2_vl", "{}", [WIDE])], GREEDY, request_ids=["huge"])
+    # The engine goes on serving.
+    prompts = [image_prompt("qwen2_vl", "Fine: {}", [CAT])]
+    assert greedy_tokens(llm, prompts) == expected(tiny_qwen2_vl, prompts)
