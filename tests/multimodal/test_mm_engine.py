@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from mm_models import test_image, transformers_greedy_mm
-from patchbay import LLM, SamplingParams
+from patchbay import LLM, SamplingParams, hookimpl
+from patchbay.contract.registry import Registry
 from patchbay.engine import MultiModalInputError
+from patchbay.interfaces import DraftBatch, Drafter, DrafterCapabilities, DraftProposals
 
 NUM_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
@@ -29,14 +31,15 @@ def family(request: pytest.FixtureRequest, tiny_qwen2_vl: Path, tiny_llava: Path
     return request.param, tiny_qwen2_vl if request.param == "qwen2_vl" else tiny_llava
 
 
-_REFERENCES: dict[tuple[Path, str, tuple[int, ...]], list[int]] = {}
+_REFERENCES: dict[tuple[Path, str, tuple[int, ...], int], list[int]] = {}
 
 
-def reference(model_dir: Path, prompt: str, images: tuple[Any, ...]) -> list[int]:
-    """transformers' greedy tokens, computed once per model, prompt and images (the module's image objects)."""
-    key = (model_dir, prompt, tuple(id(image) for image in images))
+def reference(model_dir: Path, prompt: str, images: tuple[Any, ...], num_tokens: int = NUM_TOKENS) -> list[int]:
+    """transformers' greedy tokens, computed once per model, prompt, images (the module's image objects) and
+    length."""
+    key = (model_dir, prompt, tuple(id(image) for image in images), num_tokens)
     if key not in _REFERENCES:
-        _REFERENCES[key] = transformers_greedy_mm(model_dir, prompt, list(images), NUM_TOKENS)
+        _REFERENCES[key] = transformers_greedy_mm(model_dir, prompt, list(images), num_tokens)
     return _REFERENCES[key]
 
 
@@ -56,11 +59,11 @@ def mixed_batch(family: str) -> list[dict[str, Any] | str]:
     ]
 
 
-def expected(model_dir: Path, prompts: list[dict[str, Any] | str]) -> list[list[int]]:
+def expected(model_dir: Path, prompts: list[dict[str, Any] | str], num_tokens: int = NUM_TOKENS) -> list[list[int]]:
     return [
-        reference(model_dir, prompt, ())
+        reference(model_dir, prompt, (), num_tokens)
         if isinstance(prompt, str)
-        else reference(model_dir, prompt["prompt"], tuple(prompt["multi_modal_data"]["image"]))
+        else reference(model_dir, prompt["prompt"], tuple(prompt["multi_modal_data"]["image"]), num_tokens)
         for prompt in prompts
     ]
 
@@ -128,8 +131,11 @@ def test_another_image_never_hits_the_prefix_cache(family: tuple[str, Path]) -> 
 def test_ngram_speculation_and_json_schema_on_image_requests(family: tuple[str, Path]) -> None:
     name, model_dir = family
     llm = make_llm(model_dir, speculative={"method": "ngram", "num_speculative_tokens": 3})
-    prompts = mixed_batch(name)
-    assert greedy_tokens(llm, prompts) == expected(model_dir, prompts)
+    # The n-gram drafter proposes once an output token repeats an earlier one, which the random models do rarely:
+    # test_drafts_verified_on_image_requests drafts for certain.
+    prompts = [*mixed_batch(name), image_prompt(name, "a b a b a b a b {} a b a b", [DOG])]
+    long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert greedy_tokens(llm, prompts, long) == expected(model_dir, prompts, 24)
     # A random model never stops on its own: a schema of bounded length, and no free whitespace.
     schema = {
         "type": "object",
@@ -142,6 +148,54 @@ def test_ngram_speculation_and_json_schema_on_image_requests(family: tuple[str, 
     (output,) = constrained.generate([image_prompt(name, "JSON about {}:", [WIDE])], params)
     answer = json.loads(output.completions[0].text)
     assert isinstance(answer["a"], bool) and answer["b"] in ("x", "y")
+
+
+class OracleDrafter(Drafter):
+    """Proposes transformers' own greedy continuation of each request, wrong from its second draft on."""
+
+    capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities(devices=("cpu",))
+    continuations: ClassVar[dict[str, list[int]]] = {}
+    prompt_lengths: ClassVar[dict[str, int]] = {}
+
+    def propose(self, batch: DraftBatch) -> DraftProposals:
+        found = []
+        for index, (req_id, tokens) in enumerate(zip(batch.req_ids, batch.token_ids, strict=True)):
+            done = len(tokens) - self.prompt_lengths[req_id]
+            drafts = list(self.continuations[req_id][done : done + batch.num_speculative_tokens])
+            if len(drafts) > 1:
+                drafts[1] = (drafts[1] + 1) % 1000  # rejected: the step keeps one draft and the correction
+            found.append([] if index in batch.skip else drafts)
+        return DraftProposals(found)
+
+
+class OraclePlugin:
+    @hookimpl
+    def register_drafters(self, register: Any) -> None:
+        register("oracle", OracleDrafter)
+
+
+def test_drafts_verified_on_image_requests(family: tuple[str, Path]) -> None:
+    """Drafts (one right, then wrong ones) on image requests: verification keeps transformers' tokens."""
+    name, model_dir = family
+    registry = Registry.from_entry_points()
+    registry.add_plugin(OraclePlugin(), name="oracle-test")
+    llm = make_llm(model_dir, registry=registry, speculative={"method": "oracle", "num_speculative_tokens": 3})
+    prompts = mixed_batch(name)
+    references = expected(model_dir, prompts)
+    engine = llm.engine
+    for index, (prompt, continuation) in enumerate(zip(prompts, references, strict=True)):
+        text, token_ids = llm.encode(prompt)
+        images = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        engine.add_request(token_ids, GREEDY, prompt=text, request_id=f"r{index}", multi_modal_data=images)
+        OracleDrafter.continuations[f"r{index}"] = continuation
+        OracleDrafter.prompt_lengths[f"r{index}"] = engine.scheduler.requests[f"r{index}"].num_prompt_tokens
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((output.request_id, output.completions[0].token_ids) for output in engine.step())
+    assert [outputs[f"r{index}"] for index in range(len(prompts))] == references
+    assert (
+        llm.spec_stats.num_accepted_tokens > 0 and llm.spec_stats.num_draft_tokens > llm.spec_stats.num_accepted_tokens
+    )
 
 
 def test_a_loop_of_image_requests_leaves_caches_empty(tiny_qwen2_vl: Path) -> None:
