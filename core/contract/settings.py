@@ -379,6 +379,37 @@ class ChatSettings(Section):
         return value
 
 
+class MultimodalSettings(Section):
+    """How images in prompts are read and bounded: counts, sizes, and which local files and remote URLs may be
+    read (docs/serving.md#images)."""
+
+    max_images_per_prompt: PositiveInt = 8
+    """Most images one prompt (one chat request, one offline prompt) may carry; more is an error naming the
+    request."""
+    max_image_pixels: PositiveInt = 16_777_216
+    """Most pixels (width × height) of one image, checked from its header before it is decoded, so a small file
+    that would decode to a huge bitmap (a decompression bomb) is refused first."""
+    max_image_bytes: PositiveInt = 20 << 20
+    """Largest encoded image read from a ``data:`` URL, a ``file://`` URL or a remote URL, in bytes."""
+    allowed_local_media_path: Path | None = None
+    """The folder ``file://`` image URLs may read from (symlinks and ``..`` leading out of it are refused);
+    null: ``file://`` URLs are refused. Plain paths given to the offline API are read wherever they are."""
+    allow_remote_urls: bool = False
+    """Fetch ``http://`` and ``https://`` image URLs; off by default, since the server would then fetch any
+    address a client names (its own network included)."""
+    remote_fetch_timeout: PositiveFloat = 10.0
+    """Seconds a remote image may take to connect and to send each piece before the fetch fails."""
+
+    _home = field_validator("allowed_local_media_path")(lambda value: _expand_home(value))
+
+    @field_validator("allowed_local_media_path")
+    @classmethod
+    def _folder_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_dir():
+            raise ValueError(f"no folder at {value}")
+        return value
+
+
 def _split_names(value: Any) -> Any:
     if isinstance(value, str) and value.lstrip().startswith("["):
         return json.loads(value)
@@ -513,6 +544,7 @@ class Settings(BaseSettings):
     structured_output: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)
     lora: LoRASettings | None = None
     chat: ChatSettings = Field(default_factory=ChatSettings)
+    multimodal: MultimodalSettings = Field(default_factory=MultimodalSettings)
     plugins: PluginPolicy = Field(default_factory=PluginPolicy)
     inputs: InputSettings = Field(default_factory=InputSettings)
     outputs: OutputSettings = Field(default_factory=OutputSettings)

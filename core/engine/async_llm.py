@@ -156,7 +156,8 @@ class AsyncLLM:
         multi_modal_data: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Queue a request; returns its stream of deltas.  Invalid requests raise ``ValueError``
-        (from :meth:`Engine.add_request`, naming the request); ``multi_modal_data`` as there."""
+        (from :meth:`Engine.add_request`, naming the request).  ``multi_modal_data`` carries the prompt's
+        images (``{"image": [PIL images]}``), as :meth:`Engine.add_request` takes them."""
         request_id = request_id or uuid.uuid4().hex
         n = sampling_params.n
         stream = _Stream(

@@ -29,8 +29,8 @@ class MultiModalInputError(ValueError):
 def request_images(request_id: str, multi_modal_data: Any) -> list[Any]:
     """The images of ``multi_modal_data`` (``{"image": PIL.Image | list[PIL.Image]}``) as a list of ``PIL.Image``.
 
-    The single spot where images enter the engine: other sources (files, bytes, arrays, ``data:`` URLs) are to be
-    decoded here, into ``PIL.Image``.
+    The single spot where images enter the engine. Other sources (files, bytes, arrays, ``data:`` URLs) are decoded
+    and checked before, by the entry points (:mod:`patchbay.multimodal.images`, under the ``multimodal:`` limits).
     """
     from PIL import Image
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from patchbay.entrypoints.chat import (
     render_chat,
     template_messages,
 )
+from patchbay.entrypoints.chat_images import load_chat_images, refuse_images_for_text_model, split_image_parts
 from patchbay.interfaces import StructuredOutputParams
 from patchbay.sampling_params import SamplingParams
 
@@ -69,8 +71,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched continuously; outputs come back in prompt order.
 
-        A prompt object may carry ``multi_modal_data={"image": PIL.Image or [images]}`` for a
-        vision-language model, one image marker per image in its text (vLLM's shape).
+        A prompt object may carry ``multi_modal_data={"image": image or [images]}`` for a
+        vision-language model, one image marker per image in its text (vLLM's shape); an
+        image is a path, bytes, a ``PIL.Image.Image``, a numpy array or a ``data:`` URL,
+        decoded and checked against the ``multimodal:`` limits first.
 
         ``sampling_params`` is one for all prompts or one per prompt (default:
         greedy, 16 tokens).  ``on_finished`` is called as each request ends
@@ -103,6 +107,7 @@ class LLM:
             for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 request_id = None if request_ids is None else request_ids[index]
                 try:
+                    prompt = self._images_loaded(prompt)
                     text, token_ids = self.encode(prompt)
                 except ValueError as exc:
                     raise ValueError(f"request {request_id if request_id is not None else index!r}: {exc}") from None
@@ -124,6 +129,17 @@ class LLM:
             raise
         return [result for result in results if result is not None]
 
+    def _images_loaded(self, prompt: Prompt) -> Prompt:
+        """``prompt`` with each image of its ``multi_modal_data`` decoded and checked (``multimodal:`` limits)."""
+        if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
+            return prompt
+        from patchbay.multimodal.images import load_multi_modal_data
+
+        data = load_multi_modal_data(
+            prompt["multi_modal_data"], limits=self.settings.multimodal, where="multi_modal_data"
+        )
+        return {**prompt, "multi_modal_data": data}
+
     def chat(
         self,
         messages: Sequence[dict[str, Any]],
@@ -141,17 +157,26 @@ class LLM:
         shapes; ``required`` and a named function are enforced by the run's
         structured-output backend, ``auto`` is read by ``chat.tool_parser``
         (or ``tool_parser``).  Returns the content, the reasoning (with a
-        reasoning parser) and the calls.  Bad input raises
-        :class:`patchbay.entrypoints.chat.ChatRequestError` naming the field.
+        reasoning parser) and the calls.  A message's ``content`` may be a
+        list of parts: ``{"type": "text", "text": ...}``, OpenAI's
+        ``{"type": "image_url", "image_url": {"url": ...}}`` and
+        ``{"type": "image", "image": <path, bytes, PIL image or array>}``;
+        the chat template places each image.  Bad input raises
+        :class:`patchbay.entrypoints.chat.ChatRequestError` naming the field
+        (:class:`patchbay.multimodal.images.ImageInputError` for an image).
         """
         if self._chat is None:
             registry = self._registry or registry_for(self.settings.plugins)
             self._chat = ChatParsers(self.settings, registry, bundled_model=self.settings.model.path == DEFAULT_MODEL)
         plan = plan_tools(tools, tool_choice, parallel_tool_calls)
         parsers = self._chat.for_request(tool_parser, reasoning_parser)
-        text, token_ids = render_chat(
-            self.tokenizer, template_messages(messages), tools=tools, template=self._chat.template
-        )
+        messages, images = split_image_parts(template_messages(messages))
+        if images and self.engine.image_inputs is None:
+            refuse_images_for_text_model(images, Path(str(self.engine.model_dir)).name)
+        text, token_ids = render_chat(self.tokenizer, messages, tools=tools, template=self._chat.template)
+        prompt: dict[str, Any] = {"prompt_token_ids": token_ids, "prompt": text}
+        if images:
+            prompt["multi_modal_data"] = {"image": load_chat_images(images, self.settings.multimodal)}
         params = sampling_params or SamplingParams()
         if plan.enforced:
             if params.structured_output is not None:
@@ -166,7 +191,7 @@ class LLM:
             params = SamplingParams.model_validate(
                 {**params.model_dump(exclude_unset=True), "structured_output": plan.constraint()}
             )
-        (output,) = self.generate({"prompt_token_ids": token_ids, "prompt": text}, params)
+        (output,) = self.generate(prompt, params)
         return AnswerReader(plan, *parsers).read(output.completions[0].text)
 
 

@@ -234,7 +234,8 @@ def test_bad_image_requests_fail_alone_naming_the_request(tiny_qwen2_vl: Path, t
             GREEDY,
             request_ids=["two"],
         )
-    with pytest.raises(MultiModalInputError, match="'arr'.*image 0 is a str"):
+    # A path is an image source (patchbay.multimodal.images); a missing file fails naming the request and the part.
+    with pytest.raises(ValueError, match=r"'arr'.*multi_modal_data\.image\[0\].*cannot read image file 'cat.png'"):
         llm.generate(
             [{"prompt": MARKERS["qwen2_vl"], "multi_modal_data": {"image": "cat.png"}}], GREEDY, request_ids=["arr"]
         )

@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from patchbay.contract.registry import registry_for
 from patchbay.contract.settings import DEFAULT_MODEL, Settings
-from patchbay.engine import AsyncLLM, EngineDeadError, RequestDelta, RequestOutput
+from patchbay.engine import AsyncLLM, EngineDeadError, MultiModalInputError, RequestDelta, RequestOutput
 from patchbay.entrypoints.chat import (
     AnswerReader,
     AnswerStream,
@@ -35,6 +35,12 @@ from patchbay.entrypoints.chat import (
     plan_tools,
     render_chat,
     template_messages,
+)
+from patchbay.entrypoints.chat_images import (
+    ImagePart,
+    load_chat_images,
+    refuse_images_for_text_model,
+    split_image_parts,
 )
 from patchbay.entrypoints.serve.metrics import ServerMetrics
 from patchbay.entrypoints.serve.http_errors import answer_http_errors_in_openai_shape
@@ -49,6 +55,7 @@ from patchbay.entrypoints.serve.protocol import (
     sampling_params,
 )
 from patchbay.interfaces import StructuredOutputParams
+from patchbay.multimodal.images import ImageInputError
 from patchbay.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -84,6 +91,8 @@ class _Prepared:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+    multi_modal_data: dict[str, Any] | None = None
+    """The prompt's images (``{"image": [PIL images]}``), decoded; the engine expands their markers."""
 
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -176,6 +185,10 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
+            for index, message in enumerate(body.messages):
+                if message.has_parts_other_than_text():
+                    where = f"messages.{index}.content"
+                    raise APIError(400, f"{where}: /tokenize takes text parts only", param=where)
             messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
             _, token_ids = await asyncio.to_thread(llm.encode, {"messages": messages})
         else:
@@ -213,17 +226,24 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
         try:
             plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
             tool_parser, reasoning_parser = state.chat.for_request(body.tool_parser, body.reasoning_parser)
-            messages = template_messages(
-                [message.as_template_message(index) for index, message in enumerate(body.messages)]
+            messages, image_parts = split_image_parts(
+                template_messages([message.as_template_message(index) for index, message in enumerate(body.messages)])
             )
-            text, token_ids = await asyncio.to_thread(
-                render_chat, llm.tokenizer, messages, tools=body.tools, template=state.chat.template
+            if image_parts and llm.engine.image_inputs is None:
+                refuse_images_for_text_model(image_parts, model_name)
+            # Rendering and image decoding run off the event loop: a large image must not stall other clients.
+            text, token_ids, images, num_prompt_tokens = await asyncio.to_thread(
+                _render_with_images, state, messages, body.tools, image_parts
             )
             fields = {**body.sampling_fields(), "lora": adapter}
             await _enforce_tool_choice(state, plan, fields, "response_format")
         except ChatRequestError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
-        prepared = [_prepare(state, text, token_ids, fields, body.output_limit(), "messages")]
+        except ImageInputError as exc:
+            raise APIError(400, str(exc), param=exc.where) from None
+        prepared = [_prepare(state, text, token_ids, fields, body.output_limit(), "messages", num_prompt_tokens)]
+        if images:
+            prepared[0].multi_modal_data = {"image": images}
         reader = AnswerReader(plan, tool_parser, reasoning_parser)
         return await _respond(state, request, body.stream, body.stream_options, prepared, ChatFormat(state, reader))
 
@@ -232,6 +252,25 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
 
     add_responses_routes(app, state, authorized)
     return app
+
+
+def _render_with_images(
+    state: ServerState, messages: list[dict[str, Any]], tools: Any, image_parts: list[ImagePart]
+) -> tuple[str, list[int], list[Any], int]:
+    """The prompt's text and token ids (image markers not yet expanded), its images decoded, and its length in
+    tokens once each marker is expanded to the image's placeholders (what the context and usage count)."""
+    images = load_chat_images(image_parts, state.settings.multimodal) if image_parts else []
+    text, token_ids = render_chat(state.llm.tokenizer, messages, tools=tools, template=state.chat.template)
+    if not images:
+        return text, token_ids, images, len(token_ids)
+    image_inputs = state.llm.engine.image_inputs
+    assert image_inputs is not None  # a text-only model was refused before
+    try:
+        expanded, _ = image_inputs.process("messages", token_ids, images)
+    except MultiModalInputError as exc:  # e.g. a chat template that writes no image markers
+        message = str(exc).removeprefix("request 'messages': ")
+        raise ChatRequestError("messages", message) from None
+    return text, token_ids, images, len(expanded)
 
 
 def _version() -> str:
@@ -308,28 +347,33 @@ def _prepare(
     fields: dict[str, Any],
     max_tokens: int | None,
     prompt_field: str,
+    num_prompt_tokens: int | None = None,
 ) -> _Prepared:
-    """Check the prompt's length against the model and build the sampling parameters (400 naming the field)."""
+    """Check the prompt's length against the model and build the sampling parameters (400 naming the field).
+
+    ``num_prompt_tokens`` is the prompt's length in the engine when it differs from ``token_ids``'s (each image
+    marker expanded to the image's placeholder tokens)."""
     limit = state.llm.max_model_len
     if not token_ids:
         raise APIError(400, f"{prompt_field}: the prompt is empty", param=prompt_field)
-    if len(token_ids) >= limit:
+    length = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
+    if length >= limit:
         raise APIError(
             400,
-            f"{prompt_field}: the prompt has {len(token_ids)} tokens; this model's context is "
+            f"{prompt_field}: the prompt has {length} tokens; this model's context is "
             f"{limit} tokens, prompt and output together",
             param=prompt_field,
             code="context_length_exceeded",
         )
-    if max_tokens is not None and len(token_ids) + max_tokens > limit:
+    if max_tokens is not None and length + max_tokens > limit:
         raise APIError(
             400,
-            f"max_tokens: {len(token_ids)} prompt tokens + {max_tokens} output tokens exceed this "
+            f"max_tokens: {length} prompt tokens + {max_tokens} output tokens exceed this "
             f"model's context of {limit} tokens",
             param="max_tokens",
             code="context_length_exceeded",
         )
-    params = sampling_params(fields, max_tokens=max_tokens, default_max_tokens=limit - len(token_ids))
+    params = sampling_params(fields, max_tokens=max_tokens, default_max_tokens=limit - length)
     return _Prepared(text, token_ids, params)
 
 
@@ -380,6 +424,7 @@ async def _respond(
                         item.params,
                         prompt=item.text,
                         request_id=f"{format.id_prefix}-{request_id}-{index}",
+                        multi_modal_data=item.multi_modal_data,
                     )
                 )
             except ValueError as exc:  # the engine refuses it (e.g. a parameter the sampler cannot serve)
@@ -586,7 +631,10 @@ def _event(payload: dict[str, Any]) -> str:
 
 
 def _usage(prepared: list[_Prepared], outputs: list[RequestOutput | None]) -> dict[str, Any]:
-    prompt_tokens = sum(len(p.token_ids) for p in prepared)
+    # The engine's prompt: an image's marker expanded to its placeholder tokens, so usage counts image tokens.
+    prompt_tokens = sum(
+        len(o.prompt_token_ids) if o is not None else len(p.token_ids) for p, o in zip(prepared, outputs, strict=True)
+    )
     completion_tokens = sum(len(c.token_ids) for o in outputs if o is not None for c in o.completions)
     cached = sum(o.metrics.num_cached_tokens for o in outputs if o is not None)
     return {

@@ -205,23 +205,24 @@ class ChatMessage(BaseModel):
     content: Annotated[str | list[dict[str, Any]] | None, BeforeValidator(_checked_text)] = None
 
     def as_template_message(self, index: int) -> dict[str, Any]:
-        """The message as the chat template takes it (text parts joined)."""
+        """The message as the chat template takes it: text parts joined; a content list holding image parts is
+        kept as parts for :func:`patchbay.entrypoints.chat_images.split_image_parts`."""
         content = self.content
         if isinstance(content, list):
-            texts = []
             for part in content:
-                if part.get("type") != "text":
-                    raise APIError(
-                        400,
-                        f"messages.{index}.content: only text parts are supported, got {part.get('type')!r}",
-                        param=f"messages.{index}.content",
-                    )
-                try:
-                    texts.append(_encodable(str(part.get("text", ""))))
-                except ValueError as exc:
-                    raise APIError(400, f"messages.{index}.content: {exc}", param=f"messages.{index}.content") from None
-            content = "".join(texts)
+                if part.get("type") == "text":
+                    try:
+                        _encodable(str(part.get("text", "")))
+                    except ValueError as exc:
+                        where = f"messages.{index}.content"
+                        raise APIError(400, f"{where}: {exc}", param=where) from None
+            if any(part.get("type") != "text" for part in content):
+                return {**(self.model_extra or {}), "role": self.role, "content": content}
+            content = "".join(str(part.get("text", "")) for part in content)
         return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+    def has_parts_other_than_text(self) -> bool:
+        return isinstance(self.content, list) and any(part.get("type") != "text" for part in self.content)
 
 
 class ChatCompletionRequest(_GenerationRequest):
