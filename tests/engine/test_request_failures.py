@@ -89,7 +89,7 @@ def test_a_request_out_of_the_models_range_is_refused_by_name_and_the_engine_goe
         ({"stop_token_ids": [True]}, "must be an integer, got bool"),
         ({"logit_bias": {1.5: 1.0}}, "must be an integer, got float"),
         ({"seed": True}, "expected an integer, got bool"),
-        ({"max_tokens": 3.5}, "valid integer"),
+        ({"max_tokens": 3.5}, "expected an integer, got float 3.5"),
     ],
 )
 def test_a_value_that_would_give_silent_wrong_results_is_refused(params, message):
