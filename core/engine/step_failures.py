@@ -91,6 +91,9 @@ def replay_alone(
     for req_id in dropped:
         batch.remove_request(req_id)
         runner.prompt_logprobs.forget(req_id)
+    for req_id in scheduler_output.finished_req_ids:
+        batch.forget_request(req_id)
+    batch.sampling.rewind(scheduler_output.num_scheduled_tokens)  # seeded streams draw this step's numbers again
     batch.condense()
     logprobs: list[Any] = []
     draft_token_ids: list[list[int]] = []

@@ -425,9 +425,14 @@ class ModelRunner:
         dropped = (
             scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids | scheduler_output.reset_req_ids
         )
+        # A request rolled back for recompute discards what it sampled last step: its stream draws that again.
+        batch.sampling.rewind(scheduler_output.reset_req_ids)
+        batch.sampling.begin_step()
         for req_id in dropped:
             batch.remove_request(req_id)
             self.prompt_logprobs.forget(req_id)
+        for req_id in scheduler_output.finished_req_ids:
+            batch.forget_request(req_id)
         for request in scheduler_output.scheduled_new_reqs:
             for group, block_ids in enumerate(request.block_ids):
                 self._zero_new_blocks(group, block_ids)

@@ -9,7 +9,7 @@ so samplers skip that work.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,9 @@ class SamplingState:
             name: np.full(max_num_reqs, neutral, dtype=dtype) for name, (dtype, neutral) in _COLUMNS.items()
         }
         self.generators: dict[str, torch.Generator] = {}
-        """By request id, so reordering rows never mixes streams."""
+        """By request id, so reordering rows never mixes streams; kept while a preempted request is away."""
+        self._states_before_step: dict[str, torch.Tensor] = {}
+        """The generators' states before the current step drew from them, for :meth:`rewind`."""
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -48,15 +50,31 @@ class SamplingState:
     def add(self, row: int, req_id: str, params: SamplingParams, device: torch.device) -> None:
         for name in _COLUMNS:
             self.columns[name][row] = getattr(params, name)
-        if params.seed is not None:
+        if params.seed is None:
+            self.generators.pop(req_id, None)
+        elif req_id not in self.generators:  # a resumed request continues its stream where it left it
             generator = torch.Generator(device=device)
             generator.manual_seed(params.seed)
             self.generators[req_id] = generator
-        else:
-            self.generators.pop(req_id, None)
 
-    def remove(self, req_id: str) -> None:
+    def forget(self, req_id: str) -> None:
+        """Drop a finished request's generator (one that only left the batch, preempted, keeps it)."""
         self.generators.pop(req_id, None)
+        self._states_before_step.pop(req_id, None)
+
+    def begin_step(self) -> None:
+        """A new step starts: what :meth:`rewind` restores is now taken by this step's :meth:`metadata`."""
+        self._states_before_step.clear()
+
+    def rewind(self, req_ids: Iterable[str]) -> None:
+        """Put these requests' generators back where they were before the current step drew from them.
+
+        A failed step replayed request by request then draws the same numbers again.
+        """
+        for req_id in req_ids:
+            state = self._states_before_step.pop(req_id, None)
+            if state is not None:
+                self.generators[req_id].set_state(state)
 
     def metadata(
         self,
@@ -83,6 +101,9 @@ class SamplingState:
                 return None
             return torch.from_numpy(values).to(device)
 
+        for req_id in req_ids:
+            if req_id in self.generators and req_id not in self._states_before_step:
+                self._states_before_step[req_id] = self.generators[req_id].get_state()
         temperature = column["temperature"]
         wanted_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         outputs_needed = (
