@@ -182,21 +182,27 @@ class Engine:
         prompt: str | None,
         request_id: str | None = None,
     ) -> None:
-        # An adapter's identity (its weights' fingerprint) enters the block hashes: prefix cache and KV connectors.
-        salt = self.lora.identity(params.lora) if params.lora is not None and self.lora is not None else None
         request = Request(
             sequence_id,
             prompt_token_ids,
             params,
             eos_token_id=self._eos_token_id,
             block_size=self.settings.cache.block_size,
-            cache_salt=salt,
+            cache_salt=self._cache_salt(params),
         )
         self.scheduler.add_request(request)
         self.output_processor.add_sequence(
             sequence_id, prompt, prompt_token_ids, params, request.arrival_time, request_id
         )
         self.stats.num_prompt_tokens += len(prompt_token_ids)
+
+    def _cache_salt(self, params: SamplingParams) -> bytes:
+        """What enters the first block's hash (prefix cache and KV connector keys): the request's own
+        ``cache_salt`` (a tenant's), then its adapter's identity (its weights' fingerprint)."""
+        salt = b"" if params.cache_salt is None else b"\0salt:" + params.cache_salt.encode("utf-8", "surrogatepass")
+        if params.lora is not None and self.lora is not None:
+            salt += self.lora.identity(params.lora)
+        return salt
 
     def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the request if it cannot run here (vocabulary, lengths, logprobs, sampler).
