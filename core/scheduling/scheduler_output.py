@@ -79,6 +79,10 @@ class SchedulerOutput:
     step's figure are new this step, possibly for a request that only waits on a KV connector's load: a
     runner that leaves its pool unwritten zeroes them before anything (the connector's load included)
     writes to them."""
+    drops_failed_step: bool = False
+    """An empty step that drops a failed step's requests (``reset_req_ids``) from every rank's batch before they
+    run again one by one: the random generators (theirs and the default) go back to where they were before the
+    failed step, so each rank draws the same numbers again."""
     grammar_bitmasks: dict[str, Any] | None = None
     """With several ranks: the structured-output token bitmask rows rank 0 filled for this step, by request
     (numpy int32 ``[rows, ceil(vocab_size / 32)]``: one row per draft position, then the bonus row; fewer

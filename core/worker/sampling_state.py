@@ -41,6 +41,8 @@ class SamplingState:
         """By request id, so reordering rows never mixes streams; kept while a preempted request is away."""
         self._states_before_step: dict[str, torch.Tensor] = {}
         """The generators' states before the current step drew from them, for :meth:`rewind`."""
+        self._default_state_before_step: tuple[torch.Generator, torch.Tensor] | None = None
+        """The device's default generator (unseeded rows draw from it) and its state when the step began."""
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -62,9 +64,22 @@ class SamplingState:
         self.generators.pop(req_id, None)
         self._states_before_step.pop(req_id, None)
 
-    def begin_step(self) -> None:
-        """A new step starts: what :meth:`rewind` restores is now taken by this step's :meth:`metadata`."""
+    def begin_step(self, device: torch.device) -> None:
+        """A new step starts: what :meth:`rewind` restores is now taken by this step's :meth:`metadata`, and
+        what :meth:`rewind_default` restores is the default generator's state now."""
         self._states_before_step.clear()
+        generator = _default_generator(device)
+        self._default_state_before_step = (generator, generator.get_state()) if generator is not None else None
+
+    def rewind_default(self) -> None:
+        """Put the device's default generator back where it was when the current step began.
+
+        Ranks that replay a failed step then draw the unseeded rows' numbers
+        alike, although one of them stopped drawing halfway through that step.
+        """
+        if self._default_state_before_step is not None:
+            generator, state = self._default_state_before_step
+            generator.set_state(state)
 
     def rewind(self, req_ids: Iterable[str]) -> None:
         """Put these requests' generators back where they were before the current step drew from them.
@@ -144,3 +159,12 @@ class SamplingState:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
                 metadata.min_tokens[i] = (p.min_tokens, stops)
         return metadata
+
+
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator that draws without an explicit one on ``device`` (``None`` where there is none to find)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return None
