@@ -414,3 +414,22 @@ def test_a_model_with_several_kv_cache_groups_refuses_a_connector(tmp_path, regi
             registry=registry,
             kv_connector={"name": "dict_test", "options": {"namespace": "groups"}},
         )
+
+
+def test_a_stalled_connector_in_a_tight_pool_is_named_with_the_blocks_it_holds(tiny_llama, registry, monkeypatch):
+    """Finding (issue 30): the run ended with "cannot schedule request … 2 free blocks", not naming the connector
+    that held the other blocks."""
+    connector = {"name": "dict_test", "options": {"namespace": "stalled"}, "stall_timeout": 0.2}
+    llm = _llm(tiny_llama, registry, connector, cache__num_blocks=6, model__max_model_len=64)
+    engine = llm.engine
+    # The connector saves the first request's blocks when it finishes, and never reports the save done.
+    monkeypatch.setattr(engine.runner.kv_connector, "get_finished", lambda finished_request_ids: (set(), set()))
+    engine.add_request(_prompts(1, seed=21, prefix_len=40)[0][:40], SamplingParams(max_tokens=8), request_id="held")
+    engine.add_request(list(range(1000, 1060)), SamplingParams(max_tokens=2), request_id="starved")
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - the engine wraps it; the text is what matters
+        for _ in range(10_000):
+            engine.step()
+    message = str(raised.value)
+    assert "KV connector 'dict_test' holds requests 'held'" in message, message
+    assert "they hold 3 blocks of the pool ('held': 3)" in message, message
+    assert "request 'starved' (60 tokens) cannot be scheduled with the 2 free blocks of 16 tokens left" in message

@@ -522,7 +522,8 @@ class Engine:
         more = f" and {len(waiting_on) - 10} more" if len(waiting_on) > 10 else ""
         raise KVConnectorStalledError(
             f"KV connector {section.name!r} holds requests {held}{more} and reported none of them done in "
-            f"{section.stall_timeout:g} s (kv_connector.stall_timeout) with nothing else to run: a request for which "
+            f"{section.stall_timeout:g} s (kv_connector.stall_timeout) with nothing else to run "
+            f"({self.scheduler.connector_holdings()}): a request for which "
             "request_finished returned True must be reported by the worker side's get_finished (finished_sending), "
             "and an async load by get_finished (finished_recving)"
         )
