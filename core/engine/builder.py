@@ -35,8 +35,10 @@ from patchbay.interfaces import (
     AttentionConfig,
     KVConnector,
     KVConnectorConfig,
+    SamplerCapabilities,
     SamplerConfig,
     SamplingMetadata,
+    SpecDecodeMetadata,
 )
 from patchbay.scheduling.kv_cache_manager import KVCacheManager, num_blocks_for_memory
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
@@ -530,27 +532,42 @@ class _RankZeroBuild:
             dtype=self.dtype,
         )
 
-    def _warm_up_sampler(self, logits: torch.Tensor) -> None:
-        """Sample ``logits`` with the run's sampler the costliest way it serves (random rows with top-k and top-p:
-        a full sort per row), so that the step's measured peak holds its working memory."""
+    @property
+    def _num_speculative_tokens(self) -> int:
+        return self.settings.speculative.num_speculative_tokens if self.settings.speculative is not None else 0
+
+    def _warm_up_samplers(self, logits: torch.Tensor) -> None:
+        """Sample ``logits`` with the run's sampler, and verify drafts over them with its rejection sampler, the
+        costliest way each serves (random rows with top-k and top-p: a full sort per row), so that the step's
+        measured peak holds their working memory."""
         settings = self.settings
         sampler = create(self.registry, "sampler", settings.sampler.name, settings.sampler.options, "sampler.options")
-        rows = logits.shape[0]
-        random = type(sampler).capabilities.supports_random
-
-        def column(value: float, dtype: torch.dtype) -> torch.Tensor:
-            return torch.full((rows,), value, dtype=dtype, device=logits.device)
-
-        used = type(sampler).capabilities.supported_params
-        sampler.sample(
-            logits,
-            SamplingMetadata(
-                temperature=column(1.0 if random else 0.0, torch.float32),
-                all_greedy=not random,
-                all_random=random,
-                top_k=column(50, torch.int64) if random and "top_k" in used else None,
-                top_p=column(0.9, torch.float32) if random and "top_p" in used else None,
+        sampler.sample(logits, _costliest_sampling(type(sampler).capabilities, logits.shape[0], logits.device))
+        if self.drafting is None:
+            return
+        # Requests of k drafts and a bonus row each: [d, d, ..., d, bonus] per request.
+        per_request = 1 + self._num_speculative_tokens
+        num_requests = logits.shape[0] // per_request
+        if num_requests == 0:
+            return
+        device = logits.device
+        rows = torch.arange(num_requests * per_request, device=device).view(num_requests, per_request)
+        num_drafts = [per_request - 1] * num_requests
+        target = rows[:, :-1].reshape(-1)
+        verifier = self.drafting.verifier
+        verifier.verify(
+            SpecDecodeMetadata(
+                draft_token_ids=torch.zeros(len(target), dtype=torch.long, device=device),
+                num_draft_tokens=num_drafts,
+                cu_num_draft_tokens=torch.cumsum(torch.tensor(num_drafts, device=device), 0),
+                target_logits_indices=target,
+                bonus_logits_indices=rows[:, -1],
+                logits_indices=rows.reshape(-1),
             ),
+            None,
+            logits[target],
+            torch.zeros(num_requests, 1, dtype=torch.long, device=device),
+            _costliest_sampling(type(verifier).capabilities, num_requests, device),
         )
 
     @property
@@ -572,9 +589,9 @@ class _RankZeroBuild:
                 activations = step_activation_bytes(
                     self.model,
                     num_tokens=step_tokens,
-                    num_rows=scheduler.max_num_seqs,
+                    num_rows=scheduler.max_num_seqs * (1 + self._num_speculative_tokens),  # a logits row per draft
                     device=self.device,
-                    sample=self._warm_up_sampler,
+                    sample=self._warm_up_samplers,
                 )
         except PeakUnmeasurable as exc:
             raise ConfigError(
@@ -640,3 +657,21 @@ class _RankZeroBuild:
             check_fits([kv], self.device)
             check_fits([batch], torch.device("cpu"))
         return max_num_reqs, max_step_tokens
+
+
+def _costliest_sampling(capabilities: SamplerCapabilities, rows: int, device: torch.device) -> SamplingMetadata:
+    """Sampling metadata of ``rows`` rows that a sampler of ``capabilities`` serves at its most expensive: random
+    rows with top-k and top-p where it supports them, greedy rows otherwise."""
+    random = capabilities.supports_random
+
+    def column(value: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full((rows,), value, dtype=dtype, device=device)
+
+    used = capabilities.supported_params
+    return SamplingMetadata(
+        temperature=column(1.0 if random else 0.0, torch.float32),
+        all_greedy=not random,
+        all_random=random,
+        top_k=column(50, torch.int64) if random and "top_k" in used else None,
+        top_p=column(0.9, torch.float32) if random and "top_p" in used else None,
+    )

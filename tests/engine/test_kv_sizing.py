@@ -150,13 +150,15 @@ def test_a_drafters_own_cache_is_counted_per_block_of_the_pool(monkeypatch):
 
 def test_the_drafter_and_the_sampler_load_before_the_pool_is_sized(tiny_llama, monkeypatch):
     """Finding: drafter weights and EAGLE's cache were loaded after cache.memory auto sized the pool, and the
-    sampler never ran in the profiled step, so the pool took memory they then needed."""
+    sampler and rejection sampler never ran in the profiled step, so the pool took memory they then needed."""
     from patchbay.engine import builder
     from patchbay.plugins.drafters.eagle import EagleDrafter
+    from patchbay.plugins.samplers.rejection import StandardRejectionSampler
     from patchbay.plugins.samplers.standard import StandardSampler
 
     events: list[str] = []
     load, sample, size = EagleDrafter.load, StandardSampler.sample, kv_sizing.size_kv_pool
+    verify = StandardRejectionSampler.verify
 
     def recorded(name, method):
         def call(*args, **kwargs):
@@ -167,6 +169,7 @@ def test_the_drafter_and_the_sampler_load_before_the_pool_is_sized(tiny_llama, m
 
     monkeypatch.setattr(EagleDrafter, "load", recorded("drafter load", load))
     monkeypatch.setattr(StandardSampler, "sample", recorded("sample", sample))
+    monkeypatch.setattr(StandardRejectionSampler, "verify", recorded("verify", verify))
     sizings = []
 
     def size_kv_pool(*args, **kwargs):
@@ -183,7 +186,7 @@ def test_the_drafter_and_the_sampler_load_before_the_pool_is_sized(tiny_llama, m
         speculative__method="eagle",
         speculative__num_speculative_tokens=2,
     )
-    assert events[:3] == ["drafter load", "sample", "size"], events
+    assert events[:4] == ["drafter load", "sample", "verify", "size"], events
     drafter = llm.engine.runner.drafter
     per_block = drafter.kv_cache_bytes_per_block()
     assert per_block > 0 and sizings[0]["drafter_bytes_per_block"] == per_block
