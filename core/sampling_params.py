@@ -88,6 +88,9 @@ class SamplingParams(BaseModel):
     lora: str | None = Field(default=None, min_length=1)
     """The LoRA adapter to run this request with, by name (``lora.adapters`` or the run's resolver); ``None``:
     the base model."""
+    cache_salt: str | None = Field(default=None, min_length=1)
+    """Enters the hash of the request's first KV block, so only requests with the same salt share cached
+    blocks (prefix cache and KV connector entries): give each tenant its own to keep their prompts apart."""
 
     @model_validator(mode="before")
     @classmethod
@@ -156,8 +159,8 @@ class SamplingParams(BaseModel):
     def params_used(self) -> frozenset[str]:
         """Names of the parameters this request sets away from their neutral value (for sampler checks)."""
         defaults = type(self)()
-        # structured_output is applied by the runner before the sampler, and lora in the model, so no sampler
-        # needs to support them.
+        # structured_output is applied by the runner before the sampler, lora in the model and cache_salt in the
+        # block hashes, so no sampler needs to support them.
         neutral = {
             "max_tokens",
             "stop",
@@ -167,6 +170,7 @@ class SamplingParams(BaseModel):
             "bad_words_token_ids",
             "structured_output",
             "lora",
+            "cache_salt",
         }
         used = {
             name

@@ -162,6 +162,8 @@ def test_soak_through_a_kv_store_with_random_damage(tiny_llama, tmp_path):
         cache__prefix_caching=False,
         kv_connector={"name": "shared_storage", "options": options},
     )
+    # A failing step with a connector fails the request at fault alone (issue 30; it made the engine dead).
+    llm.engine.sampler = llm.engine.runner.sampler = _failing_sampler(llm.engine)
     rng = random.Random(41)
     damage = Counter()
 
@@ -190,4 +192,5 @@ def test_soak_through_a_kv_store_with_random_damage(tiny_llama, tmp_path):
     counts.update(loaded_tokens=kv.num_loaded_tokens, recomputed_blocks=kv.num_recomputed_blocks)
     print(f"\nsoak (shared_storage, damage {dict(damage)}): {dict(counts)}")
     assert counts["loaded_tokens"] > 0 and counts["recomputed_blocks"] > 0
+    assert counts["errors"] > 0
     assert counts["rss_growth_mib"] < 64

@@ -29,6 +29,11 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "LlamaConfig",
         dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=1001, tie_word_embeddings=True),
     ),
+    # Heads, KV heads and MLP features that three ranks divide.
+    "llama-tp3": (
+        "LlamaConfig",
+        dict(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3),
+    ),
 }
 
 

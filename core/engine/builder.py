@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from patchbay.contract.registry import Registry
-from patchbay.contract.selection import require_serves, select_attention_backend
+from patchbay.contract.selection import create, require_serves, select_attention_backend
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings, plugin_options
 from patchbay.engine.admission import AdmissionLimits, effective_max_logprobs
 from patchbay.engine.kv_sizing import KVSizing, memory_in_use, size_kv_pool
@@ -30,7 +30,16 @@ from patchbay.engine.memory_check import check_fits, format_bytes
 from patchbay.engine.model_identity import weights_fingerprint
 from patchbay.engine.ranks import ParallelRanks, check_parallel
 from patchbay.engine.structured_output import grammar_compilations
-from patchbay.interfaces import AttentionBackend, AttentionConfig, KVConnector, KVConnectorConfig, SamplerConfig
+from patchbay.interfaces import (
+    AttentionBackend,
+    AttentionConfig,
+    KVConnector,
+    KVConnectorConfig,
+    SamplerCapabilities,
+    SamplerConfig,
+    SamplingMetadata,
+    SpecDecodeMetadata,
+)
 from patchbay.scheduling.kv_cache_manager import KVCacheManager, num_blocks_for_memory
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
 from patchbay.scheduling.scheduler import Scheduler
@@ -47,9 +56,12 @@ from patchbay.worker.model_runner import ModelRunner
 from patchbay.worker.parallel.pipeline_parallel import stage_layout
 from patchbay.worker.runner_build import (
     check_lora_layout,
+    Drafting,
     RunnerSpec,
+    attention_parts,
     build_runner,
     drafter_config,
+    load_drafter,
     load_rank_model,
     rank_lora,
     rank_shard,
@@ -272,6 +284,8 @@ class _RankZeroBuild:
         self.collectives = distributed.PausableCollectives(group) if group is not None else None
         """Rank 0's collectives, paused while it measures a step alone (``cache.memory: auto``)."""
         self.kv_sizing: KVSizing | None = None
+        self.drafting: Drafting | None = None
+        """The ``speculative:`` drafter, loaded before the pool is sized so that the sizing counts it."""
 
     def build(self) -> EngineParts:
         settings, registry, collectives = self.settings, self.registry, self.collectives
@@ -326,9 +340,10 @@ class _RankZeroBuild:
             [SamplerConfig(device=self.device.type, dtype=self.dtype)],
         )
 
+        self._check_speculative()
+        self.drafting = self._load_drafter(backend_name)
         num_blocks = self._num_blocks()
         max_num_reqs, max_step_tokens = self._check_memory(num_blocks)
-        self._check_speculative()
         num_speculative_tokens = settings.speculative.num_speculative_tokens if settings.speculative else 0
         kv_connector = self._kv_connector(backend_class)
         kv_cache_manager = KVCacheManager(self.groups, num_blocks, settings.cache.prefix_caching)
@@ -382,6 +397,7 @@ class _RankZeroBuild:
             kv_reports=kv_reports,
             grammars=grammars,
             lora=self.lora,
+            drafting=self.drafting,
         )
         if self.ranks is not None:
             self.ranks.start_runners(spec)
@@ -508,6 +524,67 @@ class _RankZeroBuild:
         layout = "x".join(str(d) for d in backend.kv_cache_shape(1, spec.block_size, spec.num_kv_heads, spec.head_size))
         return f"{self.model_dir.name}-{identity.hexdigest()[:16]}-{self.dtype}-{layout}"
 
+    def _load_drafter(self, backend_name: str) -> Drafting | None:
+        """The ``speculative:`` drafter, loaded now, over a provisional pool of one block: what it loads is then
+        held when the pool is sized; its cache is resized to the pool when the runner is built."""
+        if self.settings.speculative is None:
+            return None
+        backend, builders = attention_parts(self.settings, self.registry, backend_name, self.groups, self.device)
+        return load_drafter(
+            self.model,
+            self.settings,
+            self.registry,
+            backend=backend,
+            metadata_builder=builders[0],
+            num_blocks=1,
+            max_model_len=self.max_model_len,
+            device=self.device,
+            dtype=self.dtype,
+        )
+
+    @property
+    def _num_speculative_tokens(self) -> int:
+        return self.settings.speculative.num_speculative_tokens if self.settings.speculative is not None else 0
+
+    def _warm_up_samplers(self, logits: torch.Tensor) -> None:
+        """Sample ``logits`` with the run's sampler, and verify drafts over them with its rejection sampler, the
+        costliest way each serves (random rows with top-k and top-p: a full sort per row), so that the step's
+        measured peak holds their working memory."""
+        settings = self.settings
+        sampler = create(self.registry, "sampler", settings.sampler.name, settings.sampler.options, "sampler.options")
+        sampler.sample(logits, _costliest_sampling(type(sampler).capabilities, logits.shape[0], logits.device))
+        if self.drafting is None:
+            return
+        # Requests of k drafts and a bonus row each: [d, d, ..., d, bonus] per request.
+        per_request = 1 + self._num_speculative_tokens
+        num_requests = logits.shape[0] // per_request
+        if num_requests == 0:
+            return
+        device = logits.device
+        rows = torch.arange(num_requests * per_request, device=device).view(num_requests, per_request)
+        num_drafts = [per_request - 1] * num_requests
+        target = rows[:, :-1].reshape(-1)
+        verifier = self.drafting.verifier
+        verifier.verify(
+            SpecDecodeMetadata(
+                draft_token_ids=torch.zeros(len(target), dtype=torch.long, device=device),
+                num_draft_tokens=num_drafts,
+                cu_num_draft_tokens=torch.cumsum(torch.tensor(num_drafts, device=device), 0),
+                target_logits_indices=target,
+                bonus_logits_indices=rows[:, -1],
+                logits_indices=rows.reshape(-1),
+            ),
+            None,
+            logits[target],
+            torch.zeros(num_requests, 1, dtype=torch.long, device=device),
+            _costliest_sampling(type(verifier).capabilities, num_requests, device),
+        )
+
+    @property
+    def drafter_bytes_per_block(self) -> int:
+        """What the drafter's own KV cache adds per block of the pool (0 without one)."""
+        return self.drafting.drafter.kv_cache_bytes_per_block() if self.drafting is not None else 0
+
     def _num_blocks(self) -> int:
         cache = self.settings.cache
         if cache.num_blocks is not None:
@@ -520,7 +597,11 @@ class _RankZeroBuild:
             # The other ranks are not stepping: rank 0 measures its shard (or stage) alone.
             with self.collectives.paused() if self.collectives else contextlib.nullcontext():
                 activations = step_activation_bytes(
-                    self.model, num_tokens=step_tokens, num_rows=scheduler.max_num_seqs, device=self.device
+                    self.model,
+                    num_tokens=step_tokens,
+                    num_rows=scheduler.max_num_seqs * (1 + self._num_speculative_tokens),  # a logits row per draft
+                    device=self.device,
+                    sample=self._warm_up_samplers,
                 )
         except PeakUnmeasurable as exc:
             raise ConfigError(
@@ -543,6 +624,7 @@ class _RankZeroBuild:
             held_before_load=self.held_before_load,
             ranks=ranks_on_this_machine(self.settings),
             encoder_cache_bytes=self._encoder_cache_bytes(),
+            drafter_bytes_per_block=self.drafter_bytes_per_block,
         )
         logger.info("KV cache (cache.memory auto): %s", self.kv_sizing.describe())
         return self.kv_sizing.num_blocks
@@ -565,10 +647,13 @@ class _RankZeroBuild:
         max_step_tokens = min(settings.scheduler.max_num_batched_tokens, usable_blocks * settings.cache.block_size)
         bytes_per_block = sum(len(group.layer_names) * group.spec.page_size_bytes for group in self.groups)
         kv_key = "cache.num_blocks" if settings.cache.num_blocks is not None else "cache.memory"
+        drafter = self.drafter_bytes_per_block
         kv = (
             kv_key,
-            f"the KV cache ({num_blocks} blocks of {format_bytes(bytes_per_block)}{each})",
-            device_ranks * num_blocks * bytes_per_block,
+            f"the KV cache ({num_blocks} blocks of {format_bytes(bytes_per_block)}"
+            + (f", and {format_bytes(drafter)} each in the drafter's own cache" if drafter else "")
+            + f"{each})",
+            device_ranks * num_blocks * (bytes_per_block + drafter),
         )
         blocks_per_row = -(-self.max_model_len // settings.cache.block_size) * len(self.groups)
         row_bytes = 4 * ((self.max_model_len + 1) + blocks_per_row)  # int32 token ids and block tables
@@ -599,3 +684,21 @@ class _RankZeroBuild:
             return 0
         element = torch.tensor([], dtype=torch_dtype(self.dtype)).element_size()
         return self.settings.scheduler.encoder_cache_size * self.model.shape.hidden_size * element
+
+
+def _costliest_sampling(capabilities: SamplerCapabilities, rows: int, device: torch.device) -> SamplingMetadata:
+    """Sampling metadata of ``rows`` rows that a sampler of ``capabilities`` serves at its most expensive: random
+    rows with top-k and top-p where it supports them, greedy rows otherwise."""
+    random = capabilities.supports_random
+
+    def column(value: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full((rows,), value, dtype=dtype, device=device)
+
+    used = capabilities.supported_params
+    return SamplingMetadata(
+        temperature=column(1.0 if random else 0.0, torch.float32),
+        all_greedy=not random,
+        all_random=random,
+        top_k=column(50, torch.int64) if random and "top_k" in used else None,
+        top_p=column(0.9, torch.float32) if random and "top_p" in used else None,
+    )

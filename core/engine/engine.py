@@ -43,6 +43,7 @@ from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOut
 from patchbay.worker.lora.catalog import AdapterInUseError
 from patchbay.worker.lora.manager import LoRAManager
 from patchbay.worker.lora.peft_adapter import LoRAAdapterError
+from patchbay.worker.model_runner import StepStage
 
 logger = logging.getLogger(__name__)
 
@@ -220,15 +221,13 @@ class Engine:
         *,
         features: list[ImageFeature] | None = None,
     ) -> None:
-        # An adapter's identity (its weights' fingerprint) enters the block hashes: prefix cache and KV connectors.
-        salt = self.lora.identity(params.lora) if params.lora is not None and self.lora is not None else None
         request = Request(
             sequence_id,
             prompt_token_ids,
             params,
             eos_token_id=self._eos_token_id,
             block_size=self.settings.cache.block_size,
-            cache_salt=salt,
+            cache_salt=self._cache_salt(params),
             mm_features=features or (),
         )
         self.scheduler.add_request(request)
@@ -236,6 +235,14 @@ class Engine:
             sequence_id, prompt, prompt_token_ids, params, request.arrival_time, request_id
         )
         self.stats.num_prompt_tokens += len(prompt_token_ids)
+
+    def _cache_salt(self, params: SamplingParams) -> bytes:
+        """What enters the first block's hash (prefix cache and KV connector keys): the request's own
+        ``cache_salt`` (a tenant's), then its adapter's identity (its weights' fingerprint)."""
+        salt = b"" if params.cache_salt is None else b"\0salt:" + params.cache_salt.encode("utf-8", "surrogatepass")
+        if params.lora is not None and self.lora is not None:
+            salt += self.lora.identity(params.lora)
+        return salt
 
     def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the request if it cannot run here (vocabulary, lengths, logprobs, sampler).
@@ -486,26 +493,51 @@ class Engine:
     def _replay_failed_step(
         self, scheduler_output: SchedulerOutput, exc: Exception
     ) -> tuple[ModelRunnerOutput, dict[str, str]]:
-        """Replay a step whose runner raised request by request; fail (and free) the requests that raise alone."""
+        """Replay a step whose runner raised request by request; fail (and free) the requests that raise alone.
+
+        With a KV connector the step's loads and saves are settled first and
+        the replay neither loads nor saves.  With tensor-parallel ranks, every
+        rank replays in step, which needs the failure to have come after the
+        step's collectives (in sampling); otherwise, with pipeline stages, or
+        with ranks and a connector or drafts, the engine stops.
+        """
+        send = None
         if self.ranks is not None:
-            # Every rank would have to replay in step; a failed rank or collective cannot be replayed at all.
-            raise self.ranks.failure(exc) or EngineDeadError(
-                f"a step failed with {parallel_settings(self.settings)}, where "
-                f"steps are not replayed request by request: {describe_failure(exc, self._plugins())}"
-            ) from exc
-        if self.kv_connector is not None:
-            # The step's loads and saves cannot be replayed per request without re-saving blocks not yet computed.
-            raise EngineDeadError(
-                f"the runner failed in a step with a KV connector: {describe_failure(exc, self._plugins())}"
-            ) from exc
+            reason = self._why_ranks_cannot_replay()
+            if reason is not None:
+                raise self.ranks.failure(exc) or EngineDeadError(
+                    f"a step failed with {parallel_settings(self.settings)}, where it cannot be replayed request "
+                    f"by request ({reason}): {describe_failure(exc, self._plugins())}"
+                ) from exc
+            send = self._send_replayed_step
         logger.warning(
             "a step failed (%s); running its %d requests one by one to find the one at fault",
             describe_failure(exc, self._plugins()),
             len(scheduler_output.num_scheduled_tokens),
         )
-        isolated = replay_alone(self.runner, self.scheduler, scheduler_output, self._plugins())
+        isolated = replay_alone(self.runner, self.scheduler, scheduler_output, self._plugins(), send)
         fail_requests(self.scheduler, isolated.errors)
         return isolated.output, isolated.errors
+
+    def _why_ranks_cannot_replay(self) -> str | None:
+        """Why the ranks cannot replay the step that just failed on this one (``None``: they can)."""
+        settings = self.settings
+        if settings.runtime.pipeline_parallel_size > 1:
+            return "pipeline stages run different batches at once"
+        if self.kv_connector is not None:
+            return "the ranks join their KV transfer reports in a collective"
+        if settings.speculative is not None:
+            return "a drafter may run collectives after sampling"
+        if self.runner.stage < StepStage.SAMPLING:
+            return "it raised before the step's collectives, where the other ranks wait"
+        return None
+
+    def _send_replayed_step(self, step: SchedulerOutput) -> None:
+        """Hand one step of a replay to the other ranks (rank 0's matchers fill its grammar rows first)."""
+        assert self.ranks is not None
+        if step.grammar_bitmasks is None:
+            self.runner.fill_grammar_bitmasks(step)
+        self.ranks.send_step(step)
 
     def _check_liveness(self, idle: bool) -> None:
         """Fail the run when steps only wait on the KV connector and nothing moved for ``stall_timeout`` seconds.
@@ -532,7 +564,8 @@ class Engine:
         more = f" and {len(waiting_on) - 10} more" if len(waiting_on) > 10 else ""
         raise KVConnectorStalledError(
             f"KV connector {section.name!r} holds requests {held}{more} and reported none of them done in "
-            f"{section.stall_timeout:g} s (kv_connector.stall_timeout) with nothing else to run: a request for which "
+            f"{section.stall_timeout:g} s (kv_connector.stall_timeout) with nothing else to run "
+            f"({self.scheduler.connector_holdings()}): a request for which "
             "request_finished returned True must be reported by the worker side's get_finished (finished_sending), "
             "and an async load by get_finished (finished_recving)"
         )

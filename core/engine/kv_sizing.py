@@ -22,7 +22,6 @@ import torch
 
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings
 from patchbay.engine.memory_check import available_memory, format_bytes
-from patchbay.scheduling.kv_cache_manager import num_blocks_for_memory
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup
 
 DEFAULT_UTILIZATION = {"cuda": 0.9, "cpu": 0.5}
@@ -36,10 +35,11 @@ class KVSizing:
     num_blocks: int
     tokens: int
     kv_bytes: int
+    """The pool's bytes, with what a drafter's own KV cache adds per block."""
     budget: int
     """``cache.memory_utilization`` of the device's memory, for every rank together."""
     model_bytes: int
-    """What each rank's model added to the process before the KV pool (weights, buffers, adapters)."""
+    """What each rank's model added to the process before the KV pool (weights, buffers, adapters, drafter)."""
     activation_bytes: int
     """Peak activations of the largest step, measured."""
     step_tokens: int
@@ -68,12 +68,15 @@ def size_kv_pool(
     held_before_load: int,
     ranks: int = 1,
     encoder_cache_bytes: int = 0,
+    drafter_bytes_per_block: int = 0,
 ) -> KVSizing:
     """The pool's block count (per group, null block included) for ``cache.memory: auto``.
 
     ``held_before_load`` is :func:`memory_in_use` taken before the engine
-    loaded its model: what the model holds is the growth since.
-    ``encoder_cache_bytes``: a vision-language model's encoder cache, full, reserved beside the step.
+    loaded its model: what the model (and a drafter loaded with it) holds is
+    the growth since.  ``encoder_cache_bytes``: a vision-language model's
+    encoder cache, full, reserved beside the step.  ``drafter_bytes_per_block``:
+    what a drafter's own KV cache adds to each block of the pool.
     """
     cache = settings.cache
     utilization = cache.memory_utilization or DEFAULT_UTILIZATION.get(device.type, DEFAULT_UTILIZATION["cpu"])
@@ -99,7 +102,7 @@ def size_kv_pool(
         room, limited_by = free - ranks * beside, "free memory"
     bytes_per_block = sum(len(group.layer_names) * group.spec.page_size_bytes for group in groups)
     block_size = groups[0].spec.block_size
-    num_blocks = num_blocks_for_memory(groups, max(0, room // ranks))
+    num_blocks = max(0, room // ranks) // (bytes_per_block + drafter_bytes_per_block)
     useful = settings.scheduler.max_num_seqs * -(-max_model_len // block_size) + 1  # + the null block
     if num_blocks > useful:
         num_blocks, limited_by = useful, "max_num_seqs x max_model_len"
@@ -126,7 +129,7 @@ def size_kv_pool(
     return KVSizing(
         num_blocks,
         (num_blocks - 1) * block_size,
-        num_blocks * bytes_per_block,
+        num_blocks * (bytes_per_block + drafter_bytes_per_block),
         budget,
         held,
         activation_bytes,

@@ -11,6 +11,14 @@ values); those that raise again are failed with ``finish_reason="error"``:
 their blocks past what was computed before the step are dropped from the
 prefix cache (their contents are not what their hashes say) and freed.
 
+The drop is itself an (empty) step, so that tensor-parallel ranks, which
+run every step rank 0 runs, replay in step: it puts each dropped request's
+generator, and the default one, back where they were before the failed
+step.  With a KV connector the failed step's loads are completed and its
+saves handed over first (they are of blocks earlier steps computed, still
+intact), and the replay runs without the connector, so no block is saved
+that was never computed.
+
 An exception where the engine's own bookkeeping was half-updated (the
 scheduler, the output processing, the replay itself) cannot be undone, so
 it makes the engine dead: :class:`EngineDeadError` on every later call.
@@ -19,7 +27,7 @@ it makes the engine dead: :class:`EngineDeadError` on every later call.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +39,7 @@ from patchbay.scheduling.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from patchbay.worker.model_runner import StepStage
 
 
 class EngineDeadError(RuntimeError):
@@ -78,69 +87,103 @@ def describe_failure(exc: BaseException, plugins: Mapping[str, Iterable[Any]]) -
 
 
 def replay_alone(
-    runner: Any, scheduler: Scheduler, scheduler_output: SchedulerOutput, plugins: Mapping[str, Iterable[Any]]
+    runner: Any,
+    scheduler: Scheduler,
+    scheduler_output: SchedulerOutput,
+    plugins: Mapping[str, Iterable[Any]],
+    send: Callable[[SchedulerOutput], None] | None = None,
 ) -> IsolatedStep:
-    """Run each request of a failed step alone; see the module docstring."""
-    batch = runner.batch
-    dropped = (
-        scheduler_output.finished_req_ids
-        | scheduler_output.preempted_req_ids
-        | scheduler_output.reset_req_ids
-        | set(scheduler_output.num_scheduled_tokens)
-    )
-    for req_id in dropped:
-        batch.remove_request(req_id)
-        runner.prompt_logprobs.forget(req_id)
-    batch.condense()
+    """Run each request of a failed step alone; see the module docstring.
+
+    ``send`` hands each step of the replay to the other ranks before this
+    runner runs it (``None``: there are none).  With a KV connector, the
+    failed step's loads and saves are settled first and the replay itself
+    neither loads nor saves; the step's transfer reports join its output.
+    """
+    stage = runner.stage
+    runner.settle_connector(scheduler_output, stage)
+
+    def run(step: SchedulerOutput) -> ModelRunnerOutput:
+        if send is not None:
+            send(step)
+        return runner.execute_model(step)
+
     logprobs: list[Any] = []
     draft_token_ids: list[list[int]] = []
     merged = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=logprobs, draft_token_ids=draft_token_ids)
     errors: dict[str, str] = {}
-    for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-        request = scheduler.requests[req_id]
-        alone = SchedulerOutput(
-            scheduled_new_reqs=[
-                NewRequestData(
-                    req_id=req_id,
-                    prompt_token_ids=list(request.prompt_token_ids),
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=scheduler.kv_cache_manager.get_block_ids(req_id),
-                    num_computed_tokens=request.num_computed_tokens,
-                    mm_features=request.mm_features,
-                )
-            ],
-            scheduled_cached_reqs=CachedRequestData(),
-            num_scheduled_tokens={req_id: num_tokens},
-            total_num_scheduled_tokens=num_tokens,
-            scheduled_spec_decode_tokens={req_id: drafts}
-            if (drafts := scheduler_output.scheduled_spec_decode_tokens.get(req_id))
-            else {},
-            # The images this step encodes for it (those encoded before are still cached).
-            scheduled_encoder_inputs={req_id: images}
-            if (images := scheduler_output.scheduled_encoder_inputs.get(req_id))
-            else {},
-            free_encoder_hashes=scheduler_output.free_encoder_hashes,
+    with runner.connector_paused():
+        # Every rank drops the step's requests, and its generators go back to where they were before the step.
+        run(
+            _dropping(
+                scheduler_output.finished_req_ids,
+                scheduler_output.preempted_req_ids
+                | scheduler_output.reset_req_ids
+                | set(scheduler_output.num_scheduled_tokens),
+            )
         )
-        try:
-            output = runner.execute_model(alone)
-        except Exception as exc:  # noqa: BLE001 - any failure of this request alone is its own
-            errors[req_id] = describe_failure(exc, plugins)
-            batch.remove_request(req_id)
-            runner.prompt_logprobs.forget(req_id)
-            batch.condense()
-            continue
-        for row, row_id in enumerate(output.req_ids):
-            merged.req_ids.append(row_id)
-            merged.sampled_token_ids.append(output.sampled_token_ids[row])
-            logprobs.append(output.logprobs[row] if output.logprobs else None)
-            draft_token_ids.append(output.draft_token_ids[row] if output.draft_token_ids else [])
-        merged.prompt_logprobs.update(output.prompt_logprobs)
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            alone = SchedulerOutput(
+                scheduled_new_reqs=[
+                    NewRequestData(
+                        req_id=req_id,
+                        prompt_token_ids=list(request.prompt_token_ids),
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=scheduler.kv_cache_manager.get_block_ids(req_id),
+                        num_computed_tokens=request.num_computed_tokens,
+                        mm_features=request.mm_features,
+                    )
+                ],
+                scheduled_cached_reqs=CachedRequestData(),
+                num_scheduled_tokens={req_id: num_tokens},
+                total_num_scheduled_tokens=num_tokens,
+                scheduled_spec_decode_tokens={req_id: drafts}
+                if (drafts := scheduler_output.scheduled_spec_decode_tokens.get(req_id))
+                else {},
+                # The images this step encodes for it (those encoded before are still cached).
+                scheduled_encoder_inputs={req_id: images}
+                if (images := scheduler_output.scheduled_encoder_inputs.get(req_id))
+                else {},
+                free_encoder_hashes=scheduler_output.free_encoder_hashes,
+            )
+            try:
+                output = run(alone)
+            except Exception as exc:  # noqa: BLE001 - any failure of this request alone is its own
+                if send is not None and runner.stage < StepStage.SAMPLING:
+                    # The other ranks wait in a collective this rank never joined: nothing can be replayed.
+                    failure = describe_failure(exc, plugins)
+                    raise EngineDeadError(f"request {req_id!r} raised alone before the collectives: {failure}") from exc
+                errors[req_id] = describe_failure(exc, plugins)
+                run(_dropping({req_id}, set()))
+                continue
+            for row, row_id in enumerate(output.req_ids):
+                merged.req_ids.append(row_id)
+                merged.sampled_token_ids.append(output.sampled_token_ids[row])
+                logprobs.append(output.logprobs[row] if output.logprobs else None)
+                draft_token_ids.append(output.draft_token_ids[row] if output.draft_token_ids else [])
+            merged.prompt_logprobs.update(output.prompt_logprobs)
     if not any(logprobs):
         merged.logprobs = None
     if not any(draft_token_ids):
         merged.draft_token_ids = None
+    runner.report_connector(scheduler_output, merged, stage)
     return IsolatedStep(merged, errors)
+
+
+def _dropping(finished: set[str], again: set[str]) -> SchedulerOutput:
+    """An empty step that drops ``finished`` for good and ``again`` to run again, rewinding their draws."""
+    return SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        finished_req_ids=set(finished),
+        reset_req_ids=set(again),
+        drops_failed_step=True,
+        grammar_bitmasks={},  # rank 0's matchers stay as they were before the step; no rank needs a row
+    )
 
 
 def fail_requests(scheduler: Scheduler, request_ids: Iterable[str]) -> None:

@@ -166,8 +166,23 @@ class Drafter(Plugin):
     def load(self, context: DrafterContext) -> None:
         """Load weights, share modules with the target (embeddings, lm head), allocate caches. Default: nothing.
 
-        Called once before the first step.
+        Called once before the first step.  On the engine's own rank it runs
+        before the KV pool is sized, with ``context.num_blocks`` 1, so that
+        the pool's sizing counts the drafter's weights; the pool's real size
+        then comes through :meth:`resize_kv_cache`.
         """
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes the loaded drafter's own KV cache takes per block of the target's pool (default: 0, none).
+
+        The engine counts them, times the pool's blocks, when it sizes the
+        pool (``cache.memory: auto``) and checks that the run fits in memory.
+        """
+        return 0
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Make the drafter's own KV cache cover ``num_blocks`` blocks of the target's pool, as if :meth:`load`
+        had been given them (default: nothing).  Called after :meth:`load`, before the first step."""
 
     def aux_hidden_state_layers(self) -> tuple[int, ...]:
         """The target decoder layers whose outputs this loaded drafter needs, each step (default: the capability's).

@@ -273,6 +273,23 @@ class Scheduler:
         """Requests whose progress waits on the connector: finished ones it holds, waiting ones it loads, sorted."""
         return sorted({*self._held, *(request_id for request_id in self._loading if request_id not in self._loaded)})
 
+    def connector_holdings(self) -> str:
+        """What the KV connector's held requests keep of the pool, and which request waits for it (for errors)."""
+        held = {
+            request_id: sum(len(ids) for ids in self.kv_cache_manager.get_block_ids(request_id))
+            for request_id in sorted(self._held)
+        }
+        shown = ", ".join(f"{request_id!r}: {count}" for request_id, count in list(held.items())[:10])
+        more = f" and {len(held) - 10} more requests" if len(held) > 10 else ""
+        text = f"they hold {sum(held.values())} blocks of the pool ({shown}{more})"
+        if self.waiting and not self.running:
+            head = self.waiting[0]
+            text += (
+                f", and request {head.request_id!r} ({head.num_tokens} tokens) cannot be scheduled with the "
+                f"{self.kv_cache_manager.num_free_blocks} free blocks of {self.block_size} tokens left"
+            )
+        return text
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
@@ -354,6 +371,7 @@ class Scheduler:
             and not self._loading
             and not self._in_flight
             and not self._grammar_futures()
+            and not self._held  # the connector frees them once its saves are done (kv_connector.stall_timeout)
         ):
             # The pool check at construction makes this unreachable; fail loudly rather than spin.
             head = self.waiting[0]

@@ -87,6 +87,10 @@ class SchedulerOutput:
     free_encoder_hashes: list[str] = field(default_factory=list)
     """Content hashes of encoder outputs no request needs any more: the runner drops them before this step's
     encoding (an image dropped and encoded again in one step is encoded afresh)."""
+    drops_failed_step: bool = False
+    """An empty step that drops a failed step's requests (``reset_req_ids``) from every rank's batch before they
+    run again one by one: the random generators (theirs and the default) go back to where they were before the
+    failed step, so each rank draws the same numbers again."""
     grammar_bitmasks: dict[str, Any] | None = None
     """With several ranks: the structured-output token bitmask rows rank 0 filled for this step, by request
     (numpy int32 ``[rows, ceil(vocab_size / 32)]``: one row per draft position, then the bonus row; fewer

@@ -79,15 +79,22 @@ class InputBatch:
         return row
 
     def remove_request(self, req_id: str) -> int | None:
-        """Drop a request, leaving a hole; return its former row (``None`` if it was not here)."""
+        """Drop a request, leaving a hole; return its former row (``None`` if it was not here).
+
+        Its seeded generator stays (a preempted request resumes its stream) until :meth:`forget_request`.
+        """
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return None
         self.req_ids[row] = None
         self.sampling_params[row] = None
-        self.sampling.remove(req_id)
         self._holes.add(row)
         return row
+
+    def forget_request(self, req_id: str) -> None:
+        """Drop a finished request, with what the batch keeps for it while it is away (its generator)."""
+        self.remove_request(req_id)
+        self.sampling.forget(req_id)
 
     def condense(self) -> None:
         """Fill holes with rows from the end so live rows are contiguous."""

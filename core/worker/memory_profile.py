@@ -6,7 +6,7 @@ measured, not estimated: one forward pass of ``num_tokens`` tokens (a
 single sequence, the largest prefill chunk a step may hold), the LM head
 at ``num_rows`` sampled rows and a softmax over their logits (no KV cache
 exists yet: each layer's attention only produces its output, see
-:class:`_AttentionOutput`).
+:class:`_AttentionOutput`), and the run's sampler over those logits.
 The peak is read from the allocator on CUDA and from the kernel's peak
 resident-set counter on Linux (reset first through ``/proc/self/clear_refs``,
 after freed heap memory is handed back to the kernel).
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,8 +33,18 @@ class PeakUnmeasurable(RuntimeError):
     """This platform offers no way to read a process's peak memory."""
 
 
-def step_activation_bytes(model: HFCausalLM, *, num_tokens: int, num_rows: int, device: torch.device) -> int:
-    """Peak bytes one step of ``num_tokens`` tokens and ``num_rows`` sampled rows adds to what is allocated now."""
+def step_activation_bytes(
+    model: HFCausalLM,
+    *,
+    num_tokens: int,
+    num_rows: int,
+    device: torch.device,
+    sample: Callable[[torch.Tensor], object] | None = None,
+) -> int:
+    """Peak bytes one step of ``num_tokens`` tokens and ``num_rows`` sampled rows adds to what is allocated now.
+
+    ``sample`` (the run's sampler, warmed up on the step's logits) runs inside the measure too.
+    """
     num_rows = max(1, min(num_rows, num_tokens))
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device)
@@ -46,6 +57,8 @@ def step_activation_bytes(model: HFCausalLM, *, num_tokens: int, num_rows: int, 
             hidden_states = model.hidden_states(input_ids, positions)
         logits = model.logits(hidden_states[-num_rows:])
         torch.softmax(logits, dim=-1)
+        if sample is not None:
+            sample(logits)
         del hidden_states, logits
     return meter.peak
 

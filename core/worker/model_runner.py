@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Container
+from collections.abc import Container, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 import numpy as np
@@ -92,6 +94,20 @@ def _unwritten(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.devi
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+class StepStage(IntEnum):
+    """How far the runner's current (or last) step got: where a failed step stopped, for its replay."""
+
+    STARTED = 0
+    LOADING = 1
+    """The KV connector's loads of the step have started."""
+    FORWARD_DONE = 2
+    """The forward pass ran, and the connector's saves of the step are handed over."""
+    SAMPLING = 3
+    """Logits computed: every collective of the step (tensor-parallel gathers) is done."""
+    REPORTED = 4
+    """The connector's transfer reports are in the step's output."""
+
+
 class ModelRunner:
     """Executes scheduler steps on one device."""
 
@@ -156,6 +172,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self._bindings = self._bind_layers()
         self.kv_connector = kv_connector
+        self.stage = StepStage.STARTED
+        """How far the current step got (read when it raised)."""
         self.kv_reports = kv_reports
         """With several ranks: joins this rank's connector reports with the other ranks' after each step."""
         if kv_connector is not None:
@@ -255,6 +273,7 @@ class ModelRunner:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and return the sampled tokens of every request that ran."""
+        self.stage = StepStage.STARTED
         clock = time.perf_counter()
         self._zero_allocated_blocks(scheduler_output.highest_block_ids)
         self._update_states(scheduler_output)
@@ -279,6 +298,7 @@ class ModelRunner:
             clock = self._lap("prepare", clock)
         if connector is not None:
             connector.start_load_kv(scheduler_output.kv_connector_metadata)
+            self.stage = StepStage.LOADING
         if self.lora is not None:
             self.lora.begin_step([self.batch.sampling_params[row].lora for row in step.rows], step.num_scheduled)
         try:
@@ -289,6 +309,7 @@ class ModelRunner:
                 self.lora.end_step()
         if connector is not None:
             connector.wait_for_save()
+        self.stage = StepStage.FORWARD_DONE
         if not self.samples:
             # An earlier pipeline stage: its hidden states are on their way to the next stage (the hooks sent them).
             self.batch.num_computed_tokens[step.rows] = step.seq_lens
@@ -308,6 +329,7 @@ class ModelRunner:
             step.rows, step.seq_lens, step.num_scheduled, step.query_start_loc, step.complete, hidden_states
         )
         clock = self._lap("forward", clock)
+        self.stage = StepStage.SAMPLING  # no collective from here to the output (a drafter's aside)
         constrained = self.constrained if self.constrained is not None and self.constrained.matchers else None
         sample_req_ids = [self.batch.req_ids[row] for row in sample_rows]
         shipped = scheduler_output.grammar_bitmasks
@@ -349,12 +371,44 @@ class ModelRunner:
         output.prompt_logprobs = prompt_logprobs
         if connector is not None:
             self._report_transfers(scheduler_output, output)
+        self.stage = StepStage.REPORTED
         clock = self._lap("output", clock)
         if self.drafter is not None and len(sample_rows):
             output.draft_token_ids = self._propose_drafts(step, hidden_states, new_tokens)
             self._lap("draft", clock)
         self.num_steps += 1
         return output
+
+    @contextmanager
+    def connector_paused(self) -> Iterator[None]:
+        """Steps run inside neither load nor save through the KV connector (a failed step's replay: its loads
+        are in place and its saves handed over already)."""
+        connector, self.kv_connector = self.kv_connector, None
+        try:
+            yield
+        finally:
+            self.kv_connector = connector
+
+    def settle_connector(self, scheduler_output: SchedulerOutput, stage: StepStage) -> None:
+        """Before a step that raised at ``stage`` is replayed: do what it left undone of its KV connector work
+        up to the forward pass. Its loads start, and are waited for (the replay reads those blocks); its saves
+        (of blocks earlier steps computed, still intact) are handed over: a save barrier before the replay
+        writes anything."""
+        connector = self.kv_connector
+        if connector is None:
+            return
+        if stage < StepStage.LOADING:
+            connector.start_load_kv(scheduler_output.kv_connector_metadata)
+        if stage < StepStage.FORWARD_DONE:
+            for binding in self._bindings.values():
+                connector.wait_for_layer_load(binding.layer_name)
+            connector.wait_for_save()
+
+    def report_connector(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput, stage: StepStage) -> None:
+        """After a step that raised at ``stage`` was replayed: put its KV transfer reports in ``output``, unless
+        it got them before it raised."""
+        if self.kv_connector is not None and stage < StepStage.REPORTED:
+            self._report_transfers(scheduler_output, output)
 
     def fill_grammar_bitmasks(self, scheduler_output: SchedulerOutput) -> None:
         """Rank 0, before it hands a step to the other ranks: fill the step's structured-output bitmask rows.
@@ -439,11 +493,18 @@ class ModelRunner:
         dropped = (
             scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids | scheduler_output.reset_req_ids
         )
+        # A request rolled back for recompute discards what it sampled last step: its stream draws that again.
+        batch.sampling.rewind(scheduler_output.reset_req_ids)
+        if scheduler_output.drops_failed_step:
+            batch.sampling.rewind_default()
+        batch.sampling.begin_step(self.device)
         for req_id in dropped:
             batch.remove_request(req_id)
             self.prompt_logprobs.forget(req_id)
             if self.images is not None:
                 self.images.remove_request(req_id)
+        for req_id in scheduler_output.finished_req_ids:
+            batch.forget_request(req_id)
         for request in scheduler_output.scheduled_new_reqs:
             for group, block_ids in enumerate(request.block_ids):
                 self._zero_new_blocks(group, block_ids)

@@ -30,7 +30,7 @@ from patchbay.interfaces import (
     KVShard,
     RejectionSampler,
 )
-from patchbay.scheduling.kv_cache_spec import group_layers
+from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
 from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.worker.cpu.fused_layer import use_fused_layers
 from patchbay.worker.cpu.fused_ops import FusedModules, use_fused_ops
@@ -289,29 +289,12 @@ def drafter_config(
     )
 
 
-def build_runner(
-    model: HFCausalLM,
-    settings: Settings,
-    registry: Registry,
-    spec: RunnerSpec,
-    *,
-    device: torch.device,
-    dtype: str,
-    kv_connector: KVConnectorWorker | None = None,
-    kv_reports: RankTransferReports | None = None,
-    grammars: GrammarCompilations | None = None,
-    rank: int = 0,
-    lora: LoRAManager | None = None,
-) -> ModelRunner:
-    """The runner over ``model`` (``rank``'s part of it) with the plugins the settings name (already checked by
-    rank 0); only the last pipeline stage's runners sample.
-
-    ``kv_reports``: with several ranks, how the connector's reports are joined with the other ranks'.
-    """
-    block_size = settings.cache.block_size
-    groups = group_layers(model.kv_cache_specs(block_size, dtype))
+def attention_parts(
+    settings: Settings, registry: Registry, backend_name: str, groups: list[KVCacheGroup], device: torch.device
+) -> tuple[AttentionBackend, list[Any]]:
+    """The attention backend ``backend_name`` and a metadata builder per KV-cache group, as the settings ask."""
     # resolve() checks that each class implements its kind's interface.
-    backend_class = cast("type[AttentionBackend]", registry.resolve("attention", spec.backend_name))
+    backend_class = cast("type[AttentionBackend]", registry.resolve("attention", backend_name))
     backend = backend_class(plugin_options(backend_class, settings.attention.options, where="attention.options"))
     builder_name = settings.attention.metadata_builder or backend_class.metadata_builder
     builders = [
@@ -327,29 +310,95 @@ def build_runner(
         )
         for g in groups
     ]
-    sampler = create(registry, "sampler", settings.sampler.name, settings.sampler.options, "sampler.options")
-    drafter = verifier = None
+    return backend, builders
+
+
+@dataclass
+class Drafting:
+    """A loaded drafter and the rejection sampler that verifies its drafts."""
+
+    drafter: Drafter
+    verifier: RejectionSampler
+
+
+def load_drafter(
+    model: HFCausalLM,
+    settings: Settings,
+    registry: Registry,
+    *,
+    backend: AttentionBackend,
+    metadata_builder: Any,
+    num_blocks: int,
+    max_model_len: int,
+    device: torch.device,
+    dtype: str,
+) -> Drafting:
+    """The ``speculative:`` drafter, loaded over ``model`` for a pool of ``num_blocks``, and its verifier."""
     speculative = settings.speculative
-    if speculative is not None:
-        drafter_class = cast("type[Drafter]", registry.resolve("drafter", speculative.method))
-        drafter = drafter_class(
-            plugin_options(drafter_class, speculative.options, where="speculative.options"),
-            config=drafter_config(settings, model, device=device, dtype=dtype, max_model_len=spec.max_model_len),
+    assert speculative is not None
+    drafter_class = cast("type[Drafter]", registry.resolve("drafter", speculative.method))
+    drafter = drafter_class(
+        plugin_options(drafter_class, speculative.options, where="speculative.options"),
+        config=drafter_config(settings, model, device=device, dtype=dtype, max_model_len=max_model_len),
+    )
+    # A sampler of the verify role (rank 0 checked that it serves the run).
+    verifier_class = cast("type[RejectionSampler]", registry.resolve("sampler", speculative.rejection_sampler))
+    drafter.load(
+        DrafterContext(
+            model=model.model,
+            attention_backend=backend,
+            metadata_builder=metadata_builder,
+            block_size=settings.cache.block_size,
+            num_blocks=num_blocks,
+            device=device,
+            dtype=torch_dtype(dtype),
         )
-        # A sampler of the verify role (rank 0 checked that it serves the run).
-        verifier_class = cast("type[RejectionSampler]", registry.resolve("sampler", speculative.rejection_sampler))
-        verifier = verifier_class(verifier_class.Options())
-        drafter.load(
-            DrafterContext(
-                model=model.model,
-                attention_backend=backend,
-                metadata_builder=builders[0],
-                block_size=block_size,
-                num_blocks=spec.num_blocks,
-                device=device,
-                dtype=torch_dtype(dtype),
-            )
+    )
+    return Drafting(drafter, verifier_class(verifier_class.Options()))
+
+
+def build_runner(
+    model: HFCausalLM,
+    settings: Settings,
+    registry: Registry,
+    spec: RunnerSpec,
+    *,
+    device: torch.device,
+    dtype: str,
+    kv_connector: KVConnectorWorker | None = None,
+    kv_reports: RankTransferReports | None = None,
+    grammars: GrammarCompilations | None = None,
+    rank: int = 0,
+    lora: LoRAManager | None = None,
+    drafting: Drafting | None = None,
+) -> ModelRunner:
+    """The runner over ``model`` (``rank``'s part of it) with the plugins the settings name (already checked by
+    rank 0); only the last pipeline stage's runners sample.
+
+    ``kv_reports``: with several ranks, how the connector's reports are joined with the other ranks'.
+    ``drafting``: the drafter :func:`load_drafter` loaded before the pool was sized (its cache is resized to
+    the pool here); ``None``: loaded here, for the pool's size, when the settings ask for one.
+    """
+    groups = group_layers(model.kv_cache_specs(settings.cache.block_size, dtype))
+    backend, builders = attention_parts(settings, registry, spec.backend_name, groups, device)
+    sampler = create(registry, "sampler", settings.sampler.name, settings.sampler.options, "sampler.options")
+    speculative = settings.speculative
+    if drafting is not None:
+        drafting.drafter.resize_kv_cache(spec.num_blocks)
+    elif speculative is not None:
+        drafting = load_drafter(
+            model,
+            settings,
+            registry,
+            backend=backend,
+            metadata_builder=builders[0],
+            num_blocks=spec.num_blocks,
+            max_model_len=spec.max_model_len,
+            device=device,
+            dtype=dtype,
         )
+    drafter = drafting.drafter if drafting is not None else None
+    verifier = drafting.verifier if drafting is not None else None
     return ModelRunner(
         model,
         backend=backend,

@@ -9,7 +9,7 @@ so samplers skip that work.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,11 @@ class SamplingState:
             name: np.full(max_num_reqs, neutral, dtype=dtype) for name, (dtype, neutral) in _COLUMNS.items()
         }
         self.generators: dict[str, torch.Generator] = {}
-        """By request id, so reordering rows never mixes streams."""
+        """By request id, so reordering rows never mixes streams; kept while a preempted request is away."""
+        self._states_before_step: dict[str, torch.Tensor] = {}
+        """The generators' states before the current step drew from them, for :meth:`rewind`."""
+        self._default_state_before_step: tuple[torch.Generator, torch.Tensor] | None = None
+        """The device's default generator (unseeded rows draw from it) and its state when the step began."""
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -48,15 +52,44 @@ class SamplingState:
     def add(self, row: int, req_id: str, params: SamplingParams, device: torch.device) -> None:
         for name in _COLUMNS:
             self.columns[name][row] = getattr(params, name)
-        if params.seed is not None:
+        if params.seed is None:
+            self.generators.pop(req_id, None)
+        elif req_id not in self.generators:  # a resumed request continues its stream where it left it
             generator = torch.Generator(device=device)
             generator.manual_seed(params.seed)
             self.generators[req_id] = generator
-        else:
-            self.generators.pop(req_id, None)
 
-    def remove(self, req_id: str) -> None:
+    def forget(self, req_id: str) -> None:
+        """Drop a finished request's generator (one that only left the batch, preempted, keeps it)."""
         self.generators.pop(req_id, None)
+        self._states_before_step.pop(req_id, None)
+
+    def begin_step(self, device: torch.device) -> None:
+        """A new step starts: what :meth:`rewind` restores is now taken by this step's :meth:`metadata`, and
+        what :meth:`rewind_default` restores is the default generator's state now."""
+        self._states_before_step.clear()
+        generator = _default_generator(device)
+        self._default_state_before_step = (generator, generator.get_state()) if generator is not None else None
+
+    def rewind_default(self) -> None:
+        """Put the device's default generator back where it was when the current step began.
+
+        Ranks that replay a failed step then draw the unseeded rows' numbers
+        alike, although one of them stopped drawing halfway through that step.
+        """
+        if self._default_state_before_step is not None:
+            generator, state = self._default_state_before_step
+            generator.set_state(state)
+
+    def rewind(self, req_ids: Iterable[str]) -> None:
+        """Put these requests' generators back where they were before the current step drew from them.
+
+        A failed step replayed request by request then draws the same numbers again.
+        """
+        for req_id in req_ids:
+            state = self._states_before_step.pop(req_id, None)
+            if state is not None:
+                self.generators[req_id].set_state(state)
 
     def metadata(
         self,
@@ -83,6 +116,9 @@ class SamplingState:
                 return None
             return torch.from_numpy(values).to(device)
 
+        for req_id in req_ids:
+            if req_id in self.generators and req_id not in self._states_before_step:
+                self._states_before_step[req_id] = self.generators[req_id].get_state()
         temperature = column["temperature"]
         wanted_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         outputs_needed = (
@@ -123,3 +159,12 @@ class SamplingState:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
                 metadata.min_tokens[i] = (p.min_tokens, stops)
         return metadata
+
+
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator that draws without an explicit one on ``device`` (``None`` where there is none to find)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return None

@@ -164,6 +164,20 @@ class EagleDrafter(Drafter):
         self.num_scratch_blocks = 0
         self.kv_cache = self._allocate_cache(INITIAL_SCRATCH_BLOCKS)
 
+    def kv_cache_bytes_per_block(self) -> int:
+        """One draft layer's page: the cache holds one block per block of the target's pool (plus scratch)."""
+        if self.draft_model is None:
+            return 0
+        return self.kv_cache.nbytes // (self.num_real_blocks + self.num_scratch_blocks)
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """A fresh cache of ``num_blocks`` real blocks and the current scratch ones (nothing is cached yet)."""
+        if self.draft_model is None:
+            raise RuntimeError(f"{self.weights_kind} drafter resized before load()")
+        self.kv_cache = None  # type: ignore[assignment] - nothing to keep: no step ran
+        self.num_real_blocks = num_blocks
+        self.kv_cache = self._allocate_cache(self.num_scratch_blocks)
+
     def _trained_model(self, config: dict[str, Any]) -> EagleDraftModel:
         """The (still random) draft model of the shapes a trained ``config.json`` records."""
         return EagleDraftModel(

@@ -125,3 +125,86 @@ def test_stale_bytes_in_a_fresh_cpu_pool_never_reach_attention(tiny_llama, monke
     prompts = [list(range(20, 70)), [7, 8, 9], list(range(3, 40))]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 8)
+
+
+# -- what loads with the model: a drafter, its own KV cache, the sampler's working memory (issue 30) ----------
+
+
+def test_a_drafters_own_cache_is_counted_per_block_of_the_pool(monkeypatch):
+    """Finding: EAGLE's KV cache grows with the pool but was left out of the pool's sizing."""
+    _machine(monkeypatch, total=32 * GiB, held=2 * GiB, free=30 * GiB)
+    settings = Settings(scheduler={"max_num_seqs": 1024})
+    sized = kv_sizing.size_kv_pool(
+        settings,
+        GROUPS,
+        device=torch.device("cpu"),
+        max_model_len=4096,
+        activation_bytes=GiB // 2,
+        step_tokens=2048,
+        held_before_load=0,
+        drafter_bytes_per_block=BLOCK_BYTES // 4,
+    )
+    assert sized.num_blocks == (16 * GiB - 2 * GiB - GiB // 2) // (BLOCK_BYTES + BLOCK_BYTES // 4)
+    assert sized.kv_bytes == sized.num_blocks * (BLOCK_BYTES + BLOCK_BYTES // 4)
+
+
+def test_the_drafter_and_the_sampler_load_before_the_pool_is_sized(tiny_llama, monkeypatch):
+    """Finding: drafter weights and EAGLE's cache were loaded after cache.memory auto sized the pool, and the
+    sampler and rejection sampler never ran in the profiled step, so the pool took memory they then needed."""
+    from patchbay.engine import builder
+    from patchbay.plugins.drafters.eagle import EagleDrafter
+    from patchbay.plugins.samplers.rejection import StandardRejectionSampler
+    from patchbay.plugins.samplers.standard import StandardSampler
+
+    events: list[str] = []
+    load, sample, size = EagleDrafter.load, StandardSampler.sample, kv_sizing.size_kv_pool
+    verify = StandardRejectionSampler.verify
+
+    def recorded(name, method):
+        def call(*args, **kwargs):
+            events.append(name)
+            return method(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(EagleDrafter, "load", recorded("drafter load", load))
+    monkeypatch.setattr(StandardSampler, "sample", recorded("sample", sample))
+    monkeypatch.setattr(StandardRejectionSampler, "verify", recorded("verify", verify))
+    sizings = []
+
+    def size_kv_pool(*args, **kwargs):
+        events.append("size")
+        sizings.append(kwargs)
+        return size(*args, **kwargs)
+
+    monkeypatch.setattr(builder, "size_kv_pool", size_kv_pool)
+    real = kv_sizing.memory_in_use
+    monkeypatch.setattr(kv_sizing, "device_memory", lambda device: 2 * real(device) + GiB)
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama),
+        scheduler__max_num_batched_tokens=128,
+        speculative__method="eagle",
+        speculative__num_speculative_tokens=2,
+    )
+    assert events[:4] == ["drafter load", "sample", "verify", "size"], events
+    drafter = llm.engine.runner.drafter
+    per_block = drafter.kv_cache_bytes_per_block()
+    assert per_block > 0 and sizings[0]["drafter_bytes_per_block"] == per_block
+    assert drafter.num_real_blocks == llm.engine.num_blocks, "the drafter's cache covers the sized pool"
+    assert events.count("drafter load") == 1, "the weights are loaded once"
+    prompts = [list(range(20, 60)), [7, 8, 9]]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 6)
+
+
+def test_the_memory_check_counts_the_drafters_own_cache(tiny_llama, monkeypatch):
+    """Finding: the check that the pool fits left EAGLE's cache out."""
+    from patchbay.engine import memory_check
+
+    num_blocks = 20_000
+    pool = num_blocks * 4 * 2 * 16 * 2 * 8 * 4  # 4 layers, K and V, 16 tokens, 2 KV heads of 8, float32
+    monkeypatch.setattr(memory_check, "available_memory", lambda device: pool + pool // 8)
+    settings = dict(model__path=str(tiny_llama), model__dtype="float32", cache__num_blocks=num_blocks)
+    patchbay.LLM(**settings)  # the pool alone fits
+    with pytest.raises(ConfigError, match=r"in the drafter's own cache"):
+        patchbay.LLM(**settings, speculative__method="eagle", speculative__num_speculative_tokens=2)

@@ -477,8 +477,26 @@ def tune(
     started = time.perf_counter()
     result = choose(cpu, measure(shapes, cpu.native_dtypes(), threads, budget_seconds), threads)
     logger.info("tuned for this machine in %.1f s: %s", time.perf_counter() - started, result.describe())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(f".{os.getpid()}.tmp")
-    staging.write_text(json.dumps({k: v for k, v in asdict(result).items() if k != "cached"}, indent=1))
-    staging.replace(path)
+    _save(result, path)
     return result
+
+
+def _save(result: Tuning, path: Path) -> None:
+    """Cache ``result`` at ``path``; a cache folder that cannot take it (full disk, read-only) is warned about
+    once, naming the folder: the run goes on with the tuning it measured, and the next start measures again."""
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging.write_text(json.dumps({k: v for k, v in asdict(result).items() if k != "cached"}, indent=1))
+        staging.replace(path)
+    except OSError as exc:
+        logger.warning(
+            "could not save the CPU tuning in %s (%s); this run uses it unsaved, the next start measures again "
+            "(free space there or point PATCHBAY_CACHE_DIR elsewhere)",
+            path.parent,
+            exc.strerror or exc,
+        )
+        try:
+            staging.unlink(missing_ok=True)
+        except OSError:
+            pass

@@ -294,3 +294,40 @@ def test_patchbay_tune_measures_afresh_and_prints_the_choice(tiny_llama, tmp_pat
     assert calls[0] == LayerShapes(
         config["hidden_size"], (config["hidden_size"], kv_width, kv_width), config["intermediate_size"]
     )
+
+
+def test_a_full_cache_disk_at_start_runs_with_an_unsaved_tuning_and_one_warning(
+    tiny_llama, tmp_path, monkeypatch, caplog
+):
+    """Finding (issue 30): a cache folder that could not take the tuning made every start crash."""
+    import errno
+    import logging
+    from pathlib import Path
+
+    import patchbay
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(cache))
+    monkeypatch.delenv("PATCHBAY_MODEL__DTYPE", raising=False)
+    monkeypatch.setattr(tuning.CpuInfo, "read", classmethod(lambda cls, cpuinfo=None: AMX_XEON))
+    monkeypatch.setattr(
+        tuning,
+        "measure",
+        lambda shapes, dtypes, threads, budget_seconds=1.5: _measured(float32=[1, 2, 8, 30], bfloat16=[1, 1, 2, 8]),
+    )
+    write_text = Path.write_text
+
+    def full_disk(path, *args, **kwargs):
+        if cache in path.parents:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with caplog.at_level(logging.WARNING, logger="patchbay"):
+        llm = patchbay.LLM(model__path=str(tiny_llama), runtime__threads=2)
+        (output,) = llm.generate([[5, 6, 7]], patchbay.SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(output.token_ids) == 3
+    assert llm.engine.tuning.dtype == "bfloat16", "the measured tuning is used although it was not saved"
+    warnings = [r.getMessage() for r in caplog.records if "could not save the CPU tuning" in r.getMessage()]
+    assert len(warnings) == 1 and str(cache / "tuning") in warnings[0] and "No space left" in warnings[0]
+    assert not list((cache / "tuning").glob("*")), "no half-written tuning is left behind"
