@@ -459,7 +459,9 @@ def test_the_worked_example_installs_lists_and_passes_the_kit(tmp_path: Path):
         timeout=300,
     )
     assert listing.returncode == 0, listing.stderr
-    assert re.search(r"temperature\s+patchbay-temperature 0\.1\.0\s+\[available\]", listing.stdout), listing.stdout
+    assert re.search(r"temperature\s+patchbay-temperature 0\.1\.0\s+contract 1\.1\s+\[available\]", listing.stdout), (
+        listing.stdout
+    )
 
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],

@@ -19,6 +19,8 @@ from patchbay.interfaces import LoRAKernel, LoRAKernelCapabilities, LoRAMapping
 class TorchLoRAKernel(LoRAKernel):
     """Gathers each active slot's rows and runs one matmul per slot for shrink and for expand."""
 
+    contract_version = "1.1"
+
     capabilities: ClassVar[LoRAKernelCapabilities] = LoRAKernelCapabilities(
         devices=("cpu", "cuda", "mps"), dtypes=("float32", "bfloat16", "float16")
     )
