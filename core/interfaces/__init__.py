@@ -64,6 +64,7 @@ from patchbay.interfaces.structured_output import (
     StructuredOutputCapabilities,
     StructuredOutputConfig,
     StructuredOutputParams,
+    token_bytes,
 )
 from patchbay.interfaces.tool_parser import (
     ParsedToolCalls,
@@ -117,6 +118,7 @@ __all__ = [
     "StructuredOutputCapabilities",
     "StructuredOutputConfig",
     "StructuredOutputParams",
+    "token_bytes",
     "NO_ADAPTER",
     "LoRAKernel",
     "LoRAKernelCapabilities",
