@@ -42,3 +42,21 @@ def register_kv_connectors(register):
     register("defect_no_fault_hook", "patchbay_defective.kv_connector:NoFaultHookConnector")
     # Correct with a `path`, broken with its defaults (saves zeros): only a default-mode check sees it.
     register("defect_default_mode", "patchbay_defective.kv_connector:BrokenDefaultsConnector")
+
+
+@hookimpl
+def register_structured_output_backends(register):
+    # Two requests with the same constraint share one matcher: both fail.
+    register("defect_shared_state", "patchbay_defective.structured_output:SharedStateBackend")
+    # A draft token refused half way leaves its fitting bytes in the state: requests fail under n-gram drafting.
+    register("defect_half_way", "patchbay_defective.structured_output:HalfWayBackend")
+    # Token bytes from Latin-1: non-ASCII text comes out wrong ("caf\ufffd").
+    register("defect_latin1", "patchbay_defective.structured_output:Latin1Backend")
+    # Masks ignore a half-sent UTF-8 character: the request fails.
+    register("defect_half_sent", "patchbay_defective.structured_output:HalfSentBackend")
+    # Six seconds per compile: the run is many times slower, with no warning.
+    register("defect_slow_compile", "patchbay_defective.structured_output:SlowCompileBackend")
+    # Concurrent compiles swap grammars.
+    register("defect_racy_compile", "patchbay_defective.structured_output:RacyCompileBackend")
+    # Ids past the tokenizer (the logits' padding) allowed: the model can emit tokens that spell nothing.
+    register("defect_padded_ids", "patchbay_defective.structured_output:PaddedIdsBackend")

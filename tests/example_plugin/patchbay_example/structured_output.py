@@ -91,9 +91,7 @@ class ExampleChoiceBackend(StructuredOutputBackend):
 
     capabilities: ClassVar[StructuredOutputCapabilities] = StructuredOutputCapabilities(constraint_kinds=("choice",))
 
-    def __init__(
-        self, options: Any = None, *, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
-    ) -> None:
+    def __init__(self, options: Any = None, *, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         super().__init__(options, tokenizer=tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         # The exact bytes of each id (None: special tokens and the logits' padding, never allowed as text).
         self.pieces: list[bytes | None] = self.token_bytes(tokenizer)
