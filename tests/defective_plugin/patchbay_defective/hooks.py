@@ -24,6 +24,12 @@ def register_attention_metadata_builders(register):
 def register_samplers(register):
     # Says it is unavailable on every machine: every behavioural check of it skips.
     register("defect_unavailable", "patchbay_defective.sampler:UnavailableSampler")
+    # Centres random rows on their mean: a grammar-masked row (-inf) becomes NaN, and the grammar gets the blame.
+    register("defect_mean_centred", "patchbay_defective.sampler:MeanCentredSampler")
+    # Draws random rows at temperature 1 whenever the batch asks for logprobs.
+    register("defect_logprobs_temperature", "patchbay_defective.sampler:LogprobsAtTemperatureOneSampler")
+    # Restarts each seeded generator every step: "coyrel, coyrel coyrel, ...".
+    register("defect_restarting_seed", "patchbay_defective.sampler:RestartingGeneratorSampler")
 
 
 @hookimpl
