@@ -28,6 +28,8 @@ from patchbay.interfaces.kv_connector import (
     KVConnectorWorker,
     KVShard,
     RequestView,
+    sign_entry,
+    verify_entry,
 )
 from patchbay.interfaces.lora import (
     NO_ADAPTER,
@@ -119,6 +121,8 @@ __all__ = [
     "StructuredOutputConfig",
     "StructuredOutputParams",
     "token_bytes",
+    "sign_entry",
+    "verify_entry",
     "NO_ADAPTER",
     "LoRAKernel",
     "LoRAKernelCapabilities",

@@ -48,6 +48,10 @@ def register_kv_connectors(register):
     register("defect_no_fault_hook", "patchbay_defective.kv_connector:NoFaultHookConnector")
     # Correct with a `path`, broken with its defaults (saves zeros): only a default-mode check sees it.
     register("defect_default_mode", "patchbay_defective.kv_connector:BrokenDefaultsConnector")
+    # A store other processes write, loaded without authentication: a forged entry loads, every output is wrong.
+    register("defect_unauthenticated", "patchbay_defective.kv_connector:UnauthenticatedConnector")
+    # A consumer that writes the store it should only read.
+    register("defect_writing_consumer", "patchbay_defective.kv_connector:WritingConsumerConnector")
 
 
 @hookimpl
