@@ -36,6 +36,10 @@ def register_samplers(register):
 def register_drafters(register):
     # Proposes an id one past the vocabulary: the target's embedding cannot look it up.
     register("defect_out_of_range", "patchbay_defective.drafter:OutOfRangeDrafter")
+    # Drafts for rows in `skip` (finished, partial prefills): work wasted, drafts the engine must drop.
+    register("defect_ignores_skip", "patchbay_defective.drafter:IgnoresSkipDrafter")
+    # Keeps drafts by batch index: stale once preemption reorders the rows.
+    register("defect_index_cache", "patchbay_defective.drafter:IndexCacheDrafter")
 
 
 @hookimpl
