@@ -453,6 +453,11 @@ DEFECTS = {
         "test_backends_reading_it_attend_correctly",
         "attention:defect_wrong_field_reader, which reads this builder's metadata",
     ),
+    # Escape: a builder no backend names skipped its only field check as "not declared" (issue #29).
+    "attention_metadata_builder:defect_no_common": (
+        "test_the_kits_reference_reader_attends_correctly",
+        "is neither a CommonAttentionMetadata nor carries one as .common",
+    ),
     # Escape: a class target skipped the hygiene check, although registering imported the implementation.
     "sampler:defect_class_target": (
         "test_registration_has_no_side_effects",
@@ -548,6 +553,22 @@ def test_patchbay_check_fails_each_defective_plugin_naming_the_defect(defective_
     if reference == "kv_connector:defect_default_mode":
         # Why `check` runs a connector's defaults: with `path` in a temporary directory it passes.
         assert "test_save_then_load_is_bit_exact[temp-dir] PASSED" in result.stdout, result.stdout[-3000:]
+
+
+def test_a_builders_check_does_not_depend_on_other_packages_backends(defective_site):
+    # The defective plugin's broken defect_foreign_reader names the example plugin's builder: the builder's own
+    # check runs its own package's backend (example_dense) and the kit's reference reader, and passes.
+    result = check_defect(
+        defective_site,
+        "attention_metadata_builder:example_passthrough",
+        "-k",
+        "reading or reader",
+        flags=("--strict",),
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "test_backends_reading_it_attend_correctly PASSED" in result.stdout
+    assert "test_the_kits_reference_reader_attends_correctly PASSED" in result.stdout
+    assert "defect_foreign_reader" not in result.stdout
 
 
 def test_an_unavailable_plugin_fails_check_unless_allowed_and_strict_fails_its_skips(defective_site):

@@ -12,12 +12,16 @@ def register_attention_backends(register):
     register("defect_stale_reader", "patchbay_defective.attention:StaleBuilderReader")
     # Correct itself, but reads a custom field its builder computes wrongly: wrong attention on decodes.
     register("defect_wrong_field_reader", "patchbay_defective.attention:WrongFieldReader")
+    # Broken, and reads the example plugin's (correct) builder: that builder's own check must not fail for it.
+    register("defect_foreign_reader", "patchbay_defective.attention:BrokenForeignReader")
 
 
 @hookimpl
 def register_attention_metadata_builders(register):
     register("defect_stale", "patchbay_defective.metadata:StaleBuilder")
     register("defect_wrong_field", "patchbay_defective.metadata:WrongFieldBuilder")
+    # Named by no backend, and its result hides the common metadata: any backend an operator pairs it with fails.
+    register("defect_no_common", "patchbay_defective.metadata:NoCommonBuilder")
 
 
 @hookimpl
