@@ -566,7 +566,7 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
 
     def test_rollback_restores_every_earlier_state(self, backend: StructuredOutputBackend) -> None:
         if not backend.capabilities.supports_rollback:
-            pytest.skip("the backend declares no rollback")
+            skip_not_declared("the backend declares no rollback")
         matcher = self.matcher_for(backend, regex=REGEXES[0])
         tokens = bundled_tokenizer().encode("123-abc", add_special_tokens=False)
         states = []
@@ -753,7 +753,7 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
     def test_invalid_constraints_raise(self, backend: StructuredOutputBackend, constraint: dict[str, Any]) -> None:
         params = StructuredOutputParams(**constraint)
         if params.kind not in backend.capabilities.constraint_kinds:
-            pytest.skip(f"the backend does not declare {params.field_path}")
+            skip_not_declared(f"the backend does not declare {params.field_path}")
         with pytest.raises(Exception) as raised:
             backend.compile(params)
         assert str(raised.value).strip(), "the compile error must say what is wrong"
