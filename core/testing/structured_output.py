@@ -10,16 +10,22 @@ A backend author's test file::
 The suite builds the backend over the bundled model's tokenizer (a
 byte-level BPE of 49,152 tokens) and walks matchers token by token:
 
-- regexes and choices: at every step, the bitmask must allow exactly the
-  tokens whose bytes keep the output a prefix of some match, as the ``regex``
-  package's partial matching says (``regex.fullmatch(p, text, partial=True)``),
-  and allow the stop token exactly where the output is a full match;
+- regexes and choices, ASCII and not: at every step, the bitmask must allow
+  exactly the tokens whose bytes keep the output's *decoded text* a prefix of
+  some match, as the ``regex`` package's partial matching says
+  (``regex.fullmatch(p, text, partial=True)``; an output ending inside a
+  UTF-8 character is a prefix when some character completing it keeps it
+  one), and allow the stop token exactly where the output is a full match;
 - JSON schemas: valid instances (checked with ``jsonschema``), tokenized,
   must be accepted token by token with the stop token allowed exactly where the
   text so far is itself a valid instance; invalid ones must be refused; random
   walks through the bitmask that end must parse and validate;
 - rollback restores the bitmask and the accepting state of every earlier
-  step; a rejected token changes nothing; rows are written whole and alone.
+  step; a rejected token changes nothing, even one whose first bytes fit;
+  rows are written whole and alone; matchers of one grammar never share
+  state; ids past the tokenizer are never allowed;
+- compiles take at most :attr:`StructuredOutputSuite.compile_time_bound`
+  seconds and give the same grammars when run on several threads at once.
 
 Options for ``patchbay check`` come from ``PATCHBAY_TEST_STRUCTURED_OUTPUT_OPTIONS`` (JSON).
 """
