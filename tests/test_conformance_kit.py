@@ -502,7 +502,7 @@ DEFECTS = {
         "allowed ids past the tokenizer (49152 tokens, logits 49216 wide)",
     ),
     # Escapes of the drafter suite (issue #29): drafts for skipped rows, drafts cached by batch index.
-    "drafter:defect_ignores_skip": ("test_skipped_requests_get_no_drafts", "rows in skip got drafts"),
+    "drafter:defect_ignores_skip": ("test_skipped_requests_get_no_drafts", "is in skip but got drafts"),
     "drafter:defect_index_cache": (
         "test_drafts_follow_requests_not_batch_rows",
         "drafts were kept by batch index from the previous step",
