@@ -556,8 +556,8 @@ def test_patchbay_check_fails_each_defective_plugin_naming_the_defect(defective_
 
 
 def test_a_builders_check_does_not_depend_on_other_packages_backends(defective_site):
-    # The defective plugin's broken defect_foreign_reader names the example plugin's builder: the builder's own
-    # check runs its own package's backend (example_dense) and the kit's reference reader, and passes.
+    # The defective plugin's broken defect_foreign_reader names the example plugin's builder, which no backend of
+    # its own package names: the builder is checked by the kit's reference reader, and passes (before, it failed).
     result = check_defect(
         defective_site,
         "attention_metadata_builder:example_passthrough",
@@ -566,8 +566,8 @@ def test_a_builders_check_does_not_depend_on_other_packages_backends(defective_s
         flags=("--strict",),
     )
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "test_backends_reading_it_attend_correctly PASSED" in result.stdout
     assert "test_the_kits_reference_reader_attends_correctly PASSED" in result.stdout
+    assert "no attention backend of patchbay-example-plugin names 'example_passthrough'" in result.stdout
     assert "defect_foreign_reader" not in result.stdout
 
 
