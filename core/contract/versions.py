@@ -47,10 +47,11 @@ plugin guide): a plugin built against 1.0 loads under 1.1 and 1.2 and is refused
 CHANGES: dict[str, str] = {
     "1.0": "the contract as of patchbay 0.x before versioning (every kind)",
     "1.1": (
-        "versioned contract; structured_output: StructuredOutputBackend.token_bytes helper, non-ASCII and "
-        "compile-time checks; kv_connector: entries authenticated with KVConnector.sign_entry/verify_entry, "
-        "'forged' fault case; sampler: masked (-inf) rows, logprobs with random rows, seeded streams that "
-        "advance; drafter: no drafts for skipped rows"
+        "versioned contract; structured_output: the token_bytes helper, checks on non-ASCII text, half-sent "
+        "characters, tokens refused half way, compile time and concurrent compiles; kv_connector: entries "
+        "authenticated with sign_entry / verify_entry, the 'forged' fault, consumers that never write; sampler: "
+        "masked (-inf) rows, logprobs with random rows, seeded streams that advance; drafter: drafts follow "
+        "requests, not rows; attention_metadata_builder: results readable by the kit's reference reader"
     ),
 }
 """MAJOR.MINOR -> what that version added or changed (the plugin guide lists these)."""

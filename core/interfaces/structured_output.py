@@ -288,7 +288,10 @@ class StructuredOutputBackend(Plugin):
         """Compile one constraint into an immutable grammar object that matchers share.
 
         Called on a worker thread (never two at once for one key; different
-        keys may compile concurrently) and cached by ``params.key``.  Raises
+        keys may compile concurrently, so it must be thread-safe; the engine
+        compiles one at a time today) and cached by ``params.key``.  It
+        should take well under a second for typical constraints: the request
+        waits for it (the kit bounds it, see ``StructuredOutputSuite.compile_time_bound``).  Raises
         :class:`GrammarCompileError` (or any exception) when the constraint
         cannot be compiled; the request then fails alone with that message.
         """
