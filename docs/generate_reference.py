@@ -195,6 +195,16 @@ def _classes_in(module: ModuleType, public: set[str]) -> list[type]:
     return [getattr(module, name) for name in names]
 
 
+def module_functions(module: ModuleType, names: set[str]) -> list[tuple[str, str, str]]:
+    """``(name, signature, doc)`` of the module's functions named in ``names``, in source order."""
+    source, tree = module_tree(module)
+    return [
+        (node.name, signature(source, node), inspect.cleandoc(ast.get_docstring(node, clean=False) or ""))
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name in names
+    ]
+
+
 def render() -> str:
     """The whole reference, as Markdown."""
     from patchbay import interfaces
@@ -232,6 +242,15 @@ def render() -> str:
         modules_done.add(module.__name__)
         constants_by_module[kind.name] = module_constants(module, public - documented) if first else []
     documented |= {name for constants in constants_by_module.values() for name, _, _ in constants}
+    # Public module-level helper functions (token_bytes, sign_entry, ...) go under the first kind of their module.
+    functions_by_kind: dict[str, list[tuple[str, str, str]]] = {}
+    modules_done = set()
+    for kind in KINDS.values():
+        module = importlib.import_module(kind.interface.__module__)
+        first = module.__name__ not in modules_done
+        modules_done.add(module.__name__)
+        functions_by_kind[kind.name] = module_functions(module, public - documented) if first else []
+    documented |= {name for functions in functions_by_kind.values() for name, _, _ in functions}
     missing = sorted(public - documented)
     if missing:
         raise SystemExit(
@@ -260,6 +279,9 @@ def render() -> str:
         linker.add(hook, anchor_of(hook))
     for constants in constants_by_module.values():
         for name, _, _ in constants:
+            linker.add(name, anchor_of(name))
+    for functions in functions_by_kind.values():
+        for name, _, _ in functions:
             linker.add(name, anchor_of(name))
 
     lines = [
@@ -322,6 +344,10 @@ def render() -> str:
             ]
         for name, value, doc in constants_by_module[kind.name]:
             lines += [f"### {name}", "", f"`{module.__name__}.{name}`", "", "```python", f"{name} = {value}", "```", ""]
+            if doc:
+                lines += [docstring_markdown(doc, linker), ""]
+        for name, shown, doc in functions_by_kind[kind.name]:
+            lines += [f"### {name}", "", f"`{module.__name__}.{name}`", "", "```python", f"def {shown}", "```", ""]
             if doc:
                 lines += [docstring_markdown(doc, linker), ""]
         for cls in by_kind[kind.name]:

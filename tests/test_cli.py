@@ -14,6 +14,7 @@ import textwrap
 import pytest
 import yaml
 
+from patchbay.contract.versions import CONTRACT_VERSIONS
 from patchbay.testing import SUITES
 from patchbay.testing.suite import PluginSuite
 
@@ -71,13 +72,14 @@ def test_plugins_lists_builtin_and_third_party_plugins_with_distribution_and_ver
     for kind, name in EXAMPLE_IMPLEMENTATIONS.items():
         if name == "example_argmax":
             continue  # conflicted while the duplicate plugin is installed; see the conflict test
-        assert any(re.match(rf"\s+{name}\s+patchbay-example-plugin 0\.3\.1\s+\[available\]", line) for line in lines), (
-            f"{kind}:{name} not listed with its distribution and version"
-        )
+        assert any(
+            re.match(rf"\s+{name}\s+patchbay-example-plugin 0\.3\.1\s+contract 1\.1\s+\[available\]", line)
+            for line in lines
+        ), f"{kind}:{name} not listed with its distribution and version"
     assert any(re.match(r"\s+greedy\s+patchbay \d+\.\d+\.\d+", line) for line in lines)
     assert any(re.match(r"\s+reference\s+patchbay \d+\.\d+\.\d+", line) for line in lines)
     for kind in EXAMPLE_IMPLEMENTATIONS:
-        assert f"{kind}:" in lines
+        assert f"{kind} (contract {CONTRACT_VERSIONS[kind]}):" in lines
 
 
 def test_plugins_names_a_broken_plugin_with_its_error_and_still_lists_the_rest(plugins_listing):

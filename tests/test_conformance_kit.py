@@ -453,6 +453,11 @@ DEFECTS = {
         "test_backends_reading_it_attend_correctly",
         "attention:defect_wrong_field_reader, which reads this builder's metadata",
     ),
+    # Escape: a builder no backend names skipped its only field check as "not declared" (issue #29).
+    "attention_metadata_builder:defect_no_common": (
+        "test_the_kits_reference_reader_attends_correctly",
+        "is neither a CommonAttentionMetadata nor carries one as .common",
+    ),
     # Escape: a class target skipped the hygiene check, although registering imported the implementation.
     "sampler:defect_class_target": (
         "test_registration_has_no_side_effects",
@@ -466,6 +471,65 @@ DEFECTS = {
     "kv_connector:defect_no_fault_hook": ("test_damaged_entry_is_a_load_error", "has no fault hook"),
     # Escape: check pointed `path` at a temporary directory, so the default mode went untested.
     "kv_connector:defect_default_mode": ("test_save_then_load_is_bit_exact[defaults]", "differs from the saved block"),
+    # Escapes of the structured-output suite (issue #29): every kit regex and choice was ASCII, the oracle a bytes
+    # pattern, the independence check advanced by a prefix whose mask did not change, compiles were never timed.
+    "structured_output:defect_shared_state": (
+        "test_matchers_of_one_grammar_are_independent",
+        "advancing one matcher changed another matcher of the same grammar",
+    ),
+    "structured_output:defect_half_way": (
+        "test_a_token_refused_half_way_changes_nothing",
+        "half way changed the bitmask (the bytes that fitted moved the state)",
+    ),
+    "structured_output:defect_latin1": (
+        "test_non_ascii_choice_bitmask_matches_partial_matching_on_text[multi-byte]",
+        "not its text encoded as Latin-1",
+    ),
+    "structured_output:defect_half_sent": (
+        "test_a_half_sent_character_narrows_the_mask",
+        "half of é or è was sent",
+    ),
+    "structured_output:defect_slow_compile": (
+        "test_compiles_within_the_time_bound",
+        "over the kit's compile bound of 5 s",
+    ),
+    "structured_output:defect_racy_compile": (
+        "test_concurrent_compiles_give_the_grammars_of_sequential_ones",
+        "compile is not thread-safe",
+    ),
+    "structured_output:defect_padded_ids": (
+        "test_ids_past_the_tokenizer_are_never_allowed",
+        "allowed ids past the tokenizer (49152 tokens, logits 49216 wide)",
+    ),
+    # Escapes of the drafter suite (issue #29): drafts for skipped rows, drafts cached by batch index.
+    "drafter:defect_ignores_skip": ("test_skipped_requests_get_no_drafts", "is in skip but got drafts"),
+    "drafter:defect_index_cache": (
+        "test_drafts_follow_requests_not_batch_rows",
+        "drafts were kept by batch index from the previous step",
+    ),
+    # Escapes of the KV-connector suite (issue #29): nothing forged an entry, nothing ran a consumer that finishes.
+    "kv_connector:defect_unauthenticated": (
+        "test_damaged_entry_is_a_load_error[defaults-forged]",
+        "the forged entry of block 8 was not reported as a load error",
+    ),
+    "kv_connector:defect_writing_consumer": (
+        "test_consumer_never_writes_the_store[defaults]",
+        "a consumer wrote the store",
+    ),
+    # Escapes of the sampler suite (issue #29): no -inf logits were ever given, logprobs were checked on greedy rows
+    # only, seeded checks compared alone with batched (both restart alike).
+    "sampler:defect_mean_centred": (
+        "test_masked_rows_never_yield_nan_or_a_masked_token",
+        "rows with -inf (masked) logits: drew masked or invalid tokens",
+    ),
+    "sampler:defect_logprobs_temperature": (
+        "test_frequencies_hold_when_logprobs_are_requested",
+        "temperature 0.6 with logprobs=2: frequencies do not match",
+    ),
+    "sampler:defect_restarting_seed": (
+        "test_seeded_streams_advance_from_step_to_step",
+        "its generator does not advance between steps",
+    ),
     # Escape: request_finished True for a request with nothing to save, never reported: the engine stepped forever.
     "kv_connector:defect_holds_forever": (
         "test_request_with_nothing_to_save_is_released",
@@ -489,6 +553,22 @@ def test_patchbay_check_fails_each_defective_plugin_naming_the_defect(defective_
     if reference == "kv_connector:defect_default_mode":
         # Why `check` runs a connector's defaults: with `path` in a temporary directory it passes.
         assert "test_save_then_load_is_bit_exact[temp-dir] PASSED" in result.stdout, result.stdout[-3000:]
+
+
+def test_a_builders_check_does_not_depend_on_other_packages_backends(defective_site):
+    # The defective plugin's broken defect_foreign_reader names the example plugin's builder, which no backend of
+    # its own package names: the builder is checked by the kit's reference reader, and passes (before, it failed).
+    result = check_defect(
+        defective_site,
+        "attention_metadata_builder:example_passthrough",
+        "-k",
+        "reading or reader",
+        flags=("--strict",),
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "test_the_kits_reference_reader_attends_correctly PASSED" in result.stdout
+    assert "no attention backend of patchbay-example-plugin names 'example_passthrough'" in result.stdout
+    assert "defect_foreign_reader" not in result.stdout
 
 
 def test_an_unavailable_plugin_fails_check_unless_allowed_and_strict_fails_its_skips(defective_site):

@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from itertools import pairwise
 from pathlib import Path
 
@@ -459,7 +460,9 @@ def test_the_worked_example_installs_lists_and_passes_the_kit(tmp_path: Path):
         timeout=300,
     )
     assert listing.returncode == 0, listing.stderr
-    assert re.search(r"temperature\s+patchbay-temperature 0\.1\.0\s+\[available\]", listing.stdout), listing.stdout
+    assert re.search(r"temperature\s+patchbay-temperature 0\.1\.0\s+contract 1\.1\s+\[available\]", listing.stdout), (
+        listing.stdout
+    )
 
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
@@ -498,6 +501,65 @@ def guide_check_sample() -> str:
         if body.startswith("$ patchbay check --strict sampler:temperature")
     ]
     return sample
+
+
+STRUCTURED_OUTPUT_PAGE = DOCS / "plugin-kinds" / "structured-output.md"
+EXAMPLE_MARK = "<!-- example: structured-output backend -->"
+
+
+def structured_output_example() -> str:
+    """The code block that follows the example mark on the structured-output page."""
+    text = STRUCTURED_OUTPUT_PAGE.read_text()
+    assert EXAMPLE_MARK in text, f"{STRUCTURED_OUTPUT_PAGE.name} lost its example"
+    info, body = fenced_blocks(text[text.index(EXAMPLE_MARK) :])[0]
+    assert info == "python"
+    return body
+
+
+def test_the_structured_output_example_is_the_example_plugins_backend():
+    source = REPO_ROOT / "tests" / "example_plugin" / "patchbay_example" / "structured_output.py"
+    assert structured_output_example() == source.read_text(), f"the page's example differs from {source}"
+
+
+def test_the_structured_output_example_runs_and_passes_the_kit(tmp_path):
+    """The page's code, executed as written: a module, registered by hand, through the whole structured-output kit."""
+    (tmp_path / "guide_choice.py").write_text(structured_output_example())
+    (tmp_path / "test_guide_choice.py").write_text(
+        textwrap.dedent("""
+            import pytest
+
+            from patchbay import hookimpl
+            from patchbay.contract.registry import Registry
+            from patchbay.testing import StructuredOutputSuite
+
+
+            class Hooks:
+                @hookimpl
+                def register_structured_output_backends(self, register):
+                    register("guide_choice", "guide_choice:ExampleChoiceBackend")
+
+
+            class TestGuideChoice(StructuredOutputSuite):
+                plugin_name = "guide_choice"
+
+                @pytest.fixture
+                def patchbay_registry(self):
+                    registry = Registry()
+                    registry.add_plugin(Hooks(), name="guide")
+                    return registry
+            """)
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--patchbay-strict", "-rs", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert re.search(r"\b(2\d|1\d) passed", result.stdout), result.stdout[-2000:]
+    assert "failed" not in result.stdout
 
 
 def test_the_guides_check_sample_runs_every_test_of_the_sampler_suite():

@@ -186,6 +186,7 @@ def test_an_installed_third_party_distribution_registers_every_kind_lazily(plugi
                 "sampler:example_argmax",
                 "sampler:example_verify",
                 "kv_connector:example_memory",
+                "structured_output:example_choice",
             )
         ]
     )

@@ -21,6 +21,7 @@ from typing import Any
 import pluggy
 
 from patchbay.contract import hookspecs
+from patchbay.contract.versions import ContractVersionError, check_compatibility
 from patchbay.interfaces import (
     AttentionBackend,
     AttentionMetadataBuilder,
@@ -164,6 +165,10 @@ class Registration:
                 f"{self.reference} ({self.origin}) points to {target!r}, "
                 f"which is not a subclass of {self.kind.interface.__module__}.{self.kind.interface.__name__}"
             )
+        try:
+            check_compatibility(self.kind.name, target, f"{self.reference} ({self.origin})")
+        except ContractVersionError as exc:
+            raise PluginLoadError(str(exc)) from exc
         self._resolved = target
         return target
 

@@ -20,6 +20,7 @@ from patchbay.contract.registry import (
     registry_for,
 )
 from patchbay.contract.settings import ConfigError, dump_settings, load_settings
+from patchbay.contract.versions import CONTRACT_VERSIONS, declared_version
 from patchbay.engine import ModelLoadError
 from patchbay.entrypoints.result_file import ResultsNotWritten
 
@@ -45,7 +46,7 @@ def _describe(registration: Registration) -> dict[str, Any]:
     try:
         implementation = registration.resolve()
     except PluginError as exc:
-        row.update(available=False, reason=str(exc), capabilities=None, known_gaps={})
+        row.update(available=False, reason=str(exc), capabilities=None, contract_version=None, known_gaps={})
         return row
     reason = implementation.unavailable_reason()
     doc = (implementation.__doc__ or "").strip().splitlines()
@@ -53,6 +54,7 @@ def _describe(registration: Registration) -> dict[str, Any]:
         available=reason is None,
         reason=reason,
         capabilities=implementation.capabilities.as_dict(),
+        contract_version=declared_version(implementation),
         known_gaps=dict(implementation.known_gaps),
         description=registration.description or (doc[0] if doc else ""),
     )
@@ -87,10 +89,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     for row in report["plugins"]:
         if row["kind"] != current_kind:
             current_kind = row["kind"]
-            print(f"\n{current_kind}:")
+            print(f"\n{current_kind} (contract {CONTRACT_VERSIONS[current_kind]}):")
         status = "available" if row["available"] else f"unavailable: {row['reason']}"
         version = f" {row['version']}" if row["version"] else ""
-        print(f"  {row['name']:<16} {row['distribution']}{version}  [{status}]")
+        contract = row["contract_version"] or "undeclared"
+        print(f"  {row['name']:<16} {row['distribution']}{version}  contract {contract}  [{status}]")
         if row["description"]:
             print(f"  {'':<16} {row['description']}")
         if not args.verbose:

@@ -28,6 +28,8 @@ from patchbay.interfaces.kv_connector import (
     KVConnectorWorker,
     KVShard,
     RequestView,
+    sign_entry,
+    verify_entry,
 )
 from patchbay.interfaces.lora import (
     NO_ADAPTER,
@@ -64,6 +66,7 @@ from patchbay.interfaces.structured_output import (
     StructuredOutputCapabilities,
     StructuredOutputConfig,
     StructuredOutputParams,
+    token_bytes,
 )
 from patchbay.interfaces.tool_parser import (
     ParsedToolCalls,
@@ -117,6 +120,9 @@ __all__ = [
     "StructuredOutputCapabilities",
     "StructuredOutputConfig",
     "StructuredOutputParams",
+    "token_bytes",
+    "sign_entry",
+    "verify_entry",
     "NO_ADAPTER",
     "LoRAKernel",
     "LoRAKernelCapabilities",

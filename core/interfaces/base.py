@@ -86,6 +86,9 @@ class Plugin(ABC):  # noqa: B024 - no abstract method of its own: it makes each 
     """Pydantic model of the plugin's ``options:`` section; unknown keys should be errors."""
     capabilities: ClassVar[Capabilities] = Capabilities()
     """Declared capabilities; overridden by every implementation."""
+    contract_version: ClassVar[str | None] = None
+    """The version of its kind's contract this implementation was built against (``"1.1"``), declared by every
+    implementation; :mod:`patchbay.contract.versions` publishes the current versions and decides what loads."""
     known_gaps: ClassVar[Mapping[str, str]] = {}
     """Conformance tests this implementation is known to fail, mapped to the reason.
 

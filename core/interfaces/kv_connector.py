@@ -15,12 +15,23 @@ heads, its stage's layers), configured with its :class:`KVShard`; the
 per-rank ``model_id`` keeps the ranks' entries apart, and the runner joins
 the ranks' reports (a transfer is finished once every rank reported it,
 and a block failed to load if it failed on any rank).
+
+Entries in a store that another process or machine can write must be
+authenticated: anyone who can write the store (another local user, a host
+on the network that reaches Redis) could otherwise put KV data there that
+every later request loads, and the outputs would be silently wrong.
+:func:`sign_entry` and :func:`verify_entry` are the helpers every connector
+uses for that: an HMAC-SHA256 over the entry's identifying header and its
+bytes, under a secret key that every runner sharing the store holds.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
@@ -301,6 +312,36 @@ class KVConnectorWorker(ABC):
         a block another rank failed to load is recomputed here too.
         """
         return set()
+
+
+def _entry_mac(key: bytes, header: Mapping[str, Any], payload: bytes | memoryview) -> hmac.HMAC:
+    if len(key) < 16:
+        raise ValueError(f"a KV store key has at least 16 bytes, got {len(key)}")
+    # Canonical JSON is self-delimiting (it ends with its closing brace), so header || payload is unambiguous.
+    mac = hmac.new(key, json.dumps(dict(header), sort_keys=True).encode(), hashlib.sha256)
+    mac.update(memoryview(payload).cast("B"))
+    return mac
+
+
+def sign_entry(key: bytes, header: Mapping[str, Any], payload: bytes | memoryview) -> str:
+    """The authentication code of one stored entry: HMAC-SHA256 (hex) under ``key``.
+
+    ``header`` holds what identifies the entry (model id, block layout, block
+    hash, payload length; JSON-serialisable), ``payload`` its KV bytes.  Store
+    the code with the entry; :func:`verify_entry` checks it before loading.
+    ``key`` is the store's secret (at least 16 bytes), shared by every runner
+    that reads or writes the store and by nobody else.
+    """
+    return _entry_mac(key, header, payload).hexdigest()
+
+
+def verify_entry(key: bytes, header: Mapping[str, Any], payload: bytes | memoryview, code: str) -> bool:
+    """Whether ``code`` is :func:`sign_entry` of ``header`` and ``payload`` under ``key`` (constant-time).
+
+    ``False`` means the entry was written without the key (forged) or damaged:
+    report its blocks as load errors and never copy it into the cache.
+    """
+    return isinstance(code, str) and hmac.compare_digest(_entry_mac(key, header, payload).hexdigest(), code)
 
 
 class KVConnector(Plugin):

@@ -23,6 +23,7 @@ allowed in a row when bit ``t % 32`` of word ``t // 32`` is set.
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,6 +145,72 @@ class StructuredOutputCapabilities(Capabilities):
         return found
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The reversible byte <-> printable character table of byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM).
+
+    Printable bytes stand for themselves; the 68 others are shifted to U+0100 onwards, in byte order.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {byte: chr(byte) for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = chr(256 + shifted)
+            shifted += 1
+    return {char: byte for byte, char in chars.items()}
+
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+"""Sentencepiece's byte-fallback tokens: ``<0xE2>`` is the single byte 0xE2."""
+_METASPACE = "\u2581"
+"""Sentencepiece's word-boundary mark (``▁``), which stands for a space."""
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+        kinds = {decoder.get("type")} | {part.get("type") for part in decoder.get("decoders") or []}
+        return "ByteLevel" in kinds
+    return False
+
+
+def token_bytes(tokenizer: Any, vocab_size: int) -> list[bytes | None]:
+    """The exact bytes each token id stands for, for ids ``0 .. vocab_size - 1``; ``None`` where none.
+
+    ``None`` marks the ids a grammar must never allow as text: special and
+    added tokens (EOS, chat markers) and ids at or past ``len(tokenizer)``
+    (the padding of the logits, when ``vocab_size`` exceeds the tokenizer).
+    Handles byte-level BPE (every byte spelled by one printable character),
+    sentencepiece with byte fallback (``<0xE2>`` is one byte, ``▁`` a space)
+    and, for other tokenizers, the UTF-8 of the token's decoded text.  A token
+    may hold part of a UTF-8 character (``b"\\xc3"``): concatenating the
+    pieces of an output gives its exact UTF-8 bytes, so a backend matches the
+    constraint against that text decoded as UTF-8, never as Latin-1.
+
+    Call it once, in the backend's ``__init__`` (it walks the whole vocabulary).
+    """
+    special = {int(token_id) for token_id in getattr(tokenizer, "all_special_ids", [])}
+    special |= {int(token_id) for token_id in getattr(tokenizer, "added_tokens_decoder", {})}
+    known = min(len(tokenizer), vocab_size)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(known)))
+    alphabet = _byte_level_alphabet() if _is_byte_level(tokenizer) else None
+    found: list[bytes | None] = []
+    for token_id, piece in enumerate(pieces):
+        if piece is None or token_id in special:
+            found.append(None)
+        elif alphabet is not None and all(char in alphabet for char in piece):
+            found.append(bytes(alphabet[char] for char in piece))
+        elif (fallback := _BYTE_FALLBACK.match(piece)) is not None:
+            found.append(bytes([int(fallback.group(1), 16)]))
+        elif alphabet is None and _METASPACE in piece:
+            found.append(piece.replace(_METASPACE, " ").encode())
+        else:
+            found.append(tokenizer.convert_tokens_to_string([piece]).encode())
+    found.extend([None] * (vocab_size - known))
+    return found
+
+
 class GrammarCompileError(ValueError):
     """A constraint the backend cannot compile; the message says why (the runner adds backend and field)."""
 
@@ -207,6 +274,10 @@ class StructuredOutputBackend(Plugin):
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
 
+    def token_bytes(self, tokenizer: Any) -> list[bytes | None]:
+        """The exact bytes of every id below :attr:`vocab_size` (see :func:`token_bytes`); ``None``: never allowed."""
+        return token_bytes(tokenizer, self.vocab_size)
+
     @property
     def bitmask_width(self) -> int:
         """int32 words per bitmask row: ``ceil(vocab_size / 32)``."""
@@ -217,7 +288,10 @@ class StructuredOutputBackend(Plugin):
         """Compile one constraint into an immutable grammar object that matchers share.
 
         Called on a worker thread (never two at once for one key; different
-        keys may compile concurrently) and cached by ``params.key``.  Raises
+        keys may compile concurrently, so it must be thread-safe; the engine
+        compiles one at a time today) and cached by ``params.key``.  It
+        should take well under a second for typical constraints: the request
+        waits for it (the kit bounds it, see ``StructuredOutputSuite.compile_time_bound``).  Raises
         :class:`GrammarCompileError` (or any exception) when the constraint
         cannot be compiled; the request then fails alone with that message.
         """

@@ -65,7 +65,7 @@ from patchbay.testing.suite import skip_not_declared
 if TYPE_CHECKING:
     import torch
 
-FAULTS = ("missing", "truncated", "corrupted", "other_model", "other_layout")
+FAULTS = ("missing", "truncated", "corrupted", "other_model", "other_layout", "forged")
 """What :meth:`KVConnectorSuite.corrupt_entry` is asked to do to a stored entry."""
 
 OPTIONS_ENV = "PATCHBAY_TEST_KV_CONNECTOR_OPTIONS"
@@ -270,7 +270,10 @@ class KVConnectorSuite(KVConnectorBaseSuite):
 
         ``missing``: delete it; ``truncated``: keep its first half; ``corrupted``:
         flip a byte of its KV data; ``other_model`` / ``other_layout``: replace
-        it by an otherwise valid entry of another model identity / block layout.
+        it by an otherwise valid entry of another model identity / block layout;
+        ``forged``: replace it by a well-formed entry of the same model, layout
+        and block whose KV data differs, written by someone without the store's
+        key (authenticated, if at all, with another key).
         Override in a subclass.  The default calls the connector's own
         ``corrupt_entry(block_hash, how)`` (what ``patchbay check`` uses) and
         fails the test when there is none.  The hook may raise
@@ -292,6 +295,13 @@ class KVConnectorSuite(KVConnectorBaseSuite):
                 pytest.fail(
                     f"{type(connector).__name__}.corrupt_entry does not implement 'missing' ({exc}); "
                     "every store can lose an entry, so every connector must handle and simulate that"
+                )
+            capabilities = type(connector).capabilities
+            if how == "forged" and (capabilities.cross_process or capabilities.cross_machine):
+                pytest.fail(
+                    f"{type(connector).__name__}.corrupt_entry does not implement 'forged' ({exc}), but its store "
+                    "is shared across processes or machines, so others can write it: entries must be "
+                    "authenticated (patchbay.interfaces.sign_entry / verify_entry) and the hook must forge one"
                 )
             skip_not_declared(f"{type(connector).__name__} declares {how!r} entries impossible in its store: {exc}")
 
@@ -423,6 +433,18 @@ class KVConnectorSuite(KVConnectorBaseSuite):
         request = SuiteRequest("producer-only", list(prompt), self.block_size)
         assert producer.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
 
+    def test_consumer_never_writes_the_store(self, make_side) -> None:
+        """A ``consumer`` only reads: the requests it computes and finishes leave the store as it was."""
+        consumer = make_side("consumer", random=True)
+        prompt = self.prompt(3 * self.block_size + 1, offset=500)
+        consumer.compute_and_finish(SuiteRequest("consumed", list(prompt), self.block_size), [5, 2, 9, 7])
+        reader = make_side("both")
+        found, _ = reader.scheduler.get_num_new_matched_tokens(SuiteRequest("probe", list(prompt), self.block_size), 0)
+        assert found == 0, (
+            f"a consumer wrote the store: {found} tokens of a request it computed can now be loaded "
+            "(kv_connector.role consumer must only read)"
+        )
+
     # -- faults ----------------------------------------------------------------------------------
 
     @pytest.mark.parametrize("how", FAULTS)
@@ -441,7 +463,13 @@ class KVConnectorSuite(KVConnectorBaseSuite):
             before_load=lambda _: self.corrupt_entry(consumer.connector, request.block_hashes[1], how),
         )
         errors = consumer.worker.get_block_ids_with_load_errors()
-        assert 8 in errors, f"the {how} entry of block 8 was not reported as a load error (got {errors})"
+        hint = (
+            " (an entry written without the store's key must never load: authenticate entries with "
+            "patchbay.interfaces.sign_entry and verify_entry)"
+            if how == "forged"
+            else ""
+        )
+        assert 8 in errors, f"the {how} entry of block 8 was not reported as a load error (got {errors}){hint}"
         assert errors <= {3, 8, 1}, f"load errors for blocks that were not loaded: {errors}"
         self.assert_untouched(consumer, [8], f"its entry was {how}")
         self.assert_blocks_equal(producer, [5], consumer, [3])

@@ -425,16 +425,90 @@ FREQUENCY_CASES: dict[str, FrequencyCase] = {
 }
 
 
-def check_frequencies(sampler: Sampler, case: FrequencyCase, *, label: str = "", device: str = "cpu") -> None:
-    """Many rows with the same logits and parameters: token frequencies match :func:`reference_probs`."""
+def check_frequencies(
+    sampler: Sampler,
+    case: FrequencyCase,
+    *,
+    label: str = "",
+    device: str = "cpu",
+    max_num_logprobs: int | None = None,
+) -> None:
+    """Many rows with the same logits and parameters: token frequencies match :func:`reference_probs`.
+
+    With ``max_num_logprobs`` the batch also asks for logprobs, which must not change what is drawn.
+    """
     import torch
 
     vocab = len(FREQUENCY_LOGITS)
     rows = [replace(case.row, seed=SEED + i) if case.seeded else case.row for i in range(case.num_rows)]
     logits = torch.tensor(FREQUENCY_LOGITS).expand(case.num_rows, -1).contiguous()
+    metadata = build_metadata(rows, vocab, device=device, max_num_logprobs=max_num_logprobs)
     with fixed_default_seed():
-        tokens = sample_tokens(sampler, logits.to(device), build_metadata(rows, vocab, device=device))
+        tokens = sample_tokens(sampler, logits.to(device), metadata)
     assert_distribution(tokens, reference_probs(FREQUENCY_LOGITS, case.row), label or _describe(case.row))
+
+
+def check_masked_rows(
+    sampler: Sampler, *, random_rows: bool = True, logprobs: bool = False, device: str = "cpu"
+) -> None:
+    """Rows whose logits are -inf outside a mask (a grammar's bitmask, allowed_token_ids) never yield NaN nor a
+    masked token, greedy or random, with one allowed token or many, and with logprobs when the sampler has them."""
+    import torch
+
+    vocab, num_rows = 64, 48
+    logits = _noise((num_rows, vocab)) * 2
+    generator = torch.Generator().manual_seed(SEED + 1)
+    for row in range(num_rows):
+        kept = torch.randperm(vocab, generator=generator)[: 1 + row % 7]  # 1 to 7 allowed tokens
+        masked = torch.ones(vocab, dtype=torch.bool)
+        masked[kept] = False
+        logits[row, masked] = NEG_INF
+    rows = [
+        RowParams(temperature=(0.0 if i % 3 == 0 or not random_rows else 0.5 + 0.25 * (i % 4))) for i in range(num_rows)
+    ]
+    metadata = build_metadata(rows, vocab, device=device, max_num_logprobs=2 if logprobs else None)
+    label = "rows with -inf (masked) logits" + (" and logprobs" if logprobs else "")
+    for attempt in range(3):
+        with fixed_default_seed(DEFAULT_GENERATOR_SEED + attempt):
+            try:
+                output = sampler.sample(logits.to(device), metadata)
+            except Exception as exc:
+                raise AssertionError(f"{label}: sample() raised {type(exc).__name__}: {exc}") from exc
+        tokens = output.sampled_token_ids[:, 0].tolist()
+        invalid = [(i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab or logits[i, t] == NEG_INF]
+        assert not invalid, (
+            f"{label}: drew masked or invalid tokens (row, token) {invalid[:6]}; a masked row's -inf must stay "
+            "excluded (subtracting a row's mean or max turns -inf into NaN)"
+        )
+        if output.logprobs is not None:
+            assert not torch.isnan(output.logprobs).any(), f"{label}: logprobs contain NaN"
+
+
+SEEDED_STREAM_STEPS = 400
+
+
+def check_seeded_streams_advance(sampler: Sampler, *, device: str = "cpu") -> None:
+    """Successive steps of one seeded request draw from its one generator, which advances: over
+    :data:`SEEDED_STREAM_STEPS` steps its tokens follow the row's distribution (chi-square), as a stream must."""
+    import torch
+
+    row = RowParams(temperature=1.0, seed=11)
+    vocab = len(FREQUENCY_LOGITS)
+    logits = torch.tensor([FREQUENCY_LOGITS], dtype=torch.float32, device=device)
+    metadata = build_metadata([row], vocab, device=device)
+    with fixed_default_seed():
+        tokens = [sample_tokens(sampler, logits, metadata)[0] for _ in range(SEEDED_STREAM_STEPS)]
+    counts = [tokens.count(token) for token in range(vocab)]
+    assert len(set(tokens)) > 1, (
+        f"seed 11: {SEEDED_STREAM_STEPS} successive steps of one seeded request all drew token {tokens[0]}: its "
+        "generator does not advance between steps (restarted, re-seeded or copied each step)"
+    )
+    try:
+        assert_distribution(tokens, reference_probs(FREQUENCY_LOGITS, row), "seed 11, successive steps")
+    except AssertionError as exc:
+        raise AssertionError(
+            f"{exc}; counts {counts}: a seeded request's generator must advance from step to step"
+        ) from None
 
 
 # -- role "sample": seeds -----------------------------------------------------------------------------------
@@ -1022,6 +1096,26 @@ class SamplerSuite(SamplerBaseSuite):
     def test_seeded_rows_ignore_batch_composition_and_order(self, sampler: Sampler) -> None:
         require(sampler, "sample", ["seed"], random=True)
         check_seeded_rows(sampler, device=self.device)
+
+    def test_seeded_streams_advance_from_step_to_step(self, sampler: Sampler) -> None:
+        require(sampler, "sample", ["seed"], random=True)
+        check_seeded_streams_advance(sampler, device=self.device)
+
+    def test_masked_rows_never_yield_nan_or_a_masked_token(self, sampler: Sampler) -> None:
+        """Grammar bitmasks and allowed_token_ids give the sampler rows of -inf logits."""
+        require(sampler, "sample")
+        capabilities = type(sampler).capabilities
+        check_masked_rows(sampler, random_rows=capabilities.supports_random, device=self.device)
+        if "logprobs" in capabilities.supported_params:
+            check_masked_rows(sampler, random_rows=capabilities.supports_random, logprobs=True, device=self.device)
+
+    def test_frequencies_hold_when_logprobs_are_requested(self, sampler: Sampler) -> None:
+        """Asking for logprobs changes what is returned, never what is drawn (chi-square at temperature 0.6)."""
+        require(sampler, "sample", ["logprobs"], random=True)
+        case = FREQUENCY_CASES["temperature_0.6"]
+        check_frequencies(
+            sampler, case, label="temperature 0.6 with logprobs=2", device=self.device, max_num_logprobs=2
+        )
 
     @pytest.mark.parametrize("param", ["repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias"])
     def test_penalties_and_logit_bias_change_logits_as_documented(self, sampler: Sampler, param: str) -> None:

@@ -10,16 +10,22 @@ A backend author's test file::
 The suite builds the backend over the bundled model's tokenizer (a
 byte-level BPE of 49,152 tokens) and walks matchers token by token:
 
-- regexes and choices: at every step, the bitmask must allow exactly the
-  tokens whose bytes keep the output a prefix of some match, as the ``regex``
-  package's partial matching says (``regex.fullmatch(p, text, partial=True)``),
-  and allow the stop token exactly where the output is a full match;
+- regexes and choices, ASCII and not: at every step, the bitmask must allow
+  exactly the tokens whose bytes keep the output's *decoded text* a prefix of
+  some match, as the ``regex`` package's partial matching says
+  (``regex.fullmatch(p, text, partial=True)``; an output ending inside a
+  UTF-8 character is a prefix when some character completing it keeps it
+  one), and allow the stop token exactly where the output is a full match;
 - JSON schemas: valid instances (checked with ``jsonschema``), tokenized,
   must be accepted token by token with the stop token allowed exactly where the
   text so far is itself a valid instance; invalid ones must be refused; random
   walks through the bitmask that end must parse and validate;
 - rollback restores the bitmask and the accepting state of every earlier
-  step; a rejected token changes nothing; rows are written whole and alone.
+  step; a rejected token changes nothing, even one whose first bytes fit;
+  rows are written whole and alone; matchers of one grammar never share
+  state; ids past the tokenizer are never allowed;
+- compiles take at most :attr:`StructuredOutputSuite.compile_time_bound`
+  seconds and give the same grammars when run on several threads at once.
 
 Options for ``patchbay check`` come from ``PATCHBAY_TEST_STRUCTURED_OUTPUT_OPTIONS`` (JSON).
 """
@@ -29,7 +35,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any, ClassVar
 
@@ -44,9 +53,11 @@ from patchbay.interfaces import (
     StructuredOutputConfig,
     StructuredOutputParams,
 )
-from patchbay.testing.suite import PluginSuite, _replace
+from patchbay.interfaces import token_bytes as interface_token_bytes
+from patchbay.testing.suite import PluginSuite, _replace, skip_not_declared
 
 OPTIONS_ENV = "PATCHBAY_TEST_STRUCTURED_OUTPUT_OPTIONS"
+COMPILE_BOUND_ENV = "PATCHBAY_TEST_STRUCTURED_OUTPUT_COMPILE_BOUND"
 SEED = 20241201
 
 REGEXES = (
@@ -55,7 +66,14 @@ REGEXES = (
     r"-?[1-9][0-9]{0,3}\.[0-9]{2}",
     r"[A-Z][a-z]{1,6}( [A-Z][a-z]{1,6}){0,2}",
 )
+NON_ASCII_REGEXES = (
+    r"(café|naïve|Zoë) [à-ö]{1,3}",
+    r"[0-9]{1,2}(€|£|¥) — ok",
+    r"«[a-zé]{1,5}»",
+)
+"""Patterns matched against the decoded text: multi-byte literals, classes and ranges of non-ASCII characters."""
 CHOICES = (["positive", "negative", "neutral"], ["Paris", "Par", "Lyon", "Lille"])
+NON_ASCII_CHOICES = (["café", "cafè", "naïve", "€5 — cinq", "日本"], ["Zoë", "Zoé", "Zo"])
 SCHEMAS: tuple[dict[str, Any], ...] = (
     {
         "type": "object",
@@ -108,18 +126,6 @@ INVALID_INSTANCES = (
 # -- the oracle's view of the vocabulary ------------------------------------------------------------
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's reversible byte <-> printable character table (printable bytes map to themselves)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = {byte: chr(byte) for byte in printable}
-    shifted = 0
-    for byte in range(256):
-        if byte not in chars:
-            chars[byte] = chr(256 + shifted)
-            shifted += 1
-    return {char: byte for byte, char in chars.items()}
-
-
 @cache
 def bundled_tokenizer() -> Any:
     from transformers import AutoTokenizer
@@ -131,20 +137,12 @@ def bundled_tokenizer() -> Any:
 
 @cache
 def token_bytes(vocab_size: int) -> tuple[bytes | None, ...]:
-    """Each token id's bytes in the bundled tokenizer; ``None`` for special tokens and ids past the tokenizer."""
-    tokenizer = bundled_tokenizer()
-    alphabet = _byte_level_alphabet()
-    special = set(tokenizer.all_special_ids) | {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
-    found: list[bytes | None] = []
-    for token_id in range(vocab_size):
-        token = tokenizer.convert_ids_to_tokens(token_id) if token_id < len(tokenizer) else None
-        if token is None or token_id in special:
-            found.append(None)
-        elif all(char in alphabet for char in token):
-            found.append(bytes(alphabet[char] for char in token))
-        else:
-            found.append(tokenizer.decode([token_id]).encode())
-    return tuple(found)
+    """Each token id's bytes in the bundled tokenizer; ``None`` for special tokens and ids past the tokenizer.
+
+    The interface's :func:`patchbay.interfaces.token_bytes`, checked against the tokenizer's own encoding in
+    the project's tests.
+    """
+    return tuple(interface_token_bytes(bundled_tokenizer(), vocab_size))
 
 
 def allowed_tokens(bitmask: np.ndarray, row: int, vocab_size: int) -> np.ndarray:
@@ -153,19 +151,68 @@ def allowed_tokens(bitmask: np.ndarray, row: int, vocab_size: int) -> np.ndarray
     return np.flatnonzero(bits[:vocab_size])
 
 
+NON_ASCII_HINT = (
+    " [non-ASCII text: a token's bytes are its exact UTF-8 bytes (patchbay.interfaces.token_bytes), not its text "
+    "encoded as Latin-1, and a mask after half a character allows only the bytes that complete it]"
+)
+_TWO_BYTE_CHARACTERS = "".join(chr(code) for code in range(0x80, 0x800))
+
+
+def _split_utf8(data: bytes) -> tuple[str, bytes] | None:
+    """``data`` as text plus the bytes of a character it has only begun; ``None`` when it is not UTF-8."""
+    for cut in range(min(3, len(data)) + 1):
+        head, tail = data[: len(data) - cut], data[len(data) - cut :]
+        try:
+            text = head.decode()
+        except UnicodeDecodeError:
+            continue
+        if not tail:
+            return text, b""
+        lead = tail[0]
+        width = 2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF else 4 if 0xF0 <= lead <= 0xF4 else 0
+        if len(tail) < width and all(0x80 <= byte <= 0xBF for byte in tail[1:]):
+            return text, tail
+        return None
+    return None
+
+
 class _PrefixOracle:
-    """Which texts are prefixes of a match, and which are matches, of a byte regex (``regex`` partial matching)."""
+    """Which outputs are prefixes of a match, and which are matches, of a regex on *text* (``regex`` partial
+    matching on the decoded characters, never on bytes).
+
+    An output that ends inside a UTF-8 character is a prefix when some character starting with those bytes
+    keeps it one; the characters tried are every two-byte character and the pattern's own non-ASCII
+    characters (the kit's patterns use longer characters only as literals).
+    """
 
     def __init__(self, pattern: str) -> None:
         import regex
 
-        self._pattern = regex.compile(pattern.encode())
+        self._pattern = regex.compile(pattern)
+        self._candidates = _TWO_BYTE_CHARACTERS + "".join(sorted({char for char in pattern if ord(char) >= 0x800}))
+        self._prefix_cache: dict[bytes, bool] = {}
 
-    def is_prefix(self, text: bytes) -> bool:
+    def _text_is_prefix(self, text: str) -> bool:
         return self._pattern.fullmatch(text, partial=True) is not None
 
-    def is_match(self, text: bytes) -> bool:
-        return self._pattern.fullmatch(text) is not None
+    def is_prefix(self, data: bytes) -> bool:
+        if data not in self._prefix_cache:
+            split = _split_utf8(data)
+            if split is None:
+                found = False
+            elif not split[1]:
+                found = self._text_is_prefix(split[0])
+            else:
+                text, tail = split
+                found = any(
+                    char.encode().startswith(tail) and self._text_is_prefix(text + char) for char in self._candidates
+                )
+            self._prefix_cache[data] = found
+        return self._prefix_cache[data]
+
+    def is_match(self, data: bytes) -> bool:
+        split = _split_utf8(data)
+        return split is not None and not split[1] and self._pattern.fullmatch(split[0]) is not None
 
     def allowed(self, text: bytes, vocabulary: Sequence[bytes | None]) -> set[int]:
         # A token whose first byte already breaks the prefix cannot keep it; test whole tokens only for the rest.
@@ -193,6 +240,8 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
     capabilities_class: ClassVar[type[StructuredOutputCapabilities]] = StructuredOutputCapabilities
     walk_steps: ClassVar[int] = 24
     """Longest oracle walk through a regex or choice grammar."""
+    compile_time_bound: ClassVar[float] = 5.0
+    """Seconds one typical constraint may take to compile (``PATCHBAY_TEST_STRUCTURED_OUTPUT_COMPILE_BOUND``)."""
     _backends: ClassVar[dict[tuple[type, str, int], StructuredOutputBackend]] = {}
 
     def supported_config(self, capabilities: StructuredOutputCapabilities) -> StructuredOutputConfig:
@@ -236,8 +285,23 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
     def matcher_for(self, backend: StructuredOutputBackend, **constraint: Any) -> GrammarMatcher:
         params = StructuredOutputParams(**constraint)
         if params.kind not in backend.capabilities.constraint_kinds:
-            pytest.skip(f"the backend does not declare {params.field_path}")
+            skip_not_declared(f"the backend does not declare {params.field_path}")
         return backend.matcher(backend.compile(params))
+
+    @staticmethod
+    def choice_params(backend: StructuredOutputBackend, choices: Sequence[str]) -> StructuredOutputParams:
+        """``choice: choices``, or the same language as a regex for a backend that compiles regexes only."""
+        kinds = backend.capabilities.constraint_kinds
+        if "choice" in kinds:
+            return StructuredOutputParams(choice=list(choices))
+        if "regex" in kinds:
+            return StructuredOutputParams(regex=_choice_pattern(choices))
+        skip_not_declared("the backend declares neither structured_output.choice nor structured_output.regex")
+        raise AssertionError("unreachable")
+
+    def choice_matcher(self, backend: StructuredOutputBackend, choices: Sequence[str]) -> GrammarMatcher:
+        """A matcher for one of ``choices`` (see :meth:`choice_params`)."""
+        return backend.matcher(backend.compile(self.choice_params(backend, choices)))
 
     def fill(self, backend: StructuredOutputBackend, matcher: GrammarMatcher) -> np.ndarray:
         bitmask = np.zeros((1, backend.bitmask_width), dtype=np.int32)
@@ -255,34 +319,47 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
         rng = random.Random(seed)
         text = b""
         for step in range(self.walk_steps):
-            allowed = set(allowed_tokens(self.fill(backend, matcher), 0, backend.vocab_size).tolist())
-            expected = oracle.allowed(text, vocabulary)
-            context = f"after {text!r} (step {step}) for pattern {pattern!r}"
-            wrongly_allowed = sorted((allowed - expected) - {stop})[:5]
-            assert not wrongly_allowed, (
-                f"{context}: allowed tokens that break the match: {[(t, vocabulary[t]) for t in wrongly_allowed]}"
-            )
-            wrongly_refused = sorted(expected - allowed)[:5]
-            if wrongly_refused and backend.capabilities.canonical_forced_tokens:
-                self._assert_forced(allowed - {stop}, expected, vocabulary, context)
-            else:
-                assert not wrongly_refused, (
-                    f"{context}: refused tokens that keep a match possible: "
-                    f"{[(t, vocabulary[t]) for t in wrongly_refused]}"
-                )
+            allowed = self._assert_mask_matches(backend, matcher, oracle, text, f"step {step} for pattern {pattern!r}")
             complete = oracle.is_match(text)
-            assert (stop in allowed) == complete, (
-                f"{context}: stop token allowed={stop in allowed}, full match={complete}"
-            )
-            assert matcher.is_accepting() == complete, f"{context}: is_accepting() disagrees with the full match"
             choices = sorted(allowed - {stop})
             if not choices or (complete and rng.random() < 0.3):
                 assert matcher.accept_tokens([stop]) == 1 and matcher.is_terminated()
                 return
-            token = rng.choice(choices)
-            assert matcher.accept_tokens([token]) == 1, f"{context}: the matcher refused token {token} it allowed"
+            # Tokens that stop inside a multi-byte character are rare in a vocabulary; take them half the time.
+            half_sent = [t for t in choices if (_split_utf8(text + (vocabulary[t] or b"")) or ("", b""))[1]]
+            token = rng.choice(half_sent if half_sent and rng.random() < 0.5 else choices)
+            assert matcher.accept_tokens([token]) == 1, (
+                f"after {text!r} (step {step}) for pattern {pattern!r}: the matcher refused token {token} it allowed"
+            )
             assert not matcher.is_terminated()
             text += vocabulary[token] or b""
+
+    def _assert_mask_matches(
+        self, backend: StructuredOutputBackend, matcher: GrammarMatcher, oracle: _PrefixOracle, text: bytes, where: str
+    ) -> set[int]:
+        """The matcher's mask after ``text`` against the oracle's; returns the allowed ids."""
+        vocabulary = token_bytes(backend.vocab_size)
+        stop = backend.stop_token_ids[0]
+        allowed = set(allowed_tokens(self.fill(backend, matcher), 0, backend.vocab_size).tolist())
+        expected = oracle.allowed(text, vocabulary)
+        context = f"after {text!r} ({text.decode(errors='replace')!r}, {where})"
+        wrongly_allowed = sorted((allowed - expected) - {stop})[:5]
+        if any(byte >= 0x80 for byte in text + b"".join(vocabulary[token] or b"" for token in wrongly_allowed)):
+            context += NON_ASCII_HINT
+        assert not wrongly_allowed, (
+            f"{context}: allowed tokens that break the match: {[(t, vocabulary[t]) for t in wrongly_allowed]}"
+        )
+        wrongly_refused = sorted(expected - allowed)[:5]
+        if wrongly_refused and backend.capabilities.canonical_forced_tokens:
+            self._assert_forced(allowed - {stop}, expected, vocabulary, context)
+        else:
+            assert not wrongly_refused, (
+                f"{context}: refused tokens that keep a match possible: {[(t, vocabulary[t]) for t in wrongly_refused]}"
+            )
+        complete = oracle.is_match(text)
+        assert (stop in allowed) == complete, f"{context}: stop token allowed={stop in allowed}, full match={complete}"
+        assert matcher.is_accepting() == complete, f"{context}: is_accepting() disagrees with the full match"
+        return allowed
 
     @staticmethod
     def _assert_forced(kept: set[int], expected: set[int], vocabulary: Sequence[bytes | None], context: str) -> None:
@@ -307,6 +384,14 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
         for walk in range(2):
             self._walk_against_oracle(backend, self.matcher_for(backend, regex=pattern), pattern, SEED + walk)
 
+    @pytest.mark.parametrize("pattern", NON_ASCII_REGEXES, ids=["accents", "currency", "guillemets"])
+    def test_non_ascii_regex_bitmask_matches_partial_matching_on_text(
+        self, backend: StructuredOutputBackend, pattern: str
+    ) -> None:
+        """The regex is matched against the output decoded as UTF-8: a token's bytes are its exact bytes."""
+        for walk in range(3):
+            self._walk_against_oracle(backend, self.matcher_for(backend, regex=pattern), pattern, SEED + walk)
+
     @pytest.mark.parametrize("choices", CHOICES, ids=["words", "shared-prefixes"])
     def test_choice_bitmask_matches_partial_matching(
         self, backend: StructuredOutputBackend, choices: list[str]
@@ -315,6 +400,27 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
             self._walk_against_oracle(
                 backend, self.matcher_for(backend, choice=choices), _choice_pattern(choices), SEED + walk
             )
+
+    @pytest.mark.parametrize("choices", NON_ASCII_CHOICES, ids=["multi-byte", "shared-lead-byte"])
+    def test_non_ascii_choice_bitmask_matches_partial_matching_on_text(
+        self, backend: StructuredOutputBackend, choices: list[str]
+    ) -> None:
+        for walk in range(4):
+            self._walk_against_oracle(
+                backend, self.matcher_for(backend, choice=choices), _choice_pattern(choices), SEED + walk
+            )
+
+    def test_a_half_sent_character_narrows_the_mask(self, backend: StructuredOutputBackend) -> None:
+        """After a token that ends inside a UTF-8 character, only the bytes that complete it may follow."""
+        choices = ["café", "cafè", "cafe"]
+        matcher = self.choice_matcher(backend, choices)
+        oracle = _PrefixOracle(_choice_pattern(choices))
+        vocabulary = token_bytes(backend.vocab_size)
+        prefix = bundled_tokenizer().encode("caf", add_special_tokens=False)
+        lead = vocabulary.index(b"\xc3")  # the token that is the lone first byte of é and è
+        assert matcher.accept_tokens([*prefix, lead]) == len(prefix) + 1, "refused 'caf' then the byte 0xC3"
+        allowed = self._assert_mask_matches(backend, matcher, oracle, b"caf\xc3", "half of é or è was sent")
+        assert allowed, "after the first byte of é or è, nothing is allowed"
 
     # -- JSON schemas against jsonschema -------------------------------------------------------
 
@@ -466,7 +572,7 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
 
     def test_rollback_restores_every_earlier_state(self, backend: StructuredOutputBackend) -> None:
         if not backend.capabilities.supports_rollback:
-            pytest.skip("the backend declares no rollback")
+            skip_not_declared("the backend declares no rollback")
         matcher = self.matcher_for(backend, regex=REGEXES[0])
         tokens = bundled_tokenizer().encode("123-abc", add_special_tokens=False)
         states = []
@@ -507,26 +613,143 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
             assert np.array_equal(garbage[1], reference[0]), "fill_bitmask must write every bit of its row"
             assert (garbage[[0, 2]] == fill_value).all(), "fill_bitmask wrote outside its row"
 
+    def test_a_token_refused_half_way_changes_nothing(self, backend: StructuredOutputBackend) -> None:
+        """A token whose first bytes fit and whose later bytes do not is refused whole, leaving the state as it was.
+
+        N-gram and other drafters propose such tokens all the time; a matcher that keeps the bytes that fitted
+        drifts from the request's text and refuses the next real token.
+        """
+        choices = ["cabbage", "carrot", "cab"]
+        matcher = self.choice_matcher(backend, choices)
+        oracle = _PrefixOracle(_choice_pattern(choices))
+        vocabulary = token_bytes(backend.vocab_size)
+        good = bundled_tokenizer().encode("ca", add_special_tokens=False)
+        assert matcher.accept_tokens(good) == len(good)
+        half_way = [
+            token
+            for token, piece in enumerate(vocabulary)
+            if piece and len(piece) > 1 and oracle.is_prefix(b"ca" + piece[:1]) and not oracle.is_prefix(b"ca" + piece)
+        ]
+        assert half_way, "the kit found no token that fits half way after 'ca'"
+        before = self.fill(backend, matcher)
+        for token in half_way[:20]:
+            assert matcher.accept_tokens([token]) == 0, f"after 'ca': accepted {vocabulary[token]!r}, which breaks it"
+            assert np.array_equal(self.fill(backend, matcher), before), (
+                f"after 'ca': refusing {vocabulary[token]!r} half way changed the bitmask (the bytes that fitted "
+                "moved the state)"
+            )
+        # The state is still exactly 'ca': every choice can still be finished.
+        self._assert_mask_matches(backend, matcher, oracle, b"ca", f"after refusing {len(half_way[:20])} tokens")
+        rest = bundled_tokenizer().encode("rrot", add_special_tokens=False)
+        assert matcher.accept_tokens([*rest, half_way[0]]) == len(rest), "stopped at the wrong token"
+        assert matcher.is_accepting(), "refusing a token half way lost 'carrot'"
+
     def test_matchers_of_one_grammar_are_independent(self, backend: StructuredOutputBackend) -> None:
-        grammar = backend.compile(StructuredOutputParams(regex=REGEXES[0]))
-        first, second = backend.matcher(grammar), backend.matcher(grammar)
-        fresh = self.fill(backend, second)
-        assert first.accept_tokens(bundled_tokenizer().encode("12", add_special_tokens=False)) >= 1
-        assert np.array_equal(self.fill(backend, second), fresh)
+        """Two matchers of one compiled grammar, moved to states whose masks differ, never see each other."""
+        choices = ["yes", "no", "maybe"]
+        grammar = backend.compile(self.choice_params(backend, choices))
+        first, second, third = backend.matcher(grammar), backend.matcher(grammar), backend.matcher(grammar)
+        fresh = self.fill(backend, third)
+        tokenizer = bundled_tokenizer()
+        assert first.accept_tokens(tokenizer.encode("y", add_special_tokens=False)) == 1
+        after_y = self.fill(backend, first)
+        assert not np.array_equal(after_y, fresh), "the kit's states must have different masks"
+        assert np.array_equal(self.fill(backend, second), fresh), (
+            "advancing one matcher changed another matcher of the same grammar"
+        )
+        assert second.accept_tokens(tokenizer.encode("n", add_special_tokens=False)) == 1
+        after_n = self.fill(backend, second)
+        assert np.array_equal(self.fill(backend, first), after_y), (
+            "advancing a second matcher of the same grammar changed the first one's mask"
+        )
+        assert not np.array_equal(after_n, after_y)
+        assert np.array_equal(self.fill(backend, third), fresh)
+        rest = tokenizer.encode("es", add_special_tokens=False)
+        assert first.accept_tokens(rest) == len(rest) and first.is_accepting() and not second.is_accepting()
 
     def test_ids_past_the_tokenizer_are_never_allowed(
         self, available: type[StructuredOutputBackend], backend_options: dict[str, Any]
     ) -> None:
-        vocab_size = len(bundled_tokenizer()) + 64  # models often pad their logits past the tokenizer
+        """Models pad their logits past the tokenizer; those ids spell nothing and must never be allowed."""
+        vocab_size = len(bundled_tokenizer()) + 64
         backend = self.build(available, backend_options, vocab_size)
         assert backend.bitmask_width == -(-vocab_size // 32)
-        matcher = backend.matcher(backend.compile(StructuredOutputParams(json_object=True)))
-        for text in ("", '{"a": "'):
+        cases: list[tuple[StructuredOutputParams, str]] = []
+        if "json_object" in backend.capabilities.constraint_kinds:
+            cases += [(StructuredOutputParams(json_object=True), text) for text in ("", '{"a": "')]
+        if {"choice", "regex"} & set(backend.capabilities.constraint_kinds):
+            cases += [(self.choice_params(backend, NON_ASCII_CHOICES[0]), text) for text in ("", "caf")]
+        if not cases:
+            skip_not_declared("the backend declares none of json_object, choice and regex")
+        for params, text in cases:
+            matcher = backend.matcher(backend.compile(params))
             matcher.accept_tokens(bundled_tokenizer().encode(text, add_special_tokens=False))
             allowed = allowed_tokens(self.fill(backend, matcher), 0, vocab_size)
-            assert len(allowed) and allowed.max() < len(bundled_tokenizer()), (
-                f"after {text!r}: ids past the tokenizer allowed"
+            padded = allowed[allowed >= len(bundled_tokenizer())]
+            assert len(allowed) and not len(padded), (
+                f"{params.field_path} after {text!r}: allowed ids past the tokenizer ({len(bundled_tokenizer())} "
+                f"tokens, logits {vocab_size} wide): {padded[:5].tolist()}"
             )
+
+    def test_a_terminated_matcher_accepts_nothing(self, backend: StructuredOutputBackend) -> None:
+        """After its stop token a matcher accepts nothing (the runner never asks it for a bitmask again)."""
+        matcher = self.choice_matcher(backend, ["yes", "no"])
+        tokens = bundled_tokenizer().encode("yes", add_special_tokens=False)
+        stop = backend.stop_token_ids[0]
+        assert matcher.accept_tokens([*tokens, stop]) == len(tokens) + 1 and matcher.is_terminated()
+        assert matcher.accept_tokens(tokens[:1]) == 0, "a terminated matcher accepted a token"
+        assert matcher.accept_tokens([stop]) == 0, "a terminated matcher accepted a second stop token"
+
+    # -- compiling ------------------------------------------------------------------------------
+
+    def _typical_constraints(self, backend: StructuredOutputBackend) -> list[StructuredOutputParams]:
+        every = [
+            StructuredOutputParams(regex=REGEXES[2]),
+            StructuredOutputParams(choice=CHOICES[1]),
+            StructuredOutputParams(json_schema=SCHEMAS[1]),
+            StructuredOutputParams(json_object=True),
+            StructuredOutputParams(grammar='root ::= item ("," item)*\nitem ::= "a" | "bb" | [0-9]'),
+        ]
+        return [params for params in every if params.kind in backend.capabilities.constraint_kinds]
+
+    def test_compiles_within_the_time_bound(self, backend: StructuredOutputBackend) -> None:
+        """A request waits for its grammar before its first token: a slow compile makes the whole run slow.
+
+        The bound is :attr:`compile_time_bound` seconds per constraint (``patchbay check`` reads
+        ``PATCHBAY_TEST_STRUCTURED_OUTPUT_COMPILE_BOUND``).
+        """
+        bound = float(os.environ.get(COMPILE_BOUND_ENV, self.compile_time_bound))
+        for params in self._typical_constraints(backend):
+            started = time.perf_counter()
+            backend.compile(params)
+            took = time.perf_counter() - started
+            assert took <= bound, (
+                f"compiling {params.field_path} {params.spec[:60]!r} took {took:.1f} s, over the kit's compile "
+                f"bound of {bound:g} s ({COMPILE_BOUND_ENV}): requests wait that long for their first token"
+            )
+
+    def test_concurrent_compiles_give_the_grammars_of_sequential_ones(self, backend: StructuredOutputBackend) -> None:
+        """``compile`` may run on several threads at once, for different constraints."""
+        constraint_sets = [[f"{word}-{index}" for word in ("alpha", "beta", "gamma")] for index in range(8)]
+        params = [self.choice_params(backend, choices) for choices in constraint_sets]
+        barrier = threading.Barrier(len(params))
+
+        def compile_together(one: StructuredOutputParams) -> Any:
+            barrier.wait()
+            return backend.compile(one)
+
+        with ThreadPoolExecutor(max_workers=len(params)) as pool:
+            grammars = list(pool.map(compile_together, params))
+        tokenizer = bundled_tokenizer()
+        for choices, one, grammar in zip(constraint_sets, params, grammars, strict=True):
+            concurrent, sequential = backend.matcher(grammar), backend.matcher(backend.compile(one))
+            tokens = tokenizer.encode(choices[1], add_special_tokens=False)
+            assert concurrent.accept_tokens(tokens) == len(tokens) and concurrent.is_accepting(), (
+                f"a grammar compiled concurrently with others does not accept its own choice {choices[1]!r} "
+                "(compile is not thread-safe)"
+            )
+            sequential.accept_tokens(tokens)
+            assert np.array_equal(self.fill(backend, concurrent), self.fill(backend, sequential))
 
     @pytest.mark.parametrize(
         "constraint",
@@ -536,7 +759,7 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
     def test_invalid_constraints_raise(self, backend: StructuredOutputBackend, constraint: dict[str, Any]) -> None:
         params = StructuredOutputParams(**constraint)
         if params.kind not in backend.capabilities.constraint_kinds:
-            pytest.skip(f"the backend does not declare {params.field_path}")
+            skip_not_declared(f"the backend does not declare {params.field_path}")
         with pytest.raises(Exception) as raised:
             backend.compile(params)
         assert str(raised.value).strip(), "the compile error must say what is wrong"

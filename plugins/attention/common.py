@@ -82,6 +82,8 @@ def extend_metadata(paged: PagedAttentionMetadata, cls: type[MetadataT], **extra
 class CommonMetadataBuilder(AttentionMetadataBuilder):
     """Passes the runner's common metadata through, with per-request query, context and sequence lengths as lists."""
 
+    contract_version = "1.1"
+
     capabilities: ClassVar[Capabilities] = Capabilities(devices=("cpu", "cuda", "mps"))
 
     def build(self, common: CommonAttentionMetadata) -> PagedAttentionMetadata:
@@ -138,6 +140,8 @@ def varlen_metadata(paged: PagedAttentionMetadata, sliding_window: int | None) -
 
 class VarlenMetadataBuilder(CommonMetadataBuilder):
     """Adds the cache slots of every request's keys as one ragged sequence, for backends that gather them."""
+
+    contract_version = "1.1"
 
     def build(self, common: CommonAttentionMetadata) -> VarlenAttentionMetadata:
         """Return :class:`VarlenAttentionMetadata` for this step (``common`` is not modified)."""

@@ -31,6 +31,8 @@ PAGED_BLOCK_MULTIPLE = 256
 class FlashAttentionBackend(AttentionBackend):
     """flash-attn varlen kernels (CUDA): paged KV for blocks of a multiple of 256 tokens, gathered KV otherwise."""
 
+    contract_version = "1.1"
+
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         devices=("cuda",),
         dtypes=("float16", "bfloat16"),

@@ -102,6 +102,8 @@ def flex_metadata(varlen: VarlenAttentionMetadata) -> FlexAttentionMetadata:
 class FlexMetadataBuilder(VarlenMetadataBuilder):
     """Gathers every request's key slots into one ragged sequence and builds the step's flex block mask."""
 
+    contract_version = "1.1"
+
     def build(self, common: CommonAttentionMetadata) -> FlexAttentionMetadata:
         """Return :class:`FlexAttentionMetadata` for this step (``common`` is not modified)."""
         return flex_metadata(super().build(common))
@@ -122,6 +124,8 @@ class FlexOptions(BaseModel):
 
 class FlexAttentionBackend(AttentionBackend):
     """torch flex_attention over the gathered paged KV, masked by a BlockMask built once per step."""
+
+    contract_version = "1.1"
 
     Options: ClassVar[type[BaseModel]] = FlexOptions
     options: FlexOptions  # an instance of Options: plugin_options() validated it

@@ -20,6 +20,8 @@ from patchbay.plugins.attention.common import PagedAttentionMetadata, as_paged
 class ReferenceBackend(AttentionBackend):
     """Dense float32 attention per request over its gathered blocks; correctness over speed."""
 
+    contract_version = "1.1"
+
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         devices=("cpu", "cuda", "mps"),
         supports_sliding_window=True,

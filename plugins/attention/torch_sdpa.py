@@ -237,6 +237,8 @@ def plan_step(metadata: PagedAttentionMetadata, sliding_window: int | None) -> S
 class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
     """Plans each step's SDPA calls once per KV-cache group: batches of short queries and per-request prefills."""
 
+    contract_version = "1.1"
+
     def build(self, common: CommonAttentionMetadata) -> SDPAMetadata:
         """Return :class:`SDPAMetadata` for this step (``common`` is not modified)."""
         paged = super().build(common)
@@ -308,6 +310,8 @@ class DecodeKernel:
 
 class TorchSDPABackend(AttentionBackend):
     """torch scaled_dot_product_attention over gathered paged KV: batched decodes, per-request prefills."""
+
+    contract_version = "1.1"
 
     Options: ClassVar[type[BaseModel]] = TorchSDPAOptions
     options: TorchSDPAOptions  # an instance of Options: plugin_options() validated it

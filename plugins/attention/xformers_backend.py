@@ -65,6 +65,8 @@ def xformers_metadata(varlen: VarlenAttentionMetadata) -> XFormersMetadata:
 class XFormersMetadataBuilder(VarlenMetadataBuilder):
     """Gathers every request's key slots into one ragged sequence and builds the step's xformers bias."""
 
+    contract_version = "1.1"
+
     capabilities: ClassVar[Capabilities] = Capabilities(devices=("cuda",))
 
     @classmethod
@@ -79,6 +81,8 @@ class XFormersMetadataBuilder(VarlenMetadataBuilder):
 
 class XFormersBackend(AttentionBackend):
     """xformers memory_efficient_attention over gathered paged KV with a block-diagonal causal bias; CUDA only."""
+
+    contract_version = "1.1"
 
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         devices=("cuda",),

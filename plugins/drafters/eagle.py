@@ -108,6 +108,8 @@ class EagleOptions(BaseModel):
 class EagleDrafter(Drafter):
     """EAGLE-1 drafting with a paged KV cache through the run's attention backend."""
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = EagleOptions
     capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities(
         devices=("cpu", "cuda", "mps"),

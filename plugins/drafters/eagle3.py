@@ -46,6 +46,8 @@ class Eagle3Options(EagleOptions):
 class Eagle3Drafter(EagleDrafter):
     """EAGLE-3 drafting: EAGLE-1's paged drafting over an fc of three target layers' outputs."""
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = Eagle3Options
     capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities(
         devices=("cpu", "cuda", "mps"),

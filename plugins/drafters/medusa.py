@@ -52,6 +52,8 @@ class MedusaOptions(BaseModel):
 class MedusaDrafter(Drafter):
     """Greedy chain proposals from Medusa heads over ``DraftBatch.hidden_states``."""
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = MedusaOptions
     capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities(
         devices=("cpu", "cuda", "mps"),

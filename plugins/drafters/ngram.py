@@ -112,6 +112,8 @@ class NgramDrafter(Drafter):
     ``prompt_lookup_min`` tokens); no drafts where no suffix recurs.
     """
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = NgramOptions
     options: NgramOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities(devices=("cpu", "cuda", "mps"))

@@ -6,7 +6,7 @@ An entry is a fixed prefix, a JSON header and the payload::
 
 The header names the model identity, the block layout, the block hash, the
 payload length and an HMAC-SHA256 of header and payload under the store's
-secret key, so a reader rejects an entry that is truncated, corrupted, forged
+secret key (:func:`patchbay.interfaces.sign_entry`), so a reader rejects an entry that is truncated, corrupted, forged
 by someone without the key, of another model or of another layout *before* a
 byte of it reaches the KV cache.  Entries are untrusted input: the header must
 be a small flat JSON object, and a payload of floats must be finite.  The payload is every layer's keys then values
@@ -24,6 +24,8 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
+
+from patchbay.interfaces.kv_connector import sign_entry, verify_entry
 
 if TYPE_CHECKING:
     import torch
@@ -85,13 +87,6 @@ def max_entry_bytes(layout: BlockLayout) -> int:
     return _PREFIX.size + MAX_HEADER_BYTES + layout.payload_bytes
 
 
-def _mac(key: bytes, fields: dict, payload: memoryview) -> str:
-    # The header fields in canonical form, then the payload: changing either changes the code.
-    mac = hmac.new(key, json.dumps(fields, sort_keys=True).encode(), hashlib.sha256)
-    mac.update(payload)
-    return mac.hexdigest()
-
-
 def encode_block(
     model_id: str, layout: BlockLayout, block_hash: bytes, payload: bytes | memoryview, *, key: bytes
 ) -> bytes:
@@ -103,7 +98,7 @@ def encode_block(
         "block_hash": bytes(block_hash).hex(),
         "payload_bytes": payload.nbytes,
     }
-    header = json.dumps({**fields, "mac": _mac(key, fields, payload)}, sort_keys=True).encode()
+    header = json.dumps({**fields, "mac": sign_entry(key, fields, payload)}, sort_keys=True).encode()
     return b"".join((_PREFIX.pack(MAGIC, VERSION, len(header)), header, payload))
 
 
@@ -153,7 +148,7 @@ def decode_block(
             f"(header says {header.get('payload_bytes')}), expected {expected}"
         )
     fields = {name: value for name, value in header.items() if name != "mac"}
-    if not isinstance(header["mac"], str) or not hmac.compare_digest(_mac(key, fields, payload), header["mac"]):
+    if not verify_entry(key, fields, payload, header["mac"]):
         raise BlockDecodeError(
             "corrupted or forged entry: authentication code mismatch (written without this store's key, or damaged)"
         )

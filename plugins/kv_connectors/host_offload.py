@@ -98,6 +98,8 @@ _STORES_LOCK = threading.Lock()
 class HostOffloadConnector(StoreConnector):
     """Copies computed prompt KV blocks to a bounded LRU in host memory and loads them back on a prefix hit."""
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = HostOffloadOptions
     options: HostOffloadOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[KVConnectorCapabilities] = KVConnectorCapabilities(

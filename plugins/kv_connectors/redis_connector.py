@@ -183,6 +183,8 @@ def _redacted(exc: BaseException, url: str) -> str:
 class RedisConnector(StoreConnector):
     """Stores prompt KV blocks in a Redis server (key prefix, TTL, size limit) for runners on any machine."""
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = RedisOptions
     options: RedisOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[KVConnectorCapabilities] = KVConnectorCapabilities(

@@ -114,6 +114,8 @@ class DirectoryStore(BlockStore):
 class SharedStorageConnector(StoreConnector):
     """Stores prompt KV blocks as files under a shared directory, written atomically, for any process to load."""
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = SharedStorageOptions
     options: SharedStorageOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[KVConnectorCapabilities] = KVConnectorCapabilities(

@@ -28,6 +28,8 @@ from patchbay.interfaces import LoRAKernel, LoRAKernelCapabilities, LoRAMapping
 class TorchLoRAKernel(LoRAKernel):
     """One matmul per slot for shrink and for expand; two over the stacked active slots for ``add_lora``."""
 
+    contract_version = "1.1"
+
     capabilities: ClassVar[LoRAKernelCapabilities] = LoRAKernelCapabilities(
         devices=("cpu", "cuda", "mps"), dtypes=("float32", "bfloat16", "float16")
     )

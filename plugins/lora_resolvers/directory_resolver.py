@@ -27,6 +27,8 @@ class DirectoryResolver(LoRAResolver):
     Names are single path parts.
     """
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = DirectoryOptions
     options: DirectoryOptions  # an instance of Options, validated where the resolver is built
     capabilities: ClassVar[LoRAResolverCapabilities] = LoRAResolverCapabilities(can_list=True)

@@ -28,6 +28,8 @@ class ThinkReasoningParser(ReasoningParser):
     ``starts_in_reasoning``).
     """
 
+    contract_version = "1.1"
+
     Options = ThinkOptions
     options: ThinkOptions  # an instance of Options: plugin_options() validated it
 

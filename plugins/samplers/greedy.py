@@ -12,6 +12,8 @@ from patchbay.interfaces import Sampler, SamplerCapabilities, SamplerOutput, Sam
 class GreedySampler(Sampler):
     """Picks the most likely token of every row; rejects requests that ask for random sampling."""
 
+    contract_version = "1.1"
+
     capabilities: ClassVar[SamplerCapabilities] = SamplerCapabilities(
         devices=("cpu", "cuda", "mps"),
         supported_params=frozenset({"logprobs"}),

@@ -32,6 +32,8 @@ class StandardRejectionSampler(RejectionSampler):
     draft, then one exponential race over the vocabulary per draft.
     """
 
+    contract_version = "1.1"
+
     capabilities: ClassVar[SamplerCapabilities] = SamplerCapabilities(
         role="verify",
         devices=("cpu", "cuda", "mps"),

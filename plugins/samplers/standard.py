@@ -35,6 +35,8 @@ class StandardSampler(Sampler):
     rank is 1 plus the number of tokens with a strictly larger logprob.
     """
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = StandardOptions
     options: StandardOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[SamplerCapabilities] = SamplerCapabilities(

@@ -86,6 +86,8 @@ class LLGuidanceBackend(StructuredOutputBackend):
     precomputation, so compiling is fast.
     """
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = LLGuidanceOptions
     options: LLGuidanceOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[StructuredOutputCapabilities] = StructuredOutputCapabilities(canonical_forced_tokens=True)

@@ -72,6 +72,8 @@ class XGrammarBackend(StructuredOutputBackend):
     unbounded, so speculative decoding works.
     """
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = XGrammarOptions
     options: XGrammarOptions  # an instance of Options: plugin_options() validated it
     capabilities: ClassVar[StructuredOutputCapabilities] = StructuredOutputCapabilities()

@@ -24,6 +24,8 @@ class HermesToolParser(ToolParser):
     is whole; a call whose JSON is malformed stays in the content, tags and all.
     """
 
+    contract_version = "1.1"
+
     def parse(self, text: str) -> ParsedToolCalls:
         content: list[str] = []
         calls: list[ToolCall] = []

@@ -54,6 +54,8 @@ class Llama3JsonToolParser(ToolParser):
     call is held back and told whole when the output ends.
     """
 
+    contract_version = "1.1"
+
     capabilities = ToolParserCapabilities(content_with_calls=False)
 
     def parse(self, text: str) -> ParsedToolCalls:

@@ -32,6 +32,8 @@ class MistralToolParser(ToolParser):
     output text, or the marker never reaches the parser.
     """
 
+    contract_version = "1.1"
+
     def parse(self, text: str) -> ParsedToolCalls:
         start = text.find(MARKER)
         if start < 0:

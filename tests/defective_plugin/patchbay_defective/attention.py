@@ -30,3 +30,20 @@ class WrongFieldReader(ExampleDenseBackend):
     def make_impl(self, layer):
         impl = super().make_impl(layer)
         return KeyLengthImpl(layer, impl.scale)
+
+
+class ZeroImpl(ExampleDenseImpl):
+    """Returns zeros: wrong whatever builder it reads."""
+
+    def forward(self, query, key, value, kv_cache, metadata):
+        return torch.zeros_like(super().forward(query, key, value, kv_cache, metadata))
+
+
+class BrokenForeignReader(ExampleDenseBackend):
+    """A broken backend of this package that reads another package's builder (example_passthrough)."""
+
+    metadata_builder = "example_passthrough"
+
+    def make_impl(self, layer):
+        impl = super().make_impl(layer)
+        return ZeroImpl(layer, impl.scale)

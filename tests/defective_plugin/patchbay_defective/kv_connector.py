@@ -1,9 +1,12 @@
 """KV connectors of the defective plugin, each an example_memory wrong in one way."""
 
+import dataclasses
 from typing import ClassVar
 
 import torch
 from pydantic import BaseModel
+
+from patchbay.interfaces import KVConnectorCapabilities
 
 from patchbay_example.kv_connector import (
     InMemoryKVConnector,
@@ -108,3 +111,43 @@ class BrokenDefaultsConnector(InMemoryKVConnector):
 
     def worker_side(self):
         return ZeroSavingWorker(self)
+
+
+class UnauthenticatedConnector(InMemoryKVConnector):
+    """example_memory presented as a store other processes share, loading whatever an entry holds: nothing
+    authenticates entries, so one rewritten by someone without the key loads (and every output is wrong)."""
+
+    capabilities: ClassVar[KVConnectorCapabilities] = dataclasses.replace(
+        InMemoryKVConnector.capabilities, cross_process=True
+    )
+
+    def corrupt_entry(self, block_hash, how):
+        if how != "forged":
+            return super().corrupt_entry(block_hash, how)
+        key = self.key(block_hash)
+        # Well-formed, same model, layout and block: different numbers, written without any key.
+        self.store[key] = {
+            layer: (torch.full_like(keys, 0.5), torch.full_like(values, -0.5))
+            for layer, (keys, values) in self.store[key].items()
+        }
+
+
+class WritingConsumerScheduler(InMemoryScheduler):
+    """Saves finished requests whatever the role, a consumer's included."""
+
+    def request_finished(self, request, block_ids):
+        computed_blocks = min(len(request.block_hashes), request.num_computed_tokens // self.block_size)
+        saves = [
+            (request.request_id, bytes(request.block_hashes[index]), block_ids[index])
+            for index in range(computed_blocks)
+            if self.connector.key(request.block_hashes[index]) not in self.connector.store
+        ]
+        self._saves.extend(saves)
+        return bool(saves)
+
+
+class WritingConsumerConnector(InMemoryKVConnector):
+    """example_memory whose consumers write the store they should only read."""
+
+    def scheduler_side(self):
+        return WritingConsumerScheduler(self)

@@ -32,3 +32,17 @@ class WrongFieldBuilder(PassthroughMetadataBuilder):
         seq_lens = common.seq_lens_cpu.tolist()
         key_lens = [seq if seq - done > 1 else done for seq, done in zip(seq_lens, computed, strict=True)]
         return KeyLengthMetadata(common, key_lens)
+
+
+@dataclass
+class RenamedMetadata:
+    """The common metadata under another name: no backend but its author's own can find it."""
+
+    base: CommonAttentionMetadata
+
+
+class NoCommonBuilder(PassthroughMetadataBuilder):
+    """Named by no backend; its result carries the common metadata as ``.base``, not as ``.common``."""
+
+    def build(self, common):
+        return RenamedMetadata(super().build(common))

@@ -82,6 +82,8 @@ class ExampleDenseImpl(AttentionImpl):
 class ExampleDenseBackend(AttentionBackend):
     """Dense causal attention per request over the gathered paged blocks; simple, correct and slow."""
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = ExampleDenseOptions
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         devices=("cpu", "cuda"),

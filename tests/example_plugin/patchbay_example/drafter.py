@@ -25,6 +25,8 @@ class RepeatOptions(BaseModel):
 class RepeatLastTokenDrafter(Drafter):
     """Drafts the last token repeated num_speculative_tokens times; needs token ids only."""
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = RepeatOptions
     capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities(devices=("cpu", "cuda"))
 

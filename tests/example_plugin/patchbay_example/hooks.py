@@ -55,3 +55,12 @@ def register_kv_connectors(register):
         "patchbay_example.kv_connector:InMemoryKVConnector",
         description="keeps prompt KV blocks in an in-process dict keyed by block hash (example plugin)",
     )
+
+
+@hookimpl
+def register_structured_output_backends(register):
+    register(
+        "example_choice",
+        "patchbay_example.structured_output:ExampleChoiceBackend",
+        description="choice constraints matched on the exact bytes of tokens, in pure Python (example plugin)",
+    )

@@ -60,6 +60,8 @@ class InMemoryOptions(BaseModel):
 class InMemoryKVConnector(KVConnector):
     """Keeps finished prompts' KV blocks in an in-process dict and loads them for matching prefixes."""
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = InMemoryOptions
     capabilities: ClassVar[KVConnectorCapabilities] = KVConnectorCapabilities(
         devices=("cpu", "cuda"),

@@ -21,6 +21,8 @@ class PassthroughOptions(BaseModel):
 class PassthroughMetadataBuilder(AttentionMetadataBuilder):
     """Returns the runner's CommonAttentionMetadata as is, for backends that read it directly."""
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = PassthroughOptions
     capabilities: ClassVar[Capabilities] = Capabilities(devices=("cpu", "cuda"))
 

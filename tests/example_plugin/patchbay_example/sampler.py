@@ -29,6 +29,8 @@ class ArgmaxOptions(BaseModel):
 class ArgmaxSampler(Sampler):
     """Takes the most likely token of every row; greedy only, no logprobs, no sampling parameters."""
 
+    contract_version = "1.1"
+
     Options: ClassVar[type[BaseModel]] = ArgmaxOptions
     capabilities: ClassVar[SamplerCapabilities] = SamplerCapabilities(
         devices=("cpu", "cuda"),
@@ -46,6 +48,8 @@ class ArgmaxSampler(Sampler):
 
 class ArgmaxVerifier(RejectionSampler):
     """Greedy verification: accepts drafts while they equal the target's argmax, then adds the target's token."""
+
+    contract_version = "1.1"
 
     capabilities: ClassVar[SamplerCapabilities] = SamplerCapabilities(
         role="verify",

@@ -1,0 +1,1 @@
+"""A plugin package built against sampler contract 1.0 (the contract before versioning)."""
