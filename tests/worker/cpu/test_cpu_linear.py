@@ -107,9 +107,9 @@ def test_steps_of_few_tokens_run_on_one_thread_and_the_threads_come_back(tiny_ll
     forward = model.hidden_states
     seen: list[tuple[int, int]] = []
 
-    def recording(input_ids, positions):
+    def recording(input_ids, positions, inputs_embeds=None):
         seen.append((input_ids.shape[0], torch.get_num_threads()))
-        return forward(input_ids, positions)
+        return forward(input_ids, positions, inputs_embeds)
 
     model.hidden_states = recording
     llm.generate([list(range(20, 53)), [5, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
