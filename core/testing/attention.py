@@ -639,7 +639,7 @@ class KitReferenceReaderImpl(AttentionImpl):
     def __init__(self, layer: AttentionLayerSpec) -> None:
         self.layer = layer
 
-    def forward(self, query, key, value, kv_cache, metadata):  # type: ignore[no-untyped-def]
+    def forward(self, query, key, value, kv_cache, metadata):
         import torch
 
         common = metadata if isinstance(metadata, CommonAttentionMetadata) else getattr(metadata, "common", None)

@@ -176,7 +176,7 @@ class EagleDrafter(Drafter):
         """A fresh cache of ``num_blocks`` real blocks and the current scratch ones (nothing is cached yet)."""
         if self.draft_model is None:
             raise RuntimeError(f"{self.weights_kind} drafter resized before load()")
-        self.kv_cache = None  # type: ignore[assignment] - nothing to keep: no step ran
+        del self.kv_cache  # nothing to keep (no step ran): free it before the new one is allocated
         self.num_real_blocks = num_blocks
         self.kv_cache = self._allocate_cache(self.num_scratch_blocks)
 
