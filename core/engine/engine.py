@@ -484,7 +484,7 @@ class Engine:
             self.scheduler.finish_requests([sequence_id], "stop", stop)
         finished = self.output_processor.finish(applied.finished_ids)
         if self.runner.images is not None and not self.scheduler.has_unfinished_requests():
-            # Idle: drop the encoder outputs the last step released now, not at a next step that may not come.
+            # Idle: drop the encoder outputs the last step dropped (a failed request's) now, not at a next step.
             self.runner.images.cache.free(self.scheduler.encoder_cache.take_freed())
         self._engine_timings["finish"] += time.perf_counter() - ran
         self._check_liveness(scheduler_output.is_empty and not finished)
