@@ -329,3 +329,20 @@ def test_the_async_engine_takes_images(tiny_llava: Path) -> None:
             await llm.shutdown()
 
     assert asyncio.run(scenario()) == expected(tiny_llava, [prompt])[0]
+
+
+def test_processed_images_are_taken_as_they_are_and_only_for_their_prompt(tiny_llava: Path) -> None:
+    llm = make_llm(tiny_llava)
+    engine = llm.engine
+    prompt = image_prompt("llava", "Processed {} once", [WIDE])
+    text, token_ids = llm.encode(prompt)
+    processed = engine.process_images("p", token_ids, prompt["multi_modal_data"])
+    assert processed.num_prompt_tokens > len(token_ids)
+    with pytest.raises(MultiModalInputError, match="'other'.*made for another prompt"):
+        engine.add_request(token_ids[1:], GREEDY, request_id="other", multi_modal_data=processed)
+    engine.add_request(token_ids, GREEDY, prompt=text, request_id="p", multi_modal_data=processed)
+    assert engine.scheduler.requests["p"].num_prompt_tokens == processed.num_prompt_tokens
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert outputs[0].completions[0].token_ids == expected(tiny_llava, [prompt])[0]

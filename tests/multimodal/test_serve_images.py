@@ -135,6 +135,24 @@ def test_an_image_url_part_gives_transformers_greedy_tokens_and_counts_image_tok
     assert response.usage.completion_tokens == NUM_TOKENS
 
 
+def test_the_image_processor_runs_once_per_image_of_a_request(server, client, tiny_qwen2_vl, monkeypatch):
+    """The server processes the images to count their tokens before admission; the engine takes that result."""
+    image_inputs = server.llm.engine.image_inputs
+    calls = []
+    real_processor = image_inputs.processor
+
+    def counting_processor(*args, **kwargs):
+        calls.append(1)
+        return real_processor(*args, **kwargs)
+
+    monkeypatch.setattr(image_inputs, "processor", counting_processor)
+    expected, prompt_tokens = reference(tiny_qwen2_vl, [IMAGE, OTHER_IMAGE])
+    response = ask(client, [user_message(IMAGE, OTHER_IMAGE)])
+    assert len(calls) == 2  # one call per image: before, the engine ran them again after the server
+    assert [entry.token for entry in response.choices[0].logprobs.content] == expected
+    assert response.usage.prompt_tokens == prompt_tokens
+
+
 def test_two_images_in_one_message_and_the_same_text_with_another_image(server, client, tiny_qwen2_vl):
     expected, prompt_tokens = reference(tiny_qwen2_vl, [IMAGE, OTHER_IMAGE])
     response = ask(client, [user_message(IMAGE, OTHER_IMAGE)])
