@@ -256,15 +256,20 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
 
 
 def _render_with_images(
-    state: ServerState, messages: list[dict[str, Any]], tools: Any, image_parts: list[ImagePart]
+    state: ServerState,
+    messages: list[dict[str, Any]],
+    tools: Any,
+    image_parts: list[ImagePart],
+    field: str = "messages",
 ) -> tuple[str, list[int], ProcessedImages | None]:
     """The prompt's text and token ids (image markers not yet expanded) and its images decoded and processed
-    (``None`` without images): the engine takes them as they are, so the image processor runs once."""
-    images = load_chat_images(image_parts, state.settings.multimodal) if image_parts else []
+    (``None`` without images): the engine takes them as they are, so the image processor runs once.
+    ``field`` is the request field errors about the prompt as a whole name (``messages``, ``input``)."""
+    images = load_chat_images(image_parts, state.settings.multimodal, field) if image_parts else []
     text, token_ids = render_chat(state.llm.tokenizer, messages, tools=tools, template=state.chat.template)
     if not images:
         return text, token_ids, None
-    return text, token_ids, process_prompt_images(state, "messages", token_ids, images)
+    return text, token_ids, process_prompt_images(state, field, token_ids, images)
 
 
 def process_prompt_images(state: ServerState, field: str, token_ids: list[int], images: list[Any]) -> ProcessedImages:
