@@ -337,10 +337,10 @@ def test_an_image_being_decoded_does_not_stall_health(server, monkeypatch):
     decoding, release = threading.Event(), threading.Event()
     real_load = app_module.load_chat_images
 
-    def slow_load(images, limits):
+    def slow_load(images, limits, *field):
         decoding.set()
         release.wait(30)  # stands for a large image's decoding
-        return real_load(images, limits)
+        return real_load(images, limits, *field)
 
     monkeypatch.setattr(app_module, "load_chat_images", slow_load)
     body = {"messages": [user_message(IMAGE)], "max_tokens": 2}
