@@ -401,8 +401,15 @@ def test_the_responses_api_takes_input_image_parts(server, client, tiny_qwen2_vl
 
 RESPONSES_BAD_REQUESTS = [
     (
-        [{"role": "user", "content": [{"type": "input_text", "text": "x"},
-                                      {"type": "input_image", "image_url": data_url(_truncated_png())}]}],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "x"},
+                    {"type": "input_image", "image_url": data_url(_truncated_png())},
+                ],
+            }
+        ],
         "input.0.content.1.image_url",
         "corrupt or truncated PNG image",
     ),
@@ -433,7 +440,5 @@ def test_a_bad_input_image_is_a_400_naming_the_part(server, items, param, messag
 
 def test_a_text_only_model_refuses_input_image_parts(tiny_llama):
     with running_server(settings_for(tiny_llama)) as text_only:
-        response = httpx.post(
-            f"{text_only.url}/v1/responses", json={"input": [input_image_message(IMAGE)]}, timeout=60
-        )
+        response = httpx.post(f"{text_only.url}/v1/responses", json={"input": [input_image_message(IMAGE)]}, timeout=60)
         assert_openai_error(response, "input.0.content.0", "is a text-only model")

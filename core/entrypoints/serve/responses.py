@@ -5,10 +5,11 @@ A request becomes a chat conversation: ``instructions`` a system message,
 items) the messages after the stored conversation ``previous_response_id``
 names.  A message's ``input_image`` parts (``image_url`` a ``data:`` URL) are
 images for a vision-language model, placed by the chat template as chat
-completions' ``image_url`` parts are; errors name the ``input`` part.  Tools, tool choice and answer reading are chat.py's
-(:func:`plan_tools`, :class:`AnswerReader`); ``text.format`` is the run's
-structured output.  The answer comes back as output items (``message``,
-``function_call``, ``reasoning``), whole or as the API's stream events.
+completions' ``image_url`` parts are; errors name the ``input`` part.  Tools,
+tool choice and answer reading are chat.py's (:func:`plan_tools`,
+:class:`AnswerReader`); ``text.format`` is the run's structured output.  The
+answer comes back as output items (``message``, ``function_call``,
+``reasoning``), whole or as the API's stream events.
 
 Answers are kept for ``previous_response_id`` in a bounded in-memory store
 (``server.stored_responses``, least recently used dropped first) unless the
