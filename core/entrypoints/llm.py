@@ -9,9 +9,8 @@ from typing import Any
 
 from patchbay.contract.registry import Registry, registry_for
 from patchbay.contract.settings import DEFAULT_MODEL, Settings, load_settings
-from patchbay.engine import Engine, Prompt, RequestOutput, encode_prompt
+from patchbay.engine import Engine, ProcessedImages, Prompt, RequestOutput, encode_prompt
 from patchbay.engine import check_num_sequences
-from patchbay.engine.multimodal_inputs import ProcessedImages
 from patchbay.entrypoints.chat import (
     AnswerReader,
     ChatAnswer,

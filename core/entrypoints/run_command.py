@@ -15,8 +15,7 @@ from pydantic import ValidationError
 
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings
 from patchbay.engine import EngineDeadError, RequestOutput
-from patchbay.engine import check_num_sequences
-from patchbay.engine.multimodal_inputs import MultiModalInputError, ProcessedImages
+from patchbay.engine import MultiModalInputError, ProcessedImages, check_num_sequences
 from patchbay.entrypoints.result_file import ResultFile, ResultsNotWritten, check_output_path
 from patchbay.multimodal.images import ImageInputError
 from patchbay.sampling_params import SamplingParams

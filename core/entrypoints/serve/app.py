@@ -24,8 +24,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from patchbay.contract.registry import registry_for
 from patchbay.contract.settings import DEFAULT_MODEL, Settings
-from patchbay.engine import AsyncLLM, EngineDeadError, MultiModalInputError, RequestDelta, RequestOutput
-from patchbay.engine.multimodal_inputs import ProcessedImages
+from patchbay.engine import (
+    AsyncLLM,
+    EngineDeadError,
+    MultiModalInputError,
+    ProcessedImages,
+    RequestDelta,
+    RequestOutput,
+)
 from patchbay.entrypoints.chat import (
     AnswerReader,
     AnswerStream,
