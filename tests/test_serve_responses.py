@@ -194,10 +194,11 @@ BROKEN = {"type": "function", "name": "broken", "parameters": {"type": "nonsense
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "3"}]}, "input.0.call_id"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input.0.arguments"),
-        (
+        (  # this model takes text only
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input.0.content.0.type",
+            "input.0.content.0",
         ),
+        ({"input": [{"role": "user", "content": [{"type": "input_audio", "data": "x"}]}]}, "input.0.content.0.type"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"tools": [SET_UNIT], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "tool_choice"),
         ({"temperature": "hot"}, "temperature"),

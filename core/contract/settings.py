@@ -225,8 +225,9 @@ class SchedulerSettings(Section):
     it, the chunk stops before the image. A request with an image larger than this is refused."""
     encoder_cache_size: PositiveInt = 8192
     """Capacity of the encoder cache, in placeholder tokens: encoded images stay there, shared by identical
-    images, until their requests computed their placeholders. A chunk whose image does not fit stops before it;
-    a larger image is refused. ``cache.memory: auto`` reserves it full (docs/design/multimodal.md)."""
+    images; once no request needs one it stays until a new image needs its room (least recently released
+    first). A chunk whose image does not fit stops before it; a larger image is refused. ``cache.memory: auto``
+    reserves it full (docs/design/multimodal.md)."""
 
 
 class AttentionSettings(Section):

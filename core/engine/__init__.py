@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from patchbay.engine.builder import measure_machine_defaults
     from patchbay.engine.detokenizer import IncrementalDetokenizer, StreamingText
     from patchbay.engine.engine import Engine, KVConnectorStalledError
-    from patchbay.engine.multimodal_inputs import MultiModalInputError
+    from patchbay.engine.multimodal_inputs import MultiModalInputError, ProcessedImages
     from patchbay.engine.outputs import Completion, RequestMetrics, RequestOutput
     from patchbay.engine.prompts import Prompt, encode_prompt
     from patchbay.engine.ranks import run_launched_rank
@@ -41,6 +41,7 @@ __all__ = [
     "LoRAAdapterError",
     "ModelLoadError",
     "MultiModalInputError",
+    "ProcessedImages",
     "Prompt",
     "RequestDelta",
     "RequestMetrics",
@@ -60,6 +61,7 @@ _MODULE_OF = {
     "EngineStats": "patchbay.engine.report",
     "ModelLoadError": "patchbay.worker.model.model_loader",
     "MultiModalInputError": "patchbay.engine.multimodal_inputs",
+    "ProcessedImages": "patchbay.engine.multimodal_inputs",
     "measure_machine_defaults": "patchbay.engine.builder",
     "AsyncLLM": _ASYNC,
     "ChoiceDelta": _ASYNC,

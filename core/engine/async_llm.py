@@ -29,6 +29,7 @@ from typing import Any
 from patchbay.contract.registry import Registry, registry_for
 from patchbay.contract.settings import Settings, load_settings
 from patchbay.engine.engine import Engine
+from patchbay.engine.multimodal_inputs import ProcessedImages
 from patchbay.engine.detokenizer import StreamingText
 from patchbay.engine.outputs import RequestOutput
 from patchbay.engine.prompts import Prompt, encode_prompt
@@ -153,11 +154,12 @@ class AsyncLLM:
         *,
         prompt: str | None = None,
         request_id: str | None = None,
-        multi_modal_data: dict[str, Any] | None = None,
+        multi_modal_data: dict[str, Any] | ProcessedImages | None = None,
     ) -> RequestStream:
         """Queue a request; returns its stream of deltas.  Invalid requests raise ``ValueError``
         (from :meth:`Engine.add_request`, naming the request).  ``multi_modal_data`` carries the prompt's
-        images (``{"image": [PIL images]}``), as :meth:`Engine.add_request` takes them."""
+        images (``{"image": [PIL images]}``, or :meth:`Engine.process_images`'s result), as
+        :meth:`Engine.add_request` takes them."""
         request_id = request_id or uuid.uuid4().hex
         n = sampling_params.n
         stream = _Stream(
@@ -179,7 +181,7 @@ class AsyncLLM:
         *,
         prompt: str | None = None,
         request_id: str | None = None,
-        multi_modal_data: dict[str, Any] | None = None,
+        multi_modal_data: dict[str, Any] | ProcessedImages | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Add a request and yield its deltas until the last one (whose ``output`` is the finished request).
 
@@ -251,7 +253,7 @@ class AsyncLLM:
         params: SamplingParams,
         prompt: str | None,
         stream: _Stream,
-        multi_modal_data: dict[str, Any] | None = None,
+        multi_modal_data: dict[str, Any] | ProcessedImages | None = None,
     ) -> None:
         self.engine.add_request(
             prompt_token_ids, params, prompt=prompt, request_id=request_id, multi_modal_data=multi_modal_data

@@ -28,7 +28,7 @@ from patchbay.contract.registry import PluginError, Registry, registry_for
 from patchbay.contract.settings import Settings
 from patchbay.engine.admission import check_request
 from patchbay.engine.builder import build_engine_parts, pipeline_depth
-from patchbay.engine.multimodal_inputs import ImageInputs, MultiModalInputError, request_images
+from patchbay.engine.multimodal_inputs import ImageInputs, MultiModalInputError, ProcessedImages, request_images
 from patchbay.engine.output_processor import OutputProcessor
 from patchbay.engine.outputs import RequestOutput
 from patchbay.engine.ranks import parallel_settings
@@ -145,7 +145,7 @@ class Engine:
         *,
         prompt: str | None = None,
         request_id: str | None = None,
-        multi_modal_data: dict[str, Any] | None = None,
+        multi_modal_data: dict[str, Any] | ProcessedImages | None = None,
     ) -> str:
         """Queue a request; returns its id.  Invalid requests raise ``ValueError`` naming the request.
 
@@ -154,7 +154,9 @@ class Engine:
         ``n`` completions.  ``multi_modal_data`` (``{"image": image or [images]}``)
         gives a vision-language model the images of the prompt's image markers
         (:mod:`patchbay.engine.multimodal_inputs`); bad images raise
-        :class:`MultiModalInputError`.
+        :class:`MultiModalInputError`.  It may instead be what :meth:`process_images`
+        made of those images for these ``prompt_token_ids``: the image processor
+        then does not run again.
         """
         self._require_alive()
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -182,18 +184,41 @@ class Engine:
             )
         return request_id
 
-    def _expand_images(
+    def process_images(
         self, request_id: str, prompt_token_ids: list[int], multi_modal_data: dict[str, Any]
-    ) -> tuple[list[int], list[ImageFeature]]:
-        """The prompt with its image markers expanded to placeholders, and its images' features."""
+    ) -> ProcessedImages:
+        """Run the image processor on a prompt's images (``{"image": image or [images]}``) and expand its markers.
+
+        Thread-safe (it touches no engine state): a front end may call it off the engine's thread, read the
+        expanded length, and pass the result to :meth:`add_request` as ``multi_modal_data``.  Bad images raise
+        :class:`MultiModalInputError` naming ``request_id``.
+        """
         images = request_images(request_id, multi_modal_data)
         if not images:
-            return prompt_token_ids, []
+            return ProcessedImages(tuple(prompt_token_ids), list(prompt_token_ids), [])
         if self.image_inputs is None:
             raise MultiModalInputError(
                 f"request {request_id!r} has images, but this model ({self.model.shape.architecture}) takes text only"
             )
-        return self.image_inputs.process(request_id, prompt_token_ids, images)
+        token_ids, features = self.image_inputs.process(request_id, prompt_token_ids, images)
+        return ProcessedImages(tuple(prompt_token_ids), token_ids, features)
+
+    def _expand_images(
+        self, request_id: str, prompt_token_ids: list[int], multi_modal_data: dict[str, Any] | ProcessedImages
+    ) -> tuple[list[int], list[ImageFeature]]:
+        """The prompt with its image markers expanded to placeholders, and its images' features."""
+        if not isinstance(multi_modal_data, ProcessedImages):
+            multi_modal_data = self.process_images(request_id, prompt_token_ids, multi_modal_data)
+        elif multi_modal_data.source_token_ids != tuple(prompt_token_ids):
+            raise MultiModalInputError(
+                f"request {request_id!r}: its processed images were made for another prompt "
+                f"({len(multi_modal_data.source_token_ids)} tokens, not these {len(prompt_token_ids)})"
+            )
+        elif multi_modal_data.features and self.image_inputs is None:
+            raise MultiModalInputError(
+                f"request {request_id!r} has images, but this model ({self.model.shape.architecture}) takes text only"
+            )
+        return list(multi_modal_data.token_ids), list(multi_modal_data.features)
 
     def _complete_params(self, params: SamplingParams) -> SamplingParams:
         """Fill what the engine knows and the request cannot: extra EOS ids, bad words as token ids."""
@@ -484,7 +509,7 @@ class Engine:
             self.scheduler.finish_requests([sequence_id], "stop", stop)
         finished = self.output_processor.finish(applied.finished_ids)
         if self.runner.images is not None and not self.scheduler.has_unfinished_requests():
-            # Idle: drop the encoder outputs the last step released now, not at a next step that may not come.
+            # Idle: drop the encoder outputs the last step dropped (a failed request's) now, not at a next step.
             self.runner.images.cache.free(self.scheduler.encoder_cache.take_freed())
         self._engine_timings["finish"] += time.perf_counter() - ran
         self._check_liveness(scheduler_output.is_empty and not finished)

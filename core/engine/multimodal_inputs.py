@@ -7,12 +7,16 @@ as the model's chat template writes them).  :func:`request_images` is the one
 place images enter the engine; :class:`ImageInputs` runs the model's Hugging
 Face image processor on each image and repeats its marker as many times as
 the encoder yields rows, the expansion the model's own processor does on the
-text, done here on the token ids.
+text, done here on the token ids.  A front end that needs the expanded
+length before admitting a request (the server counts image tokens against the
+context) processes the images once with :meth:`patchbay.engine.Engine.process_images`
+and hands the engine the :class:`ProcessedImages` in place of the raw images.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,27 @@ class MultiModalInputError(ValueError):
 
     The message names the request; the server answers it with 400.
     """
+
+
+@dataclass(frozen=True)
+class ProcessedImages:
+    """A prompt's images after the image processor: what ``multi_modal_data`` may carry so it runs once.
+
+    Made by :meth:`patchbay.engine.Engine.process_images` from the prompt's token ids; the engine takes it
+    only with those same token ids.
+    """
+
+    source_token_ids: tuple[int, ...]
+    """The prompt's token ids it was made from (one marker per image)."""
+    token_ids: list[int]
+    """The prompt with each marker expanded to its image's placeholder tokens: what the engine runs."""
+    features: list[ImageFeature]
+    """Each image's placeholder range, content hash and processor tensors, in prompt order."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The expanded prompt's length (what the context and ``usage`` count)."""
+        return len(self.token_ids)
 
 
 def request_images(request_id: str, multi_modal_data: Any) -> list[Any]:

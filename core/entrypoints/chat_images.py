@@ -87,12 +87,12 @@ def refuse_images_for_text_model(images: Sequence[ImagePart], model: str) -> Non
         raise ChatRequestError(first, f"{model} is a text-only model; it takes no image parts")
 
 
-def load_chat_images(images: Sequence[ImagePart], limits: MultimodalSettings) -> list[Any]:
-    """Each image decoded (RGB ``PIL.Image.Image``), the count checked first; raises
-    :class:`patchbay.multimodal.images.ImageInputError` naming the part at fault."""
+def load_chat_images(images: Sequence[ImagePart], limits: MultimodalSettings, field: str = "messages") -> list[Any]:
+    """Each image decoded (RGB ``PIL.Image.Image``), the count checked first (too many: an error naming
+    ``field``); raises :class:`patchbay.multimodal.images.ImageInputError` naming the part at fault."""
     from patchbay.multimodal.images import check_image_count, load_image, load_image_url
 
-    check_image_count(len(images), limits, "messages")
+    check_image_count(len(images), limits, field)
     return [
         load_image_url(image.source, limits=limits, where=image.where)
         if image.is_url

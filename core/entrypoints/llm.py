@@ -9,7 +9,7 @@ from typing import Any
 
 from patchbay.contract.registry import Registry, registry_for
 from patchbay.contract.settings import DEFAULT_MODEL, Settings, load_settings
-from patchbay.engine import Engine, Prompt, RequestOutput, encode_prompt
+from patchbay.engine import Engine, ProcessedImages, Prompt, RequestOutput, encode_prompt
 from patchbay.engine import check_num_sequences
 from patchbay.entrypoints.chat import (
     AnswerReader,
@@ -133,6 +133,8 @@ class LLM:
         """``prompt`` with each image of its ``multi_modal_data`` decoded and checked (``multimodal:`` limits)."""
         if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
             return prompt
+        if isinstance(prompt["multi_modal_data"], ProcessedImages):
+            return prompt  # decoded and processed already (Engine.process_images)
         from patchbay.multimodal.images import load_multi_modal_data
 
         data = load_multi_modal_data(

@@ -15,14 +15,15 @@ from pydantic import ValidationError
 
 from patchbay.contract.settings import ConfigError, ConfigProblem, Settings
 from patchbay.engine import EngineDeadError, RequestOutput
-from patchbay.engine import check_num_sequences
+from patchbay.engine import MultiModalInputError, ProcessedImages, check_num_sequences
 from patchbay.entrypoints.result_file import ResultFile, ResultsNotWritten, check_output_path
+from patchbay.multimodal.images import ImageInputError
 from patchbay.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from patchbay.engine import Engine
 
-_REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids"}
+_REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids", "multi_modal_data"}
 
 
 class JobRequest(NamedTuple):
@@ -93,6 +94,19 @@ def _parse_item(item: Any, where: str, default_id: str, settings: Settings) -> t
             )
         (key,) = given
         prompt = {key: item[key]}
+        if "multi_modal_data" in item:
+            if key == "messages":
+                raise ConfigError(
+                    [
+                        ConfigProblem(
+                            where,
+                            "multi_modal_data",
+                            "goes with 'prompt' or 'prompt_token_ids' (one image marker per image); "
+                            "'messages' carry their images as image_url or image parts",
+                        )
+                    ]
+                )
+            prompt["multi_modal_data"] = item["multi_modal_data"]
         overrides = {k: v for k, v in item.items() if k not in _REQUEST_KEYS}
         request_id = item.get("id", default_id)
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
@@ -208,25 +222,76 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Engine) -> s
     return "\n".join(lines)
 
 
-def check_requests(llm: Any, requests: list[JobRequest]) -> list[tuple[str | None, list[int]]]:
-    """Every request encoded and checked against the loaded model; errors name the file and line at fault."""
+class EncodedRequest(NamedTuple):
+    """A checked request as the engine takes it: text, token ids, and its images processed (``None``: none)."""
+
+    text: str | None
+    token_ids: list[int]
+    images: ProcessedImages | None
+
+
+def check_requests(llm: Any, requests: list[JobRequest]) -> list[EncodedRequest]:
+    """Every request encoded, its images loaded and processed, and checked against the loaded model; errors
+    name the file and line at fault (and the image part: ``requests.jsonl:3: multi_modal_data.image[1]``)."""
     encoded = []
     problems = []
     for request in requests:
         try:
             try:
-                text, token_ids = llm.encode(request.prompt)
+                text, token_ids, images = _encode_with_images(llm, request)
+            except ImageInputError as exc:
+                message = str(exc).removeprefix(f"{exc.where}: ")
+                problems.append(ConfigProblem(request.where, exc.where, f"request {request.request_id!r}: {message}"))
+                continue
+            except MultiModalInputError:
+                raise  # it names the request already
             except ValueError as exc:
                 raise ValueError(f"request {request.request_id!r}: {exc}") from None
             check_num_sequences(request.request_id, request.params, llm.settings.scheduler.max_n)
-            llm.engine.check_request(request.request_id, token_ids, request.params)
+            engine_ids = images.token_ids if images is not None else token_ids
+            llm.engine.check_request(request.request_id, engine_ids, request.params)
         except ValueError as exc:
             problems.append(ConfigProblem(request.where, "<request>", str(exc)))
             continue
-        encoded.append((text, token_ids))
+        encoded.append(EncodedRequest(text, token_ids, images))
     if problems:
         raise ConfigError(problems)
     return encoded
+
+
+def _encode_with_images(llm: Any, request: JobRequest) -> tuple[str | None, list[int], ProcessedImages | None]:
+    """A request's text and token ids, and its images (``multi_modal_data``, or image parts of ``messages``)
+    decoded under the ``multimodal:`` limits and processed once."""
+    from patchbay.entrypoints.chat import render_chat, template_messages
+    from patchbay.entrypoints.chat_images import load_chat_images, refuse_images_for_text_model, split_image_parts
+    from patchbay.multimodal.images import load_multi_modal_data
+
+    prompt = request.prompt
+    limits = llm.settings.multimodal
+    engine = llm.engine
+    data = None
+    if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+        data = load_multi_modal_data(prompt["multi_modal_data"], limits=limits, where="multi_modal_data")
+        text, token_ids = llm.encode({key: value for key, value in prompt.items() if key != "multi_modal_data"})
+    elif isinstance(prompt, dict) and _has_content_parts(prompt.get("messages")):
+        messages, parts = split_image_parts(template_messages(prompt["messages"]))
+        if parts and engine.image_inputs is None:
+            refuse_images_for_text_model(parts, Path(str(engine.model_dir)).name)
+        text, token_ids = render_chat(llm.tokenizer, messages, tools=None, template=None)
+        if parts:
+            data = {"image": load_chat_images(parts, limits)}
+    else:
+        text, token_ids = llm.encode(prompt)
+    if data is None or not data["image"]:
+        return text, token_ids, None
+    return text, token_ids, engine.process_images(request.request_id, token_ids, data)
+
+
+def _has_content_parts(messages: Any) -> bool:
+    """Whether ``messages`` is a list with a message whose content is a list of parts (maybe images)."""
+    return isinstance(messages, list) and any(
+        isinstance(message, dict) and isinstance(message.get("content"), list) for message in messages
+    )
 
 
 class _Terminated(KeyboardInterrupt):
@@ -277,7 +342,11 @@ def run_from_settings(settings: Settings, *, config_path: str | None = None, str
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated) if own_sigterm else None
     error: str | None = None
     try:
-        prompts = [{"prompt_token_ids": token_ids, "prompt": text} for text, token_ids in encoded]
+        prompts = [
+            {"prompt_token_ids": request.token_ids, "prompt": request.text}
+            | ({"multi_modal_data": request.images} if request.images is not None else {})
+            for request in encoded
+        ]
         outputs = llm.generate(
             prompts, [r.params for r in requests], request_ids=[r.request_id for r in requests], on_finished=finished
         )

@@ -609,14 +609,20 @@ class Scheduler:
         cache = self.encoder_cache
         plan: list[tuple[int, bool]] = []
         planned: set[str] = set()
-        budget, room = encoder_budget, cache.num_free_tokens
+        budget, room = encoder_budget, cache.num_reclaimable_tokens
         for index, feature in enumerate(request.mm_features):
             if feature.offset >= start + num_new:
                 break
             if feature.end <= start or cache.uses(request.request_id, index, feature):
                 continue  # its placeholders are computed already, or its output is held
-            if cache.is_cached(feature) or feature.content_hash in planned:
+            if feature.content_hash in planned:
                 plan.append((index, True))
+                continue
+            if cache.is_cached(feature):
+                plan.append((index, True))
+                planned.add(feature.content_hash)
+                if cache.is_released(feature):
+                    room -= feature.length  # taken back: no longer room a new image may evict
                 continue
             if feature.length > budget or feature.length > room:
                 return max(0, feature.offset - start), plan
@@ -629,12 +635,22 @@ class Scheduler:
     def _commit_encoder_inputs(
         self, request: Request, plan: list[tuple[int, bool]], encoder_inputs: dict[str, list[int]]
     ) -> int:
-        """Record a scheduled chunk's images (:meth:`_plan_encoder_inputs`); returns the encoder budget spent."""
+        """Record a scheduled chunk's images (:meth:`_plan_encoder_inputs`); returns the encoder budget spent.
+
+        The cached images are taken first, so the new ones' room never evicts them.  A request preempted in
+        between (to make KV room for this one) only released its images: they stay cached, so a planned hit
+        is still one and the step encodes nothing its budget did not count.
+        """
         cache = self.encoder_cache
         spent = 0
-        for index, cached in plan:
+        taken_first = [item for item in plan if item[1] and cache.is_cached(request.mm_features[item[0]])]
+        for index, cached in taken_first + [item for item in plan if item not in taken_first]:
             feature = request.mm_features[index]
-            cached = cached and cache.is_cached(feature)
+            if cached and not cache.is_cached(feature):
+                raise RuntimeError(
+                    f"request {request.request_id!r}: image {index} was planned as cached but its encoder output "
+                    "was dropped before the step was committed"
+                )
             cache.use(request.request_id, index, feature)
             if cached:
                 cache.stats.hits += 1
@@ -699,6 +715,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             self.running.remove(request)
+            self.encoder_cache.drop_all(request_id, request.mm_features)  # their encoding may be what failed
             updates.append(self._fail(request, message, report=False))
         return updates
 

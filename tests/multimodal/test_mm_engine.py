@@ -207,20 +207,50 @@ def test_drafts_verified_on_image_requests(family: tuple[str, Path]) -> None:
     )
 
 
-def test_a_loop_of_image_requests_leaves_caches_empty(tiny_qwen2_vl: Path) -> None:
-    llm = make_llm(tiny_qwen2_vl, scheduler__max_num_seqs=8, scheduler__max_num_batched_tokens=24)
-    images = [test_image(32, 32, seed) for seed in range(10)]
-    prompts = [image_prompt("qwen2_vl", f"Image {index}: {{}} ok", [images[index % 10]]) for index in range(100)]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    assert len(outputs) == 100
+def test_the_same_image_in_sequential_requests_is_encoded_once(family: tuple[str, Path]) -> None:
+    name, model_dir = family
+    llm = make_llm(model_dir)
+    prompts = [image_prompt(name, "First look at {} now.", [CAT]), image_prompt(name, "Then {} again?", [CAT])]
+    for prompt in prompts:  # one after the other: the first is done before the second comes
+        assert greedy_tokens(llm, [prompt]) == expected(model_dir, [prompt])
+    stats = llm.engine.scheduler.encoder_cache.stats
+    assert (stats.misses, stats.hits, stats.evictions) == (1, 1, 0)
+    assert llm.engine.runner.images.num_encoded == 1
+
+
+def test_a_soak_of_image_requests_keeps_the_caches_bounded(tiny_qwen2_vl: Path) -> None:
+    """300 requests over 12 images (one 12 tokens, the rest 4) in a 24-token encoder cache: hits, evictions,
+    the KV pool empty at the end, the runner holding exactly the outputs the scheduler counts."""
+    cache_size = 24
+    llm = make_llm(
+        tiny_qwen2_vl,
+        scheduler__max_num_seqs=8,
+        scheduler__max_num_batched_tokens=24,
+        scheduler__encoder_cache_size=cache_size,
+    )
+    images = [test_image(32, 32, seed) for seed in range(11)] + [WIDE]
+    # Mostly a small working set (hits), now and then an image from the rest (evictions).
+    picks = [index % 3 if index % 4 else (index // 4) % 12 for index in range(300)]
+    prompts = [image_prompt("qwen2_vl", f"Image {index}: {{}} ok", [images[pick]]) for index, pick in enumerate(picks)]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    assert len(outputs) == 300
     engine = llm.engine
-    assert engine.scheduler.encoder_cache.num_entries == 0
-    assert len(engine.runner.images.cache) == 0
-    stats = engine.scheduler.encoder_cache.stats
-    assert stats.misses + stats.hits == 100  # every image was encoded or shared, once per request
+    cache = engine.scheduler.encoder_cache
+    assert cache.num_entries_in_use == 0 and 0 < cache.num_cached_tokens <= cache_size
+    assert len(engine.runner.images.cache) == cache.num_entries
+    assert sum(output.shape[0] for output in engine.runner.images.cache.outputs.values()) == cache.num_cached_tokens
+    stats = cache.stats
+    assert stats.misses + stats.hits == 300  # every image was encoded or shared, once per request
+    assert stats.hits > 150 and stats.evictions > 0 and stats.misses == engine.runner.images.num_encoded
     manager = engine.kv_cache_manager
     assert not engine.has_unfinished_requests()
     assert manager.num_free_blocks == manager.num_blocks - 1  # all but the null block
+    for index in (0, 1, 2, 4, 44, 299):  # hits, misses, evicted-then-encoded-again, WIDE: transformers' tokens
+        prompt = prompts[index]
+        assert outputs[index].completions[0].token_ids == reference(
+            tiny_qwen2_vl, prompt["prompt"], tuple(prompt["multi_modal_data"]["image"]), 2
+        )
 
 
 def test_bad_image_requests_fail_alone_naming_the_request(tiny_qwen2_vl: Path, tiny_llama: Path) -> None:
@@ -268,7 +298,8 @@ def test_a_step_failing_for_one_request_replays_image_requests_alone(
     outputs = llm.generate([*prompts, prompts[0]], [GREEDY] * len(prompts) + [bad])
     assert outputs[-1].finish_reason == "error"
     assert [output.completions[0].token_ids for output in outputs[:-1]] == expected(tiny_qwen2_vl, prompts)
-    assert llm.engine.scheduler.encoder_cache.num_entries == 0
+    cache = llm.engine.scheduler.encoder_cache
+    assert cache.num_entries_in_use == 0 and len(llm.engine.runner.images.cache) == cache.num_entries
 
 
 def test_the_encoder_cache_counts_in_automatic_kv_sizing(tiny_qwen2_vl: Path) -> None:
@@ -298,3 +329,20 @@ def test_the_async_engine_takes_images(tiny_llava: Path) -> None:
             await llm.shutdown()
 
     assert asyncio.run(scenario()) == expected(tiny_llava, [prompt])[0]
+
+
+def test_processed_images_are_taken_as_they_are_and_only_for_their_prompt(tiny_llava: Path) -> None:
+    llm = make_llm(tiny_llava)
+    engine = llm.engine
+    prompt = image_prompt("llava", "Processed {} once", [WIDE])
+    text, token_ids = llm.encode(prompt)
+    processed = engine.process_images("p", token_ids, prompt["multi_modal_data"])
+    assert processed.num_prompt_tokens > len(token_ids)
+    with pytest.raises(MultiModalInputError, match="'other'.*made for another prompt"):
+        engine.add_request(token_ids[1:], GREEDY, request_id="other", multi_modal_data=processed)
+    engine.add_request(token_ids, GREEDY, prompt=text, request_id="p", multi_modal_data=processed)
+    assert engine.scheduler.requests["p"].num_prompt_tokens == processed.num_prompt_tokens
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert outputs[0].completions[0].token_ids == expected(tiny_llava, [prompt])[0]

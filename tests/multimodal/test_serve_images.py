@@ -135,6 +135,24 @@ def test_an_image_url_part_gives_transformers_greedy_tokens_and_counts_image_tok
     assert response.usage.completion_tokens == NUM_TOKENS
 
 
+def test_the_image_processor_runs_once_per_image_of_a_request(server, client, tiny_qwen2_vl, monkeypatch):
+    """The server processes the images to count their tokens before admission; the engine takes that result."""
+    image_inputs = server.llm.engine.image_inputs
+    calls = []
+    real_processor = image_inputs.processor
+
+    def counting_processor(*args, **kwargs):
+        calls.append(1)
+        return real_processor(*args, **kwargs)
+
+    monkeypatch.setattr(image_inputs, "processor", counting_processor)
+    expected, prompt_tokens = reference(tiny_qwen2_vl, [IMAGE, OTHER_IMAGE])
+    response = ask(client, [user_message(IMAGE, OTHER_IMAGE)])
+    assert len(calls) == 2  # one call per image: before, the engine ran them again after the server
+    assert [entry.token for entry in response.choices[0].logprobs.content] == expected
+    assert response.usage.prompt_tokens == prompt_tokens
+
+
 def test_two_images_in_one_message_and_the_same_text_with_another_image(server, client, tiny_qwen2_vl):
     expected, prompt_tokens = reference(tiny_qwen2_vl, [IMAGE, OTHER_IMAGE])
     response = ask(client, [user_message(IMAGE, OTHER_IMAGE)])
@@ -319,10 +337,10 @@ def test_an_image_being_decoded_does_not_stall_health(server, monkeypatch):
     decoding, release = threading.Event(), threading.Event()
     real_load = app_module.load_chat_images
 
-    def slow_load(images, limits):
+    def slow_load(images, limits, *field):
         decoding.set()
         release.wait(30)  # stands for a large image's decoding
-        return real_load(images, limits)
+        return real_load(images, limits, *field)
 
     monkeypatch.setattr(app_module, "load_chat_images", slow_load)
     body = {"messages": [user_message(IMAGE)], "max_tokens": 2}
@@ -350,3 +368,77 @@ def test_a_llava_model_answers_image_url_parts_as_transformers_does(tiny_llava):
         assert [entry.token for entry in response.choices[0].logprobs.content] == expected
         assert response.usage.prompt_tokens == prompt_tokens
         llava.wait_until_idle()
+
+
+def input_image_message(*images, text: str = QUESTION) -> dict:
+    """A Responses API user message: ``input_image`` parts (data URLs) then the question."""
+    parts = [{"type": "input_image", "image_url": data_url(png_bytes(image))} for image in images]
+    return {"role": "user", "content": [*parts, {"type": "input_text", "text": text}]}
+
+
+def test_the_responses_api_takes_input_image_parts(server, client, tiny_qwen2_vl):
+    expected, prompt_tokens = reference(tiny_qwen2_vl, [IMAGE, OTHER_IMAGE])
+    response = client.responses.create(
+        model="tiny-vl",
+        input=[input_image_message(IMAGE, OTHER_IMAGE)],
+        max_output_tokens=NUM_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert response.output_text == "".join(expected)
+    assert response.usage.input_tokens == prompt_tokens
+    # A follow-up turn renders the stored conversation, its images included.
+    follow_up = client.responses.create(
+        model="tiny-vl",
+        previous_response_id=response.id,
+        input="And now?",
+        max_output_tokens=2,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert follow_up.usage.input_tokens > prompt_tokens
+
+
+RESPONSES_BAD_REQUESTS = [
+    (
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "x"},
+                    {"type": "input_image", "image_url": data_url(_truncated_png())},
+                ],
+            }
+        ],
+        "input.0.content.1.image_url",
+        "corrupt or truncated PNG image",
+    ),
+    ([input_image_message(IMAGE, IMAGE, IMAGE)], "input", f"3 images; at most {MAX_IMAGES}"),
+    (
+        [{"role": "user", "content": [{"type": "input_image", "file_id": "file-123"}]}],
+        "input.0.content.0.file_id",
+        "uploaded files are not supported",
+    ),
+    (
+        [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/cat.png"}]}],
+        "input.0.content.0.image_url",
+        "remote image URLs are not fetched",
+    ),
+    (
+        [{"role": "user", "content": [{"type": "input_image"}, {"type": "input_file", "file_id": "f"}]}],
+        "input.0.content.0.image_url",
+        "an input_image part needs",
+    ),
+]
+
+
+@pytest.mark.parametrize(("items", "param", "message"), RESPONSES_BAD_REQUESTS)
+def test_a_bad_input_image_is_a_400_naming_the_part(server, items, param, message):
+    response = httpx.post(f"{server.url}/v1/responses", json={"input": items, "max_output_tokens": 2}, timeout=60)
+    assert_openai_error(response, param, message)
+
+
+def test_a_text_only_model_refuses_input_image_parts(tiny_llama):
+    with running_server(settings_for(tiny_llama)) as text_only:
+        response = httpx.post(f"{text_only.url}/v1/responses", json={"input": [input_image_message(IMAGE)]}, timeout=60)
+        assert_openai_error(response, "input.0.content.0", "is a text-only model")

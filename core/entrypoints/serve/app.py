@@ -24,7 +24,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from patchbay.contract.registry import registry_for
 from patchbay.contract.settings import DEFAULT_MODEL, Settings
-from patchbay.engine import AsyncLLM, EngineDeadError, MultiModalInputError, RequestDelta, RequestOutput
+from patchbay.engine import (
+    AsyncLLM,
+    EngineDeadError,
+    MultiModalInputError,
+    ProcessedImages,
+    RequestDelta,
+    RequestOutput,
+)
 from patchbay.entrypoints.chat import (
     AnswerReader,
     AnswerStream,
@@ -91,8 +98,8 @@ class _Prepared:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
-    multi_modal_data: dict[str, Any] | None = None
-    """The prompt's images (``{"image": [PIL images]}``), decoded; the engine expands their markers."""
+    multi_modal_data: ProcessedImages | None = None
+    """The prompt's images, decoded and processed (markers expanded) once, before admission."""
 
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -232,7 +239,7 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
             if image_parts and llm.engine.image_inputs is None:
                 refuse_images_for_text_model(image_parts, model_name)
             # Rendering and image decoding run off the event loop: a large image must not stall other clients.
-            text, token_ids, images, num_prompt_tokens = await asyncio.to_thread(
+            text, token_ids, processed = await asyncio.to_thread(
                 _render_with_images, state, messages, body.tools, image_parts
             )
             fields = {**body.sampling_fields(), "lora": adapter}
@@ -241,9 +248,9 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
             raise APIError(400, str(exc), param=exc.param) from None
         except ImageInputError as exc:
             raise APIError(400, str(exc), param=exc.where) from None
+        num_prompt_tokens = processed.num_prompt_tokens if processed is not None else None
         prepared = [_prepare(state, text, token_ids, fields, body.output_limit(), "messages", num_prompt_tokens)]
-        if images:
-            prepared[0].multi_modal_data = {"image": images}
+        prepared[0].multi_modal_data = processed
         reader = AnswerReader(plan, tool_parser, reasoning_parser)
         return await _respond(state, request, body.stream, body.stream_options, prepared, ChatFormat(state, reader))
 
@@ -255,22 +262,30 @@ def build_app(llm: AsyncLLM, settings: Settings) -> FastAPI:
 
 
 def _render_with_images(
-    state: ServerState, messages: list[dict[str, Any]], tools: Any, image_parts: list[ImagePart]
-) -> tuple[str, list[int], list[Any], int]:
-    """The prompt's text and token ids (image markers not yet expanded), its images decoded, and its length in
-    tokens once each marker is expanded to the image's placeholders (what the context and usage count)."""
-    images = load_chat_images(image_parts, state.settings.multimodal) if image_parts else []
+    state: ServerState,
+    messages: list[dict[str, Any]],
+    tools: Any,
+    image_parts: list[ImagePart],
+    field: str = "messages",
+) -> tuple[str, list[int], ProcessedImages | None]:
+    """The prompt's text and token ids (image markers not yet expanded) and its images decoded and processed
+    (``None`` without images): the engine takes them as they are, so the image processor runs once.
+    ``field`` is the request field errors about the prompt as a whole name (``messages``, ``input``)."""
+    images = load_chat_images(image_parts, state.settings.multimodal, field) if image_parts else []
     text, token_ids = render_chat(state.llm.tokenizer, messages, tools=tools, template=state.chat.template)
     if not images:
-        return text, token_ids, images, len(token_ids)
-    image_inputs = state.llm.engine.image_inputs
-    assert image_inputs is not None  # a text-only model was refused before
+        return text, token_ids, None
+    return text, token_ids, process_prompt_images(state, field, token_ids, images)
+
+
+def process_prompt_images(state: ServerState, field: str, token_ids: list[int], images: list[Any]) -> ProcessedImages:
+    """Run the image processor once on a prompt's decoded images (a 400 naming ``field`` when the prompt's
+    image markers do not pair up with them, e.g. a chat template that writes none)."""
     try:
-        expanded, _ = image_inputs.process("messages", token_ids, images)
-    except MultiModalInputError as exc:  # e.g. a chat template that writes no image markers
-        message = str(exc).removeprefix("request 'messages': ")
-        raise ChatRequestError("messages", message) from None
-    return text, token_ids, images, len(expanded)
+        return state.llm.engine.process_images(field, token_ids, {"image": images})
+    except MultiModalInputError as exc:
+        message = str(exc).removeprefix(f"request {field!r}: ")
+        raise ChatRequestError(field, message) from None
 
 
 def _version() -> str:

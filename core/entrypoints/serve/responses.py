@@ -3,10 +3,13 @@
 A request becomes a chat conversation: ``instructions`` a system message,
 ``input`` (a text, or message, ``function_call`` and ``function_call_output``
 items) the messages after the stored conversation ``previous_response_id``
-names.  Tools, tool choice and answer reading are chat.py's
-(:func:`plan_tools`, :class:`AnswerReader`); ``text.format`` is the run's
-structured output.  The answer comes back as output items (``message``,
-``function_call``, ``reasoning``), whole or as the API's stream events.
+names.  A message's ``input_image`` parts (``image_url`` a ``data:`` URL) are
+images for a vision-language model, placed by the chat template as chat
+completions' ``image_url`` parts are; errors name the ``input`` part.  Tools,
+tool choice and answer reading are chat.py's (:func:`plan_tools`,
+:class:`AnswerReader`); ``text.format`` is the run's structured output.  The
+answer comes back as output items (``message``, ``function_call``,
+``reasoning``), whole or as the API's stream events.
 
 Answers are kept for ``previous_response_id`` in a bounded in-memory store
 (``server.stored_responses``, least recently used dropped first) unless the
@@ -21,6 +24,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -33,9 +37,9 @@ from patchbay.entrypoints.chat import (
     ChatAnswer,
     ChatRequestError,
     plan_tools,
-    render_chat,
     template_messages,
 )
+from patchbay.entrypoints.chat_images import refuse_images_for_text_model, split_image_parts
 from patchbay.entrypoints.serve.app import (
     ResponseFormat,
     ServerState,
@@ -43,9 +47,11 @@ from patchbay.entrypoints.serve.app import (
     _enforce_tool_choice,
     _prepare,
     _Prepared,
+    _render_with_images,
     _respond,
 )
 from patchbay.entrypoints.serve.protocol import OPENAI_DEFAULT_TEMPERATURE, APIError, Number
+from patchbay.multimodal.images import ImageInputError
 
 
 class ResponsesRequest(BaseModel):
@@ -157,7 +163,7 @@ def input_messages(items: str | list[dict[str, Any]], known_calls: set[str]) -> 
             messages.append(
                 {
                     "role": "system" if role == "developer" else role,
-                    "content": _text_of(item.get("content"), f"{where}.content"),
+                    "content": _message_content(item.get("content"), f"{where}.content"),
                 }
             )
         elif kind == "function_call":
@@ -193,6 +199,60 @@ def input_messages(items: str | list[dict[str, Any]], known_calls: set[str]) -> 
                 f"{where}.type", f"{kind!r} is not one of message, function_call, function_call_output, reasoning"
             )
     return messages
+
+
+def _message_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content for the chat template: its text, or, with ``input_image`` parts, chat parts (text
+    and ``image_url``, each image carrying the ``input`` field it came from, to name it in errors)."""
+    if not isinstance(content, list) or not any(
+        isinstance(part, dict) and part.get("type") == "input_image" for part in content
+    ):
+        return _text_of(content, where)
+    parts: list[dict[str, Any]] = []
+    for number, part in enumerate(content):
+        at = f"{where}.{number}"
+        if part.get("type") == "input_image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url_of(part, at)}, IMAGE_ORIGIN: at})
+        else:
+            parts.append({"type": "text", "text": _part_text(part, at)})
+    return parts
+
+
+IMAGE_ORIGIN = "patchbay_input_field"
+"""The key of a chat image part that records the ``input`` field it came from (``input.0.content.1``)."""
+
+
+def _image_url_of(part: dict[str, Any], at: str) -> str:
+    """An ``input_image`` part's URL: OpenAI's ``image_url`` string (a ``data:`` URL; ``file_id`` is refused)."""
+    url = part.get("image_url")
+    if isinstance(url, dict):  # the chat API's {"url": ...}, taken too
+        url = url.get("url")
+    if isinstance(url, str) and url:
+        return url
+    if part.get("file_id") is not None:
+        raise ChatRequestError(f"{at}.file_id", "uploaded files are not supported; send image_url as a data: URL")
+    raise ChatRequestError(f"{at}.image_url", 'an input_image part needs "image_url": "data:image/...;base64,..."')
+
+
+def _part_text(part: Any, at: str) -> str:
+    if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise ChatRequestError(f"{at}.type", f"a content part is input_text or input_image, got {kind!r}")
+    text = part.get("text", "")
+    if not isinstance(text, str):
+        raise ChatRequestError(f"{at}.text", f"must be a string, got {type(text).__name__}")
+    return text
+
+
+def image_origins(messages: list[dict[str, Any]]) -> list[str]:
+    """The ``input`` field of each image part of ``messages``, in prompt order (as chat parts find them)."""
+    return [
+        part[IMAGE_ORIGIN] + ".image_url"
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == "image_url"
+    ]
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -331,7 +391,7 @@ class ResponsesFormat(ResponseFormat):
         body = self.body
         usage = None
         if outputs is not None:
-            input_tokens = len(prepared[0].token_ids)
+            input_tokens = len(outputs.prompt_token_ids)  # the engine's: image markers expanded
             output_tokens = sum(len(c.token_ids) for c in outputs.completions)
             usage = {
                 "input_tokens": input_tokens,
@@ -518,9 +578,16 @@ def add_responses_routes(app: FastAPI, state: ServerState, dependencies: list[An
             plan = plan_tools(tools, chat_tool_choice(body.tool_choice), body.parallel_tool_calls)
             tool_parser, reasoning_parser = state.chat.for_request(None, None)
             system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-            messages = template_messages([*system, *conversation])
-            text, token_ids = await asyncio.to_thread(
-                render_chat, llm.tokenizer, messages, tools=tools, template=state.chat.template
+            messages, image_parts = split_image_parts(template_messages([*system, *conversation]))
+            image_parts = [
+                replace(part, where=origin)
+                for part, origin in zip(image_parts, image_origins(conversation), strict=True)
+            ]
+            if image_parts and llm.engine.image_inputs is None:
+                refuse_images_for_text_model(image_parts, state.model_name)
+            # Rendering and image decoding run off the event loop, as for chat completions.
+            text, token_ids, processed = await asyncio.to_thread(
+                _render_with_images, state, messages, tools, image_parts, "input"
             )
             fields = {**body.sampling_fields(), "lora": adapter}
             await _enforce_tool_choice(state, plan, fields, "text.format")
@@ -528,7 +595,11 @@ def add_responses_routes(app: FastAPI, state: ServerState, dependencies: list[An
             param = responses_param(exc.param)
             message = str(exc).replace(exc.param, param, 1)
             raise APIError(400, message, param=param) from None
-        prepared = [_prepare(state, text, token_ids, fields, body.max_output_tokens, "input")]
+        except ImageInputError as exc:
+            raise APIError(400, str(exc), param=exc.where) from None
+        num_prompt_tokens = processed.num_prompt_tokens if processed is not None else None
+        prepared = [_prepare(state, text, token_ids, fields, body.max_output_tokens, "input", num_prompt_tokens)]
+        prepared[0].multi_modal_data = processed
         if prepared[0].params.n != 1:
             raise APIError(400, "n: the Responses API answers with one output", param="n")
         response_format = ResponsesFormat(
