@@ -159,10 +159,15 @@ def random_checkpoint(shape: LlamaShape, store: Path, seed: int = 0, *, tokenize
     return target
 
 
-def size_checkpoint(name: str, seed: int = 0) -> Path:
-    """The checkpoint of the size ``name`` (a key of :data:`SIZES`) in patchbay's cache directory."""
+def checkpoint_store() -> Path:
+    """Where the checkpoints are kept: ``bench-checkpoints/`` in patchbay's cache directory."""
     from patchbay.worker.model.model_loader import cache_dir
 
+    return cache_dir() / "bench-checkpoints"
+
+
+def size_checkpoint(name: str, seed: int = 0) -> Path:
+    """The checkpoint of the size ``name`` (a key of :data:`SIZES`), built on first use."""
     if name not in SIZES:
         raise ValueError(f"bench --model-sizes: unknown size {name!r} (known: {', '.join(SIZES)})")
-    return random_checkpoint(SIZES[name], cache_dir() / "bench-checkpoints", seed)
+    return random_checkpoint(SIZES[name], checkpoint_store(), seed)

@@ -58,7 +58,7 @@ def agreement_to_first_difference(tokens: list[int], reference: list[int]) -> fl
     if not reference:
         raise ValueError("greedy agreement needs a non-empty reference")
     same = 0
-    for ours, theirs in zip(tokens, reference):
+    for ours, theirs in zip(tokens, reference, strict=False):
         if ours != theirs:
             break
         same += 1

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from patchbay.bench.machine import MachineLimits
+from patchbay.bench.workloads import Workload
 from patchbay.worker.cpu.quantization import INT4_GROUP_SIZE
 
 FLOAT_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
@@ -37,7 +38,7 @@ def bits_per_weight(dtype: str, quantization: str | None = None) -> float:
     if quantization == "int4":
         return 4.0 + 2 * FLOAT_BITS[dtype] / INT4_GROUP_SIZE
     raise ValueError(f"bench roofline: no bit width for quantization {quantization!r} (known: int8, int4)")
-from patchbay.bench.workloads import Workload
+
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
