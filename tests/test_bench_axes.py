@@ -243,10 +243,10 @@ def test_bench_axes_neighbour_and_quality_on_tiny_models(tiny_llama, tmp_path, c
         for engine in ("patchbay (float32)", "patchbay (bfloat16)", "transformers generate")
         for state in ("quiet", "busy")
     }
-    scores = {row["engine"]: row for row in rows if row["workload"] == "quality"}
+    scores = {row["engine"]: row for row in rows if row.get("workload") == "quality"}
     assert scores["patchbay (float32)"]["greedy_agreement_with_float32"] == 1.0
     assert 0.0 <= scores["patchbay (bfloat16)"]["greedy_agreement_with_float32"] <= 1.0
-    latency = [row for row in rows if row["workload"] == "latency"]
+    latency = [row for row in rows if row.get("workload") == "latency"]
     assert all(row["weight_bytes_per_token"] > 0 and row["stream_roofline_fraction"] > 0 for row in latency)
     by_engine = {row["engine"]: row["weight_bytes_per_token"] for row in latency}
     assert by_engine["patchbay (float32)"] == 2 * by_engine["patchbay (bfloat16)"]

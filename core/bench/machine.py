@@ -1,5 +1,4 @@
-"""What this machine can do, measured on the spot: memory bandwidth (a read, STREAM's copy and triad) and
-float32 GEMM rate."""
+"""What this machine can do, measured on the spot: memory bandwidth (read, STREAM copy, triad), float32 GEMM rate."""
 
 from __future__ import annotations
 
