@@ -55,7 +55,6 @@ class LlamaShape:
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
             max_position_embeddings=MAX_POSITIONS,
-            rope_theta=100000.0,
             tie_word_embeddings=True,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
@@ -95,24 +94,11 @@ SIZES: dict[str, LlamaShape] = {
 """The model-size axis: ``--model-sizes`` names."""
 
 
-def available_memory_bytes() -> int:
-    """Memory the machine can give now (``MemAvailable``; the cgroup's limit less its use where lower)."""
-    import psutil
+def available_memory_bytes() -> int | None:
+    """Memory free for the build (the machine's, or its cgroup's where lower); ``None`` when it cannot be told."""
+    from patchbay.engine.memory_check import available_memory
 
-    free = psutil.virtual_memory().available
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
-        try:
-            limit = Path(limit_file).read_text().strip()
-            usage = int(Path(usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit():
-            free = min(free, int(limit) - usage)
-        break
-    return free
+    return available_memory(torch.device("cpu"))
 
 
 def random_checkpoint(shape: LlamaShape, store: Path, seed: int = 0, *, tokenizer_dir: Path | None = None) -> Path:
@@ -135,7 +121,7 @@ def random_checkpoint(shape: LlamaShape, store: Path, seed: int = 0, *, tokenize
     dtype = getattr(torch, shape.dtype)
     needed = shape.num_parameters(len(tokenizer)) * dtype.itemsize * MEMORY_HEADROOM
     free = available_memory_bytes()
-    if free < needed:
+    if free is not None and free < needed:
         raise CheckpointUnavailable(
             f"building {target.name} needs about {needed / 2**30:.1f} GiB of free memory, "
             f"{free / 2**30:.1f} GiB is free"

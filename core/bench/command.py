@@ -465,7 +465,7 @@ class Bench:
     def _run_throughput(self, corpus: list[int]) -> None:
         sweep = len(self.options.concurrency) > 1
         for concurrency in self.options.concurrency:
-            tags = {"axis": "concurrency", "axis_point": concurrency} if sweep else {}
+            tags: dict[str, Any] = {"axis": "concurrency", "axis_point": concurrency} if sweep else {}
             self._compare(self._throughput_workload(corpus, concurrency), self.patchbays, self.peer_names(), **tags)
 
     def _run_context_axis(self, corpus: list[int]) -> None:
