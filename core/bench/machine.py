@@ -52,7 +52,7 @@ def measure_read_bandwidth(megabytes: int = 1024) -> float:
     return buffer.numel() * 4 / seconds / 1e9
 
 
-def measure_stream(megabytes: int = 512) -> tuple[float, float]:
+def measure_stream(megabytes: int = 256) -> tuple[float, float]:
     """GB/s of STREAM's copy (``a = b``, two arrays' bytes moved) and triad (``a = b + 3 * c``, three arrays'
     bytes) on float32 arrays of ``megabytes`` each, best of five, as STREAM counts them (writes counted once)."""
     count = megabytes * (1 << 20) // 4
