@@ -5,5 +5,8 @@ Modules: :mod:`~patchbay.bench.workloads` (seeded requests),
 transformers continuous batching), :mod:`~patchbay.bench.machine` (measured
 bandwidth and GEMM rate), :mod:`~patchbay.bench.roofline` (the model's cost and
 the ceilings), :mod:`~patchbay.bench.report` (table and plot) and
-:mod:`~patchbay.bench.command` (the command itself).
+:mod:`~patchbay.bench.command` (the command itself); for the cost axes,
+:mod:`~patchbay.bench.checkpoints` (random checkpoints of three sizes),
+:mod:`~patchbay.bench.axes` (the axis and neighbour tables) and
+:mod:`~patchbay.bench.neighbour` (the busy neighbour).
 """

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import sys
 import time
 from dataclasses import dataclass, field
@@ -13,6 +15,8 @@ import torch
 
 from patchbay.bench import quality
 from patchbay.bench import workloads as wl
+from patchbay.bench.axes import print_axis_tables, print_neighbour_table, write_axis_plots
+from patchbay.bench.checkpoints import SIZES, CheckpointUnavailable, size_checkpoint
 from patchbay.bench.engines import (
     EngineRun,
     PatchbayEngine,
@@ -20,6 +24,7 @@ from patchbay.bench.engines import (
     TransformersGenerate,
 )
 from patchbay.bench.machine import measure_machine
+from patchbay.bench.neighbour import BusyNeighbour
 from patchbay.bench.peers import (
     DEFAULT_PYTHON,
     PeerSpec,
@@ -30,7 +35,7 @@ from patchbay.bench.peers import (
     vllm_environment,
 )
 from patchbay.bench.report import append_json_lines, print_table, write_plot
-from patchbay.bench.roofline import ModelCost, Roofline
+from patchbay.bench.roofline import ModelCost, Roofline, bits_per_weight
 from patchbay.bench.serve_load import add_serve_arguments, serve_bench
 
 PEERS = ("generate", "continuous")
@@ -38,6 +43,9 @@ OPTIONAL_PEERS = ("vllm", "llamacpp")
 """Peers in their own interpreters, run only when asked for (``--peers ... vllm llamacpp``)."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4")
+WORKLOAD_CHOICES = (*wl.WORKLOADS, "all", "serve")
+RANDOM_MODEL_PREFIX = "random-"
+"""``--model random-1b``: the model-size axis's checkpoint of that size (:data:`patchbay.bench.checkpoints.SIZES`)."""
 
 
 @dataclass
@@ -72,18 +80,33 @@ class BenchOptions:
     """``runtime.pipeline_parallel_size`` of every patchbay engine."""
     pipeline_layer_partition: list[int] | None = None
     """``runtime.pipeline_layer_partition`` of every patchbay engine (``None``: an even split)."""
+    model_sizes: list[str] = field(default_factory=list)
+    """The model-size axis: the throughput workload on the random checkpoint of each size (``SIZES``)."""
+    contexts: list[int] = field(default_factory=list)
+    """The context axis: ``context_requests`` prompts of each of these lengths."""
+    context_requests: int = 4
+    context_output_tokens: int = 64
+    neighbour: bool = False
+    """Run the throughput workload (first concurrency) quietly and beside a busy low-priority neighbour."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "workloads",
         nargs="*",
-        choices=[*wl.WORKLOADS, "all", "serve"],
-        default=["throughput"],
-        help="what to run (default: throughput); 'all' runs every one but serve; 'serve' alone loads a "
-        "patchbay serve server with the throughput requests and compares with offline",
+        default=None,
+        metavar="WORKLOAD",
+        help=f"{', '.join(WORKLOAD_CHOICES)}: what to run (default: throughput, or nothing more when an axis or "
+        "--neighbour is asked for); "
+        "'all' runs every one but serve; 'serve' alone loads a patchbay serve server with the throughput "
+        "requests and compares with offline",
     )
-    parser.add_argument("--model", default="default", help="model directory, or 'default' for the bundled SmolLM2")
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="model directory, 'default' for the bundled SmolLM2, or random-SIZE for the model-size axis's "
+        f"random checkpoint of that size ({', '.join(SIZES)})",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     parser.add_argument(
         "--tensor-parallel-size",
@@ -132,7 +155,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[64],
         help="throughput at each of these concurrencies (patchbay max_num_seqs, transformers "
-        "generate batch size, continuous batching requests per batch)",
+        "generate batch size, continuous batching requests per batch); two or more make the concurrency "
+        "axis's table (e.g. 1 4 16 64 256 with --num-requests 256)",
+    )
+    parser.add_argument(
+        "--model-sizes",
+        nargs="+",
+        default=[],
+        metavar="SIZE",
+        help=f"the model-size axis: the throughput workload on random-weight Llama checkpoints of these sizes "
+        f"({', '.join(SIZES)}), built once under the cache directory; patchbay and vLLM only",
+    )
+    parser.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="TOKENS",
+        help="the context axis: --context-requests prompts of each of these lengths (e.g. 128 2048 8192; "
+        "the model's max_model_len must hold them: --model random-135m does)",
+    )
+    parser.add_argument("--context-requests", type=int, default=4, help="requests at each context (default: 4)")
+    parser.add_argument(
+        "--context-output-tokens", type=int, default=64, help="tokens each context request generates (default: 64)"
+    )
+    parser.add_argument(
+        "--neighbour",
+        action="store_true",
+        help="run the throughput workload (first concurrency) quietly and again beside a busy neighbour (one "
+        "process at nice 19 spinning on one core, always stopped), each engine's figure both ways",
     )
     parser.add_argument(
         "--peers",
@@ -188,8 +239,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_serve_arguments(parser)
 
 
+def workloads_asked(args: argparse.Namespace) -> list[str]:
+    """The workloads named, checked; none named: ``throughput``, or none when an axis or ``--neighbour`` is asked
+    for.  (Checked here, not by ``choices``: argparse checks an empty positional list against them too.)"""
+    if unknown := [name for name in args.workloads or [] if name not in WORKLOAD_CHOICES]:
+        raise ValueError(f"patchbay bench: unknown workload {unknown[0]!r} (choose from {', '.join(WORKLOAD_CHOICES)})")
+    if args.workloads:
+        return list(args.workloads)
+    return [] if args.model_sizes or args.contexts or args.neighbour else ["throughput"]
+
+
 def options_from(args: argparse.Namespace) -> BenchOptions:
-    names = list(wl.WORKLOADS) if "all" in args.workloads else list(dict.fromkeys(args.workloads))
+    asked = workloads_asked(args)
+    names = list(wl.WORKLOADS) if "all" in asked else list(dict.fromkeys(asked))
     return BenchOptions(
         names,
         args.model,
@@ -215,6 +277,11 @@ def options_from(args: argparse.Namespace) -> BenchOptions:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_layer_partition=args.pipeline_layer_partition,
+        model_sizes=list(dict.fromkeys(args.model_sizes)),
+        contexts=list(dict.fromkeys(args.contexts)),
+        context_requests=args.context_requests,
+        context_output_tokens=args.context_output_tokens,
+        neighbour=args.neighbour,
     )
 
 
@@ -228,8 +295,12 @@ class Bench:
             torch.set_num_threads(options.threads)
         self.say(f"measuring the machine ({torch.get_num_threads()} threads) ...")
         machine = measure_machine()
+        model = options.model
+        if model.startswith(RANDOM_MODEL_PREFIX):
+            self.say(f"the random checkpoint of size {model[len(RANDOM_MODEL_PREFIX) :]} (built once) ...")
+            model = str(size_checkpoint(model[len(RANDOM_MODEL_PREFIX) :], options.seed))
         overrides: dict[str, Any] = {
-            "model__path": options.model,
+            "model__path": model,
             "scheduler__max_num_seqs": max([*options.concurrency, 64]),
             "scheduler__max_num_batched_tokens": options.max_num_batched_tokens,
         }
@@ -323,19 +394,22 @@ class Bench:
         self._peers[key] = peer
         return True
 
-    def _vllm_spec(self, dtype: str) -> PeerSpec:
+    def _vllm_spec(self, dtype: str, engine: PatchbayEngine | None = None) -> PeerSpec:
+        """vLLM on the model of ``engine`` (default: the bench's patchbay engine) at ``dtype``."""
         from patchbay.worker.model.model_loader import cache_dir
 
+        engine = engine or self.patchbay
+        model_dir = str(engine.llm.engine.model_dir)
         python = check_interpreter("vllm", self.options.vllm_python)
-        model = standard_checkpoint(Path(self.model_dir), cache_dir() / "peer-checkpoints")
-        if str(model) != self.model_dir:
-            self.say(f"vLLM gets a standard copy of {self.model_dir} (architectures, embedding saved): {model}")
+        model = standard_checkpoint(Path(model_dir), cache_dir() / "peer-checkpoints")
+        if str(model) != model_dir:
+            self.say(f"vLLM gets a standard copy of {model_dir} (architectures, embedding saved): {model}")
         return PeerSpec(
             "vllm",
             python,
             str(model),
             dtype,
-            self.patchbay.llm.engine.max_model_len,
+            engine.llm.engine.max_model_len,
             self.overrides["scheduler__max_num_seqs"],
             self.options.threads,
             vllm_environment(python, self.options.threads),
@@ -370,19 +444,104 @@ class Bench:
         corpus = wl.source_corpus(self.tokenizer)
         for name in self.options.workloads:
             getattr(self, f"_run_{name}")(corpus)
+        if self.options.contexts:
+            self._run_context_axis(corpus)
+        if self.options.model_sizes:
+            self._run_size_axis()
+        if self.options.neighbour:
+            self._run_neighbour(corpus)
         return self.rows
 
+    def _throughput_workload(self, corpus: list[int], concurrency: int) -> wl.Workload:
+        return wl.throughput(
+            corpus,
+            num_requests=self.options.num_requests,
+            prompt_range=self.options.prompt_range,
+            output_range=self.options.output_range,
+            concurrency=concurrency,
+            seed=self.options.seed,
+        )
+
     def _run_throughput(self, corpus: list[int]) -> None:
+        sweep = len(self.options.concurrency) > 1
         for concurrency in self.options.concurrency:
-            workload = wl.throughput(
+            tags: dict[str, Any] = {"axis": "concurrency", "axis_point": concurrency} if sweep else {}
+            self._compare(self._throughput_workload(corpus, concurrency), self.patchbays, self.peer_names(), **tags)
+
+    def _run_context_axis(self, corpus: list[int]) -> None:
+        """The context axis: every engine on ``context_requests`` prompts of each length (a length the model's
+        ``max_model_len`` cannot hold with the outputs is skipped with the reason)."""
+        limit = self.patchbay.llm.engine.max_model_len
+        outputs = self.options.context_output_tokens
+        for length in self.options.contexts:
+            if length + outputs > limit:
+                reason = f"prompt {length} + {outputs} tokens exceeds the model's max_model_len {limit}"
+                self.skipped[f"context {length}"] = reason
+                self.say(f"skipping context {length}: {reason}")
+                continue
+            workload = wl.context(
                 corpus,
-                num_requests=self.options.num_requests,
-                prompt_range=self.options.prompt_range,
-                output_range=self.options.output_range,
-                concurrency=concurrency,
+                prompt_length=length,
+                num_requests=self.options.context_requests,
+                max_tokens=outputs,
                 seed=self.options.seed,
             )
-            self._compare(workload, self.patchbays, self.peer_names())
+            self._compare(workload, self.patchbays, self.peer_names(), axis="context", axis_point=length)
+
+    def _run_size_axis(self) -> None:
+        """The model-size axis: the throughput workload (first concurrency) on the random checkpoint of each
+        size, patchbay at the first engine's settings and vLLM at its dtype (the transformers peers would need
+        float32 copies of the larger models: left out)."""
+        from transformers import AutoTokenizer
+
+        corpus: list[int] | None = None
+        for size in self.options.model_sizes:
+            try:
+                self.say(f"model size {size}: the random checkpoint (built once) ...")
+                path = size_checkpoint(size, self.options.seed)
+            except CheckpointUnavailable as reason:
+                self.skipped[f"model size {size}"] = str(reason)
+                self.say(f"skipping model size {size}: {reason}")
+                continue
+            if corpus is None:  # every size has the bundled model's tokenizer
+                corpus = wl.source_corpus(AutoTokenizer.from_pretrained(path))
+            workload = self._throughput_workload(corpus, self.options.concurrency[0])
+            workload = dataclasses.replace(workload, name="size", label=f"model {size}, {workload.label}")
+            engine = PatchbayEngine(**{**self.overrides, "model__path": str(path)})
+            peers: list[Any] = []
+            try:
+                if "vllm" in self.options.peers:
+                    peers += self._size_peer(engine, size)
+                self._compare(workload, [engine], [], peers=tuple(peers), axis="model size", axis_point=size)
+            finally:
+                for peer in peers:
+                    peer.close()
+                engine.close()
+                del engine
+                gc.collect()
+
+    def _size_peer(self, engine: PatchbayEngine, size: str) -> list[SubprocessPeer]:
+        try:
+            spec = self._vllm_spec(engine.llm.engine.dtype, engine)
+            self.say(f"starting vLLM on model size {size} ({spec.python}; its load time is not in any figure) ...")
+            return [SubprocessPeer(spec)]
+        except PeerUnavailable as reason:
+            self.skipped[f"vllm on model size {size}"] = str(reason)
+            self.say(f"skipping vllm on model size {size}: {reason}")
+            return []
+
+    def _run_neighbour(self, corpus: list[int]) -> None:
+        """The throughput workload at the first concurrency, quietly and then beside :class:`BusyNeighbour`."""
+        workload = self._throughput_workload(corpus, self.options.concurrency[0])
+        for state in ("quiet", "busy"):
+            label = f"{'quiet' if state == 'quiet' else 'busy neighbour'}, concurrency {workload.concurrency}"
+            run = dataclasses.replace(workload, name="neighbour", label=label)
+            if state == "quiet":
+                self._compare(run, self.patchbays, self.peer_names(), neighbour=state)
+            else:
+                with BusyNeighbour() as neighbour:
+                    self.say(f"busy neighbour: process {neighbour.pid} at nice 19 on core {neighbour.core}")
+                    self._compare(run, self.patchbays, self.peer_names(), neighbour=state)
 
     def _run_prefix(self, corpus: list[int]) -> None:
         workload = wl.shared_prefix(corpus, prefix_length=self.options.prefix_length, seed=self.options.seed)
@@ -404,8 +563,11 @@ class Bench:
 
     def _run_quality(self, corpus: list[int]) -> None:
         """Perplexity of each patchbay engine on the held text, scored in steps of at most 16 tokens, so that
-        paths that only serve few-row steps (integer weights) are the ones measured."""
+        paths that only serve few-row steps (integer weights) are the ones measured; and each engine's greedy
+        agreement with patchbay in float32 (loaded for it when no float32 engine runs)."""
         text_ids = self.tokenizer.encode(quality.held_text())
+        prompts = quality.agreement_prompts(text_ids)
+        references = self._float32_greedy(prompts)
         for engine in self.patchbays:
             self.say(f"quality (perplexity on {len(text_ids)} tokens of held text): {engine.name} ...")
             scheduler = engine.llm.engine.scheduler
@@ -415,17 +577,33 @@ class Bench:
                 value = quality.perplexity(engine.llm, text_ids)
             finally:
                 scheduler.max_num_batched_tokens = budget
+            seconds = time.perf_counter() - started
+            agreement = quality.greedy_agreement(quality.greedy_tokens(engine.llm, prompts), references)
             self.rows.append(
                 {
                     "workload": "quality",
                     "label": "perplexity on held text",
                     "engine": engine.name,
                     "perplexity": value,
-                    "seconds": time.perf_counter() - started,
+                    "greedy_agreement_with_float32": agreement,
+                    "seconds": seconds,
                     "dtype": engine.llm.engine.dtype,
                     "quantization": engine.llm.engine.settings.model.quantization,
                 }
             )
+
+    def _float32_greedy(self, prompts: list[list[int]]) -> list[list[int]]:
+        """patchbay's float32 greedy tokens for ``prompts``: from the float32 engine if one runs, else from
+        one loaded for this and closed."""
+        for engine in self.patchbays:
+            if engine.llm.engine.dtype == "float32" and engine.llm.engine.settings.model.quantization == "none":
+                return quality.greedy_tokens(engine.llm, prompts)
+        self.say("quality: loading patchbay in float32 for the greedy-agreement reference ...")
+        reference = PatchbayEngine("patchbay (float32 reference)", **{**self.overrides, "model__dtype": "float32"})
+        try:
+            return quality.greedy_tokens(reference.llm, prompts)
+        finally:
+            reference.close()
 
     def _run_latency(self, corpus: list[int]) -> None:
         for length in self.options.latency_prompts:
@@ -442,18 +620,39 @@ class Bench:
                     continue
                 decode_ms = (run.seconds - ttft.seconds) / 64 * 1e3
                 floor = self.roofline.decode_ms_floor(length + 32)
+                weight_bytes = self._weight_bytes(engine, run)
+                stream = None
+                if weight_bytes is not None and decode_ms > 0:
+                    stream = self.roofline.stream_fraction(weight_bytes, decode_ms / 1e3)
                 self._add(
                     full,
                     run,
                     ttft_s=ttft.seconds,
                     decode_ms_per_token=decode_ms,
                     bandwidth_roofline_fraction=floor / decode_ms if decode_ms > 0 else None,
+                    weight_bytes_per_token=weight_bytes,
+                    stream_roofline_fraction=stream,
                     **self._agreement(engine, run, references),
                 )
         self._ratios("latency", key="decode_ms_per_token", lower_is_better=True)
 
-    def _check_fits(self, workload: wl.Workload) -> None:
-        limit = self.patchbay.llm.engine.max_model_len
+    def _weight_bytes(self, engine: Any, run: EngineRun) -> float | None:
+        """Weight bytes one decode step of ``engine`` reads: the model's weights at the engine's storage (its
+        dtype, patchbay's integer weights), a GGUF file's size for llama.cpp (its tied embedding is the lm head
+        every token reads); ``None`` where unknown."""
+        if isinstance(engine, PatchbayEngine):
+            ours = engine.llm.engine
+            return self.roofline.cost.weight_bytes(bits_per_weight(ours.dtype, ours.settings.model.quantization))
+        if isinstance(engine, SubprocessPeer) and engine.spec.backend == "llamacpp":
+            return float(Path(engine.spec.model).stat().st_size)
+        dtype = run.details.get("dtype")
+        try:
+            return self.roofline.cost.weight_bytes(bits_per_weight(dtype)) if dtype else None
+        except ValueError:
+            return None
+
+    def _check_fits(self, workload: wl.Workload, engine: PatchbayEngine | None = None) -> None:
+        limit = (engine or self.patchbay).llm.engine.max_model_len
         longest = max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests)
         if longest > limit:
             raise ValueError(
@@ -461,10 +660,22 @@ class Bench:
                 f"model's max_model_len is {limit}; shorten the prompts or outputs"
             )
 
-    def _compare(self, workload: wl.Workload, ours: list[PatchbayEngine], peer_names: list[str]) -> None:
-        self._check_fits(workload)
+    def _compare(
+        self,
+        workload: wl.Workload,
+        ours: list[PatchbayEngine],
+        peer_names: list[str],
+        peers: tuple[Any, ...] = (),
+        **tags: Any,
+    ) -> None:
+        """Run ``workload`` on ``ours``, the named peers and the already started ``peers``; ``tags`` go into
+        every row (``axis`` and ``axis_point``, ``neighbour``)."""
+        self._check_fits(workload, ours[0])
+        roofline = self.roofline
+        if ours[0] is not self.patchbay:  # another model (the model-size axis): its own cost
+            roofline = Roofline(_whole_model_cost(ours[0].llm.engine), self.roofline.machine)
         references: dict[str | None, EngineRun] = {}
-        for engine in [*ours, *(self.peer(name) for name in peer_names)]:
+        for engine in [*ours, *(self.peer(name) for name in peer_names), *peers]:
             self.say(f"{workload.name} ({workload.label}): {engine.name} ...")
             run = self._run_engine(engine, workload)
             if run is None:
@@ -472,8 +683,8 @@ class Bench:
             agreement = self._agreement(engine, run, references)
             # The least work is the workload's, less the prompt tokens patchbay's prefix cache found reusable.
             cached = next(iter(references.values())).details.get("cached_prompt_tokens", 0)
-            floor = self.roofline.compute_seconds_floor(workload, cached)
-            self._add(workload, run, compute_ceiling_fraction=floor / run.seconds, **agreement)
+            floor = roofline.compute_seconds_floor(workload, cached)
+            self._add(workload, run, compute_ceiling_fraction=floor / run.seconds, **agreement, **tags)
         self._ratios(workload.name, key="generated_tokens_per_s")
 
     def _run_engine(self, engine: Any, workload: wl.Workload) -> EngineRun | None:
@@ -587,8 +798,9 @@ def bench_command(args: argparse.Namespace, stream: TextIO | None = None) -> int
     ``stream`` defaults to the ``sys.stdout`` of the call (not of the import: a captured one may be closed).
     """
     stream = stream if stream is not None else sys.stdout
-    if "serve" in args.workloads:
-        if len(args.workloads) > 1:
+    workloads = workloads_asked(args)
+    if "serve" in workloads:
+        if len(workloads) > 1:
             raise ValueError("patchbay bench serve runs alone; give the other workloads in another run")
         return serve_bench(args, stream)
     options = options_from(args)
@@ -598,6 +810,8 @@ def bench_command(args: argparse.Namespace, stream: TextIO | None = None) -> int
     finally:
         bench.close()
     print_table(rows, bench.roofline, stream, skipped=bench.skipped)
+    print_axis_tables(rows, stream)
+    print_neighbour_table(rows, stream)
     if options.out is not None:
         options.out.mkdir(parents=True, exist_ok=True)
         context: dict[str, Any] = {
@@ -611,6 +825,7 @@ def bench_command(args: argparse.Namespace, stream: TextIO | None = None) -> int
             [{"engine": name, "skipped": reason} for name, reason in bench.skipped.items()],
             **context,
         )
-        plot = write_plot(rows, options.out / "bench.png")
-        print(f"wrote {options.out / 'results.jsonl'}" + (f" and {plot}" if plot else ""), file=stream)
+        plots = [plot] if (plot := write_plot(rows, options.out / "bench.png")) else []
+        plots += write_axis_plots(rows, options.out, stream)
+        print(f"wrote {options.out / 'results.jsonl'}" + "".join(f" and {path}" for path in plots), file=stream)
     return 0

@@ -47,6 +47,12 @@ class PatchbayEngine:
         """End the engine's other tensor-parallel ranks, if it has any."""
         self.llm.engine.close()
 
+    def kv_cache_bytes(self) -> int:
+        """The bytes of the engine's KV pool: its blocks times every layer's page of a block."""
+        engine = self.llm.engine
+        per_block = sum(len(group.layer_names) * group.spec.page_size_bytes for group in engine.groups)
+        return engine.num_blocks * per_block
+
     def run(self, workload: Workload) -> EngineRun:
         engine = self.llm.engine
         engine.scheduler.max_num_seqs = workload.concurrency  # run-time knob: the bench varies concurrency
@@ -62,6 +68,7 @@ class PatchbayEngine:
             "dtype": engine.dtype,
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
             "cached_prompt_tokens": sum(o.metrics.num_cached_tokens for o in outputs),
+            "kv_cache_bytes": self.kv_cache_bytes(),
         }
         if self.llm.spec_stats.num_draft_tokens > drafted_before:
             details["spec"] = self.llm.spec_stats.as_dict()

@@ -1,4 +1,4 @@
-"""What this machine can do, measured on the spot: memory read bandwidth and float32 GEMM rate."""
+"""What this machine can do, measured on the spot: memory bandwidth (read, STREAM copy, triad), float32 GEMM rate."""
 
 from __future__ import annotations
 
@@ -20,6 +20,15 @@ class MachineLimits:
     """Best of several full reads (a sum) of a buffer far larger than the caches, all threads."""
     gemm_gflop_s: float
     """Best float32 rate of a large matrix product shaped like a prefill chunk of a small model."""
+    copy_bandwidth_gb_s: float = 0.0
+    """STREAM's copy, ``a = b``: bytes read and written per second, best of five (0: not measured)."""
+    triad_bandwidth_gb_s: float = 0.0
+    """STREAM's triad, ``a = b + s * c``: bytes read and written per second, best of five (0: not measured)."""
+
+    @property
+    def stream_bandwidth_gb_s(self) -> float:
+        """The bandwidth a batch-1 decode is held to: the triad's where measured, else the plain read's."""
+        return self.triad_bandwidth_gb_s or self.read_bandwidth_gb_s
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -41,6 +50,16 @@ def measure_read_bandwidth(megabytes: int = 1024) -> float:
     buffer = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
     seconds = best_seconds(lambda: buffer.sum())
     return buffer.numel() * 4 / seconds / 1e9
+
+
+def measure_stream(megabytes: int = 256) -> tuple[float, float]:
+    """GB/s of STREAM's copy (``a = b``, two arrays' bytes moved) and triad (``a = b + 3 * c``, three arrays'
+    bytes) on float32 arrays of ``megabytes`` each, best of five, as STREAM counts them (writes counted once)."""
+    count = megabytes * (1 << 20) // 4
+    a, b, c = torch.empty(count), torch.ones(count), torch.ones(count)
+    copy_seconds = best_seconds(lambda: a.copy_(b))
+    triad_seconds = best_seconds(lambda: torch.add(b, c, alpha=3.0, out=a))
+    return 2 * count * 4 / copy_seconds / 1e9, 3 * count * 4 / triad_seconds / 1e9
 
 
 def measure_gemm_rate(rows: int = 2048, inner: int = 1024, cols: int = 2048) -> float:
@@ -68,4 +87,7 @@ def describe_machine() -> str:
 
 def measure_machine() -> MachineLimits:
     """Measure the limits with torch's current thread count."""
-    return MachineLimits(describe_machine(), torch.get_num_threads(), measure_read_bandwidth(), measure_gemm_rate())
+    copy, triad = measure_stream()
+    return MachineLimits(
+        describe_machine(), torch.get_num_threads(), measure_read_bandwidth(), measure_gemm_rate(), copy, triad
+    )

@@ -118,6 +118,8 @@ class SubprocessPeer:
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
             "load_s": self.load_seconds,
         }
+        if (space := dict(self.spec.env).get("VLLM_CPU_KVCACHE_SPACE")) is not None:
+            details["kv_cache_bytes"] = int(float(space) * 2**30)  # vLLM-CPU's KV pool, in GiB
         return EngineRun(self.name, reply["seconds"], reply["token_ids"], details=details)
 
     def _receive(self) -> dict[str, Any]:

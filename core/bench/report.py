@@ -20,7 +20,10 @@ def _figure(row: dict[str, Any]) -> str:
     if row["workload"] == "latency":
         text = f"TTFT {row['ttft_s'] * 1e3:.0f} ms, decode {row['decode_ms_per_token']:.1f} ms/token"
         if row.get("bandwidth_roofline_fraction"):
-            text += f" ({100 * row['bandwidth_roofline_fraction']:.0f}% of bandwidth roofline)"
+            text += f" ({100 * row['bandwidth_roofline_fraction']:.0f}% of bandwidth roofline"
+            if row.get("stream_roofline_fraction"):
+                text += f"; weights at {100 * row['stream_roofline_fraction']:.0f}% of STREAM triad"
+            text += ")"
         if row.get("same_tokens_as_patchbay"):
             text += f", same tokens {row['same_tokens_as_patchbay']}, first {row['same_first_token_as_patchbay']}"
         return text
@@ -57,7 +60,12 @@ def print_table(
         )
     for row in rows:
         if "perplexity" in row:
-            print(f"perplexity on held text, {row['engine']}: {row['perplexity']:.3f}", file=stream)
+            agreement = row.get("greedy_agreement_with_float32")
+            print(
+                f"perplexity on held text, {row['engine']}: {row['perplexity']:.3f}"
+                + (f"; greedy agreement with float32 {100 * agreement:.1f}%" if agreement is not None else ""),
+                file=stream,
+            )
     for name, reason in (skipped or {}).items():
         print(f"skipped {name}: {reason}", file=stream)
     for row in rows:

@@ -20,6 +20,25 @@ from torch import nn
 
 from patchbay.bench.machine import MachineLimits
 from patchbay.bench.workloads import Workload
+from patchbay.worker.cpu.quantization import INT4_GROUP_SIZE
+
+FLOAT_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
+
+
+def bits_per_weight(dtype: str, quantization: str | None = None) -> float:
+    """Bits a decode step reads per weight stored as ``dtype`` (``float32``, ``bfloat16``, ``float16``) or, with
+    ``quantization`` ``int8`` / ``int4``, as patchbay's integers: int8 with one scale per output row (counted
+    as nothing), int4 with a scale and a zero of ``dtype`` per group of :data:`INT4_GROUP_SIZE` weights."""
+    if dtype not in FLOAT_BITS:
+        raise ValueError(f"bench roofline: no bit width for dtype {dtype!r} (known: {', '.join(FLOAT_BITS)})")
+    if quantization in (None, "none"):
+        return float(FLOAT_BITS[dtype])
+    if quantization == "int8":
+        return 8.0
+    if quantization == "int4":
+        return 4.0 + 2 * FLOAT_BITS[dtype] / INT4_GROUP_SIZE
+    raise ValueError(f"bench roofline: no bit width for quantization {quantization!r} (known: int8, int4)")
+
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -83,6 +102,12 @@ class ModelCost:
         kv = 2 * self.num_layers * self.num_kv_heads * self.head_dim * context
         return float((self.linear_params + self.lm_head_params + kv) * self.bytes_per_param)
 
+    def weight_bytes(self, bits: float | None = None) -> float:
+        """Bytes of the weights one decode step reads (every linear and the lm head) at ``bits`` per weight
+        (default: the loaded model's element size)."""
+        per_weight = bits / 8 if bits is not None else self.bytes_per_param
+        return (self.linear_params + self.lm_head_params) * per_weight
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -96,6 +121,11 @@ class Roofline:
         """Least batch-1 decode time per token at ``context`` tokens, from the read bandwidth."""
         return self.cost.decode_bytes(context) / (self.machine.read_bandwidth_gb_s * 1e9) * 1e3
 
+    def stream_fraction(self, weight_bytes: float, seconds_per_token: float) -> float:
+        """Share of the measured STREAM bandwidth a decode reading ``weight_bytes`` per token in
+        ``seconds_per_token`` uses: weight bytes per token / bandwidth / seconds per token (1.0: at the roofline)."""
+        return weight_bytes / (self.machine.stream_bandwidth_gb_s * 1e9) / seconds_per_token
+
     def compute_seconds_floor(self, workload: Workload, reused_prompt_tokens: int = 0) -> float:
         """Least time the workload's FLOPs take at the measured GEMM rate (see :meth:`ModelCost.workload_flops`)."""
         return self.cost.workload_flops(workload, reused_prompt_tokens) / (self.machine.gemm_gflop_s * 1e9)
@@ -105,7 +135,8 @@ class Roofline:
         per_token = 2.0 * cost.linear_params
         return [
             f"machine: {machine.description}; {machine.threads} threads",
-            f"measured: read bandwidth {machine.read_bandwidth_gb_s:.1f} GB/s, float32 GEMM "
+            f"measured: read bandwidth {machine.read_bandwidth_gb_s:.1f} GB/s, STREAM copy "
+            f"{machine.copy_bandwidth_gb_s:.1f} GB/s, triad {machine.triad_bandwidth_gb_s:.1f} GB/s, float32 GEMM "
             f"{machine.gemm_gflop_s:.1f} GFLOP/s",
             f"model: {cost.linear_params / 1e6:.1f}M linear + {cost.lm_head_params / 1e6:.1f}M lm-head parameters, "
             f"{per_token / 1e6:.0f} MFLOP per token (+{2 * cost.lm_head_params / 1e6:.0f} where sampled)",

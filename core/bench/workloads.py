@@ -85,6 +85,20 @@ def latency(corpus: list[int], *, prompt_length: int, max_tokens: int = 64, seed
     )
 
 
+def context(
+    corpus: list[int], *, prompt_length: int, num_requests: int = 4, max_tokens: int = 64, seed: int = 0
+) -> Workload:
+    """``num_requests`` prompts of exactly ``prompt_length`` tokens, all submitted at once: the context axis."""
+    if prompt_length >= len(corpus):
+        raise ValueError(f"bench context: a {prompt_length}-token prompt is longer than the corpus ({len(corpus)})")
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        start = rng.randrange(0, len(corpus) - prompt_length)
+        requests.append(BenchRequest(corpus[start : start + prompt_length], max_tokens))
+    return Workload("context", requests, num_requests, f"prompt {prompt_length}")
+
+
 def shared_prefix(
     corpus: list[int],
     *,
