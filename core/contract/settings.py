@@ -110,11 +110,12 @@ class RuntimeSettings(Section):
     an error."""
     fuse_projections: bool = True
     """Compute each layer's q/k/v projections (and gate/up) as one product over their concatenated weights, in
-    steps of up to as many rows as the machine's tuning measured faster (16 without a tuning)."""
+    steps of up to as many rows as the machine's tuning measured faster (16 without a tuning). Off with a ``lora:``
+    section, whose adapters add to each projection's own output."""
     fused_ops: bool = True
     """Run Llama-style RMS norms, SiLU MLPs, rotary embeddings and, where all of a layer fused, whole decoder
     layers through patchbay's C++ kernels on CPU float32 and bfloat16. Without a C++ compiler nothing changes
-    (docs/design/cpu-fast-paths.md#fused-kernels)."""
+    (docs/design/cpu-fast-paths.md#fused-kernels). With a ``lora:`` section whole layers do not fuse."""
     single_thread_max_tokens: NonNegativeInt | Literal["auto"] = "auto"
     """Steps of at most this many tokens run on one CPU thread, where waking a second costs more than it gains.
     ``auto``: up to the row count the machine's tuning measured faster for the run's dtype (0 without a tuning);

@@ -8,5 +8,5 @@ def register_lora_kernels(register):
     register(
         "torch",
         "patchbay.plugins.lora_kernels.torch_kernel:TorchLoRAKernel",
-        description="rows grouped by adapter slot (index_select), one matmul per active slot, index_add back",
+        description="active slots stacked into two products per linear; per-slot products for one adapter on few rows",
     )
