@@ -82,9 +82,10 @@ class ModelSettings(Section):
     measured once (``patchbay tune``). In bfloat16 greedy tokens can differ at near-ties as batching changes;
     ``float32`` keeps them (docs/design/cpu-fast-paths.md#dtypes)."""
     quantization: Literal["none", "int8", "int4"] = "none"
-    """Weight-only integer weights on the CPU for steps of up to 16 rows, activations in ``dtype``: ``int8``
-    with a scale per output row, ``int4`` per group of 32 input features (Q4_1's layout). Another device is an
-    error (docs/design/cpu-fast-paths.md#integer-weights)."""
+    """Weight-only integer weights on the CPU: ``int8`` with a scale per output row for steps of up to 16 rows,
+    activations in ``dtype``; ``int4`` with a float16 scale and minimum per 32 input features (Q4_1's grid), every
+    step, activations rounded to int8 per 32 where AVX2 runs it. Another device is an error
+    (docs/design/cpu-fast-paths.md#integer-weights)."""
     max_model_len: PositiveInt | None = None
     """Longest prompt plus output, in tokens. Null: the model's ``max_position_embeddings`` (a model that
     declares none needs this set); a larger value is capped to it."""

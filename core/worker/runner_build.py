@@ -39,10 +39,15 @@ from patchbay.worker.model.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.parallel.kv_transfers import RankTransferReports
 from patchbay.worker.lora.manager import LoRAManager, install_lora
 from patchbay.worker.model_runner import ModelRunner
-from patchbay.worker.cpu.packed_linear import packing_supported
+from patchbay.worker.cpu.packed_linear import packing_supported, use_packed_linears
 from patchbay.worker.cpu.streaming_linear import tiles_unavailable
 from patchbay.worker.parallel.pipeline_parallel import StageLink, samples_on, split_model, stage_layout
-from patchbay.worker.cpu.quantization import INT8_MAX_ROWS, quantize_linears
+from patchbay.worker.cpu.quantization import (
+    INT8_MAX_ROWS,
+    Int4TileLayout,
+    int4_tiles_unavailable,
+    quantize_linears,
+)
 from patchbay.worker.parallel.tensor_parallel import AllGather, AllReduce, shard_layout, shard_model
 from patchbay.worker.cpu.tuning import LinearPaths, Tuning, apply_linear_paths
 
@@ -189,7 +194,11 @@ def speed_up_linears(
         # Fused q/k/v and gate/up mean fewer, larger integer products: fuse for every step that runs them.
         if runtime.fuse_projections:
             fuse_shared_input_projections(model.model, max_rows=INT8_MAX_ROWS)
-        quantized = quantize_linears(model.model, quantization)
+        if quantization == "int4" and int4_tiles_unavailable() is None:
+            # int4 tiles run every step (no float copy), and as tiles they let decoder layers run fused.
+            quantized = use_packed_linears(model.model, Int4TileLayout(torch.get_num_threads()))
+        else:
+            quantized = quantize_linears(model.model, quantization)
     if runtime.linear_kernel == "row_split" and not (device.type == "cpu" and dtype == "float32"):
         raise ConfigError(
             [

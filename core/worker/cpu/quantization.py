@@ -33,7 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchbay.worker.cpu.fused_projections import Member, SharedInputProjections
-from patchbay.worker.cpu.streaming_linear import load_streaming_linear, tile, tiles_unavailable
+from patchbay.worker.cpu.streaming_linear import (
+    TiledWeight,
+    TileLayout,
+    load_streaming_linear,
+    note_tiles_in_use,
+    tile,
+    tiles_unavailable,
+)
 
 INT8_MAX_ROWS = 16
 """Above this many rows the float weight runs (torch's int8 kernel falls behind its GEMM; measured at 8-64 rows)."""
@@ -169,6 +176,90 @@ class TiledInt8Linear(Int8Linear):
     def multiply(self, flat: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tiles, scales = quantized
         return load_streaming_linear().tiled_int8_linear(flat, tiles, scales, self.linear.out_features, self.threads)
+
+
+def int4_tiles_unavailable() -> str | None:
+    """Why this machine cannot run int4 tiles (None: it can); builds the tiled kernels if needed."""
+    reason = tiles_unavailable(torch.float32)
+    if reason is not None:
+        return reason
+    if not load_streaming_linear().int4_block_bytes():
+        return "int4 tiles need AVX2 with FMA and F16C"
+    return None
+
+
+INT4_LANES = 8
+"""Output features per int4 tile (one 256-bit register of int32 sums)."""
+
+
+def int4_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[N, K]``, K a multiple of :data:`INT4_GROUP_SIZE`) as the tiled kernel's int4 blocks.
+
+    Each group of 32 input features of one output feature gets ``scale = (max - min) / 15`` and ``min``, both
+    rounded to float16 (Q4_1 stores the same pair), and levels ``round((w - min) / scale)`` in 0..15.  The result
+    is ``uint8 [N / 8][K / 32][160]``: per tile of 8 output features and group, four steps of 32 bytes (byte
+    ``4i + j`` of step ``s``: feature ``8s + j`` of lane ``i`` in the low nibble, ``8s + 4 + j`` in the high one),
+    then the lanes' scales, then their minimums.
+    """
+    out_features, in_features = weight.shape
+    padded = F.pad(weight.detach().float(), (0, 0, 0, -out_features % INT4_LANES))
+    tiles, groups = padded.shape[0] // INT4_LANES, in_features // INT4_GROUP_SIZE
+    values = padded.view(tiles, INT4_LANES, groups, INT4_GROUP_SIZE)
+    low, high = values.amin(dim=-1), values.amax(dim=-1)
+    scales, minimums = ((high - low) / 15.0).half(), low.half()
+    divisors = scales.float().clamp(min=torch.finfo(torch.float16).tiny)
+    levels = torch.round((values - minimums.float()[..., None]) / divisors[..., None]).clamp(0, 15).to(torch.uint8)
+    halves = levels.view(tiles, INT4_LANES, groups, 4, 2, 4)  # [tile, lane, group, step, half, j]
+    steps = (halves[..., 0, :] | (halves[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [tile, group, step, lane, j]
+    blocks = torch.cat(
+        [
+            steps.reshape(tiles, groups, -1),
+            scales.transpose(1, 2).contiguous().view(torch.uint8),
+            minimums.transpose(1, 2).contiguous().view(torch.uint8),
+        ],
+        dim=-1,
+    )
+    return blocks.contiguous()
+
+
+def dequantize_int4_tiles(tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The float32 weight ``[out_features, K]`` that :func:`int4_tiles` blocks stand for."""
+    count, groups, _ = tiles.shape
+    steps = tiles[..., : 16 * INT4_LANES].reshape(count, groups, 4, INT4_LANES, 4)
+    halves = torch.stack([steps & 15, steps >> 4], dim=3)  # [tile, group, step, half, lane, j]
+    levels = halves.permute(0, 4, 1, 2, 3, 5).reshape(count, INT4_LANES, groups, INT4_GROUP_SIZE).float()
+    scales = tiles[..., 16 * INT4_LANES : 18 * INT4_LANES].contiguous().view(torch.float16).float()
+    minimums = tiles[..., 18 * INT4_LANES :].contiguous().view(torch.float16).float()  # [tile, group, lane]
+    weights = levels * scales.transpose(1, 2)[..., None] + minimums.transpose(1, 2)[..., None]
+    return weights.reshape(count * INT4_LANES, groups * INT4_GROUP_SIZE)[:out_features]
+
+
+class Int4TileLayout(TileLayout):
+    """int4 weights in the tiled kernel's blocks (:func:`int4_tiles`), every step on ``threads`` threads.
+
+    A decode step reads 5 bits per weight (levels, plus a float16 scale and minimum per 32), a sixth of
+    float32's bytes.  Activations are rounded to int8 per group of 32 (as llama.cpp rounds them for Q4_1) and
+    multiplied by the levels as bytes, 64 weights per instruction pair, so prefill runs on the int4 weights too:
+    no float copy is kept.
+    As a tile layout, decoder layers whose products are int4 tiles still run fused
+    (:mod:`patchbay.worker.cpu.fused_layer`).
+    """
+
+    name = "int4 output tiles"
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        return (
+            weight.device.type == "cpu"
+            and weight.dim() == 2
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.shape[1] % INT4_GROUP_SIZE == 0
+            and int4_tiles_unavailable() is None
+            and bool(weight.detach().abs().amax() < torch.finfo(torch.float16).max)
+        )
+
+    def pack(self, weight: torch.Tensor) -> TiledWeight:
+        note_tiles_in_use()
+        return TiledWeight(int4_tiles(weight), weight.shape[0], weight.shape[1], weight.dtype)
 
 
 def integer_linear_class(scheme: str) -> type[IntegerLinear]:

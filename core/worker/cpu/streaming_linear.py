@@ -10,9 +10,12 @@ it lies in memory, reaches about 41 GB/s on one core and 79 GB/s on two.
 The weights are reordered once, at load, into tiles of output features whose
 weights lie contiguously: bfloat16 in pairs of input features for AVX512-BF16's
 pair dot product (``[N/16][K/2][16][2]``), float32 as ``[N/L][K][L]`` for L-lane
-multiply-adds (AVX-512: 16, AVX2: 8), and int8 weights
+multiply-adds (AVX-512: 16, AVX2: 8), int8 weights
 (:class:`patchbay.worker.cpu.quantization.TiledInt8Linear`) in float32's layout,
-widened in registers and scaled per output feature.  The kernel computes blocks of up to six
+widened in registers and scaled per output feature, and int4 weights
+(:class:`patchbay.worker.cpu.quantization.Int4TileLayout`) in tiles of 8 output
+features, per 32 input features with their scales and minimums, multiplied as
+bytes by activations rounded to int8.  The kernel computes blocks of up to six
 rows by up to four tiles in registers (float32 accumulation, one rounding to the
 output dtype), so many-row products reuse each tile from cache as well.
 
@@ -63,6 +66,12 @@ def tile(weight: torch.Tensor, lanes: int) -> torch.Tensor:
 _helpers_in_use = False  # set once a weight is packed into tiles: this process's products run on the pool
 
 
+def note_tiles_in_use() -> None:
+    """Record that this process multiplies by tiled weights (so :func:`chunk_runner` hands out the helpers)."""
+    global _helpers_in_use
+    _helpers_in_use = True
+
+
 def chunk_runner() -> int:
     """The address of the product helpers' C entry point, for plugins' native kernels that run between a decode
     step's products (0: none, run over OpenMP).
@@ -101,20 +110,18 @@ def tiles_unavailable(dtype: torch.dtype) -> str | None:
 
 @dataclass(frozen=True)
 class TiledWeight:
-    """A weight in output tiles (:func:`tile`) and its shape (the last tile is padded)."""
+    """A weight in output tiles (:func:`tile`, or int4 blocks) and its shape (the last tile is padded)."""
 
     tiles: torch.Tensor
     out_features: int
     in_features: int
+    dtype: torch.dtype
+    """The plain weight's dtype, which the product's inputs and outputs have (int4 tiles are bytes)."""
 
     @property
     def shape(self) -> tuple[int, int]:
         """The plain weight's shape, ``[out_features, in_features]``."""
         return self.out_features, self.in_features
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tiles.dtype
 
 
 class TileLayout:
@@ -132,9 +139,10 @@ class TileLayout:
         return weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0  # bfloat16 tiles pair input features
 
     def pack(self, weight: torch.Tensor) -> TiledWeight:
-        global _helpers_in_use
-        _helpers_in_use = True
-        return TiledWeight(tile(weight, load_streaming_linear().float32_lanes()), *weight.shape)
+        note_tiles_in_use()
+        return TiledWeight(
+            tile(weight, load_streaming_linear().float32_lanes()), weight.shape[0], weight.shape[1], weight.dtype
+        )
 
     def product(self, inputs: torch.Tensor, packed: TiledWeight, bias: torch.Tensor | None) -> torch.Tensor:
         in_features = inputs.shape[-1]

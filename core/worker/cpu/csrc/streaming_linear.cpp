@@ -10,6 +10,8 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstring>
+#include <cmath>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -146,6 +148,21 @@ static inline vfloat vload_weights(const int8_t* p) {
 // stream it from memory, four tiles at once, too many streams for the hardware prefetcher to run ahead of.
 constexpr int64_t kPrefetchBytes = 2048;
 
+// Store a block's float32 sums to `out` (up to `N` features), times per-feature scales or plus a float32 bias.
+template <typename X, int ROWS, int TILES>
+static inline void store_block(const vfloat (&acc)[ROWS][TILES], const float* scales, const float* bias, X* out,
+                               int64_t ldo, int64_t n0, int64_t N) {
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n = n0 + t * kLanes;
+    const int64_t valid = std::min<int64_t>(kLanes, N - n);
+    alignas(64) float lanes[kLanes];
+    for (int m = 0; m < ROWS; ++m) {
+      vstore(lanes, scales ? vmul(acc[m][t], vload(scales + n)) : acc[m][t]);
+      for (int64_t j = 0; j < valid; ++j) out[m * ldo + n + j] = static_cast<X>(lanes[j] + (bias ? bias[n + j] : 0.0f));
+    }
+  }
+}
+
 template <typename X, typename W, int ROWS, int TILES>
 static void lane_block(const X* x, int64_t ldx, const W* tiles, int64_t K, const float* per_feature, X* out,
                        int64_t ldo, int64_t n0, int64_t N) {
@@ -165,16 +182,7 @@ static void lane_block(const X* x, int64_t ldx, const W* tiles, int64_t K, const
       for (int t = 0; t < TILES; ++t) acc[m][t] = vfma(w[t], xb, acc[m][t]);
     }
   }
-  for (int t = 0; t < TILES; ++t) {
-    const int64_t n = n0 + t * kLanes;
-    const int64_t valid = std::min<int64_t>(kLanes, N - n);
-    alignas(64) float lanes[kLanes];
-    for (int m = 0; m < ROWS; ++m) {
-      vstore(lanes, kScaled ? vmul(acc[m][t], vload(per_feature + n)) : acc[m][t]);
-      for (int64_t j = 0; j < valid; ++j)
-        out[m * ldo + n + j] = static_cast<X>(lanes[j] + (!kScaled && per_feature ? per_feature[n + j] : 0.0f));
-    }
-  }
+  store_block<X, ROWS, TILES>(acc, kScaled ? per_feature : nullptr, kScaled ? nullptr : per_feature, out, ldo, n0, N);
 }
 
 template <int ROWS, int TILES>
@@ -193,6 +201,144 @@ template <int ROWS, int TILES>
 static void int8_block_bf16(const c10::BFloat16* x, int64_t ldx, const int8_t* tiles, int64_t K,
                             const float* scales, c10::BFloat16* out, int64_t ldo, int64_t n0, int64_t N) {
   lane_block<c10::BFloat16, int8_t, ROWS, TILES>(x, ldx, tiles, K, scales, out, ldo, n0, N);
+}
+#endif
+
+
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PATCHBAY_INT4 1
+// int4 weights (weight-only quantization on llama.cpp's Q4_1 grid) times activations quantized to int8 per group
+// of 32 features, multiplied as bytes: 64 weights per 256-bit load, summed in int32 and scaled once per group.
+//
+// Tiles are kInt4Lanes output features wide.  For each tile and group of kInt4Group input features, one block of
+// kInt4BlockBytes: four steps of 32 bytes, where byte 4i + j of step s holds input feature 8s + j of lane i in its
+// low nibble and feature 8s + 4 + j in its high one; then the lanes' float16 scales, then their float16 minimums.
+// A weight is level * scale + minimum, so a lane's sum over a group is
+//   scale * x_scale * sum(level * x_level) + minimum * sum(x),
+// with x = x_level * x_scale (x_scale = max|x| / 127 over the group) and sum(x) taken before rounding.
+constexpr int64_t kInt4Lanes = 8;
+constexpr int64_t kInt4Group = 32;
+constexpr int64_t kInt4BlockBytes = 20 * kInt4Lanes;
+constexpr int kInt4Tiles = 4;  // tiles per block: one row keeps 4 float and 4 integer sums in registers
+constexpr int kInt4Rows = 4;
+
+// acc + per lane, the sum over four byte pairs of levels (unsigned) times activations (signed).
+static inline __m256i dot_bytes(__m256i acc, __m256i levels, __m256i activations) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, levels, activations);
+#else
+  const __m256i pairs = _mm256_maddubs_epi16(levels, activations);  // at most 2 * 15 * 127: no saturation
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+// A product's activations as int8 per group: levels [rows][K], and per row and group the scale and the exact sum.
+struct Int8Rows {
+  const int8_t* levels;
+  const float* scales;
+  const float* sums;
+  int64_t K;
+  int64_t groups;
+};
+
+template <typename X>
+static void quantize_rows(const X* x, int64_t ldx, int64_t rows, int64_t K, int8_t* levels, float* scales,
+                          float* sums) {
+  const int64_t groups = K / kInt4Group;
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const X* group = x + m * ldx + g * kInt4Group;
+      float values[kInt4Group], largest = 0.0f, sum = 0.0f;
+      for (int64_t k = 0; k < kInt4Group; ++k) {
+        values[k] = static_cast<float>(group[k]);
+        largest = std::max(largest, std::fabs(values[k]));
+        sum += values[k];
+      }
+      const float scale = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+      for (int64_t k = 0; k < kInt4Group; ++k)
+        levels[m * K + g * kInt4Group + k] = static_cast<int8_t>(std::nearbyint(values[k] * inverse));
+      scales[m * groups + g] = scale;
+      sums[m * groups + g] = sum;
+    }
+}
+
+template <typename X, int ROWS, int TILES>
+static void int4_block(const Int8Rows& x, int64_t m0, const uint8_t* panel, const float* bias, X* out, int64_t ldo,
+                       int64_t n0, int64_t N) {
+  const int64_t groups = x.groups;
+  __m256 acc[ROWS][TILES];
+  for (int m = 0; m < ROWS; ++m)
+    for (int t = 0; t < TILES; ++t) acc[m][t] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block[TILES];
+    for (int t = 0; t < TILES; ++t) block[t] = panel + (t * groups + g) * kInt4BlockBytes;
+    __m256i dots[ROWS][TILES];
+    for (int m = 0; m < ROWS; ++m)
+      for (int t = 0; t < TILES; ++t) dots[m][t] = _mm256_setzero_si256();
+    for (int step = 0; step < 4; ++step) {
+      __m256i low[TILES], high[TILES];
+      for (int t = 0; t < TILES; ++t) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[t] + step * 32));
+        low[t] = _mm256_and_si256(bytes, nibble);
+        high[t] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+      }
+      for (int m = 0; m < ROWS; ++m) {
+        const int8_t* levels = x.levels + (m0 + m) * x.K + g * kInt4Group + step * 8;
+        int32_t first, second;
+        std::memcpy(&first, levels, 4);
+        std::memcpy(&second, levels + 4, 4);
+        const __m256i a = _mm256_set1_epi32(first), b = _mm256_set1_epi32(second);
+        for (int t = 0; t < TILES; ++t) dots[m][t] = dot_bytes(dot_bytes(dots[m][t], low[t], a), high[t], b);
+      }
+    }
+    for (int t = 0; t < TILES; ++t) {
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block[t] + 128)));
+      const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block[t] + 144)));
+      for (int m = 0; m < ROWS; ++m) {
+        const int64_t at = (m0 + m) * groups + g;
+        const __m256 scaled = _mm256_mul_ps(scale, _mm256_set1_ps(x.scales[at]));
+        acc[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m][t]), scaled, acc[m][t]);
+        acc[m][t] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(x.sums[at]), acc[m][t]);
+      }
+    }
+  }
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n = n0 + t * kInt4Lanes;
+    const int64_t valid = std::min<int64_t>(kInt4Lanes, N - n);
+    alignas(32) float lanes[kInt4Lanes];
+    for (int m = 0; m < ROWS; ++m) {
+      _mm256_store_ps(lanes, acc[m][t]);
+      for (int64_t j = 0; j < valid; ++j)
+        out[(m0 + m) * ldo + n + j] = static_cast<X>(lanes[j] + (bias ? bias[n + j] : 0.0f));
+    }
+  }
+}
+
+template <typename X>
+using Int4Block = void (*)(const Int8Rows&, int64_t, const uint8_t*, const float*, X*, int64_t, int64_t, int64_t);
+
+template <typename X, int TILES>
+struct Int4Blocks {
+  static constexpr Int4Block<X> rows[kInt4Rows] = {int4_block<X, 1, TILES>, int4_block<X, 2, TILES>,
+                                                   int4_block<X, 3, TILES>, int4_block<X, 4, TILES>};
+};
+
+// Every row times the tiles [tile_begin, tile_end): blocks of up to kInt4Tiles tiles by up to kInt4Rows rows.
+template <typename X>
+static void int4_tile_range(const Int8Rows& x, int64_t rows, const uint8_t* tiles, const float* bias, X* out,
+                            int64_t N, int64_t tile_begin, int64_t tile_end) {
+  static const Int4Block<X>* by_tiles[kInt4Tiles] = {Int4Blocks<X, 1>::rows, Int4Blocks<X, 2>::rows,
+                                                     Int4Blocks<X, 3>::rows, Int4Blocks<X, 4>::rows};
+  const int64_t tile_bytes = x.groups * kInt4BlockBytes;
+  for (int64_t t0 = tile_begin; t0 < tile_end; t0 += kInt4Tiles) {
+    const int64_t tiles_here = std::min<int64_t>(kInt4Tiles, tile_end - t0);
+    for (int64_t m0 = 0; m0 < rows; m0 += kInt4Rows) {
+      const int64_t rows_here = std::min<int64_t>(kInt4Rows, rows - m0);
+      by_tiles[tiles_here - 1][rows_here - 1](x, m0, tiles + t0 * tile_bytes, bias, out, N, t0 * kInt4Lanes, N);
+    }
+  }
 }
 #endif
 
@@ -284,8 +430,65 @@ static int64_t chunk_tiles(int64_t n_tiles, int64_t block_tiles, int64_t threads
   return std::max<int64_t>(block_tiles, (wanted + block_tiles - 1) / block_tiles * block_tiles);
 }
 
+// Bytes of one int4 block (0: this build has no int4 tiles).
+int64_t int4_block_bytes() {
+#ifdef PATCHBAY_INT4
+  return kInt4BlockBytes;
+#else
+  return 0;
+#endif
+}
+
+// x: [rows, K] float32 or bfloat16; tiles: uint8 [N/8][K/32][int4_block_bytes()]; bias: any float dtype.
+torch::Tensor tiled_int4_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<torch::Tensor> bias,
+                                int64_t out_features, int64_t threads) {
+#ifdef PATCHBAY_INT4
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "tiled_int4_linear takes rows of contiguous features");
+  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() && tiles.dim() == 3
+              && tiles.size(2) == kInt4BlockBytes && x.size(1) == tiles.size(1) * kInt4Group,
+              "int4 tiles are uint8 [N/8][K/32][block bytes]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "tiled_int4_linear takes float32 or bfloat16 activations");
+  const int64_t rows = x.size(0), K = x.size(1), N = out_features, n_tiles = tiles.size(0), groups = tiles.size(1);
+  TORCH_CHECK(N <= n_tiles * kInt4Lanes, "tiled_int4_linear: more output features than tiles");
+  auto out = torch::empty({rows, N}, x.options());
+  if (rows == 0) return out;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->contiguous().to(torch::kFloat32);
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  auto levels = torch::empty({rows, K}, x.options().dtype(torch::kInt8));
+  auto per_group = torch::empty({2, rows, groups}, x.options().dtype(torch::kFloat32));
+  float* scales = per_group.data_ptr<float>();
+  float* sums = scales + rows * groups;
+  if (x.scalar_type() == torch::kFloat32)
+    quantize_rows(x.data_ptr<float>(), x.stride(0), rows, K, levels.data_ptr<int8_t>(), scales, sums);
+  else
+    quantize_rows(x.data_ptr<at::BFloat16>(), x.stride(0), rows, K, levels.data_ptr<int8_t>(), scales, sums);
+  const Int8Rows quantized{levels.data_ptr<int8_t>(), scales, sums, K, groups};
+  const uint8_t* tp = tiles.data_ptr<uint8_t>();
+  const int64_t per_chunk = chunk_tiles(n_tiles, kInt4Tiles, threads);
+  const int64_t chunks = (n_tiles + per_chunk - 1) / per_chunk;
+  if (x.scalar_type() == torch::kFloat32) {
+    float* op = out.data_ptr<float>();
+    ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
+      int4_tile_range(quantized, rows, tp, bp, op, N, chunk * per_chunk, std::min(n_tiles, (chunk + 1) * per_chunk));
+    });
+  } else {
+    auto* op = out.data_ptr<at::BFloat16>();
+    ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
+      int4_tile_range(quantized, rows, tp, bp, op, N, chunk * per_chunk, std::min(n_tiles, (chunk + 1) * per_chunk));
+    });
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "tiled_int4_linear needs AVX2 with FMA and F16C");
+#endif
+}
+
 torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<torch::Tensor> bias,
                            int64_t out_features, int64_t threads) {
+  // int4 tiles carry their own scales; the fused decoder layer reaches them through this entry too.
+  if (tiles.scalar_type() == torch::kUInt8) return tiled_int4_linear(x, tiles, bias, out_features, threads);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "tiled_linear takes rows of contiguous features");
   TORCH_CHECK(tiles.is_contiguous() && (tiles.dim() == 3 || tiles.dim() == 4), "tiled_linear takes tiled weights");
   TORCH_CHECK(x.scalar_type() == tiles.scalar_type(), "tiled_linear: inputs and weights differ in dtype");
@@ -390,6 +593,8 @@ int64_t tiled_product() { return reinterpret_cast<int64_t>(&tiled_linear_into); 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_linear", torch::wrap_pybind_function(tiled_linear), "tiled_linear");
   m.def("tiled_int8_linear", torch::wrap_pybind_function(tiled_int8_linear), "tiled_int8_linear");
+  m.def("tiled_int4_linear", torch::wrap_pybind_function(tiled_int4_linear), "tiled_int4_linear");
+  m.def("int4_block_bytes", torch::wrap_pybind_function(int4_block_bytes), "int4_block_bytes");
   m.def("float32_lanes", torch::wrap_pybind_function(float32_lanes), "float32_lanes");
   m.def("bfloat16_supported", torch::wrap_pybind_function(bfloat16_supported), "bfloat16_supported");
   m.def("chunk_runner", torch::wrap_pybind_function(chunk_runner), "chunk_runner");
