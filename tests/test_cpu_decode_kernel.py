@@ -263,3 +263,27 @@ def test_the_plan_gives_the_kernel_each_token_with_its_own_causal_length():
     queries = plan.kernel_queries
     assert queries.rows.tolist() == [0, 1, 2, 3]  # the long third request is SDPA's
     assert queries.seq_lens.tolist() == [6, 1, 2, 3] and queries.table_rows.tolist() == [0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_the_kernel_writes_new_keys_and_values_where_write_kv_does(dtype, slot_dtype):
+    """The C++ write (one call per layer) against the backends' shared torch write, on views of a fused product
+    (strided rows) with padding rows past the slots."""
+    from patchbay.plugins.attention._paged import write_kv
+
+    generator = torch.Generator().manual_seed(3)
+    num_blocks, block_size, kv_heads, head_size = 6, 4, 3, 16
+    caches = [torch.randn(num_blocks, block_size, kv_heads, head_size, generator=generator).to(dtype) for _ in "kv"]
+    expected = [cache.clone() for cache in caches]
+    fused = torch.randn(7, 5 * kv_heads * head_size, generator=generator).to(dtype)  # 5 rows of slots, 2 padding
+    key = fused[:, : kv_heads * head_size].view(7, kv_heads, head_size)
+    value = fused[:, 2 * kv_heads * head_size : 3 * kv_heads * head_size].view(7, kv_heads, head_size)
+    assert not key.is_contiguous()
+    slots = torch.tensor([5, 0, 23, 9, 10], dtype=slot_dtype)
+    _cpu_kernel.load_kernel().write_kv(*caches, key, value, slots)
+    write_kv(*expected, key, value, slots)
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="slot 24 of token 1 is outside the cache's 24 rows"):
+        _cpu_kernel.load_kernel().write_kv(*caches, key, value, torch.tensor([0, 24], dtype=slot_dtype))

@@ -16,7 +16,8 @@ keys' dot products reduced by one add tree, each value row weighed for several
 query heads at once); other shapes and CPUs run plain loops.  The work, one
 task per request and KV head, runs on the tiled products' helper threads where
 the process has them (:func:`patchbay.worker.cpu.streaming_linear.chunk_runner`),
-else over OpenMP.  It is built like every
+else over OpenMP.  The extension also writes a step's new keys and values into
+the cache, one call per layer (``write_kv``).  It is built like every
 patchbay extension (:mod:`patchbay.worker.cpu.native_build`): by ``make`` at
 install time (``python -m patchbay.plugins.attention._cpu_kernel``), elsewhere
 by :class:`KernelBuild` in a background thread while decodes run through SDPA;

@@ -356,13 +356,24 @@ class TorchSDPAImpl(AttentionImpl):
         """Write the new keys and values, then attend every request as the step's plan says."""
         plan = self._plan(metadata)
         metadata = as_paged(metadata)
-        key_cache, value_cache = split_and_write_kv(TorchSDPABackend, kv_cache, key, value, metadata.slot_mapping)
         kernel = None
-        if query.device.type == "cpu" and query.dtype == key_cache.dtype and query.dtype in KERNEL_DTYPES:
+        if query.device.type == "cpu" and query.dtype == kv_cache.dtype and query.dtype in KERNEL_DTYPES:
             kernel = self.decode_kernel.get()
             query = query.contiguous() if kernel is not None and query.stride(-1) != 1 else query
+        if (
+            kernel is not None
+            and key.dtype == value.dtype == kv_cache.dtype
+            and key.stride(-1) == value.stride(-1) == 1
+            and kv_cache.is_contiguous()
+        ):
+            key_cache, value_cache = TorchSDPABackend.split_kv_cache(kv_cache)
+            # One C++ call per layer: the few torch ops per cache of write_kv cost more than a decode's copy.
+            kernel.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        else:
+            key_cache, value_cache = split_and_write_kv(TorchSDPABackend, kv_cache, key, value, metadata.slot_mapping)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        output[metadata.num_actual_tokens :].zero_()
+        if metadata.num_actual_tokens < output.shape[0]:
+            output[metadata.num_actual_tokens :].zero_()
         covered = 0  # requests of up to this many new tokens were attended by the kernel
         if kernel is not None and plan.kernel_queries is not None:
             queries = plan.kernel_queries

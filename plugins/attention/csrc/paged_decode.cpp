@@ -1,5 +1,6 @@
 // Attention of single query tokens straight over the paged KV cache (patchbay.plugins.attention._cpu_kernel).
 #include <torch/extension.h>
+#include <cstring>
 #include "simd.h"
 #include <omp.h>
 #include <algorithm>
@@ -367,6 +368,44 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch:
   }
 }
 
+// The step's new keys and values into the caches, one call per layer instead of a few torch ops per cache.
+// key_cache, value_cache: [blocks, block_size, kv_heads, head_size], contiguous; key, value: [tokens, kv_heads,
+// head_size] in the caches' dtype, unit stride along head_size; slots: int32 or int64, one per token written
+// (tokens past them are padding).  Token i goes to row slots[i] of each cache seen as [rows, kv_heads, head_size].
+void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
+              torch::Tensor slots) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 4
+              && key_cache.sizes() == value_cache.sizes(), "write_kv: two contiguous caches of one shape expected");
+  const auto dtype = key_cache.scalar_type();
+  TORCH_CHECK(value_cache.scalar_type() == dtype && key.scalar_type() == dtype && value.scalar_type() == dtype,
+              "write_kv: keys and values in the caches' dtype expected");
+  const int64_t heads = key_cache.size(2), head_size = key_cache.size(3);
+  const int64_t rows = key_cache.size(0) * key_cache.size(1), n = slots.numel();
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(1) == heads && value.size(1) == heads
+              && key.size(2) == head_size && value.size(2) == head_size && key.stride(2) == 1
+              && value.stride(2) == 1 && key.size(0) >= n && value.size(0) >= n,
+              "write_kv: [tokens, kv_heads, head_size] keys and values with unit stride along head_size expected");
+  TORCH_CHECK(slots.dim() == 1 && slots.is_contiguous()
+              && (slots.scalar_type() == torch::kInt32 || slots.scalar_type() == torch::kInt64),
+              "write_kv: int32 or int64 slots expected");
+  const int64_t element = key_cache.element_size(), row_bytes = head_size * element;
+  char* k_cache = static_cast<char*>(key_cache.data_ptr());
+  char* v_cache = static_cast<char*>(value_cache.data_ptr());
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = slots.scalar_type() == torch::kInt32 ? slots.data_ptr<int32_t>()[i] : slots.data_ptr<int64_t>()[i];
+    TORCH_CHECK(slot >= 0 && slot < rows, "write_kv: slot ", slot, " of token ", i, " is outside the cache's ", rows,
+                " rows");
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t at = (slot * heads + h) * row_bytes;
+      std::memcpy(k_cache + at, k + (i * key.stride(0) + h * key.stride(1)) * element, row_bytes);
+      std::memcpy(v_cache + at, v + (i * value.stride(0) + h * value.stride(1)) * element, row_bytes);
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", torch::wrap_pybind_function(paged_decode_attention), "paged_decode_attention");
+  m.def("write_kv", torch::wrap_pybind_function(write_kv), "write_kv");
 }
