@@ -223,15 +223,20 @@ constexpr int64_t kInt4BlockBytes = 20 * kInt4Lanes;
 constexpr int kInt4Tiles = 4;  // tiles per block: one row keeps 4 float and 4 integer sums in registers
 constexpr int kInt4Rows = 4;
 
-// acc + per lane, the sum over four byte pairs of levels (unsigned) times activations (signed).
-static inline __m256i dot_bytes(__m256i acc, __m256i levels, __m256i activations) {
+// Sums of levels (unsigned bytes) times activations (signed bytes) over one group.  With VNNI each lane's four
+// byte products add straight into its int32; without, pairs of products add into int16s (each at most
+// 2 * 15 * 127 = 3810, so a group's eight stay below 32767) and the pairs into the lane's int32 once per group.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, levels, activations);
-#else
-  const __m256i pairs = _mm256_maddubs_epi16(levels, activations);  // at most 2 * 15 * 127: no saturation
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
+static inline __m256i dot_bytes(__m256i sums, __m256i levels, __m256i activations) {
+  return _mm256_dpbusd_epi32(sums, levels, activations);
 }
+static inline __m256i group_sums(__m256i sums) { return sums; }
+#else
+static inline __m256i dot_bytes(__m256i sums, __m256i levels, __m256i activations) {
+  return _mm256_add_epi16(sums, _mm256_maddubs_epi16(levels, activations));
+}
+static inline __m256i group_sums(__m256i sums) { return _mm256_madd_epi16(sums, _mm256_set1_epi16(1)); }
+#endif
 
 // A product's activations as int8 per group: levels [rows][K], and per row and group the scale and the exact sum.
 struct Int8Rows {
@@ -299,7 +304,7 @@ static void int4_block(const Int8Rows& x, int64_t m0, const uint8_t* panel, cons
       for (int m = 0; m < ROWS; ++m) {
         const int64_t at = (m0 + m) * groups + g;
         const __m256 scaled = _mm256_mul_ps(scale, _mm256_set1_ps(x.scales[at]));
-        acc[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m][t]), scaled, acc[m][t]);
+        acc[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(dots[m][t])), scaled, acc[m][t]);
         acc[m][t] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(x.sums[at]), acc[m][t]);
       }
     }
