@@ -189,6 +189,10 @@ def test_stream_fraction_is_weight_bytes_over_bandwidth_over_time_per_token():
     machine = MachineLimits("m", 2, read_bandwidth_gb_s=5.0, gemm_gflop_s=1.0, triad_bandwidth_gb_s=1.0)
     # 220 bytes per token at 1 GB/s take 220 ns; a token every 1 us uses 22% of the bandwidth.
     assert Roofline(cost, machine).stream_fraction(220, 1e-6) == pytest.approx(0.22)
+    # The bandwidth floor reads the engine's own weight bytes (int4's fewer) plus the request's K and V.
+    roofline = Roofline(cost, machine)
+    assert roofline.decode_ms_floor(3) == pytest.approx((440 + 2 * 3 * 4) / 5e9 * 1e3)
+    assert roofline.decode_ms_floor(3, weight_bytes=55) == pytest.approx((55 + 2 * 3 * 4) / 5e9 * 1e3)
     with pytest.raises(ValueError, match="quantization 'int2'"):
         bits_per_weight("bfloat16", "int2")
 

@@ -619,8 +619,8 @@ class Bench:
                 if ttft is None or run is None:
                     continue
                 decode_ms = (run.seconds - ttft.seconds) / 64 * 1e3
-                floor = self.roofline.decode_ms_floor(length + 32)
                 weight_bytes = self._weight_bytes(engine, run)
+                floor = self.roofline.decode_ms_floor(length + 32, weight_bytes)
                 stream = None
                 if weight_bytes is not None and decode_ms > 0:
                     stream = self.roofline.stream_fraction(weight_bytes, decode_ms / 1e3)

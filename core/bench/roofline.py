@@ -99,10 +99,11 @@ class ModelCost:
         spared_attention = self.attention_flops(1) * per_request * (per_request + 1) / 2 * len(workload.requests)
         return total - 2.0 * self.linear_params * reused_prompt_tokens - spared_attention
 
-    def decode_bytes(self, context: int) -> float:
-        """Bytes one batch-1 decode step must read: all weights and the request's K and V."""
-        kv = 2 * self.num_layers * self.num_kv_heads * self.head_dim * context
-        return float((self.linear_params + self.lm_head_params + kv) * self.bytes_per_param)
+    def decode_bytes(self, context: int, weight_bytes: float | None = None) -> float:
+        """Bytes one batch-1 decode step must read: all weights (``weight_bytes``, default the loaded model's) and
+        the request's K and V (at the loaded model's element size)."""
+        kv = 2 * self.num_layers * self.num_kv_heads * self.head_dim * context * self.bytes_per_param
+        return float((self.weight_bytes() if weight_bytes is None else weight_bytes) + kv)
 
     def weight_bytes(self, bits: float | None = None) -> float:
         """Bytes of the weights one decode step reads (every linear and the lm head) at ``bits`` per weight
@@ -119,9 +120,10 @@ class Roofline:
     cost: ModelCost
     machine: MachineLimits
 
-    def decode_ms_floor(self, context: int) -> float:
-        """Least batch-1 decode time per token at ``context`` tokens, from the read bandwidth."""
-        return self.cost.decode_bytes(context) / (self.machine.read_bandwidth_gb_s * 1e9) * 1e3
+    def decode_ms_floor(self, context: int, weight_bytes: float | None = None) -> float:
+        """Least batch-1 decode time per token at ``context`` tokens, from the read bandwidth, for weights of
+        ``weight_bytes`` (default: the loaded model's; an engine's integer weights read fewer)."""
+        return self.cost.decode_bytes(context, weight_bytes) / (self.machine.read_bandwidth_gb_s * 1e9) * 1e3
 
     def stream_fraction(self, weight_bytes: float, seconds_per_token: float) -> float:
         """Share of the measured STREAM bandwidth a decode reading ``weight_bytes`` per token in
