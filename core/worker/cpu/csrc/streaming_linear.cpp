@@ -220,7 +220,11 @@ static void int8_block_bf16(const c10::BFloat16* x, int64_t ldx, const int8_t* t
 constexpr int64_t kInt4Lanes = 8;
 constexpr int64_t kInt4Group = 32;
 constexpr int64_t kInt4BlockBytes = 20 * kInt4Lanes;
-constexpr int kInt4Tiles = 4;  // tiles per block: one row keeps 4 float and 4 integer sums in registers
+// Blocks of up to kInt4Tiles tiles for one row, kInt4RowTiles for several (up to kInt4Rows): each row and tile
+// keeps a register of integer sums through the group, and the weights' two nibble registers per tile and the
+// activations' two broadcasts must fit beside them in AVX2's sixteen.
+constexpr int kInt4Tiles = 4;
+constexpr int kInt4RowTiles = 2;
 constexpr int kInt4Rows = 4;
 
 // Sums of levels (unsigned bytes) times activations (signed bytes) over one group.  With VNNI each lane's four
@@ -337,8 +341,9 @@ static void int4_tile_range(const Int8Rows& x, int64_t rows, const uint8_t* tile
   static const Int4Block<X>* by_tiles[kInt4Tiles] = {Int4Blocks<X, 1>::rows, Int4Blocks<X, 2>::rows,
                                                      Int4Blocks<X, 3>::rows, Int4Blocks<X, 4>::rows};
   const int64_t tile_bytes = x.groups * kInt4BlockBytes;
-  for (int64_t t0 = tile_begin; t0 < tile_end; t0 += kInt4Tiles) {
-    const int64_t tiles_here = std::min<int64_t>(kInt4Tiles, tile_end - t0);
+  const int64_t block_tiles = rows > 1 ? kInt4RowTiles : kInt4Tiles;
+  for (int64_t t0 = tile_begin; t0 < tile_end; t0 += block_tiles) {
+    const int64_t tiles_here = std::min<int64_t>(block_tiles, tile_end - t0);
     for (int64_t m0 = 0; m0 < rows; m0 += kInt4Rows) {
       const int64_t rows_here = std::min<int64_t>(kInt4Rows, rows - m0);
       by_tiles[tiles_here - 1][rows_here - 1](x, m0, tiles + t0 * tile_bytes, bias, out, N, t0 * kInt4Lanes, N);
