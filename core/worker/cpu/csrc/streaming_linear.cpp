@@ -251,25 +251,51 @@ struct Int8Rows {
   int64_t groups;
 };
 
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// Row m's groups as int8 levels (x * 127 / max|x|, rounded to nearest even), with each group's scale and sum.
+template <typename X>
+static void quantize_row(const X* x, int64_t K, int8_t* levels, float* scales, float* sums) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t g = 0; g < K / kInt4Group; ++g) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = load8(x + g * kInt4Group + 8 * i);
+    const __m256 largest8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                          _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+    __m128 largest4 = _mm_max_ps(_mm256_castps256_ps128(largest8), _mm256_extractf128_ps(largest8, 1));
+    largest4 = _mm_max_ps(largest4, _mm_movehl_ps(largest4, largest4));
+    const float largest = _mm_cvtss_f32(_mm_max_ss(largest4, _mm_shuffle_ps(largest4, largest4, 1)));
+    const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+    __m256i rounded[4];
+    for (int i = 0; i < 4; ++i) rounded[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // nearest even
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(rounded[0], rounded[1]),
+                                             _mm256_packs_epi32(rounded[2], rounded[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(levels + g * kInt4Group),
+                        _mm256_permutevar8x32_epi32(bytes, order));
+    const __m256 total = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+    __m128 total4 = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    total4 = _mm_add_ps(total4, _mm_movehl_ps(total4, total4));
+    scales[g] = largest / 127.0f;
+    sums[g] = _mm_cvtss_f32(_mm_add_ss(total4, _mm_shuffle_ps(total4, total4, 1)));
+  }
+}
+
+// Every row of x quantized (quantize_row), rows shared over the pool's threads when there are many.
 template <typename X>
 static void quantize_rows(const X* x, int64_t ldx, int64_t rows, int64_t K, int8_t* levels, float* scales,
-                          float* sums) {
+                          float* sums, int64_t threads) {
   const int64_t groups = K / kInt4Group;
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      const X* group = x + m * ldx + g * kInt4Group;
-      float values[kInt4Group], largest = 0.0f, sum = 0.0f;
-      for (int64_t k = 0; k < kInt4Group; ++k) {
-        values[k] = static_cast<float>(group[k]);
-        largest = std::max(largest, std::fabs(values[k]));
-        sum += values[k];
-      }
-      const float scale = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
-      for (int64_t k = 0; k < kInt4Group; ++k)
-        levels[m * K + g * kInt4Group + k] = static_cast<int8_t>(std::nearbyint(values[k] * inverse));
-      scales[m * groups + g] = scale;
-      sums[m * groups + g] = sum;
-    }
+  constexpr int64_t kRowsPerChunk = 8;
+  const int64_t chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
+  ChunkPool::instance().run(rows >= 2 * kRowsPerChunk ? static_cast<int>(threads) : 1, chunks, [&](int64_t chunk) {
+    for (int64_t m = chunk * kRowsPerChunk; m < std::min(rows, (chunk + 1) * kRowsPerChunk); ++m)
+      quantize_row(x + m * ldx, K, levels + m * K, scales + m * groups, sums + m * groups);
+  });
 }
 
 template <typename X, int ROWS, int TILES>
@@ -471,9 +497,9 @@ torch::Tensor tiled_int4_linear(torch::Tensor x, torch::Tensor tiles, c10::optio
   float* scales = per_group.data_ptr<float>();
   float* sums = scales + rows * groups;
   if (x.scalar_type() == torch::kFloat32)
-    quantize_rows(x.data_ptr<float>(), x.stride(0), rows, K, levels.data_ptr<int8_t>(), scales, sums);
+    quantize_rows(x.data_ptr<float>(), x.stride(0), rows, K, levels.data_ptr<int8_t>(), scales, sums, threads);
   else
-    quantize_rows(x.data_ptr<at::BFloat16>(), x.stride(0), rows, K, levels.data_ptr<int8_t>(), scales, sums);
+    quantize_rows(x.data_ptr<at::BFloat16>(), x.stride(0), rows, K, levels.data_ptr<int8_t>(), scales, sums, threads);
   const Int8Rows quantized{levels.data_ptr<int8_t>(), scales, sums, K, groups};
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   const int64_t per_chunk = chunk_tiles(n_tiles, kInt4Tiles, threads);
