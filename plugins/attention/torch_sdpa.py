@@ -360,17 +360,21 @@ class TorchSDPAImpl(AttentionImpl):
         if query.device.type == "cpu" and query.dtype == kv_cache.dtype and query.dtype in KERNEL_DTYPES:
             kernel = self.decode_kernel.get()
             query = query.contiguous() if kernel is not None and query.stride(-1) != 1 else query
+        slots = metadata.slot_mapping
         if (
             kernel is not None
+            and key.dim() == value.dim() == 3
             and key.dtype == value.dtype == kv_cache.dtype
             and key.stride(-1) == value.stride(-1) == 1
             and kv_cache.is_contiguous()
+            and slots.dtype in (torch.int32, torch.int64)
+            and slots.is_contiguous()
         ):
             key_cache, value_cache = TorchSDPABackend.split_kv_cache(kv_cache)
             # One C++ call per layer: the few torch ops per cache of write_kv cost more than a decode's copy.
-            kernel.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+            kernel.write_kv(key_cache, value_cache, key, value, slots)
         else:
-            key_cache, value_cache = split_and_write_kv(TorchSDPABackend, kv_cache, key, value, metadata.slot_mapping)
+            key_cache, value_cache = split_and_write_kv(TorchSDPABackend, kv_cache, key, value, slots)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if metadata.num_actual_tokens < output.shape[0]:
             output[metadata.num_actual_tokens :].zero_()
