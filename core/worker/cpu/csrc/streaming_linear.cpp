@@ -11,7 +11,6 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
-#include <cmath>
 #include <mutex>
 #include <thread>
 #include <type_traits>
