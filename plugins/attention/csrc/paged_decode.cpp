@@ -5,11 +5,15 @@
 #include <omp.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
 // Shapes, for both paths: query [tokens, heads, head_size], any strides; output the same, contiguous;
-// key_cache, value_cache: [blocks, block_size, kv_heads, head_size]; block_table: int32 [requests, max_blocks];
+// key_cache, value_cache: [blocks, block_size, kv_heads, row]: a row is head_size features in the query's dtype
+// (float32 or bfloat16), or, in an int8 cache, head_size int8 levels then their float32 scale (head_size + 4
+// bytes, patchbay.interfaces.int8_kv's format; features are widened to float32 as they are read and the scale
+// applied to each dot product and value weight); block_table: int32 [requests, max_blocks];
 // then per query (a decode's one token, or each token of a short prefill or a draft): seq_lens: int32, the keys
 // it attends (itself included); rows: int64, its query row; table_rows: int64, its request's block-table row;
 // window: 0, or the sliding window.
@@ -18,7 +22,7 @@
 using RunChunks = void (*)(int threads, int64_t chunks, void (*work)(const void*, int64_t), const void* context);
 
 struct Problem {
-  int64_t requests, heads, head_size, block_size, kv_heads, group, max_blocks;
+  int64_t requests, heads, head_size, row_size, block_size, kv_heads, group, max_blocks;
   int64_t q_token_stride, q_head_stride, token_stride, block_stride, window;
   const int32_t* table;
   const int32_t* lens;
@@ -31,11 +35,11 @@ struct Problem {
   Problem(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& block_table,
           const torch::Tensor& seq_lens, const torch::Tensor& rows, const torch::Tensor& table_rows, double scale_,
           int64_t window_, int64_t chunk_runner, int64_t threads_)
-      : requests(rows.size(0)), heads(query.size(1)), head_size(query.size(2)), block_size(key_cache.size(1)),
-        kv_heads(key_cache.size(2)), group(query.size(1) / key_cache.size(2)), max_blocks(block_table.size(1)),
+      : requests(rows.size(0)), heads(query.size(1)), head_size(query.size(2)), row_size(key_cache.size(3)),
+        block_size(key_cache.size(1)), kv_heads(key_cache.size(2)), group(query.size(1) / key_cache.size(2)),
+        max_blocks(block_table.size(1)),
         q_token_stride(query.stride(0)), q_head_stride(query.stride(1)),
-        token_stride(key_cache.size(2) * key_cache.size(3)),
-        block_stride(key_cache.size(1) * key_cache.size(2) * key_cache.size(3)), window(window_),
+        token_stride(key_cache.size(2) * row_size), block_stride(key_cache.size(1) * token_stride), window(window_),
         table(block_table.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()),
         row_of(rows.data_ptr<int64_t>()), table_row_of(table_rows.data_ptr<int64_t>()),
         scale(static_cast<float>(scale_)), run_chunks(reinterpret_cast<RunChunks>(chunk_runner)),
@@ -43,6 +47,26 @@ struct Problem {
 
   int64_t first_key(int64_t r) const { return window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0; }
 };
+
+// Cache rows hold their features (float32 or bfloat16, read as they are), or int8 levels and then the float32
+// scale that turns them into features: the kernels dot and weigh the levels and apply the scale once per row.
+template <typename cache_t>
+constexpr bool kScaledRows = std::is_same<cache_t, int8_t>::value;
+constexpr int64_t kScaleBytes = sizeof(float);  // after an int8 row's levels
+constexpr float kLevels = 127.0f;               // an int8 level's largest magnitude (-128 unused: symmetric)
+
+// The factor a cache row's features are multiplied by: 1, or an int8 row's scale, copied out because a row
+// of head_size + 4 bytes leaves it unaligned.
+template <typename cache_t>
+static inline float row_scale(const cache_t* row, int64_t head_size) {
+  if constexpr (kScaledRows<cache_t>) {
+    float scale;
+    std::memcpy(&scale, row + head_size, sizeof scale);
+    return scale;
+  } else {
+    return 1.0f;
+  }
+}
 
 // task(i) for every i in [0, tasks): on the caller's pool where it passed one (its helpers are awake between the
 // step's products, where OpenMP's sleeping threads would have to be woken and then contend with them for the
@@ -77,9 +101,9 @@ static void softmax_rows(float* scores, int64_t group, int64_t n) {
 }
 
 // Any head size, any CPU: scalar loops the compiler vectorizes as it can.
-template <typename scalar_t>
-void decode_attention_generic(const Problem& p, const scalar_t* q_base, const scalar_t* k_base,
-                              const scalar_t* v_base, scalar_t* out_base) {
+template <typename query_t, typename cache_t>
+void decode_attention_generic(const Problem& p, const query_t* q_base, const cache_t* k_base,
+                              const cache_t* v_base, query_t* out_base) {
   const int64_t hs = p.head_size;
   for_each_task(p, p.requests * p.kv_heads, [&](int64_t task) {
     const int64_t r = task / p.kv_heads, kvh = task % p.kv_heads;
@@ -87,40 +111,47 @@ void decode_attention_generic(const Problem& p, const scalar_t* q_base, const sc
     const int32_t* blocks = p.table + p.table_row_of[r] * p.max_blocks;
     std::vector<float> q(p.group * hs);
     for (int64_t g = 0; g < p.group; ++g) {
-      const scalar_t* qg = q_base + p.row_of[r] * p.q_token_stride + (kvh * p.group + g) * p.q_head_stride;
+      const query_t* qg = q_base + p.row_of[r] * p.q_token_stride + (kvh * p.group + g) * p.q_head_stride;
       for (int64_t d = 0; d < hs; ++d) q[g * hs + d] = static_cast<float>(qg[d]) * p.scale;
     }
     std::vector<float> scores(p.group * n);
     for (int64_t pos = first; pos < seq_len; ++pos) {
-      const scalar_t* k = k_base + blocks[pos / p.block_size] * p.block_stride
-                          + (pos % p.block_size) * p.token_stride + kvh * hs;
+      const cache_t* k = k_base + blocks[pos / p.block_size] * p.block_stride
+                         + (pos % p.block_size) * p.token_stride + kvh * p.row_size;
+      const float k_scale = row_scale(k, hs);
       for (int64_t g = 0; g < p.group; ++g) {
         const float* __restrict qg = q.data() + g * hs;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < hs; ++d) dot += qg[d] * static_cast<float>(k[d]);
-        scores[g * n + pos - first] = dot;
+        scores[g * n + pos - first] = dot * k_scale;
       }
     }
     softmax_rows(scores.data(), p.group, n);
     std::vector<float> sums(p.group * hs, 0.0f);
     for (int64_t pos = first; pos < seq_len; ++pos) {
-      const scalar_t* __restrict v = v_base + blocks[pos / p.block_size] * p.block_stride
-                                     + (pos % p.block_size) * p.token_stride + kvh * hs;
+      const cache_t* __restrict v = v_base + blocks[pos / p.block_size] * p.block_stride
+                                    + (pos % p.block_size) * p.token_stride + kvh * p.row_size;
+      const float v_scale = row_scale(v, hs);
       for (int64_t g = 0; g < p.group; ++g) {
-        const float weight = scores[g * n + pos - first];
+        const float weight = scores[g * n + pos - first] * v_scale;
         float* __restrict o = sums.data() + g * hs;
 #pragma omp simd
         for (int64_t d = 0; d < hs; ++d) o[d] += weight * static_cast<float>(v[d]);
       }
     }
-    scalar_t* out = out_base + (p.row_of[r] * p.heads + kvh * p.group) * hs;
-    for (int64_t i = 0; i < p.group * hs; ++i) out[i] = static_cast<scalar_t>(sums[i]);
+    query_t* out = out_base + (p.row_of[r] * p.heads + kvh * p.group) * hs;
+    for (int64_t i = 0; i < p.group * hs; ++i) out[i] = static_cast<query_t>(sums[i]);
   });
 }
 
 #ifdef PATCHBAY_SIMD
 #if defined(__AVX512F__)
+// One register of int8 cache levels, widened to float (exactly).
+static inline vfloat vload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // The sums of four registers, [sum(a), sum(b), sum(c), sum(d)]: a transposing add tree, cheaper than four sums.
 static inline __m128 vsum4(vfloat a, vfloat b, vfloat c, vfloat d) {
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -131,6 +162,10 @@ static inline __m128 vsum4(vfloat a, vfloat b, vfloat c, vfloat d) {
   return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
 }
 #else
+static inline vfloat vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 static inline __m128 vsum4(vfloat a, vfloat b, vfloat c, vfloat d) {
   const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
   const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
@@ -138,6 +173,30 @@ static inline __m128 vsum4(vfloat a, vfloat b, vfloat c, vfloat d) {
   return _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
 }
 #endif
+
+// Four consecutive keys' dot products (vsum4's) times their rows' scales: int8 keys are dotted as levels.
+template <typename cache_t>
+static inline __m128 scale_dots4(__m128 dots, const cache_t* k, int64_t token_stride, int64_t head_size) {
+  if constexpr (kScaledRows<cache_t>) {
+    return _mm_mul_ps(dots, _mm_setr_ps(row_scale(k, head_size), row_scale(k + token_stride, head_size),
+                                        row_scale(k + 2 * token_stride, head_size),
+                                        row_scale(k + 3 * token_stride, head_size)));
+  } else {
+    return dots;
+  }
+}
+
+// Prefetches every cache line of `count` rows of `row_bytes` bytes, `stride_bytes` apart.  Lines are counted
+// from each row's own start: an int8 row (head_size + 4 bytes) may start anywhere in a line.
+template <auto kHint>
+static inline void prefetch_rows(const void* first_row, int64_t count, int64_t stride_bytes, int64_t row_bytes) {
+  const char* row = static_cast<const char*>(first_row);
+  for (int64_t t = 0; t < count; ++t, row += stride_bytes) {
+    const uintptr_t start = reinterpret_cast<uintptr_t>(row), end = start + row_bytes;
+    for (uintptr_t line = start & ~uintptr_t{63}; line < end; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(line), kHint);
+  }
+}
 
 // How many query heads the value pass serves at once: their accumulators (heads x kChunks registers) and one
 // widened value row must fit in the register file.
@@ -148,22 +207,24 @@ constexpr int kValueHeads = std::min(8, std::max(1, (kRegisters - kChunks - 2) /
 // The outputs of kHeads consecutive query heads of one KV head: each value row is widened once and feeds
 // kHeads x kChunks independent multiply-adds, so neither a reload per head nor one chain of dependent adds per
 // register bounds the pass.  scores: the heads' probabilities, n per head; out: the first head's output row.
-template <int kChunks, typename scalar_t, int kHeads>
+template <int kChunks, typename query_t, typename cache_t, int kHeads>
 static void weigh_values(const Problem& p, const int32_t* blocks, int64_t first, int64_t seq_len,
-                         const scalar_t* v_head, const float* scores, int64_t n, scalar_t* out) {
+                         const cache_t* v_head, const float* scores, int64_t n, query_t* out) {
   vfloat acc[kHeads][kChunks];
   for (int h = 0; h < kHeads; ++h)
     for (int c = 0; c < kChunks; ++c) acc[h][c] = vbroadcast(0.0f);
   for (int64_t pos = first; pos < seq_len;) {
     const int64_t offset = pos % p.block_size;
     const int64_t count = std::min(p.block_size - offset, seq_len - pos);
-    const scalar_t* v = v_head + blocks[pos / p.block_size] * p.block_stride + offset * p.token_stride;
+    const cache_t* v = v_head + blocks[pos / p.block_size] * p.block_stride + offset * p.token_stride;
     const float* weights = scores + pos - first;
     for (int64_t j = 0; j < count; ++j, v += p.token_stride) {
       vfloat row[kChunks];
       for (int c = 0; c < kChunks; ++c) row[c] = vload(v + c * kLanes);
+      // An int8 row's scale goes into its kHeads weights: fewer multiplies than scaling its kChunks registers.
+      const float v_scale = row_scale(v, p.head_size);
       for (int h = 0; h < kHeads; ++h) {
-        const vfloat weight = vbroadcast(weights[h * n + j]);
+        const vfloat weight = vbroadcast(weights[h * n + j] * v_scale);
         for (int c = 0; c < kChunks; ++c) acc[h][c] = vfma(weight, row[c], acc[h][c]);
       }
     }
@@ -173,14 +234,15 @@ static void weigh_values(const Problem& p, const int32_t* blocks, int64_t first,
     for (int c = 0; c < kChunks; ++c) vstore(out + h * p.head_size + c * kLanes, acc[h][c]);
 }
 
-template <int kChunks, typename scalar_t>
-using WeighValues = void (*)(const Problem&, const int32_t*, int64_t, int64_t, const scalar_t*, const float*,
-                             int64_t, scalar_t*);
-template <int kChunks, typename scalar_t>
-constexpr WeighValues<kChunks, scalar_t> kWeighValues[8] = {
-    weigh_values<kChunks, scalar_t, 1>, weigh_values<kChunks, scalar_t, 2>, weigh_values<kChunks, scalar_t, 3>,
-    weigh_values<kChunks, scalar_t, 4>, weigh_values<kChunks, scalar_t, 5>, weigh_values<kChunks, scalar_t, 6>,
-    weigh_values<kChunks, scalar_t, 7>, weigh_values<kChunks, scalar_t, 8>};
+template <int kChunks, typename query_t, typename cache_t>
+using WeighValues = void (*)(const Problem&, const int32_t*, int64_t, int64_t, const cache_t*, const float*,
+                             int64_t, query_t*);
+template <int kChunks, typename query_t, typename cache_t>
+constexpr WeighValues<kChunks, query_t, cache_t> kWeighValues[8] = {
+    weigh_values<kChunks, query_t, cache_t, 1>, weigh_values<kChunks, query_t, cache_t, 2>,
+    weigh_values<kChunks, query_t, cache_t, 3>, weigh_values<kChunks, query_t, cache_t, 4>,
+    weigh_values<kChunks, query_t, cache_t, 5>, weigh_values<kChunks, query_t, cache_t, 6>,
+    weigh_values<kChunks, query_t, cache_t, 7>, weigh_values<kChunks, query_t, cache_t, 8>};
 
 #if defined(__AVX512BF16__)
 // Bfloat16 caches: one query head's scores against `count` keys `token_stride` apart, pairs of bfloat16 features
@@ -213,10 +275,12 @@ static inline void bf16_scores(const __m512bh* query, const c10::BFloat16* k, in
 // registers stay loaded while keys stream past (one dot product per key, reduced once), then the value
 // accumulators stay in registers while values stream past.  The task's keys and values (a few KiB per
 // request) stay in L1/L2 between query heads, so memory sees each of them about once.
-template <int kChunks, typename scalar_t>
-void decode_attention_simd(const Problem& p, const scalar_t* q_base, const scalar_t* k_base,
-                           const scalar_t* v_base, scalar_t* out_base) {
+template <int kChunks, typename query_t, typename cache_t>
+void decode_attention_simd(const Problem& p, const query_t* q_base, const cache_t* k_base,
+                           const cache_t* v_base, query_t* out_base) {
   const int64_t hs = p.head_size;
+  const int64_t row_bytes = p.row_size * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t stride_bytes = p.token_stride * static_cast<int64_t>(sizeof(cache_t));
   for_each_task(p, p.requests * p.kv_heads, [&](int64_t task) {
     const int64_t r = task / p.kv_heads, kvh = task % p.kv_heads;
     thread_local std::vector<float> scores, q;  // reused by every task a thread runs
@@ -225,10 +289,11 @@ void decode_attention_simd(const Problem& p, const scalar_t* q_base, const scala
     const int32_t* blocks = p.table + p.table_row_of[r] * p.max_blocks;
     scores.resize(p.group * n);
     for (int64_t g = 0; g < p.group; ++g) {
-      const scalar_t* qg = q_base + p.row_of[r] * p.q_token_stride + (kvh * p.group + g) * p.q_head_stride;
+      const query_t* qg = q_base + p.row_of[r] * p.q_token_stride + (kvh * p.group + g) * p.q_head_stride;
       for (int64_t d = 0; d < hs; ++d) q[d] = static_cast<float>(qg[d]) * p.scale;
 #if defined(__AVX512BF16__)
-      constexpr bool kPairDots = std::is_same<scalar_t, c10::BFloat16>::value && kChunks % 2 == 0;
+      constexpr bool kPairDots = std::is_same<cache_t, c10::BFloat16>::value && std::is_same<query_t, cache_t>::value
+                                 && kChunks % 2 == 0;
       __m512bh qpairs[kChunks / 2 > 0 ? kChunks / 2 : 1];
       if constexpr (kPairDots)
         for (int c = 0; c < kChunks / 2; ++c) qpairs[c] = (__m512bh)_mm512_loadu_si512(qg + c * 32);
@@ -241,25 +306,16 @@ void decode_attention_simd(const Problem& p, const scalar_t* q_base, const scala
       for (int64_t pos = first; pos < seq_len;) {
         const int64_t offset = pos % p.block_size;
         const int64_t count = std::min(p.block_size - offset, seq_len - pos);
-        const scalar_t* k = k_base + blocks[pos / p.block_size] * p.block_stride + offset * p.token_stride
-                            + kvh * hs;
+        const cache_t* k = k_base + blocks[pos / p.block_size] * p.block_stride + offset * p.token_stride
+                           + kvh * p.row_size;
         if (g == 0) {
           // Ask for the values these keys weigh (read next) and for the next block's keys while the dot
           // products run: one block's rows of one head are too few for the hardware prefetcher to start.
-          const int64_t row_bytes = hs * static_cast<int64_t>(sizeof(scalar_t));
-          const char* v = reinterpret_cast<const char*>(v_base + (k - k_base));
-          for (int64_t t = 0; t < count; ++t)
-            for (int64_t byte = 0; byte < row_bytes; byte += 64)
-              _mm_prefetch(v + t * p.token_stride * sizeof(scalar_t) + byte, _MM_HINT_T1);
+          prefetch_rows<_MM_HINT_T1>(v_base + (k - k_base), count, stride_bytes, row_bytes);
           const int64_t next = pos + count;
-          if (next < seq_len) {
-            const char* k_next = reinterpret_cast<const char*>(
-                k_base + blocks[next / p.block_size] * p.block_stride + kvh * hs);
-            const int64_t next_count = std::min(p.block_size, seq_len - next);
-            for (int64_t t = 0; t < next_count; ++t)
-              for (int64_t byte = 0; byte < row_bytes; byte += 64)
-                _mm_prefetch(k_next + t * p.token_stride * sizeof(scalar_t) + byte, _MM_HINT_T0);
-          }
+          if (next < seq_len)
+            prefetch_rows<_MM_HINT_T0>(k_base + blocks[next / p.block_size] * p.block_stride + kvh * p.row_size,
+                                       std::min(p.block_size, seq_len - next), stride_bytes, row_bytes);
         }
 #if defined(__AVX512BF16__)
         if constexpr (kPairDots) {
@@ -271,9 +327,9 @@ void decode_attention_simd(const Problem& p, const scalar_t* q_base, const scala
 #endif
         int64_t j = 0;
         for (; j + 4 <= count; j += 4, k += 4 * p.token_stride) {
-          const scalar_t* k1 = k + p.token_stride;
-          const scalar_t* k2 = k1 + p.token_stride;
-          const scalar_t* k3 = k2 + p.token_stride;
+          const cache_t* k1 = k + p.token_stride;
+          const cache_t* k2 = k1 + p.token_stride;
+          const cache_t* k3 = k2 + p.token_stride;
           vfloat a0 = vmul(qv[0], vload(k)), a1 = vmul(qv[0], vload(k1));
           vfloat a2 = vmul(qv[0], vload(k2)), a3 = vmul(qv[0], vload(k3));
           for (int c = 1; c < kChunks; ++c) {
@@ -282,30 +338,29 @@ void decode_attention_simd(const Problem& p, const scalar_t* q_base, const scala
             a2 = vfma(qv[c], vload(k2 + c * kLanes), a2);
             a3 = vfma(qv[c], vload(k3 + c * kLanes), a3);
           }
-          _mm_storeu_ps(sg + pos - first + j, vsum4(a0, a1, a2, a3));
+          _mm_storeu_ps(sg + pos - first + j, scale_dots4(vsum4(a0, a1, a2, a3), k, p.token_stride, hs));
         }
         for (; j < count; ++j, k += p.token_stride) {
           vfloat acc = vmul(qv[0], vload(k));
           for (int c = 1; c < kChunks; ++c) acc = vfma(qv[c], vload(k + c * kLanes), acc);
-          sg[pos - first + j] = vsum(acc);
+          sg[pos - first + j] = vsum(acc) * row_scale(k, hs);
         }
         pos += count;
       }
     }
     softmax_rows(scores.data(), p.group, n);
-    scalar_t* out = out_base + (p.row_of[r] * p.heads + kvh * p.group) * hs;
+    query_t* out = out_base + (p.row_of[r] * p.heads + kvh * p.group) * hs;
     for (int64_t g = 0; g < p.group;) {
       const int64_t heads = std::min<int64_t>(kValueHeads<kChunks>, p.group - g);
-      kWeighValues<kChunks, scalar_t>[heads - 1](p, blocks, first, seq_len, v_base + kvh * hs,
-                                                 scores.data() + g * n, n, out + g * hs);
+      kWeighValues<kChunks, query_t, cache_t>[heads - 1](p, blocks, first, seq_len, v_base + kvh * p.row_size,
+                                                         scores.data() + g * n, n, out + g * hs);
       g += heads;
     }
   });
 }
 
-template <typename scalar_t>
-bool decode_attention_fast(const Problem& p, const scalar_t* q, const scalar_t* k, const scalar_t* v,
-                           scalar_t* out) {
+template <typename query_t, typename cache_t>
+bool decode_attention_fast(const Problem& p, const query_t* q, const cache_t* k, const cache_t* v, query_t* out) {
   if (p.head_size % kLanes != 0) return false;
   switch (p.head_size / kLanes) {
     case 1: decode_attention_simd<1>(p, q, k, v, out); return true;
@@ -320,24 +375,25 @@ bool decode_attention_fast(const Problem& p, const scalar_t* q, const scalar_t* 
   }
 }
 #else
-template <typename scalar_t>
-bool decode_attention_fast(const Problem&, const scalar_t*, const scalar_t*, const scalar_t*, scalar_t*) {
+template <typename query_t, typename cache_t>
+bool decode_attention_fast(const Problem&, const query_t*, const cache_t*, const cache_t*, query_t*) {
   return false;
 }
 #endif
 
-template <typename scalar_t>
+template <typename query_t, typename cache_t>
 void decode_attention(const Problem& p, const torch::Tensor& query, const torch::Tensor& key_cache,
                       const torch::Tensor& value_cache, torch::Tensor& output) {
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* k = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v = value_cache.data_ptr<scalar_t>();
-  scalar_t* out = output.data_ptr<scalar_t>();
-  if (!decode_attention_fast<scalar_t>(p, q, k, v, out)) decode_attention_generic<scalar_t>(p, q, k, v, out);
+  const query_t* q = query.data_ptr<query_t>();
+  const cache_t* k = key_cache.data_ptr<cache_t>();
+  const cache_t* v = value_cache.data_ptr<cache_t>();
+  query_t* out = output.data_ptr<query_t>();
+  if (!decode_attention_fast(p, q, k, v, out)) decode_attention_generic(p, q, k, v, out);
 }
 
-// query: [tokens, heads, head_size] with unit stride along head_size; output: the same shape, contiguous;
-// key_cache, value_cache: [blocks, block_size, kv_heads, head_size], contiguous; all float32 or all bfloat16;
+// query: [tokens, heads, head_size] with unit stride along head_size, float32 or bfloat16; output: the same
+// shape and dtype, contiguous; key_cache, value_cache: [blocks, block_size, kv_heads, row], contiguous, either
+// in the query's dtype (row = head_size) or int8 (row = head_size + 4: levels, then the float32 scale);
 // block_table: int32 [requests, max_blocks]; per query: seq_lens int32 (keys it attends, itself included), rows
 // int64 (its query row), table_rows int64 (its request's block-table row); window: 0, or the window; chunk_runner:
 // a pool's entry point (RunChunks) to run on `threads` threads, or 0 to run over OpenMP.
@@ -345,10 +401,20 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch:
                             torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor rows,
                             torch::Tensor table_rows, double scale, int64_t window, torch::Tensor output,
                             int64_t chunk_runner, int64_t threads) {
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && key_cache.scalar_type() == dtype
-              && value_cache.scalar_type() == dtype && output.scalar_type() == dtype,
-              "paged_decode_attention runs on float32 or bfloat16, one dtype for query, caches and output");
+  const auto dtype = query.scalar_type(), cache_dtype = key_cache.scalar_type();
+  const bool int8_cache = cache_dtype == torch::kInt8;
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && output.scalar_type() == dtype,
+              "paged_decode_attention: a float32 or bfloat16 query, and an output of its dtype, expected");
+  TORCH_CHECK(value_cache.scalar_type() == cache_dtype && (cache_dtype == dtype || int8_cache),
+              "paged_decode_attention: key and value caches both in the query's dtype or both int8 expected");
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+              "paged_decode_attention: a [tokens, heads, head_size] query and two caches of one "
+              "[blocks, block_size, kv_heads, row] shape expected");
+  const int64_t head_size = query.size(2), row_size = int8_cache ? head_size + kScaleBytes : head_size;
+  TORCH_CHECK(key_cache.size(3) == row_size, "paged_decode_attention: ",
+              int8_cache ? "int8 cache rows of head_size + 4 bytes (levels, then a float32 scale)"
+                         : "cache rows of head_size features",
+              " expected: ", row_size, " for head_size ", head_size, ", got ", key_cache.size(3));
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32
               && rows.scalar_type() == torch::kInt64 && table_rows.scalar_type() == torch::kInt64,
               "int32 block table and lengths, int64 rows and table rows expected");
@@ -361,34 +427,47 @@ void paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch:
               "head_size expected");
   const Problem problem(query, key_cache, block_table, seq_lens, rows, table_rows, scale, window, chunk_runner,
                         threads);
-  if (dtype == torch::kFloat32) {
-    decode_attention<float>(problem, query, key_cache, value_cache, output);
+  const bool float32 = dtype == torch::kFloat32;
+  if (int8_cache && float32) {
+    decode_attention<float, int8_t>(problem, query, key_cache, value_cache, output);
+  } else if (int8_cache) {
+    decode_attention<at::BFloat16, int8_t>(problem, query, key_cache, value_cache, output);
+  } else if (float32) {
+    decode_attention<float, float>(problem, query, key_cache, value_cache, output);
   } else {
-    decode_attention<at::BFloat16>(problem, query, key_cache, value_cache, output);
+    decode_attention<at::BFloat16, at::BFloat16>(problem, query, key_cache, value_cache, output);
   }
 }
 
-// The step's new keys and values into the caches, one call per layer instead of a few torch ops per cache.
-// key_cache, value_cache: [blocks, block_size, kv_heads, head_size], contiguous; key, value: [tokens, kv_heads,
-// head_size] in the caches' dtype, unit stride along head_size; slots: int32 or int64, one per token written
-// (tokens past them are padding).  Token i goes to row slots[i] of each cache seen as [rows, kv_heads, head_size].
-void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
-              torch::Tensor slots) {
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 4
-              && key_cache.sizes() == value_cache.sizes(), "write_kv: two contiguous caches of one shape expected");
-  const auto dtype = key_cache.scalar_type();
-  TORCH_CHECK(value_cache.scalar_type() == dtype && key.scalar_type() == dtype && value.scalar_type() == dtype,
-              "write_kv: keys and values in the caches' dtype expected");
-  const int64_t heads = key_cache.size(2), head_size = key_cache.size(3);
-  const int64_t rows = key_cache.size(0) * key_cache.size(1), n = slots.numel();
-  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(1) == heads && value.size(1) == heads
-              && key.size(2) == head_size && value.size(2) == head_size && key.stride(2) == 1
-              && value.stride(2) == 1 && key.size(0) >= n && value.size(0) >= n,
-              "write_kv: [tokens, kv_heads, head_size] keys and values with unit stride along head_size expected");
-  TORCH_CHECK(slots.dim() == 1 && slots.is_contiguous()
-              && (slots.scalar_type() == torch::kInt32 || slots.scalar_type() == torch::kInt64),
-              "write_kv: int32 or int64 slots expected");
-  const int64_t element = key_cache.element_size(), row_bytes = head_size * element;
+// One row of head_size features as an int8 cache row (patchbay.interfaces.int8_kv): scale = max |x| / 127, the
+// levels x / scale rounded half to even (nearbyint in the default rounding mode) and clamped, then the scale.
+// Fast math may divide by multiplying by 1 / scale, so a level can differ from torch's by one at a tie.
+template <typename source_t>
+static void quantize_row(const source_t* x, int64_t head_size, int8_t* row) {
+  float top = 0.0f;
+  for (int64_t d = 0; d < head_size; ++d) top = std::max(top, std::abs(static_cast<float>(x[d])));
+  const float scale = top / kLevels;
+  for (int64_t d = 0; d < head_size; ++d) {
+    const float level = scale > 0.0f ? std::nearbyint(static_cast<float>(x[d]) / scale) : 0.0f;
+    row[d] = static_cast<int8_t>(std::clamp(level, -kLevels, kLevels));
+  }
+  std::memcpy(row + head_size, &scale, sizeof scale);
+}
+
+// write_rows' write_row for int8 caches: a row of source_t features quantized into a cache row.
+template <typename source_t>
+static auto quantizing(int64_t head_size) {
+  return [head_size](char* to, const char* from) {
+    quantize_row(reinterpret_cast<const source_t*>(from), head_size, reinterpret_cast<int8_t*>(to));
+  };
+}
+
+// write_row(cache row, key or value row) for each head of each token i, into row slots[i] of the caches.
+template <typename WriteRow>
+static void write_rows(torch::Tensor& key_cache, torch::Tensor& value_cache, const torch::Tensor& key,
+                       const torch::Tensor& value, const torch::Tensor& slots, const WriteRow& write_row) {
+  const int64_t heads = key_cache.size(2), rows = key_cache.size(0) * key_cache.size(1), n = slots.numel();
+  const int64_t cache_row_bytes = key_cache.size(3) * key_cache.element_size(), element = key.element_size();
   char* k_cache = static_cast<char*>(key_cache.data_ptr());
   char* v_cache = static_cast<char*>(value_cache.data_ptr());
   const char* k = static_cast<const char*>(key.data_ptr());
@@ -398,10 +477,46 @@ void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
     TORCH_CHECK(slot >= 0 && slot < rows, "write_kv: slot ", slot, " of token ", i, " is outside the cache's ", rows,
                 " rows");
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t at = (slot * heads + h) * row_bytes;
-      std::memcpy(k_cache + at, k + (i * key.stride(0) + h * key.stride(1)) * element, row_bytes);
-      std::memcpy(v_cache + at, v + (i * value.stride(0) + h * value.stride(1)) * element, row_bytes);
+      const int64_t at = (slot * heads + h) * cache_row_bytes;
+      write_row(k_cache + at, k + (i * key.stride(0) + h * key.stride(1)) * element);
+      write_row(v_cache + at, v + (i * value.stride(0) + h * value.stride(1)) * element);
     }
+  }
+}
+
+// The step's new keys and values into the caches, one call per layer instead of a few torch ops per cache.
+// key_cache, value_cache: [blocks, block_size, kv_heads, row], contiguous; key, value: [tokens, kv_heads,
+// head_size], unit stride along head_size, in the caches' dtype (copied: row = head_size), or float32 or bfloat16
+// into int8 caches (each row quantized: row = head_size + 4); slots: int32 or int64, one per token written
+// (tokens past them are padding).  Token i goes to row slots[i] of each cache seen as [rows, kv_heads, row].
+void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
+              torch::Tensor slots) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 4
+              && key_cache.sizes() == value_cache.sizes(), "write_kv: two contiguous caches of one shape expected");
+  const auto cache_dtype = key_cache.scalar_type(), dtype = key.scalar_type();
+  const bool int8_cache = cache_dtype == torch::kInt8;
+  TORCH_CHECK(value_cache.scalar_type() == cache_dtype && value.scalar_type() == dtype
+              && (int8_cache ? dtype == torch::kFloat32 || dtype == torch::kBFloat16 : dtype == cache_dtype),
+              "write_kv: keys and values in the caches' dtype, or float32 or bfloat16 ones into int8 caches, "
+              "expected");
+  const int64_t heads = key_cache.size(2), head_size = key_cache.size(3) - (int8_cache ? kScaleBytes : 0);
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(1) == heads && value.size(1) == heads
+              && key.size(2) == head_size && value.size(2) == head_size && key.stride(2) == 1
+              && value.stride(2) == 1 && key.size(0) >= slots.numel() && value.size(0) >= slots.numel(),
+              "write_kv: [tokens, kv_heads, head_size] keys and values with unit stride along head_size expected, "
+              "head_size ", head_size, int8_cache ? " (the int8 caches' rows less their 4-byte scale)" : "",
+              "; got ", key.sizes(), " and ", value.sizes());
+  TORCH_CHECK(slots.dim() == 1 && slots.is_contiguous()
+              && (slots.scalar_type() == torch::kInt32 || slots.scalar_type() == torch::kInt64),
+              "write_kv: int32 or int64 slots expected");
+  if (!int8_cache) {
+    const int64_t row_bytes = head_size * key.element_size();
+    write_rows(key_cache, value_cache, key, value, slots,
+               [row_bytes](char* to, const char* from) { std::memcpy(to, from, row_bytes); });
+  } else if (dtype == torch::kFloat32) {
+    write_rows(key_cache, value_cache, key, value, slots, quantizing<float>(head_size));
+  } else {
+    write_rows(key_cache, value_cache, key, value, slots, quantizing<c10::BFloat16>(head_size));
   }
 }
 
