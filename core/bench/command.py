@@ -37,6 +37,7 @@ from patchbay.bench.peers import (
 from patchbay.bench.report import append_json_lines, print_table, write_plot
 from patchbay.bench.roofline import ModelCost, Roofline, bits_per_weight
 from patchbay.bench.serve_load import add_serve_arguments, serve_bench
+from patchbay.interfaces.int8_kv import CACHE_DTYPES
 
 PEERS = ("generate", "continuous")
 OPTIONAL_PEERS = ("vllm", "llamacpp")
@@ -69,6 +70,8 @@ class BenchOptions:
     """patchbay's ``model.dtype`` for each patchbay engine; empty: the settings' default."""
     quantizations: list[str] = field(default_factory=list)
     """One more patchbay engine per ``model.quantization`` scheme, at the machine's tuned dtype (``auto``)."""
+    kv_cache_dtypes: list[str] = field(default_factory=list)
+    """One more patchbay engine per ``cache.dtype`` (``int8``), at the first engine's dtype."""
     vllm_python: Path = DEFAULT_PYTHON["vllm"]
     vllm_dtypes: list[str] = field(default_factory=list)
     """Empty: the dtypes the patchbay engines run at (equal-dtype rows)."""
@@ -211,6 +214,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one more patchbay engine per weight quantization, at the dtype the machine's tuning chose",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        choices=CACHE_DTYPES,
+        default=[],
+        dest="kv_cache_dtypes",
+        help="one more patchbay engine per KV-cache dtype (cache.dtype), at the first patchbay engine's dtype",
+    )
+    parser.add_argument(
         "--vllm-python",
         type=Path,
         default=DEFAULT_PYTHON["vllm"],
@@ -270,6 +281,7 @@ def options_from(args: argparse.Namespace) -> BenchOptions:
         args.seed,
         dtypes=list(dict.fromkeys(args.dtypes)),
         quantizations=list(dict.fromkeys(args.quantizations)),
+        kv_cache_dtypes=list(dict.fromkeys(args.kv_cache_dtypes)),
         vllm_python=args.vllm_python,
         vllm_dtypes=list(dict.fromkeys(args.vllm_dtypes)),
         llamacpp_python=args.llamacpp_python,
@@ -318,9 +330,17 @@ class Bench:
         self.patchbays = [PatchbayEngine(**overrides)]
         for dtype in options.dtypes[1:]:
             self.patchbays.append(PatchbayEngine(f"patchbay ({dtype})", **{**overrides, "model__dtype": dtype}))
-        if len(options.dtypes) > 1 or options.quantizations:
+        if len(options.dtypes) > 1 or options.quantizations or options.kv_cache_dtypes:
             self.patchbays[0].name = f"patchbay ({self.patchbays[0].llm.engine.dtype})"
         self.patchbay = self.patchbays[0]
+        first_dtype = self.patchbay.llm.engine.dtype
+        for cache in options.kv_cache_dtypes:
+            self.patchbays.append(
+                PatchbayEngine(
+                    f"patchbay ({first_dtype}, {cache} KV)",
+                    **{**overrides, "model__dtype": first_dtype, "cache__dtype": cache},
+                )
+            )
         for scheme in options.quantizations:
             # Integer kernels multiply activations of the model's dtype: at the dtype the machine's tuning
             # chose (bfloat16 where the CPU has it; float32 activations make them many times slower).
@@ -589,6 +609,7 @@ class Bench:
                     "seconds": seconds,
                     "dtype": engine.llm.engine.dtype,
                     "quantization": engine.llm.engine.settings.model.quantization,
+                    "kv_cache_dtype": engine.llm.engine.settings.cache.dtype,
                 }
             )
 
@@ -596,7 +617,12 @@ class Bench:
         """patchbay's float32 greedy tokens for ``prompts``: from the float32 engine if one runs, else from
         one loaded for this and closed."""
         for engine in self.patchbays:
-            if engine.llm.engine.dtype == "float32" and engine.llm.engine.settings.model.quantization == "none":
+            settings = engine.llm.engine.settings
+            if (
+                engine.llm.engine.dtype == "float32"
+                and settings.model.quantization == "none"
+                and settings.cache.dtype == "auto"
+            ):
                 return quality.greedy_tokens(engine.llm, prompts)
         self.say("quality: loading patchbay in float32 for the greedy-agreement reference ...")
         reference = PatchbayEngine("patchbay (float32 reference)", **{**self.overrides, "model__dtype": "float32"})

@@ -199,6 +199,10 @@ class CacheSettings(Section):
     the model included. Null: 0.9 on a GPU, 0.5 on the CPU, whose memory the rest of the machine shares."""
     prefix_caching: bool = True
     """Share full blocks of identical prompt prefixes between requests."""
+    dtype: Literal["auto", "int8"] = "auto"
+    """``auto``: keys and values in the model's dtype. ``int8``: each token's features per KV head rounded to
+    int8 with a float32 scale, about a quarter of float32's bytes (docs/design/kv-cache.md#int8-cache); the
+    attention backend must support it."""
 
     @model_validator(mode="after")
     def _one_sizing(self) -> CacheSettings:

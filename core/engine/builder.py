@@ -41,7 +41,7 @@ from patchbay.interfaces import (
     SpecDecodeMetadata,
 )
 from patchbay.scheduling.kv_cache_manager import KVCacheManager, num_blocks_for_memory
-from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
+from patchbay.scheduling.kv_cache_spec import KVCacheGroup, cache_dtype, group_layers
 from patchbay.scheduling.scheduler import Scheduler
 from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.worker.parallel import distributed
@@ -328,7 +328,7 @@ class _RankZeroBuild:
             )
 
         block_size = settings.cache.block_size
-        self.groups = group_layers(self.model.kv_cache_specs(block_size, self.dtype))
+        self.groups = group_layers(self.model.kv_cache_specs(block_size, cache_dtype(settings.cache.dtype, self.dtype)))
         backend_name, backend_class = select_attention_backend(
             registry, settings.attention.backend, [self._attention_config(g) for g in self.groups]
         )
@@ -456,6 +456,7 @@ class _RankZeroBuild:
             block_size=spec.block_size,
             sliding_window=spec.sliding_window,
             logits_soft_cap=any_layer.logits_soft_cap,
+            cache_dtype=spec.dtype if spec.dtype != self.dtype else None,
         )
 
     def _check_speculative(self) -> None:
@@ -521,8 +522,8 @@ class _RankZeroBuild:
         identity = hashlib.sha256(config_bytes)
         identity.update(weights_fingerprint(self.model_dir).encode())
         spec = self.groups[0].spec
-        layout = "x".join(str(d) for d in backend.kv_cache_shape(1, spec.block_size, spec.num_kv_heads, spec.head_size))
-        return f"{self.model_dir.name}-{identity.hexdigest()[:16]}-{self.dtype}-{layout}"
+        layout = "x".join(str(d) for d in backend.kv_cache_shape(1, spec.block_size, spec.num_kv_heads, spec.row_size))
+        return f"{self.model_dir.name}-{identity.hexdigest()[:16]}-{spec.dtype}-{layout}"
 
     def _load_drafter(self, backend_name: str) -> Drafting | None:
         """The ``speculative:`` drafter, loaded now, over a provisional pool of one block: what it loads is then

@@ -33,6 +33,9 @@ class AttentionConfig(ServingConfig):
     sliding_window: int | None = None
     """Window in tokens for sliding-window layers; ``None`` for full attention."""
     logits_soft_cap: float | None = None
+    cache_dtype: str | None = None
+    """The KV cache's dtype where it differs from :attr:`dtype` (``"int8"``: see
+    :mod:`patchbay.interfaces.int8_kv`); ``None``: the cache holds keys and values in :attr:`dtype`."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,9 @@ class AttentionCapabilities(Capabilities):
     """Grouped-query attention (fewer KV heads than query heads)."""
     supports_sliding_window: bool = False
     supports_logits_soft_cap: bool = False
+    cache_dtypes: tuple[str, ...] = ()
+    """Cache dtypes the backend reads and writes besides the model's (``("int8",)``: rows in the format of
+    :mod:`patchbay.interfaces.int8_kv`)."""
     priority: int = 0
     """Rank for ``backend: auto``: among backends that can serve a run, the highest wins."""
 
@@ -70,6 +76,8 @@ class AttentionCapabilities(Capabilities):
             found.append(f"sliding-window attention not supported (window {config.sliding_window})")
         if config.logits_soft_cap is not None and not self.supports_logits_soft_cap:
             found.append("attention logits soft-capping not supported")
+        if config.cache_dtype is not None and config.cache_dtype not in self.cache_dtypes:
+            found.append(f"{config.cache_dtype} KV cache not supported (supports {list(self.cache_dtypes) or 'none'})")
         return found
 
 
@@ -146,7 +154,9 @@ class AttentionImpl(ABC):
         ``value`` are ``[num_tokens, num_kv_heads, head_size]``, where
         ``num_tokens >= metadata.num_actual_tokens`` (rows past it are
         padding and must be ignored).  ``kv_cache`` has the shape given by
-        :meth:`AttentionBackend.kv_cache_shape`.  ``metadata`` is what the
+        :meth:`AttentionBackend.kv_cache_shape`; it is ``torch.int8`` when the
+        run asked for an int8 cache (its rows in the format of
+        :mod:`patchbay.interfaces.int8_kv`), else in the model's dtype.  ``metadata`` is what the
         backend's metadata builder built for this layer's KV-cache group.
 
         Returns ``[num_tokens, num_heads, head_size]`` in ``query``'s dtype;
@@ -173,6 +183,8 @@ class AttentionBackend(Plugin):
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         """Shape of one layer's KV-cache tensor.
 
+        ``head_size`` is the row size: the model's head size, or that plus 4
+        for an int8 cache (:func:`patchbay.interfaces.int8_kv.row_size`).
         The default layout is ``(2, num_blocks, block_size, num_kv_heads,
         head_size)``: keys at index 0, values at 1.  A backend that changes it
         must also override :meth:`split_kv_cache`.

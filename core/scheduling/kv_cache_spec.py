@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from patchbay.interfaces.int8_kv import row_size
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+def cache_dtype(setting: str, model_dtype: str) -> str:
+    """The KV cache's dtype for ``cache.dtype`` (``auto``: the model's dtype)."""
+    return model_dtype if setting == "auto" else setting
 
 
 @dataclass(frozen=True)
@@ -21,13 +28,19 @@ class KVCacheSpec:
     num_kv_heads: int
     head_size: int
     dtype: str = "float32"
+    """The cache's dtype: the model's, or ``int8`` (rows of :mod:`patchbay.interfaces.int8_kv`)."""
     sliding_window: int | None = None
     """``None`` for full attention."""
 
     @property
+    def row_size(self) -> int:
+        """Elements of one token's row per KV head: :attr:`head_size`, plus an int8 cache's scale bytes."""
+        return row_size(self.head_size, self.dtype)
+
+    @property
     def page_size_bytes(self) -> int:
         """Bytes one block of this layer takes (keys and values)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * _DTYPE_BYTES[self.dtype]
+        return 2 * self.block_size * self.num_kv_heads * self.row_size * _DTYPE_BYTES[self.dtype]
 
     def max_blocks_needed(self, num_tokens: int) -> int:
         """Blocks a request of ``num_tokens`` tokens occupies (before any sliding-window freeing)."""

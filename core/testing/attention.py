@@ -43,6 +43,7 @@ from patchbay.interfaces import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from patchbay.interfaces.int8_kv import SCALE_BYTES, dequantize_rows, quantize_rows, row_scales, row_size
 from patchbay.testing.kinds import AttentionBackendBaseSuite, MetadataBuilderBaseSuite
 from patchbay.testing.suite import skip_not_declared
 
@@ -82,6 +83,8 @@ class AttentionCase:
     spare_blocks: int = 4
     """Cache blocks no request owns; they must come out untouched."""
     seed: int = 0
+    cache_dtype: str | None = None
+    """``"int8"``: the cache holds rows of :mod:`patchbay.interfaces.int8_kv`; ``None``: rows in :attr:`dtype`."""
 
     def config(self, device: str) -> AttentionConfig:
         """The :class:`AttentionConfig` the backend is asked to serve for this case."""
@@ -94,6 +97,7 @@ class AttentionCase:
             block_size=self.block_size,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            cache_dtype=self.cache_dtype,
         )
 
     def layer(self, index: int = 0) -> AttentionLayerSpec:
@@ -202,8 +206,18 @@ def make_batch(
     kv_shape = (case.num_kv_heads, case.head_size)
     keys = [torch.randn(seq_len, *kv_shape, generator=generator).to(dtype) for seq_len in seq_lens]
     values = [torch.randn(seq_len, *kv_shape, generator=generator).to(dtype) for seq_len in seq_lens]
-    cache_shape = backend_class.kv_cache_shape(num_blocks, case.block_size, *kv_shape)
-    kv_cache = torch.randn(cache_shape, generator=generator).to(dtype)  # noise wherever nothing was written
+    rows = row_size(case.head_size, case.cache_dtype)
+    cache_shape = backend_class.kv_cache_shape(num_blocks, case.block_size, case.num_kv_heads, rows)
+    if case.cache_dtype == "int8":
+        kv_cache = torch.empty(cache_shape, dtype=torch.int8)
+        for part in backend_class.split_kv_cache(kv_cache):  # noise wherever nothing was written
+            part.copy_(quantize_rows(torch.randn(*part.shape[:-1], case.head_size, generator=generator)))
+        # Keys and values on the int8 grid: the cache keeps them exactly, so the oracle's inputs are the
+        # backend's whether it attends a step's new keys as given or as its cache holds them.
+        keys = [dequantize_rows(quantize_rows(rows_of), dtype) for rows_of in keys]
+        values = [dequantize_rows(quantize_rows(rows_of), dtype) for rows_of in values]
+    else:
+        kv_cache = torch.randn(cache_shape, generator=generator).to(dtype)  # noise wherever nothing was written
     expected_cache = kv_cache.clone()
     num_tokens = sum(case.num_new)
     padded = num_tokens + case.num_padding
@@ -223,11 +237,16 @@ def make_batch(
         # The cached part is in both caches; the new part only in the expected one.
         for cache, cached_upto in ((kv_cache, computed), (expected_cache, computed + new)):
             key_cache, value_cache = backend_class.split_kv_cache(cache)
-            key_cache[blocks[:cached_upto], offsets[:cached_upto]] = keys[request][:cached_upto]
-            value_cache[blocks[:cached_upto], offsets[:cached_upto]] = values[request][:cached_upto]
+            key_cache[blocks[:cached_upto], offsets[:cached_upto]] = _cache_rows(keys[request][:cached_upto], case)
+            value_cache[blocks[:cached_upto], offsets[:cached_upto]] = _cache_rows(values[request][:cached_upto], case)
     return AttentionBatch(
         common, query.to(device), key.to(device), value.to(device), kv_cache.to(device), expected_cache, keys, values
     )
+
+
+def _cache_rows(rows: torch.Tensor, case: AttentionCase) -> torch.Tensor:
+    """Keys or values as the case's cache stores them."""
+    return quantize_rows(rows) if case.cache_dtype == "int8" else rows
 
 
 def dense_attention(
@@ -291,7 +310,12 @@ def _check_cache(backend_class: type[AttentionBackend], batch: AttentionBatch, c
     for name, got, want in zip(("key", "value"), after, expected, strict=True):
         if torch.equal(got, want):
             continue
-        wrong = (got != want).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
+        wrong_rows = (got != want).flatten(2).any(-1)
+        if case.cache_dtype == "int8":
+            wrong_rows &= ~_same_int8_rows(got, want)
+        wrong = wrong_rows.flatten().nonzero().flatten().tolist()
+        if not wrong:
+            continue
         bad_new = [slot for slot in wrong if slot in written]
         touched = [slot for slot in wrong if slot not in written]
         problems = []
@@ -300,6 +324,17 @@ def _check_cache(backend_class: type[AttentionBackend], batch: AttentionBatch, c
         if touched:
             problems.append(f"{name} cache slots outside slot_mapping were changed: {touched[:10]}")
         raise AssertionError(f"{'; '.join(problems)} (case {case})")
+
+
+def _same_int8_rows(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per row of two int8 caches: the same row up to the rounding of one feature by one level and of the scale by
+    a float32 step (a kernel's fused arithmetic may round a tie or the scale's division otherwise)."""
+    import torch
+
+    got_scale, want_scale = row_scales(got), row_scales(want)
+    same_scale = torch.isclose(got_scale, want_scale, rtol=1e-6, atol=0.0)
+    levels = (got[..., :-SCALE_BYTES].int() - want[..., :-SCALE_BYTES].int()).abs().amax(-1)
+    return (same_scale & (levels <= 1)).flatten(2).all(-1)
 
 
 def _check_output(output: torch.Tensor, batch: AttentionBatch, case: AttentionCase, layer: AttentionLayerSpec) -> None:
@@ -578,6 +613,38 @@ class AttentionBackendSuite(AttentionBackendBaseSuite):
 
     def test_logits_soft_cap(self, backend_class, builder_class) -> None:
         case = self.base_case(backend_class.capabilities, logits_soft_cap=2.0)
+        self.run_case(backend_class, builder_class, case)
+
+    # -- int8 KV cache (cases skip unless the backend lists "int8" in cache_dtypes) -----------
+
+    def test_int8_cache(self, backend_class, builder_class, dtype: str) -> None:
+        """Rows of :mod:`patchbay.interfaces.int8_kv`: decodes, a draft, a chunk after cached context, a prompt."""
+        case = self.base_case(
+            backend_class.capabilities,
+            num_computed=(20, 0, 31, 7, 47),
+            num_new=(1, 12, 1, 9, 4),
+            dtype=dtype,
+            num_heads=6,
+            num_kv_heads=2,
+            cache_dtype="int8",
+        )
+        self.run_case(backend_class, builder_class, case)
+
+    def test_int8_cache_many_decodes(self, backend_class, builder_class) -> None:
+        computed = tuple((37 * request) % 90 + 1 for request in range(48))
+        case = self.base_case(
+            backend_class.capabilities, num_computed=computed, num_new=(1,) * len(computed), cache_dtype="int8"
+        )
+        self.run_case(backend_class, builder_class, case)
+
+    def test_int8_cache_sliding_window(self, backend_class, builder_class) -> None:
+        case = self.base_case(
+            backend_class.capabilities,
+            num_computed=(20, 0, 40),
+            num_new=(1, 30, 21),
+            sliding_window=20,
+            cache_dtype="int8",
+        )
         self.run_case(backend_class, builder_class, case)
 
     # -- one builder for a whole run, and the real engine -------------------------------------

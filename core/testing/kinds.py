@@ -54,6 +54,8 @@ class AttentionBackendBaseSuite(PluginSuite[AttentionCapabilities]):
             found.append(("sliding window", _replace(base, sliding_window=128)))
         if not capabilities.supports_logits_soft_cap:
             found.append(("soft cap", _replace(base, logits_soft_cap=30.0)))
+        if "int8" not in capabilities.cache_dtypes:
+            found.append(("int8 cache", _replace(base, cache_dtype="int8")))
         return found
 
 

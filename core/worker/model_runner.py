@@ -201,7 +201,7 @@ class ModelRunner:
         caches = {}
         for group in self.groups:
             spec = group.spec
-            shape = self.backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+            shape = self.backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.row_size)
             for layer_name in group.layer_names:
                 caches[layer_name] = allocate(shape, dtype=torch_dtype(spec.dtype), device=self.device)
         # Blocks read before any step writes them must hold zeros, not stale bytes that may be NaN: masked

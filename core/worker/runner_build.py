@@ -30,7 +30,7 @@ from patchbay.interfaces import (
     KVShard,
     RejectionSampler,
 )
-from patchbay.scheduling.kv_cache_spec import KVCacheGroup, group_layers
+from patchbay.scheduling.kv_cache_spec import KVCacheGroup, cache_dtype, group_layers
 from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.worker.cpu.fused_layer import use_fused_layers
 from patchbay.worker.cpu.fused_ops import FusedModules, use_fused_ops
@@ -388,7 +388,7 @@ def build_runner(
     ``drafting``: the drafter :func:`load_drafter` loaded before the pool was sized (its cache is resized to
     the pool here); ``None``: loaded here, for the pool's size, when the settings ask for one.
     """
-    groups = group_layers(model.kv_cache_specs(settings.cache.block_size, dtype))
+    groups = group_layers(model.kv_cache_specs(settings.cache.block_size, cache_dtype(settings.cache.dtype, dtype)))
     backend, builders = attention_parts(settings, registry, spec.backend_name, groups, device)
     sampler = create(registry, "sampler", settings.sampler.name, settings.sampler.options, "sampler.options")
     speculative = settings.speculative

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from patchbay.interfaces.int8_kv import dequantize_rows, quantize_rows
+
 if TYPE_CHECKING:
     from patchbay.interfaces import AttentionBackend
 
@@ -26,7 +28,8 @@ def write_kv(
 
     ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_size]``
     views (as :meth:`AttentionBackend.split_kv_cache` returns them); rows of
-    ``key``/``value`` past ``len(slot_mapping)`` are padding and are not written.
+    ``key``/``value`` past ``len(slot_mapping)`` are padding and are not written.  An int8 cache
+    (rows of ``head_size + 4``) gets each row rounded by :func:`~patchbay.interfaces.int8_kv.quantize_rows`.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
@@ -34,7 +37,16 @@ def write_kv(
     slots = slot_mapping.long()
     for cache, new in ((key_cache, key), (value_cache, value)):
         flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
-        flat.index_copy_(0, slots, new[:num_tokens].to(cache.dtype))
+        rows = quantize_rows(new[:num_tokens]) if cache.dtype == torch.int8 else new[:num_tokens].to(cache.dtype)
+        flat.index_copy_(0, slots, rows)
+
+
+def as_float(cache_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows ``[..., row_size]`` as keys or values ``[..., head_size]`` in ``dtype``: an int8 cache's
+    rows dequantized (:mod:`patchbay.interfaces.int8_kv`), a float cache's converted."""
+    if cache_rows.dtype == torch.int8:
+        return dequantize_rows(cache_rows, dtype)
+    return cache_rows.to(dtype)
 
 
 def split_and_write_kv(
@@ -67,7 +79,7 @@ def gather_slots(
 
     def rows(cache: torch.Tensor) -> torch.Tensor:
         found = cache.view(-1, *cache.shape[-2:]).index_select(0, slots)
-        return found if dtype is None else found.to(dtype)
+        return found if dtype is None else as_float(found, dtype)
 
     # One cache at a time: the keys' unconverted copy is freed before the values are gathered.
     return rows(key_cache), rows(value_cache)

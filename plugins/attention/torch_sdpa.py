@@ -34,7 +34,7 @@ from patchbay.interfaces import (
     CommonAttentionMetadata,
 )
 from patchbay.plugins.attention._cpu_kernel import KernelBuild, kernel_unavailable, load_kernel
-from patchbay.plugins.attention._paged import Workspace, gather_blocks, split_and_write_kv, window_start
+from patchbay.plugins.attention._paged import Workspace, as_float, gather_blocks, split_and_write_kv, window_start
 from patchbay.plugins.attention.common import (
     CommonMetadataBuilder,
     PagedAttentionMetadata,
@@ -318,6 +318,7 @@ class TorchSDPABackend(AttentionBackend):
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         devices=("cpu", "cuda", "mps"),
         supports_sliding_window=True,
+        cache_dtypes=("int8",),
         priority=10,
     )
     metadata_builder: ClassVar[str] = "torch_sdpa"
@@ -357,14 +358,14 @@ class TorchSDPAImpl(AttentionImpl):
         plan = self._plan(metadata)
         metadata = as_paged(metadata)
         kernel = None
-        if query.device.type == "cpu" and query.dtype == kv_cache.dtype and query.dtype in KERNEL_DTYPES:
+        if query.device.type == "cpu" and kv_cache.dtype in (query.dtype, torch.int8) and query.dtype in KERNEL_DTYPES:
             kernel = self.decode_kernel.get()
             query = query.contiguous() if kernel is not None and query.stride(-1) != 1 else query
         slots = metadata.slot_mapping
         if (
             kernel is not None
             and key.dim() == value.dim() == 3
-            and key.dtype == value.dtype == kv_cache.dtype
+            and key.dtype == value.dtype == query.dtype
             and key.stride(-1) == value.stride(-1) == 1
             and kv_cache.is_contiguous()
             and slots.dtype in (torch.int32, torch.int64)
@@ -423,10 +424,9 @@ class TorchSDPAImpl(AttentionImpl):
         num_heads, head_size = query.shape[1:]
         queries = query.index_select(0, batch.rows).view(num_reqs, batch.query_len, num_heads, head_size)
         keys, values = (
-            self._gather(name, cache, batch.block_ids)
-            .view(num_reqs, -1, *cache.shape[-2:])
+            as_float(self._gather(name, cache, batch.block_ids), query.dtype)
+            .view(num_reqs, -1, cache.shape[-2], head_size)
             .transpose(1, 2)
-            .to(query.dtype)
             for name, cache in (("keys", key_cache), ("values", value_cache))
         )
         attended = F.scaled_dot_product_attention(
@@ -457,8 +457,8 @@ class TorchSDPAImpl(AttentionImpl):
             values = self._gather("values", value_cache, long_query.block_ids)[: long_query.num_keys]
         attended = F.scaled_dot_product_attention(
             query[start:end].transpose(0, 1)[None],
-            keys.transpose(0, 1)[None].to(query.dtype),
-            values.transpose(0, 1)[None].to(query.dtype),
+            as_float(keys, query.dtype).transpose(0, 1)[None],
+            as_float(values, query.dtype).transpose(0, 1)[None],
             attn_mask=long_query.mask,
             is_causal=long_query.mask is None,
             scale=self.layer.scale,

@@ -33,7 +33,7 @@ LlamaStyleModule = Any
 ``variance_epsilon`` ...): torch types such attributes only as ``Tensor | Module``, so code relying on them
 types the module as this."""
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 def torch_dtype(name: str) -> torch.dtype:
