@@ -104,3 +104,22 @@ def _prompt_log_probs(output) -> list[float]:
     entries = output.prompt_logprobs[1:]
     assert [entry.token_ids[0] for entry in entries] == output.prompt_token_ids[1:]
     return [entry.logprobs[0] for entry in entries]
+
+
+def test_int8_tokens_do_not_depend_on_which_path_attends(tiny_llama):
+    """SDPA prefills a prompt from its fresh keys, the C++ kernel from the cache: with an int8 cache both must
+    attend the keys rounded (the first steps of an engine run SDPA while the kernel loads)."""
+    prompts = [[1000 + 7 * i + j for j in range(40 + 30 * i)] for i in range(3)]
+    params = patchbay.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for kernel in ("sdpa", "paged_cpp"):
+        llm = patchbay.LLM(
+            model__path=str(tiny_llama),
+            attention__backend="torch_sdpa",
+            attention__options__decode_kernel=kernel,
+            cache__dtype="int8",
+            runtime__threads=2,
+        )
+        outputs[kernel] = [output.token_ids for output in llm.generate(prompts, params)]
+        llm.engine.close()
+    assert outputs["sdpa"] == outputs["paged_cpp"]

@@ -11,8 +11,8 @@ scale as the 4 bytes of a float32 (native byte order): feature ``d`` is ``q[d] *
 grow, and re-round the block's earlier rows, whenever a later token's features are larger.  A zeroed block
 reads as zeros.
 
-Keys and values of a step's prefill are attended as computed; the cache keeps them rounded for every later
-step, as vLLM's quantized caches do.
+The built-in backends attend a step's own keys and values rounded too, as the cache gives them back, so a
+request's tokens do not depend on which of their paths attended it.
 """
 
 from __future__ import annotations

@@ -41,6 +41,15 @@ def write_kv(
         flat.index_copy_(0, slots, rows)
 
 
+def as_cached(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values ``[..., head_size]`` as a cache of ``cache_dtype`` gives them back: rounded through an int8
+    cache's rows, else unchanged (a path that attends a step's new keys without reading them from the cache then
+    attends what every other path reads)."""
+    if cache_dtype == torch.int8:
+        return dequantize_rows(quantize_rows(rows), rows.dtype)
+    return rows
+
+
 def as_float(cache_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cache rows ``[..., row_size]`` as keys or values ``[..., head_size]`` in ``dtype``: an int8 cache's
     rows dequantized (:mod:`patchbay.interfaces.int8_kv`), a float cache's converted."""

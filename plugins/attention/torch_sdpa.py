@@ -34,7 +34,14 @@ from patchbay.interfaces import (
     CommonAttentionMetadata,
 )
 from patchbay.plugins.attention._cpu_kernel import KernelBuild, kernel_unavailable, load_kernel
-from patchbay.plugins.attention._paged import Workspace, as_float, gather_blocks, split_and_write_kv, window_start
+from patchbay.plugins.attention._paged import (
+    Workspace,
+    as_cached,
+    as_float,
+    gather_blocks,
+    split_and_write_kv,
+    window_start,
+)
 from patchbay.plugins.attention.common import (
     CommonMetadataBuilder,
     PagedAttentionMetadata,
@@ -451,7 +458,7 @@ class TorchSDPAImpl(AttentionImpl):
     ) -> None:
         start, end = long_query.query_start, long_query.query_end
         if long_query.block_ids is None:
-            keys, values = key[start:end], value[start:end]
+            keys, values = as_cached(key[start:end], key_cache.dtype), as_cached(value[start:end], value_cache.dtype)
         else:
             keys = self._gather("keys", key_cache, long_query.block_ids)[: long_query.num_keys]
             values = self._gather("values", value_cache, long_query.block_ids)[: long_query.num_keys]
