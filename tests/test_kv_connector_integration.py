@@ -448,3 +448,21 @@ def test_a_seeded_request_recomputed_after_a_failed_load_keeps_its_stream(tiny_l
     llm = _llm(tiny_llama, registry, {"name": "dict_test", "options": {"namespace": namespace, **options}})
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.scheduler.kv_connector_stats.num_recomputed_requests > 0
+
+
+def test_int8_caches_save_and_load_their_rows_and_share_no_entry_with_float_caches(tiny_llama, registry):
+    prompts = _prompts(4, seed=6)
+    alone = [o.token_ids for o in _llm(tiny_llama, registry, cache__dtype="int8").generate(prompts, GREEDY)]
+    connector = {"name": "dict_test", "options": {"namespace": "int8"}}
+    first = _llm(tiny_llama, registry, connector, cache__dtype="int8")
+    assert [o.token_ids for o in first.generate(prompts, GREEDY)] == alone
+
+    second = _llm(tiny_llama, registry, connector, cache__dtype="int8")
+    assert [o.token_ids for o in second.generate(prompts, GREEDY)] == alone
+    assert second.engine.scheduler.kv_connector_stats.num_loaded_tokens >= 64
+    # A float32 engine keys its entries by another model id: it never loads int8 rows into its cache.
+    floats = _llm(tiny_llama, registry, connector)
+    assert floats.engine.kv_connector.config.model_id != second.engine.kv_connector.config.model_id
+    assert "-int8-" in second.engine.kv_connector.config.model_id
+    floats.generate(prompts, GREEDY)
+    assert floats.engine.scheduler.kv_connector_stats.num_loaded_tokens == 0
