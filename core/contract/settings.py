@@ -78,9 +78,9 @@ class ModelSettings(Section):
     safetensors under ``~/.cache/patchbay/models``), or ``default`` for the bundled SmolLM2-135M-Instruct.
     Nothing is downloaded."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights and KV cache. ``auto``: bfloat16 on CUDA; on a CPU the fastest dtype it computes natively,
-    measured once (``patchbay tune``). In bfloat16 greedy tokens can differ at near-ties as batching changes;
-    ``float32`` keeps them (docs/design/cpu-fast-paths.md#dtypes)."""
+    """Weights and KV cache (unless ``cache.dtype`` sets the cache's). ``auto``: bfloat16 on CUDA; on a CPU the
+    fastest dtype it computes natively, measured once (``patchbay tune``). In bfloat16 greedy tokens can differ at
+    near-ties as batching changes; ``float32`` keeps them (docs/design/cpu-fast-paths.md#dtypes)."""
     quantization: Literal["none", "int8", "int4"] = "none"
     """Weight-only integer weights on the CPU: ``int8`` with a scale per output row for steps of up to 16 rows,
     activations in ``dtype``; ``int4`` with a float16 scale and minimum per 32 input features (Q4_1's grid), every

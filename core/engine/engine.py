@@ -37,6 +37,7 @@ from patchbay.engine.step_failures import EngineDeadError, describe_failure, fai
 from patchbay.engine.structured_output import check_constraint
 from patchbay.interfaces import Sampler, SamplerConfig
 from patchbay.sampling_params import SamplingParams
+from patchbay.scheduling.kv_cache_spec import cache_dtype
 from patchbay.scheduling.multimodal import ImageFeature
 from patchbay.scheduling.request import Request
 from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -122,6 +123,7 @@ class Engine:
             step_timings=self.step_timings(),
             attention_backend=self.backend_name,
             dtype=self.dtype,
+            kv_cache_dtype=cache_dtype(self.settings.cache.dtype, self.dtype),
             device=str(self.device),
             heap=self.heap,
             machine_defaults=self.tuning.describe() if self.tuning is not None else None,

@@ -40,6 +40,8 @@ class EngineReport:
     attention_backend: str
     """The attention backend running (``attention.backend`` resolved)."""
     dtype: str
+    kv_cache_dtype: str
+    """The KV cache's dtype: the model's, or ``int8`` (``cache.dtype``)."""
     device: str
     heap: str
     """What was done to the allocator's thresholds."""

@@ -167,7 +167,7 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Engine) -> s
         f"time to first token: {_percentiles(ttft)}",
         f"inter-token latency: {_percentiles(itl)}",
         f"engine:              {report.stats.num_steps} steps, {report.stats.num_preemptions} preemptions, "
-        f"attention {report.attention_backend}, {report.dtype} on {report.device}",
+        f"attention {report.attention_backend}, {report.dtype} on {report.device}, KV cache {report.kv_cache_dtype}",
         f"step time:           {breakdown}",
     ]
     if report.machine_defaults is not None:

@@ -30,7 +30,8 @@ class ServingConfig:
     device: str = "cpu"
     """Device *type* the run uses: ``"cpu"``, ``"cuda"``, ``"mps"``, ..."""
     dtype: str = "float32"
-    """Model and KV-cache dtype, one of ``float32``, ``bfloat16``, ``float16``."""
+    """Model dtype, one of ``float32``, ``bfloat16``, ``float16`` (also the KV cache's, unless an attention config sets
+    ``cache_dtype``)."""
 
 
 @dataclass(frozen=True)
