@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -16,29 +15,12 @@ import patchbay
 from patchbay.plugins.attention import _cpu_kernel, torch_sdpa
 from patchbay.worker.cpu import native_build
 from patchbay.worker.cpu.streaming_linear import load_streaming_linear
-from patchbay.worker.cpu.tuning import CpuInfo
 from patchbay.sampling_params import SamplingParams
 from patchbay.testing.attention import AttentionCase, check_attention, make_batch
+from decode_kernels import kernel_variant, needs_kernel
 from tiny_models import transformers_greedy
 
-pytestmark = pytest.mark.skipif(
-    _cpu_kernel.kernel_unavailable() is not None, reason=f"kernel cannot build here: {_cpu_kernel.kernel_unavailable()}"
-)
-
-
-def kernel_variant(name: str):
-    """The kernel as built for this CPU (``native``), or limited to AVX2 (``avx2``: the SIMD path of CPUs without
-    AVX-512, built here too where the CPU has both)."""
-    if name == "native":
-        return _cpu_kernel.load_kernel()
-    if not {"avx2", "fma"} <= CpuInfo.read().flags:
-        pytest.skip("this CPU has no AVX2 and FMA")
-    return _avx2_kernel()
-
-
-@functools.cache
-def _avx2_kernel():
-    return _cpu_kernel.extension().without_avx512().load()
+pytestmark = needs_kernel
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
