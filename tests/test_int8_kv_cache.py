@@ -12,7 +12,8 @@ import torch
 
 import patchbay
 from patchbay.contract.settings import ConfigError
-from patchbay.interfaces.int8_kv import SCALE_BYTES, dequantize_rows, quantize_rows, row_scales, row_size
+from patchbay.interfaces.int8_kv import SCALE_BYTES, row_size
+from patchbay.worker.int8_kv_rows import dequantize_rows, quantize_rows, row_scales
 from patchbay.scheduling.kv_cache_spec import KVCacheSpec, cache_dtype
 
 

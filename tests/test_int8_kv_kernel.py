@@ -2,34 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from patchbay.interfaces.int8_kv import SCALE_BYTES, dequantize_rows, quantize_rows, row_scales
+from patchbay.interfaces.int8_kv import SCALE_BYTES
+from patchbay.worker.int8_kv_rows import dequantize_rows, quantize_rows, row_scales
 from patchbay.plugins.attention import _cpu_kernel
 from patchbay.worker.cpu.streaming_linear import load_streaming_linear
-from patchbay.worker.cpu.tuning import CpuInfo
 
-pytestmark = pytest.mark.skipif(
-    _cpu_kernel.kernel_unavailable() is not None, reason=f"kernel cannot build here: {_cpu_kernel.kernel_unavailable()}"
-)
+from decode_kernels import kernel_variant, needs_kernel
 
-
-def kernel_variant(name: str):
-    """The kernel as built for this CPU (``native``), or limited to AVX2 (``avx2``)."""
-    if name == "native":
-        return _cpu_kernel.load_kernel()
-    if not {"avx2", "fma"} <= CpuInfo.read().flags:
-        pytest.skip("this CPU has no AVX2 and FMA")
-    return _avx2_kernel()
-
-
-@functools.cache
-def _avx2_kernel():
-    return _cpu_kernel.extension().without_avx512().load()
+pytestmark = needs_kernel
 
 
 def int8_cache(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:

@@ -6,7 +6,8 @@ and reads it.
 Each (token, KV head) row of an int8 cache holds the ``head_size`` features rounded to int8, then the row's
 scale as the 4 bytes of a float32 (native byte order): feature ``d`` is ``q[d] * scale``.  The cache tensor is
 ``torch.int8`` with rows of :func:`row_size` bytes: the runner asks the backend's
-:meth:`~patchbay.interfaces.AttentionBackend.kv_cache_shape` for ``head_size + 4``.  A row's scale is
+:meth:`~patchbay.interfaces.AttentionBackend.kv_cache_shape` for ``head_size + 4``.  The torch side
+(rounding rows, reading them back) is :mod:`patchbay.worker.int8_kv_rows`.  A row's scale is
 ``max |x| / 127`` (0 for a row of zeros), so every row keeps its own range: a scale per block would have to
 grow, and re-round the block's earlier rows, whenever a later token's features are larger.  A zeroed block
 reads as zeros.
@@ -16,13 +17,6 @@ request's tokens do not depend on which of their paths attended it.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
-
-# torch is imported inside the functions: the KV-cache specs import this module for row_size.
 
 CACHE_DTYPES = ("int8",)
 """The cache dtypes a run may ask for besides its model's dtype (``cache.dtype``)."""
@@ -37,32 +31,3 @@ LEVELS = 127
 def row_size(head_size: int, cache_dtype: str | None) -> int:
     """The last dimension of a cache of ``cache_dtype`` (``None``: the model's dtype) for ``head_size``."""
     return head_size + SCALE_BYTES if cache_dtype == "int8" else head_size
-
-
-def quantize_rows(rows: torch.Tensor) -> torch.Tensor:
-    """int8 cache rows ``[..., head_size + 4]`` of float rows ``[..., head_size]`` (any float dtype).
-
-    Features are divided by their row's scale in float32 and rounded half to even.
-    """
-    import torch
-
-    values = rows.float()
-    scale = values.abs().amax(dim=-1, keepdim=True) / LEVELS
-    levels = torch.where(scale > 0, values / scale, torch.zeros_like(values)).round_().clamp_(-LEVELS, LEVELS)
-    scale_bytes = scale.contiguous().view(torch.int8)
-    return torch.cat((levels.to(torch.int8), scale_bytes), dim=-1)
-
-
-def row_scales(cache_rows: torch.Tensor) -> torch.Tensor:
-    """The float32 scales ``[...]`` of int8 cache rows ``[..., head_size + 4]``."""
-    import torch
-
-    return cache_rows[..., -SCALE_BYTES:].contiguous().view(torch.float32).squeeze(-1)
-
-
-def dequantize_rows(cache_rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Float rows ``[..., head_size]`` in ``dtype`` (``None``: float32) of int8 cache rows ``[..., head_size + 4]``."""
-    import torch
-
-    features = cache_rows[..., :-SCALE_BYTES].float()
-    return (features * row_scales(cache_rows).unsqueeze(-1)).to(dtype or torch.float32)

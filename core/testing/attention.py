@@ -43,7 +43,7 @@ from patchbay.interfaces import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from patchbay.interfaces.int8_kv import SCALE_BYTES, dequantize_rows, quantize_rows, row_scales, row_size
+from patchbay.interfaces.int8_kv import SCALE_BYTES, row_size
 from patchbay.testing.kinds import AttentionBackendBaseSuite, MetadataBuilderBaseSuite
 from patchbay.testing.suite import skip_not_declared
 
@@ -196,6 +196,8 @@ def make_batch(
     """Random inputs for ``case``: shape and block table depend on the case only, the values also on ``layer``."""
     import torch
 
+    from patchbay.worker.int8_kv_rows import dequantize_rows, quantize_rows
+
     dtype = getattr(torch, case.dtype)
     seq_lens = [computed + new for computed, new in zip(case.num_computed, case.num_new, strict=True)]
     num_blocks = sum(-(-seq_len // case.block_size) for seq_len in seq_lens) + case.spare_blocks
@@ -246,6 +248,8 @@ def make_batch(
 
 def _cache_rows(rows: torch.Tensor, case: AttentionCase) -> torch.Tensor:
     """Keys or values as the case's cache stores them."""
+    from patchbay.worker.int8_kv_rows import quantize_rows
+
     return quantize_rows(rows) if case.cache_dtype == "int8" else rows
 
 
@@ -330,6 +334,8 @@ def _same_int8_rows(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """Per row of two int8 caches: the same row up to the rounding of one feature by one level and of the scale by
     a float32 step (a kernel's fused arithmetic may round a tie or the scale's division otherwise)."""
     import torch
+
+    from patchbay.worker.int8_kv_rows import row_scales
 
     got_scale, want_scale = row_scales(got), row_scales(want)
     same_scale = torch.isclose(got_scale, want_scale, rtol=1e-6, atol=0.0)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from patchbay.interfaces.int8_kv import dequantize_rows, quantize_rows
+from patchbay.worker.int8_kv_rows import dequantize_rows, quantize_rows
 
 if TYPE_CHECKING:
     from patchbay.interfaces import AttentionBackend
@@ -29,7 +29,7 @@ def write_kv(
     ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_size]``
     views (as :meth:`AttentionBackend.split_kv_cache` returns them); rows of
     ``key``/``value`` past ``len(slot_mapping)`` are padding and are not written.  An int8 cache
-    (rows of ``head_size + 4``) gets each row rounded by :func:`~patchbay.interfaces.int8_kv.quantize_rows`.
+    (rows of ``head_size + 4``) gets each row rounded by :func:`~patchbay.worker.int8_kv_rows.quantize_rows`.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
