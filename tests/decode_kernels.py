@@ -6,6 +6,8 @@ import functools
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from patchbay.plugins.attention import _cpu_kernel
 from patchbay.worker.cpu.tuning import CpuInfo
@@ -29,3 +31,26 @@ def kernel_variant(name: str) -> Any:
 @functools.cache
 def _avx2_kernel() -> Any:
     return _cpu_kernel.extension().without_avx512().load()
+
+
+def expected_attention(
+    query: torch.Tensor,
+    keys_by_block: torch.Tensor,
+    values_by_block: torch.Tensor,
+    blocks: torch.Tensor,
+    length: int,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """The float64 reference for one query token ``[heads, head_size]``: SDPA over the first ``length`` keys of
+    its block-table row ``blocks`` (the last ``window`` of them when ``window`` is set), from float caches
+    ``[blocks, block_size, kv_heads, head_size]``; returns ``[heads, head_size]``."""
+    block_size, kv_heads, head_size = keys_by_block.shape[1:]
+    used = blocks[: -(-length // block_size)].long()
+    first = max(0, length - window) if window else 0
+    keys = keys_by_block[used].reshape(-1, kv_heads, head_size)[first:length].double()
+    values = values_by_block[used].reshape(-1, kv_heads, head_size)[first:length].double()
+    attended = F.scaled_dot_product_attention(
+        query.double()[:, None], keys.transpose(0, 1), values.transpose(0, 1), scale=scale, enable_gqa=True
+    )
+    return attended[:, 0]

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import patchbay
 from patchbay.plugins.attention import _cpu_kernel, torch_sdpa
@@ -17,7 +16,7 @@ from patchbay.worker.cpu import native_build
 from patchbay.worker.cpu.streaming_linear import load_streaming_linear
 from patchbay.sampling_params import SamplingParams
 from patchbay.testing.attention import AttentionCase, check_attention, make_batch
-from decode_kernels import kernel_variant, needs_kernel
+from decode_kernels import expected_attention, kernel_variant, needs_kernel
 from tiny_models import transformers_greedy
 
 pytestmark = needs_kernel
@@ -62,17 +61,12 @@ def test_kernel_matches_dense_attention_over_the_gathered_blocks(
         pool_threads,
     )
     for request in range(num_reqs):
-        length = int(seq_lens[request])
-        blocks = block_table[request, : -(-length // block_size)].long()
-        first = max(0, length - window) if window else 0
-        keys = key_cache[blocks].reshape(-1, kv_heads, head_size)[first:length].double()
-        values = value_cache[blocks].reshape(-1, kv_heads, head_size)[first:length].double()
         row = int(rows[request])
-        expected = F.scaled_dot_product_attention(
-            query[row].double()[:, None], keys.transpose(0, 1), values.transpose(0, 1), scale=scale, enable_gqa=True
+        expected = expected_attention(
+            query[row], key_cache, value_cache, block_table[request], int(seq_lens[request]), window, scale
         )
         # The reference computes in float64 from the same (rounded) inputs; bfloat16 output adds one rounding.
-        torch.testing.assert_close(output[row].float(), expected[:, 0].float(), rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(output[row].float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
 def test_the_build_runs_in_the_background_and_the_kernel_is_used_once_ready(monkeypatch):

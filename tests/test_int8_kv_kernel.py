@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from patchbay.interfaces.int8_kv import SCALE_BYTES
 from patchbay.worker.int8_kv_rows import dequantize_rows, quantize_rows, row_scales
 from patchbay.plugins.attention import _cpu_kernel
 from patchbay.worker.cpu.streaming_linear import load_streaming_linear
 
-from decode_kernels import kernel_variant, needs_kernel
+from decode_kernels import expected_attention, kernel_variant, needs_kernel
 
 pytestmark = needs_kernel
 
@@ -68,16 +67,11 @@ def test_kernel_on_int8_caches_matches_dense_attention_over_the_dequantized_bloc
     )
     keys_by_block, values_by_block = dequantize_rows(key_cache), dequantize_rows(value_cache)
     for i in range(num_queries):
-        length = int(seq_lens[i])
-        blocks = block_table[table_rows[i], : -(-length // block_size)].long()
-        first = max(0, length - window) if window else 0
-        keys = keys_by_block[blocks].reshape(-1, kv_heads, head_size)[first:length].double()
-        values = values_by_block[blocks].reshape(-1, kv_heads, head_size)[first:length].double()
         row = int(rows[i])
-        expected = F.scaled_dot_product_attention(
-            query[row].double()[:, None], keys.transpose(0, 1), values.transpose(0, 1), scale=scale, enable_gqa=True
+        expected = expected_attention(
+            query[row], keys_by_block, values_by_block, block_table[table_rows[i]], int(seq_lens[i]), window, scale
         )
-        torch.testing.assert_close(output[row].float(), expected[:, 0].float(), rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(output[row].float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize(
