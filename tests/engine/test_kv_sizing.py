@@ -185,6 +185,9 @@ def test_the_drafter_and_the_sampler_load_before_the_pool_is_sized(tiny_llama, m
         scheduler__max_num_batched_tokens=128,
         speculative__method="eagle",
         speculative__num_speculative_tokens=2,
+        # Half of the faked memory, not the suite's 0.15: the profiled step's peak resident set varies with
+        # what the process did before (338 MiB seen on a fresh clone), and this test is about order, not room.
+        cache__memory_utilization=0.5,
     )
     assert events[:4] == ["drafter load", "sample", "verify", "size"], events
     drafter = llm.engine.runner.drafter
