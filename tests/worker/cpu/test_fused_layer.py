@@ -10,7 +10,14 @@ from patchbay.sampling_params import SamplingParams
 from patchbay.worker import runner_build
 from patchbay.worker.cpu import fused_layer, fused_ops
 from patchbay.worker.cpu.native_build import build_unavailable
-from patchbay.worker.cpu.streaming_linear import tiles_unavailable
+from patchbay.worker.cpu.streaming_linear import (
+    chunk_runner,
+    load_streaming_linear,
+    note_tiles_in_use,
+    tile,
+    tiled_product_entry,
+    tiles_unavailable,
+)
 from tiny_models import build_tiny_model, transformers_greedy
 
 pytestmark = pytest.mark.skipif(
@@ -101,3 +108,85 @@ def test_until_the_kernels_are_built_the_layer_runs_its_own_forward(tiny_llama, 
 class NotBuilt:
     def ready(self):
         return None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ops_between_products_give_the_same_bits_on_the_helpers(dtype):
+    """At many rows the norms, activations, rotations and adds between a layer's products run on the products'
+    helpers: the same bits as the standalone kernels and torch's adds, in the model's order."""
+    if tiles_unavailable(dtype) is not None:
+        pytest.skip(tiles_unavailable(dtype))
+    ops, linear = fused_ops.load_fused_ops(), load_streaming_linear()
+    note_tiles_in_use()
+    helpers, entry = chunk_runner(), tiled_product_entry()
+    assert helpers != 0
+    generator = torch.Generator().manual_seed(0)
+    rows, width, intermediate, heads, kv_heads, head_size = 97, 512, 768, 8, 2, 64  # 97 x 768: the helpers split it
+
+    def weight(out_features: int, in_features: int) -> torch.Tensor:
+        return (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
+
+    def tiles(w: torch.Tensor) -> torch.Tensor:
+        return tile(w, linear.float32_lanes())
+
+    hidden = torch.randn(rows, width, generator=generator).to(dtype)
+    attended = torch.randn(rows, heads * head_size, generator=generator).to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(width, generator=generator)).to(dtype)
+    o, gate_up, down = weight(width, heads * head_size), weight(2 * intermediate, width), weight(width, intermediate)
+    qkv = weight((heads + 2 * kv_heads) * head_size, width)
+    angles = torch.randn(rows, head_size, generator=generator)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q_size, k_size = heads * head_size, kv_heads * head_size
+
+    def multiply(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return linear.tiled_linear(x, tiles(w), None, w.shape[0], 2)
+
+    def normed(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        ops.rms_norm(x, norm_weight, 1e-5, out)
+        return out
+
+    residual = hidden + multiply(attended, o)
+    activated = torch.empty(rows, intermediate, dtype=dtype)
+    ops.silu_and_mul(multiply(normed(residual), gate_up), activated)
+    expected = residual + multiply(activated, down)
+    qkv_rows = multiply(normed(hidden), qkv)
+    query = torch.empty(rows, heads, head_size, dtype=dtype)
+    key = torch.empty(rows, kv_heads, head_size, dtype=dtype)
+    ops.rotary(qkv_rows[:, :q_size], qkv_rows[:, q_size : q_size + k_size], cos, sin, query, key)
+    for runner in (helpers, 0):
+        output = ops.decoder_attention_output_and_mlp(
+            entry,
+            runner,
+            attended,
+            hidden,
+            tiles(o),
+            None,
+            norm_weight,
+            1e-5,
+            tiles(gate_up),
+            None,
+            intermediate,
+            tiles(down),
+            None,
+            2,
+        )
+        assert torch.equal(output, expected)
+        got_query, got_key, got_value = ops.decoder_attention_inputs(
+            entry,
+            runner,
+            hidden,
+            norm_weight,
+            1e-5,
+            tiles(qkv),
+            None,
+            q_size,
+            k_size,
+            k_size,
+            cos,
+            sin,
+            head_size,
+            2,
+        )
+        assert torch.equal(got_query, query) and torch.equal(got_key, key)
+        assert torch.equal(got_value.reshape(rows, -1), qkv_rows[:, q_size + k_size :])

@@ -3,49 +3,86 @@
 #include <torch/extension.h>
 #include "simd.h"
 #include <omp.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 // Rows below this many elements in all run on the calling thread: waking OpenMP's sleeping threads costs more.
 constexpr int64_t kParallelElements = 1 << 16;
+// Within a fused decoder layer, ops of at least this many elements share the products' helpers, which are awake.
+constexpr int64_t kPoolElements = 1 << 15;
+
+// The products' helper pool (patchbay.worker.cpu.streaming_linear.chunk_runner): runs work(context, i) for every
+// i in [0, chunks) on up to `threads` threads and returns when all are done.
+using RunChunks = void (*)(int threads, int64_t chunks, void (*work)(const void*, int64_t), const void* context);
+
+// Where the row loops of an op run: over OpenMP's threads (no pool, the standalone ops; only for many elements,
+// since waking OpenMP's sleeping threads costs tens of microseconds), or on the products' helpers.
+struct RowRunner {
+  RunChunks pool = nullptr;
+  int threads = 1;
+
+  // f(begin, end) over [0, rows) in contiguous ranges; `row_elements` sizes the work to decide whether to split.
+  template <typename F>
+  void run(int64_t rows, int64_t row_elements, const F& f) const {
+    const int64_t elements = rows * row_elements;
+    if (pool == nullptr) {
+      if (elements < kParallelElements) return f(int64_t{0}, rows);
+#pragma omp parallel for
+      for (int64_t r = 0; r < rows; ++r) f(r, r + 1);
+      return;
+    }
+    if (threads <= 1 || elements < kPoolElements || rows < 2) return f(int64_t{0}, rows);
+    const int64_t chunks = std::min<int64_t>(rows, 4 * threads);
+    const auto chunk = [&](int64_t i) { f(rows * i / chunks, rows * (i + 1) / chunks); };
+    pool(threads, chunks, [](const void* context, int64_t i) { (*static_cast<const decltype(chunk)*>(context))(i); },
+         &chunk);
+  }
+};
+
+static RowRunner pool_runner(int64_t chunk_runner, int64_t threads) {
+  return RowRunner{reinterpret_cast<RunChunks>(chunk_runner), static_cast<int>(std::max<int64_t>(threads, 1))};
+}
 
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* x, int64_t x_row_stride, const scalar_t* weight, scalar_t* out, int64_t rows,
-                   int64_t hidden, float eps) {
-#pragma omp parallel for if (rows * hidden >= kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* row = x + r * x_row_stride;
-    scalar_t* o = out + r * hidden;
-    int64_t i = 0;
-    float squares = 0.0f;
+                   int64_t hidden, float eps, const RowRunner& runner) {
+  runner.run(rows, hidden, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* row = x + r * x_row_stride;
+      scalar_t* o = out + r * hidden;
+      int64_t i = 0;
+      float squares = 0.0f;
 #ifdef PATCHBAY_SIMD
-    vfloat acc = vbroadcast(0.0f);
-    for (; i + kLanes <= hidden; i += kLanes) {
-      const vfloat value = vload(row + i);
-      acc = vfma(value, value, acc);
-    }
-    squares = vsum(acc);
+      vfloat acc = vbroadcast(0.0f);
+      for (; i + kLanes <= hidden; i += kLanes) {
+        const vfloat value = vload(row + i);
+        acc = vfma(value, value, acc);
+      }
+      squares = vsum(acc);
 #endif
-    for (; i < hidden; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
-    const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + eps);
-    i = 0;
+      for (; i < hidden; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+      const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+      i = 0;
 #ifdef PATCHBAY_SIMD
-    const vfloat scale = vbroadcast(inverse);
-    for (; i + kLanes <= hidden; i += kLanes) {
-      // Rounded to the input's dtype before the weight multiplies it, as transformers does.
-      const vfloat normalized = vround_as(row, vmul(vload(row + i), scale));
-      vstore(o + i, vmul(vload(weight + i), normalized));
-    }
+      const vfloat scale = vbroadcast(inverse);
+      for (; i + kLanes <= hidden; i += kLanes) {
+        // Rounded to the input's dtype before the weight multiplies it, as transformers does.
+        const vfloat normalized = vround_as(row, vmul(vload(row + i), scale));
+        vstore(o + i, vmul(vload(weight + i), normalized));
+      }
 #endif
-    for (; i < hidden; ++i) {
-      const scalar_t normalized = static_cast<scalar_t>(static_cast<float>(row[i]) * inverse);
-      o[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normalized));
+      for (; i < hidden; ++i) {
+        const scalar_t normalized = static_cast<scalar_t>(static_cast<float>(row[i]) * inverse);
+        o[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normalized));
+      }
     }
-  }
+  });
 }
 
 // x: [..., hidden] with unit stride along hidden and equal row strides; weight: [hidden]; out: contiguous.
-void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor out) {
+static void rms_norm_on(const torch::Tensor& x, const torch::Tensor& weight, double eps, const torch::Tensor& out,
+                        const RowRunner& runner) {
   const int64_t hidden = x.size(-1);
   TORCH_CHECK(x.stride(-1) == 1 && weight.is_contiguous() && out.is_contiguous() && weight.numel() == hidden
               && out.numel() == x.numel(), "rms_norm: unit-stride rows, a contiguous weight of the row's size and "
@@ -57,95 +94,103 @@ void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor o
   const int64_t row_stride = rows > 1 ? flat.stride(0) : hidden;
   if (x.scalar_type() == torch::kFloat32) {
     rms_norm_rows<float>(flat.data_ptr<float>(), row_stride, weight.data_ptr<float>(), out.data_ptr<float>(), rows,
-                         hidden, static_cast<float>(eps));
+                         hidden, static_cast<float>(eps), runner);
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "rms_norm runs on float32 or bfloat16");
     rms_norm_rows<at::BFloat16>(flat.data_ptr<at::BFloat16>(), row_stride, weight.data_ptr<at::BFloat16>(),
-                                out.data_ptr<at::BFloat16>(), rows, hidden, static_cast<float>(eps));
+                                out.data_ptr<at::BFloat16>(), rows, hidden, static_cast<float>(eps), runner);
   }
+}
+
+void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor out) {
+  rms_norm_on(x, weight, eps, out, RowRunner{});
 }
 
 template <typename scalar_t>
 void silu_and_mul_rows(const scalar_t* gate, const scalar_t* up, int64_t in_row_stride, scalar_t* out, int64_t rows,
-                       int64_t width) {
-#pragma omp parallel for if (rows * width >= kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* g = gate + r * in_row_stride;
-    const scalar_t* u = up + r * in_row_stride;
-    scalar_t* o = out + r * width;
-    int64_t i = 0;
+                       int64_t width, const RowRunner& runner) {
+  runner.run(rows, width, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* g = gate + r * in_row_stride;
+      const scalar_t* u = up + r * in_row_stride;
+      scalar_t* o = out + r * width;
+      int64_t i = 0;
 #ifdef PATCHBAY_SIMD
-    const vfloat one = vbroadcast(1.0f), minus_one = vbroadcast(-1.0f);
-    for (; i + kLanes <= width; i += kLanes) {
-      const vfloat value = vload(g + i);
-      // SiLU rounded to the dtype before the product, as act_fn(gate) * up rounds it.
-      const vfloat activated = vround_as(g, vdiv(value, vadd(one, vexp(vmul(value, minus_one)))));
-      vstore(o + i, vmul(activated, vload(u + i)));
-    }
+      const vfloat one = vbroadcast(1.0f), minus_one = vbroadcast(-1.0f);
+      for (; i + kLanes <= width; i += kLanes) {
+        const vfloat value = vload(g + i);
+        // SiLU rounded to the dtype before the product, as act_fn(gate) * up rounds it.
+        const vfloat activated = vround_as(g, vdiv(value, vadd(one, vexp(vmul(value, minus_one)))));
+        vstore(o + i, vmul(activated, vload(u + i)));
+      }
 #endif
-    for (; i < width; ++i) {
-      const float value = static_cast<float>(g[i]);
-      const scalar_t activated = static_cast<scalar_t>(value / (1.0f + std::exp(-value)));
-      o[i] = static_cast<scalar_t>(static_cast<float>(activated) * static_cast<float>(u[i]));
+      for (; i < width; ++i) {
+        const float value = static_cast<float>(g[i]);
+        const scalar_t activated = static_cast<scalar_t>(value / (1.0f + std::exp(-value)));
+        o[i] = static_cast<scalar_t>(static_cast<float>(activated) * static_cast<float>(u[i]));
+      }
     }
-  }
+  });
 }
 
 template <typename scalar_t>
 void rotate_heads(const scalar_t* in, int64_t in_row_stride, const scalar_t* cos, const scalar_t* sin,
-                  int64_t angle_stride, scalar_t* out, int64_t rows, int64_t heads, int64_t head_size) {
+                  int64_t angle_stride, scalar_t* out, int64_t rows, int64_t heads, int64_t head_size,
+                  const RowRunner& runner) {
   const int64_t half = head_size / 2;
-#pragma omp parallel for if (rows * heads * head_size >= kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* c = cos + r * angle_stride;
-    const scalar_t* s = sin + r * angle_stride;
-    for (int64_t h = 0; h < heads; ++h) {
-      const scalar_t* x = in + r * in_row_stride + h * head_size;
-      scalar_t* o = out + (r * heads + h) * head_size;
-      int64_t i = 0;
+  runner.run(rows, heads * head_size, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* c = cos + r * angle_stride;
+      const scalar_t* s = sin + r * angle_stride;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* x = in + r * in_row_stride + h * head_size;
+        scalar_t* o = out + (r * heads + h) * head_size;
+        int64_t i = 0;
 #ifdef PATCHBAY_SIMD
-      if (half % kLanes == 0) {
-        // Both halves at once: o[i] = x[i] cos[i] - x[i + half] sin[i], o[i + half] = x[i + half] cos[i + half]
-        // + x[i] sin[i + half]; each product and the sum rounded to the dtype, as transformers' ops round them.
-        for (; i < half; i += kLanes) {
-          const vfloat low = vload(x + i), high = vload(x + half + i);
-          const vfloat out_low = vround_as(x, vadd(vround_as(x, vmul(low, vload(c + i))),
-                                                   vround_as(x, vmul(vmul(high, vbroadcast(-1.0f)), vload(s + i)))));
-          const vfloat out_high = vround_as(x, vadd(vround_as(x, vmul(high, vload(c + half + i))),
-                                                    vround_as(x, vmul(low, vload(s + half + i)))));
-          vstore(o + i, out_low);
-          vstore(o + half + i, out_high);
+        if (half % kLanes == 0) {
+          // Both halves at once: o[i] = x[i] cos[i] - x[i + half] sin[i], o[i + half] = x[i + half] cos[i + half]
+          // + x[i] sin[i + half]; each product and the sum rounded to the dtype, as transformers' ops round them.
+          for (; i < half; i += kLanes) {
+            const vfloat low = vload(x + i), high = vload(x + half + i);
+            const vfloat out_low = vround_as(x, vadd(vround_as(x, vmul(low, vload(c + i))),
+                                                     vround_as(x, vmul(vmul(high, vbroadcast(-1.0f)), vload(s + i)))));
+            const vfloat out_high = vround_as(x, vadd(vround_as(x, vmul(high, vload(c + half + i))),
+                                                      vround_as(x, vmul(low, vload(s + half + i)))));
+            vstore(o + i, out_low);
+            vstore(o + half + i, out_high);
+          }
+        }
+#endif
+        for (; i < half; ++i) {
+          const float low = static_cast<float>(x[i]), high = static_cast<float>(x[half + i]);
+          const scalar_t a = static_cast<scalar_t>(low * static_cast<float>(c[i]));
+          const scalar_t b = static_cast<scalar_t>(-high * static_cast<float>(s[i]));
+          o[i] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
+          const scalar_t d = static_cast<scalar_t>(high * static_cast<float>(c[half + i]));
+          const scalar_t e = static_cast<scalar_t>(low * static_cast<float>(s[half + i]));
+          o[half + i] = static_cast<scalar_t>(static_cast<float>(d) + static_cast<float>(e));
         }
       }
-#endif
-      for (; i < half; ++i) {
-        const float low = static_cast<float>(x[i]), high = static_cast<float>(x[half + i]);
-        const scalar_t a = static_cast<scalar_t>(low * static_cast<float>(c[i]));
-        const scalar_t b = static_cast<scalar_t>(-high * static_cast<float>(s[i]));
-        o[i] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
-        const scalar_t d = static_cast<scalar_t>(high * static_cast<float>(c[half + i]));
-        const scalar_t e = static_cast<scalar_t>(low * static_cast<float>(s[half + i]));
-        o[half + i] = static_cast<scalar_t>(static_cast<float>(d) + static_cast<float>(e));
-      }
     }
-  }
+  });
 }
 
 template <typename scalar_t>
 void rotate(const torch::Tensor& in, const torch::Tensor& cos, const torch::Tensor& sin, int64_t angle_stride,
-            torch::Tensor& out) {
+            const torch::Tensor& out, const RowRunner& runner) {
   const int64_t rows = out.size(0), heads = out.size(1), head_size = out.size(2);
   rotate_heads<scalar_t>(in.data_ptr<scalar_t>(), rows > 1 ? in.stride(0) : heads * head_size,
                          cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), angle_stride, out.data_ptr<scalar_t>(),
-                         rows, heads, head_size);
+                         rows, heads, head_size, runner);
 }
 
 // query, key: [rows, heads x head_size] with unit stride along the features (views of a fused q/k/v product do);
 // cos, sin: [rows, head_size] (any leading shape) with unit stride along head_size; q_out: [rows, q_heads,
 // head_size], k_out: [rows, kv_heads, head_size], contiguous: the queries and keys rotated as transformers'
 // apply_rotary_pos_emb rotates them.
-void rotary(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin, torch::Tensor q_out,
-            torch::Tensor k_out) {
+static void rotary_on(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& cos,
+                      const torch::Tensor& sin, const torch::Tensor& q_out, const torch::Tensor& k_out,
+                      const RowRunner& runner) {
   const int64_t rows = q_out.size(0), head_size = q_out.size(2);
   TORCH_CHECK(query.dim() == 2 && key.dim() == 2 && query.stride(1) == 1 && key.stride(1) == 1
               && query.size(0) == rows && key.size(0) == rows && k_out.size(0) == rows
@@ -163,17 +208,22 @@ void rotary(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Te
   const int64_t angle_stride = rows > 1 ? cos_rows.stride(0) : head_size;
   TORCH_CHECK(rows <= 1 || sin_rows.stride(0) == angle_stride, "rotary: cos and sin with the same row stride");
   if (dtype == torch::kFloat32) {
-    rotate<float>(query, cos_rows, sin_rows, angle_stride, q_out);
-    rotate<float>(key, cos_rows, sin_rows, angle_stride, k_out);
+    rotate<float>(query, cos_rows, sin_rows, angle_stride, q_out, runner);
+    rotate<float>(key, cos_rows, sin_rows, angle_stride, k_out, runner);
   } else {
     TORCH_CHECK(dtype == torch::kBFloat16, "rotary runs on float32 or bfloat16");
-    rotate<at::BFloat16>(query, cos_rows, sin_rows, angle_stride, q_out);
-    rotate<at::BFloat16>(key, cos_rows, sin_rows, angle_stride, k_out);
+    rotate<at::BFloat16>(query, cos_rows, sin_rows, angle_stride, q_out, runner);
+    rotate<at::BFloat16>(key, cos_rows, sin_rows, angle_stride, k_out, runner);
   }
 }
 
+void rotary(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin, torch::Tensor q_out,
+            torch::Tensor k_out) {
+  rotary_on(query, key, cos, sin, q_out, k_out, RowRunner{});
+}
+
 // gate_up: [rows, 2 * width], gate then up (the fused gate/up product); out: [rows, width], contiguous.
-void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) {
+static void silu_and_mul_on(const torch::Tensor& gate_up, const torch::Tensor& out, const RowRunner& runner) {
   const int64_t width = out.size(-1);
   TORCH_CHECK(gate_up.is_contiguous() && out.is_contiguous() && gate_up.size(-1) == 2 * width
               && gate_up.numel() == 2 * out.numel() && gate_up.scalar_type() == out.scalar_type(),
@@ -181,12 +231,42 @@ void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) {
   const int64_t rows = width ? out.numel() / width : 0;
   if (out.scalar_type() == torch::kFloat32) {
     const float* base = gate_up.data_ptr<float>();
-    silu_and_mul_rows<float>(base, base + width, 2 * width, out.data_ptr<float>(), rows, width);
+    silu_and_mul_rows<float>(base, base + width, 2 * width, out.data_ptr<float>(), rows, width, runner);
   } else {
     TORCH_CHECK(out.scalar_type() == torch::kBFloat16, "silu_and_mul runs on float32 or bfloat16");
     const at::BFloat16* base = gate_up.data_ptr<at::BFloat16>();
-    silu_and_mul_rows<at::BFloat16>(base, base + width, 2 * width, out.data_ptr<at::BFloat16>(), rows, width);
+    silu_and_mul_rows<at::BFloat16>(base, base + width, 2 * width, out.data_ptr<at::BFloat16>(), rows, width, runner);
   }
+}
+
+void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) { silu_and_mul_on(gate_up, out, RowRunner{}); }
+
+// a + b for contiguous [rows, width] tensors of one dtype, rounded once to it as torch's add rounds.
+template <typename scalar_t>
+static void add_rows(const scalar_t* a, const scalar_t* b, scalar_t* out, int64_t rows, int64_t width,
+                     const RowRunner& runner) {
+  runner.run(rows, width, [&](int64_t begin, int64_t end) {
+    int64_t i = begin * width;
+    const int64_t stop = end * width;
+#ifdef PATCHBAY_SIMD
+    for (; i + kLanes <= stop; i += kLanes) vstore(out + i, vadd(vload(a + i), vload(b + i)));
+#endif
+    for (; i < stop; ++i) out[i] = static_cast<scalar_t>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+  });
+}
+
+static torch::Tensor add_on(const torch::Tensor& a, const torch::Tensor& b, const RowRunner& runner) {
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.dim() == 2 && a.sizes() == b.sizes()
+              && a.scalar_type() == b.scalar_type(), "add: two contiguous [rows, width] tensors of one dtype");
+  auto out = torch::empty_like(a);
+  if (a.scalar_type() == torch::kFloat32) {
+    add_rows<float>(a.data_ptr<float>(), b.data_ptr<float>(), out.data_ptr<float>(), a.size(0), a.size(1), runner);
+  } else {
+    TORCH_CHECK(a.scalar_type() == torch::kBFloat16, "add runs on float32 or bfloat16");
+    add_rows<at::BFloat16>(a.data_ptr<at::BFloat16>(), b.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+                           a.size(0), a.size(1), runner);
+  }
+  return out;
 }
 
 // A tiled product, through the address patchbay.worker.cpu.streaming_linear.tiled_product_entry() hands out.
@@ -203,39 +283,45 @@ static torch::Tensor tiled(int64_t entry, const torch::Tensor& x, const torch::T
 // A Llama-style decoder layer over tiled weights, up to its attention: the input norm, the fused q/k/v product and
 // the rotation of queries and keys.  hidden: [rows, width], contiguous; returns the rotated queries [rows, q_size /
 // head_size, head_size] and keys [rows, k_size / head_size, head_size], and the values (a view of the product).
-std::vector<torch::Tensor> decoder_attention_inputs(int64_t product, torch::Tensor hidden, torch::Tensor norm_weight,
-                                                    double eps, torch::Tensor qkv_tiles,
+// Both layer calls run the ops between their products on the products' helpers (chunk_runner: the helpers' entry
+// point, streaming_linear.chunk_runner(); 0: on this thread): OpenMP's threads would have to be woken for each.
+std::vector<torch::Tensor> decoder_attention_inputs(int64_t product, int64_t chunk_runner, torch::Tensor hidden,
+                                                    torch::Tensor norm_weight, double eps, torch::Tensor qkv_tiles,
                                                     c10::optional<torch::Tensor> qkv_bias, int64_t q_size,
                                                     int64_t k_size, int64_t v_size, torch::Tensor cos,
                                                     torch::Tensor sin, int64_t head_size, int64_t threads) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_attention_inputs takes contiguous rows");
+  const RowRunner runner = pool_runner(chunk_runner, threads);
   auto normed = torch::empty_like(hidden);
-  rms_norm(hidden, norm_weight, eps, normed);
+  rms_norm_on(hidden, norm_weight, eps, normed, runner);
   const auto qkv = tiled(product, normed, qkv_tiles, qkv_bias, q_size + k_size + v_size, threads);
   const int64_t rows = hidden.size(0);
   auto query = torch::empty({rows, q_size / head_size, head_size}, hidden.options());
   auto key = torch::empty({rows, k_size / head_size, head_size}, hidden.options());
-  rotary(qkv.narrow(1, 0, q_size), qkv.narrow(1, q_size, k_size), cos, sin, query, key);
+  rotary_on(qkv.narrow(1, 0, q_size), qkv.narrow(1, q_size, k_size), cos, sin, query, key, runner);
   return {query, key, qkv.narrow(1, q_size + k_size, v_size).view({rows, v_size / head_size, head_size})};
 }
 
 // The rest of the layer: the output projection and its residual add, the post-attention norm, the fused gate/up
-// product, SiLU-and-multiply, the down projection and its residual add (the adds are torch's, rounding as the
-// model's own).  attended: [rows, q_size]; hidden: the layer's input, [rows, width]; returns the layer's output.
-torch::Tensor decoder_attention_output_and_mlp(int64_t product, torch::Tensor attended, torch::Tensor hidden,
-                                               torch::Tensor o_tiles, c10::optional<torch::Tensor> o_bias,
-                                               torch::Tensor norm_weight, double eps, torch::Tensor gate_up_tiles,
+// product, SiLU-and-multiply, the down projection and its residual add (each add rounds once to the dtype, as
+// the model's own torch adds do).  attended: [rows, q_size]; hidden: the layer's input, [rows, width]; returns
+// the layer's output.
+torch::Tensor decoder_attention_output_and_mlp(int64_t product, int64_t chunk_runner, torch::Tensor attended,
+                                               torch::Tensor hidden, torch::Tensor o_tiles,
+                                               c10::optional<torch::Tensor> o_bias, torch::Tensor norm_weight,
+                                               double eps, torch::Tensor gate_up_tiles,
                                                c10::optional<torch::Tensor> gate_up_bias, int64_t intermediate,
                                                torch::Tensor down_tiles, c10::optional<torch::Tensor> down_bias,
                                                int64_t threads) {
   const int64_t rows = hidden.size(0), width = hidden.size(1);
-  const auto residual = hidden + tiled(product, attended.contiguous(), o_tiles, o_bias, width, threads);
+  const RowRunner runner = pool_runner(chunk_runner, threads);
+  const auto residual = add_on(hidden, tiled(product, attended.contiguous(), o_tiles, o_bias, width, threads), runner);
   auto normed = torch::empty_like(residual);
-  rms_norm(residual, norm_weight, eps, normed);
+  rms_norm_on(residual, norm_weight, eps, normed, runner);
   const auto gate_up = tiled(product, normed, gate_up_tiles, gate_up_bias, 2 * intermediate, threads);
   auto activated = torch::empty({rows, intermediate}, hidden.options());
-  silu_and_mul(gate_up, activated);
-  return residual + tiled(product, activated, down_tiles, down_bias, width, threads);
+  silu_and_mul_on(gate_up, activated, runner);
+  return add_on(residual, tiled(product, activated, down_tiles, down_bias, width, threads), runner);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
