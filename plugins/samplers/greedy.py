@@ -7,6 +7,7 @@ from typing import ClassVar
 import torch
 
 from patchbay.interfaces import Sampler, SamplerCapabilities, SamplerOutput, SamplingMetadata
+from patchbay.worker.cpu.fused_ops import argmax_rows
 
 
 class GreedySampler(Sampler):
@@ -22,7 +23,7 @@ class GreedySampler(Sampler):
     )
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        sampled = logits.argmax(dim=-1, keepdim=True)
+        sampled = argmax_rows(logits).unsqueeze(-1)
         if metadata.max_num_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled)
         logprobs = torch.log_softmax(logits.float(), dim=-1)

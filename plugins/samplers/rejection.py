@@ -14,6 +14,7 @@ from patchbay.interfaces import (
     SpecDecodeMetadata,
 )
 from patchbay.plugins.samplers import _processing
+from patchbay.worker.cpu.fused_ops import argmax_rows
 
 PADDING = -1
 
@@ -60,7 +61,7 @@ class StandardRejectionSampler(RejectionSampler):
 
         processed = _processing.apply_logits_processors(target_logits, _per_draft_row(sampling, metadata))
         # Greedy rows: accept while the draft is the argmax; the argmax is also the recovered token.
-        recovered = processed.argmax(dim=-1)
+        recovered = argmax_rows(processed)
         accepted = draft_ids == recovered
         random_rows = (sampling.temperature[request_of_row] > 0).nonzero().squeeze(1)
         if random_rows.numel():

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict
 
 from patchbay.interfaces import SAMPLING_PARAMS, Sampler, SamplerCapabilities, SamplerOutput, SamplingMetadata
 from patchbay.plugins.samplers import _processing
+from patchbay.worker.cpu.fused_ops import argmax_rows
 
 
 class StandardOptions(BaseModel):
@@ -51,7 +52,7 @@ class StandardSampler(Sampler):
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row; see the class docstring for the order.  ``logits`` is not modified."""
         processed = _processing.apply_logits_processors(logits, metadata)
-        sampled = processed.argmax(dim=-1)
+        sampled = argmax_rows(processed)
         processed_logprobs = metadata.max_num_logprobs is not None and self.options.logprobs_mode == "processed"
         if not metadata.all_greedy:
             random_rows = (metadata.temperature > 0).nonzero().squeeze(1)

@@ -257,6 +257,11 @@ class BackgroundBuild:
         return self.ready()
 
     @classmethod
+    def started(cls) -> Any:
+        """The shared build if something in this process started it, else ``None`` (starts nothing)."""
+        return cls.__dict__.get("_instance")
+
+    @classmethod
     def shared(cls) -> Any:
         """The one build of this subclass in this process, started on first call."""
         with BackgroundBuild._shared_lock:

@@ -183,3 +183,33 @@ def test_rotary_matches_transformers(dtype, head_size, variant):
     expected_q, expected_k = apply_rotary_pos_emb(q, k.transpose(1, 2), cos, sin)
     # The same roundings in the same order: equal, not close.
     assert torch.equal(query, expected_q[0].transpose(0, 1)) and torch.equal(key, expected_k[0].transpose(0, 1))
+
+
+@VARIANTS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 15, 16, 1000, 49152])
+def test_argmax_rows_matches_torch_with_ties_nans_and_infinities(dtype, width, variant):
+    ops = Built(variant).ready()
+    generator = torch.Generator().manual_seed(width)
+    x = torch.randn(12, width, generator=generator).to(dtype)
+    x[1] = x[1].round()  # many ties at the row's largest value: the first wins
+    x[2] = float("-inf")
+    x[3, width // 2] = float("inf")
+    x[4, width - 1] = float("nan")
+    x[5, :] = 7.0
+    x[6, width // 3] = float("nan")
+    x[6, width - 1] = float("inf")  # a NaN wins over anything, wherever it stands
+    x[7, width // 2 :] = float("nan")
+    x[8, 0] = float("nan")
+    x[9] = -x[9].abs() - 1
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_runs_torch_until_the_kernels_are_built(monkeypatch):
+    x = torch.tensor([[0.0, 3.0, 3.0], [float("nan"), 1.0, 2.0]])
+    monkeypatch.setattr(fused_ops.FusedOpsBuild, "started", classmethod(lambda cls: None))
+    assert fused_ops.argmax_rows(x).tolist() == [1, 0]
+    fused_ops.FusedOpsBuild.shared().wait()
+    monkeypatch.undo()
+    assert fused_ops.argmax_rows(x).tolist() == [1, 0]
+    assert fused_ops.argmax_rows(x.to(torch.float64)).tolist() == [1, 0]
