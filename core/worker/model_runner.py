@@ -89,6 +89,17 @@ class StepInputs:
     """Per row, drafts rejected this step (set once the samples are recorded)."""
 
 
+def _consecutive_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ids as ``[start, stop)`` runs of consecutive values."""
+    runs: list[tuple[int, int]] = []
+    for block in ids:
+        if runs and runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], block + 1)
+        elif not runs or runs[-1][1] < block:
+            runs.append((block, block + 1))
+    return runs
+
+
 def _unwritten(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Memory for a KV-cache tensor whose blocks are zeroed as they are first used (its bytes are stale)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -240,10 +251,17 @@ class ModelRunner:
 
     def _zero_blocks(self, caches: dict[str, torch.Tensor], group: int, block_ids: list[int]) -> None:
         assert self._unzeroed is not None
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for layer_name in self.groups[group].layer_names:
-            for part in self.backend.split_kv_cache(caches[layer_name]):
-                part.index_fill_(0, index, 0)
+        # One call for every layer's runs of consecutive blocks: an index_fill_ per layer and part went through
+        # torch's parallel loop, waking OpenMP's threads 2 x layers times in each step that took a new block.
+        runs = _consecutive_runs(sorted(block_ids))
+        torch._foreach_zero_(
+            [
+                part[start:stop]
+                for layer_name in self.groups[group].layer_names
+                for part in self.backend.split_kv_cache(caches[layer_name])
+                for start, stop in runs
+            ]
+        )
         self._unzeroed[group][block_ids] = False
 
     def _bind_layers(self) -> dict[int, LayerBinding]:

@@ -127,6 +127,12 @@ def test_stale_bytes_in_a_fresh_cpu_pool_never_reach_attention(tiny_llama, monke
     assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 8)
 
 
+def test_blocks_to_zero_are_taken_in_runs_of_consecutive_ids():
+    assert model_runner._consecutive_runs([]) == []
+    assert model_runner._consecutive_runs([4]) == [(4, 5)]
+    assert model_runner._consecutive_runs([1, 2, 3, 5, 7, 8, 8, 9]) == [(1, 4), (5, 6), (7, 10)]
+
+
 # -- what loads with the model: a drafter, its own KV cache, the sampler's working memory (issue 30) ----------
 
 
