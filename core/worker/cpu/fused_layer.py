@@ -20,8 +20,9 @@ Python between them:
 
 The norms, rotations, activations and adds between the products run on the
 products' helper threads (:func:`patchbay.worker.cpu.streaming_linear.chunk_runner`),
-which are awake: over OpenMP, waking its sleeping threads cost ~50 us per op at
-64 rows (a 64-request bfloat16 decode step ran ~5% faster on the helpers).
+which are awake: over OpenMP, a torch add took ~55 us at 64 rows, most of it
+waking a sleeping thread (a 64-request bfloat16 decode step ran ~5% faster on
+the helpers).
 
 The results are those of the layer's fused modules, bit for bit.  A layer
 qualifies when its class's ``forward`` has the source of transformers' Llama
