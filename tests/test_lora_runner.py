@@ -32,7 +32,7 @@ def prompts() -> list[list[int]]:
 
 def _llm(tiny_llama: Path, adapters: dict[str, Path], **lora) -> patchbay.LLM:
     settings = Settings(
-        model={"path": str(tiny_llama)},
+        model={"path": str(tiny_llama), "dtype": "float32"},
         runtime={"threads": 2},
         cache={"block_size": 16},
         scheduler={"max_num_batched_tokens": 64},
@@ -122,7 +122,7 @@ def test_a_bad_listed_adapter_fails_the_run_at_start_naming_it(tiny_llama, adapt
     ):
         patchbay.LLM(
             Settings(
-                model={"path": str(tiny_llama)},
+                model={"path": str(tiny_llama), "dtype": "float32"},
                 runtime={"threads": 2},
                 lora={"adapters": {"mlp-r8": str(adapters["mlp-r8"])}, "max_lora_rank": 4},
             )
@@ -136,7 +136,7 @@ def test_the_server_s_model_field_picks_the_adapter(tiny_llama, adapters, prompt
     from serving import running_server
 
     settings = Settings(
-        model={"path": str(tiny_llama)},
+        model={"path": str(tiny_llama), "dtype": "float32"},
         runtime={"threads": 2},
         cache={"num_blocks": 256},
         server={"served_model_name": "tiny"},
@@ -170,7 +170,7 @@ def test_the_server_s_model_field_picks_the_adapter(tiny_llama, adapters, prompt
 def test_ngram_speculative_decoding_stays_lossless_with_adapters(tiny_llama, adapters, prompts):
     """Drafts are verified by the adapter model itself: the tokens are PEFT's, as without drafts."""
     settings = Settings(
-        model={"path": str(tiny_llama)},
+        model={"path": str(tiny_llama), "dtype": "float32"},
         runtime={"threads": 2},
         cache={"block_size": 16},
         speculative={"method": "ngram", "num_speculative_tokens": 3},
@@ -191,7 +191,7 @@ def test_tensor_parallel_shards_give_peft_s_tokens_for_every_adapter(tiny_llama,
     """Two ranks: each keeps its part of every adapter (B's rows of its q/k/v/gate/up outputs, A's columns of its
     o/down inputs), and the partial products are summed with the base output's own."""
     settings = Settings(
-        model={"path": str(tiny_llama)},
+        model={"path": str(tiny_llama), "dtype": "float32"},
         runtime={"threads": 2, "tensor_parallel_size": 2},
         cache={"block_size": 16},
         scheduler={"max_num_batched_tokens": 64},
@@ -216,7 +216,7 @@ def test_tensor_parallel_shards_give_peft_s_tokens_for_every_adapter(tiny_llama,
 )
 def test_layouts_lora_cannot_serve_are_refused_naming_the_key(tiny_llama, adapters, runtime, lora, key):
     settings = Settings(
-        model={"path": str(tiny_llama)},
+        model={"path": str(tiny_llama), "dtype": "float32"},
         runtime=runtime,
         lora={"adapters": {name: str(path) for name, path in adapters.items()}, "max_lora_rank": 8, **lora},
     )

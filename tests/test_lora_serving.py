@@ -24,7 +24,7 @@ def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 def _settings(tiny_llama: Path, lora: dict | None) -> Settings:
     return Settings(
-        model={"path": str(tiny_llama)},
+        model={"path": str(tiny_llama), "dtype": "float32"},
         runtime={"threads": 2},
         cache={"num_blocks": 256},
         server={"served_model_name": "tiny", "api_keys": [KEY]},
