@@ -18,6 +18,9 @@ models that copy them), on the CPU, in float32 and bfloat16, with the weight
 in the input's dtype; the model's code is not changed otherwise.  The
 extension is built like the decode kernel (:mod:`patchbay.worker.cpu.native_build`);
 until it is built the modules run their own ``forward``.
+
+The same extension gives the samplers a one-pass argmax over a batch's logits
+(:func:`argmax_rows`).
 """
 
 from __future__ import annotations
