@@ -520,7 +520,9 @@ void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
   }
 }
 
+// The kernels run without the GIL: a server's asyncio thread streams while the engine thread is in them
+// (docs/design/cpu-fast-paths.md#kernels-and-the-gil).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", torch::wrap_pybind_function(paged_decode_attention), "paged_decode_attention");
-  m.def("write_kv", torch::wrap_pybind_function(write_kv), "write_kv");
+  m.def("paged_decode_attention", torch::wrap_pybind_function_no_gil(paged_decode_attention), "paged_decode_attention");
+  m.def("write_kv", torch::wrap_pybind_function_no_gil(write_kv), "write_kv");
 }

@@ -396,13 +396,15 @@ torch::Tensor decoder_attention_output_and_mlp(int64_t product, int64_t chunk_ru
   return add_on(residual, tiled(product, activated, down_tiles, down_bias, width, threads), runner);
 }
 
+// The kernels run without the GIL: a server's asyncio thread streams while the engine thread is in them
+// (docs/design/cpu-fast-paths.md#kernels-and-the-gil).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
-  m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
-  m.def("rotary", torch::wrap_pybind_function(rotary), "rotary");
-  m.def("argmax_rows", torch::wrap_pybind_function(argmax_rows), "argmax_rows");
-  m.def("decoder_attention_inputs", torch::wrap_pybind_function(decoder_attention_inputs),
+  m.def("rms_norm", torch::wrap_pybind_function_no_gil(rms_norm), "rms_norm");
+  m.def("silu_and_mul", torch::wrap_pybind_function_no_gil(silu_and_mul), "silu_and_mul");
+  m.def("rotary", torch::wrap_pybind_function_no_gil(rotary), "rotary");
+  m.def("argmax_rows", torch::wrap_pybind_function_no_gil(argmax_rows), "argmax_rows");
+  m.def("decoder_attention_inputs", torch::wrap_pybind_function_no_gil(decoder_attention_inputs),
         "decoder_attention_inputs");
-  m.def("decoder_attention_output_and_mlp", torch::wrap_pybind_function(decoder_attention_output_and_mlp),
+  m.def("decoder_attention_output_and_mlp", torch::wrap_pybind_function_no_gil(decoder_attention_output_and_mlp),
         "decoder_attention_output_and_mlp");
 }

@@ -625,10 +625,12 @@ static void tiled_linear_into(const torch::Tensor& x, const torch::Tensor& tiles
 
 int64_t tiled_product() { return reinterpret_cast<int64_t>(&tiled_linear_into); }
 
+// The kernels run without the GIL: a server's asyncio thread streams while the engine thread is in them
+// (docs/design/cpu-fast-paths.md#kernels-and-the-gil).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("tiled_linear", torch::wrap_pybind_function(tiled_linear), "tiled_linear");
-  m.def("tiled_int8_linear", torch::wrap_pybind_function(tiled_int8_linear), "tiled_int8_linear");
-  m.def("tiled_int4_linear", torch::wrap_pybind_function(tiled_int4_linear), "tiled_int4_linear");
+  m.def("tiled_linear", torch::wrap_pybind_function_no_gil(tiled_linear), "tiled_linear");
+  m.def("tiled_int8_linear", torch::wrap_pybind_function_no_gil(tiled_int8_linear), "tiled_int8_linear");
+  m.def("tiled_int4_linear", torch::wrap_pybind_function_no_gil(tiled_int4_linear), "tiled_int4_linear");
   m.def("int4_block_bytes", torch::wrap_pybind_function(int4_block_bytes), "int4_block_bytes");
   m.def("float32_lanes", torch::wrap_pybind_function(float32_lanes), "float32_lanes");
   m.def("bfloat16_supported", torch::wrap_pybind_function(bfloat16_supported), "bfloat16_supported");
