@@ -10,9 +10,12 @@ checkpoint at the same dtype, with the bench's vLLM settings (threads bound to
 the cores, its preloaded allocator and OpenMP).  vLLM's ``vllm.benchmarks.serve``
 client sends its random dataset (token-id prompts of a fixed length, fixed
 output lengths with ``ignore_eos``) as streamed completions, all at once under
-each concurrency cap.  The table gives each server's output throughput, median
-TTFT and median TPOT, and patchbay's ratios to vLLM's at the same concurrency,
-naming the CPU; the client's own JSON results are kept in ``--out``.
+each concurrency cap, after a short warm-up load that is not counted (so a
+server's first requests, its kernels' first use and its cache's first touch
+stay out of the figures, as vLLM's own start-up warm-up keeps them out of its).
+The table gives each server's output throughput, median TTFT and median
+TPOT, and patchbay's ratios to vLLM's at the same concurrency, naming the CPU;
+the client's own JSON results are kept in ``--out``.
 """
 
 from __future__ import annotations
@@ -94,6 +97,12 @@ def run_client(python: Path, port: int, model: Path, concurrency: int, args: arg
     return json.loads(result.read_text())
 
 
+def warm_up(python: Path, port: int, model: Path, args: argparse.Namespace, folder: Path) -> None:
+    """A short load on the server on ``port`` before the measured ones: 16 prompts of 16 output tokens."""
+    load = argparse.Namespace(**{**vars(args), "num_prompts": 16, "output_len": 16, "seed": args.seed + 1})
+    run_client(python, port, model, 16, load, folder / f"warm-up-{port}.json")
+
+
 def patchbay_config(folder: Path, dtype: str, quantization: str, port: int, max_num_seqs: int) -> Path:
     """A ``patchbay serve`` file for the bundled model at ``dtype`` and ``quantization`` on ``port``."""
     path = folder / f"serve-{quantization}.yaml"
@@ -149,6 +158,7 @@ def main() -> None:
         config = patchbay_config(out, args.dtype, quantization, port, max(args.concurrency))
         command = [sys.executable, "-m", "patchbay.entrypoints.cli", "serve", str(config)]
         with running(command, port, out / f"patchbay-{quantization}.log"):
+            warm_up(args.vllm_python, port, model, args, out)
             rows[name] = {
                 c: run_client(args.vllm_python, port, model, c, args, out / f"patchbay-{quantization}-c{c}.json")
                 for c in args.concurrency
@@ -161,6 +171,7 @@ def main() -> None:
     ]  # fmt: skip
     env = {**os.environ, **dict(vllm_environment(args.vllm_python, os.cpu_count()))}
     with running(vllm_command, port + 1, out / "vllm.log", env=env):
+        warm_up(args.vllm_python, port + 1, model, args, out)
         rows[reference] = {
             c: run_client(args.vllm_python, port + 1, model, c, args, out / f"vllm-c{c}.json") for c in args.concurrency
         }
