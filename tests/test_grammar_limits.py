@@ -46,9 +46,12 @@ class HeldBackend(StructuredOutputBackend):
     compiled: ClassVar[list[str]] = []
 
     def compile(self, params: StructuredOutputParams) -> Any:
+        # The list and event of the test that started this compile: a runaway compile a test abandoned finishes after
+        # its teardown released it, and must not land in the next test's list.
+        compiled, release = self.compiled, self.release
         if params.spec.startswith("held"):
-            assert self.release.wait(timeout=30), "the test never released the held compile"
-        self.compiled.append(params.spec)
+            assert release.wait(timeout=30), "the test never released the held compile"
+        compiled.append(params.spec)
         return params.spec
 
     def grammar_size_bytes(self, grammar: Any, params: StructuredOutputParams) -> int:
