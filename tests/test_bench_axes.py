@@ -184,6 +184,7 @@ def test_stream_fraction_is_weight_bytes_over_bandwidth_over_time_per_token():
         linear_params=100, lm_head_params=10, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, bytes_per_param=4
     )
     assert bits_per_weight("bfloat16") == 16 and bits_per_weight("float32", "int8") == 8
+    assert bits_per_weight("bfloat16", "w8a8") == 8  # int8 weights with one scale per output row
     assert bits_per_weight("bfloat16", "int4") == 4 + 2 * 16 / 32  # a 16-bit scale and minimum per 32 weights
     assert cost.weight_bytes() == 440 and cost.weight_bytes(16) == 220
     machine = MachineLimits("m", 2, read_bandwidth_gb_s=5.0, gemm_gflop_s=1.0, triad_bandwidth_gb_s=1.0)

@@ -43,7 +43,7 @@ PEERS = ("generate", "continuous")
 OPTIONAL_PEERS = ("vllm", "llamacpp")
 """Peers in their own interpreters, run only when asked for (``--peers ... vllm llamacpp``)."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "w8a8", "int4")
 WORKLOAD_CHOICES = (*wl.WORKLOADS, "all", "serve")
 RANDOM_MODEL_PREFIX = "random-"
 """``--model random-1b``: the model-size axis's checkpoint of that size (:data:`patchbay.bench.checkpoints.SIZES`)."""

@@ -27,19 +27,19 @@ FLOAT_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 
 def bits_per_weight(dtype: str, quantization: str | None = None) -> float:
     """Bits a decode step reads per weight stored as ``dtype`` (``float32``, ``bfloat16``, ``float16``) or, with
-    ``quantization`` ``int8`` / ``int4``, as patchbay's integers: int8 with one scale per output row (counted
-    as nothing), int4 with a scale and a minimum per group of :data:`INT4_GROUP_SIZE` weights: float16 in int4
-    tiles, of ``dtype`` in torch's int4 kernel where the tiles cannot run."""
+    ``quantization`` ``int8`` / ``w8a8`` / ``int4``, as patchbay's integers: int8 and w8a8 with one scale per
+    output row (counted as nothing), int4 with a scale and a minimum per group of :data:`INT4_GROUP_SIZE`
+    weights: float16 in int4 tiles, of ``dtype`` in torch's int4 kernel where the tiles cannot run."""
     if dtype not in FLOAT_BITS:
         raise ValueError(f"bench roofline: no bit width for dtype {dtype!r} (known: {', '.join(FLOAT_BITS)})")
     if quantization in (None, "none"):
         return float(FLOAT_BITS[dtype])
-    if quantization == "int8":
+    if quantization in ("int8", "w8a8"):
         return 8.0
     if quantization == "int4":
         scale_bits = 16 if int4_tiles_unavailable() is None else FLOAT_BITS[dtype]
         return 4.0 + 2 * scale_bits / INT4_GROUP_SIZE
-    raise ValueError(f"bench roofline: no bit width for quantization {quantization!r} (known: int8, int4)")
+    raise ValueError(f"bench roofline: no bit width for quantization {quantization!r} (known: int8, w8a8, int4)")
 
 
 if TYPE_CHECKING:

@@ -81,10 +81,10 @@ class ModelSettings(Section):
     """Weights and KV cache (unless ``cache.dtype`` sets the cache's). ``auto``: bfloat16 on CUDA; on a CPU the
     fastest dtype it computes natively, measured once (``patchbay tune``). In bfloat16 greedy tokens can differ at
     near-ties as batching changes; ``float32`` keeps them (docs/design/cpu-fast-paths.md#dtypes)."""
-    quantization: Literal["none", "int8", "int4"] = "none"
-    """Weight-only integer weights on the CPU: ``int8`` with a scale per output row for steps of up to 16 rows,
-    activations in ``dtype``; ``int4`` with a float16 scale and minimum per 32 input features (Q4_1's grid), every
-    step, activations rounded to int8 per 32 where AVX2 runs it. Another device is an error
+    quantization: Literal["none", "int8", "w8a8", "int4"] = "none"
+    """Integer weights on the CPU: ``int8`` per output row, for steps of up to 16 rows; ``w8a8`` the same
+    weights for every step, times activations rounded to int8 per token (AVX512-VNNI); ``int4`` per 32 input
+    features on Q4_1's grid, every step. Another device, or ``w8a8`` without AVX512-VNNI, is an error
     (docs/design/cpu-fast-paths.md#integer-weights)."""
     max_model_len: PositiveInt | None = None
     """Longest prompt plus output, in tokens. Null: the model's ``max_position_embeddings`` (a model that

@@ -45,7 +45,9 @@ from patchbay.worker.parallel.pipeline_parallel import StageLink, samples_on, sp
 from patchbay.worker.cpu.quantization import (
     INT8_MAX_ROWS,
     Int4TileLayout,
+    W8A8TileLayout,
     int4_tiles_unavailable,
+    w8a8_tiles_unavailable,
     quantize_linears,
 )
 from patchbay.worker.parallel.tensor_parallel import AllGather, AllReduce, shard_layout, shard_model
@@ -191,12 +193,19 @@ def speed_up_linears(
                     )
                 ]
             )
+        reason = w8a8_tiles_unavailable() if quantization == "w8a8" else None
+        if reason is not None:
+            raise ConfigError(
+                [ConfigProblem("<run>", "model.quantization", f"w8a8 cannot run here: {reason} (use int8 or int4)")]
+            )
         # Fused q/k/v and gate/up mean fewer, larger integer products: fuse for every step that runs them.
         if runtime.fuse_projections:
             fuse_shared_input_projections(model.model, max_rows=INT8_MAX_ROWS)
         if quantization == "int4" and int4_tiles_unavailable() is None:
             # int4 tiles run every step (no float copy), and as tiles they let decoder layers run fused.
             quantized = use_packed_linears(model.model, Int4TileLayout(torch.get_num_threads()))
+        elif quantization == "w8a8":
+            quantized = use_packed_linears(model.model, W8A8TileLayout(torch.get_num_threads()))
         else:
             quantized = quantize_linears(model.model, quantization)
     if runtime.linear_kernel == "row_split" and not (device.type == "cpu" and dtype == "float32"):

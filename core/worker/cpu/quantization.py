@@ -1,4 +1,4 @@
-"""Weight-only int8 and int4 quantization for decode: integer weights with scales, activations in float.
+"""int8 and int4 weights with scales for the CPU's products, and int8 activations for W8A8.
 
 A decode step reads every weight once for a handful of rows, so it is bound
 by memory bandwidth: int8 weights halve the bytes of bfloat16 and quarter
@@ -19,6 +19,10 @@ replaces where it runs). int8 is symmetric per output row:
 and ``zero = min + 8 * scale``; on weights de-quantised from a Q4_1 file, whose
 blocks are the same 32-feature groups, it lands back on the file's own grid
 wherever a block spans all 16 levels.
+
+W8A8 (:class:`W8A8TileLayout`) keeps int8's weights for every step and rounds
+each step's activations to int8 per row, so both sides multiply as bytes
+(AVX512-VNNI) into exact integer sums.
 """
 
 from __future__ import annotations
@@ -260,6 +264,66 @@ class Int4TileLayout(TileLayout):
     def pack(self, weight: torch.Tensor) -> TiledWeight:
         note_tiles_in_use()
         return TiledWeight(int4_tiles(weight), weight.shape[0], weight.shape[1], weight.dtype)
+
+
+def w8a8_tiles_unavailable() -> str | None:
+    """Why this machine cannot run W8A8 tiles (None: it can); builds the tiled kernels if needed."""
+    reason = tiles_unavailable(torch.float32)
+    if reason is not None:
+        return reason
+    if not load_streaming_linear().w8a8_lanes():
+        return "W8A8 tiles need AVX512-VNNI and AVX512-BW (this CPU lacks them; int8 weights alone run here)"
+    return None
+
+
+W8A8_LANES = 16
+"""Output features per W8A8 tile (one 512-bit register of int32 sums)."""
+
+
+def w8a8_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[N, K]``, K a multiple of 4) as the tiled kernel's W8A8 tiles: ``int8 [N/16][K/4 + 2][64]``.
+
+    The weights are :func:`quantize_int8`'s (symmetric, one float32 scale per output feature).  Line ``q`` of a
+    tile holds input features ``4q..4q+3`` of its 16 features (byte ``4i + j``: feature ``4q + j`` of lane
+    ``i``); then come the lanes' float32 scales and their int32 offsets, 128 times each lane's weight sum, which
+    the kernel subtracts because it adds 128 to the activations' int8 levels to multiply them as unsigned bytes.
+    """
+    out_features, in_features = weight.shape
+    quantized, scales = quantize_int8(weight.detach().float())
+    padding = -out_features % W8A8_LANES
+    quantized = F.pad(quantized, (0, 0, 0, padding))
+    scales = F.pad(scales, (0, padding))
+    tiles = quantized.shape[0] // W8A8_LANES
+    lines = quantized.view(tiles, W8A8_LANES, in_features // 4, 4).permute(0, 2, 1, 3).reshape(tiles, -1, 64)
+    offsets = (128 * quantized.sum(dim=1, dtype=torch.int32)).view(tiles, 1, W8A8_LANES)
+    tail = torch.cat([scales.view(tiles, 1, W8A8_LANES).view(torch.int8), offsets.view(torch.int8)], dim=1)
+    return torch.cat([lines, tail], dim=1).contiguous()
+
+
+class W8A8TileLayout(TileLayout):
+    """int8 weights (:func:`w8a8_tiles`) times activations rounded to int8 per row, every step on ``threads``
+    threads.
+
+    A decode step reads one byte per weight, and a many-row step multiplies 64 byte pairs per AVX512-VNNI
+    instruction, twice the pairs of bfloat16's dot product, with exact int32 sums scaled once per output.  No
+    float copy is kept.  As a tile layout, decoder layers whose products are W8A8 tiles still run fused.
+    """
+
+    name = "W8A8 output tiles"
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        return (
+            weight.device.type == "cpu"
+            and weight.dim() == 2
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.shape[1] % 4 == 0
+            and weight.shape[1] < 1 << 16
+            and w8a8_tiles_unavailable() is None
+        )
+
+    def pack(self, weight: torch.Tensor) -> TiledWeight:
+        note_tiles_in_use()
+        return TiledWeight(w8a8_tiles(weight), weight.shape[0], weight.shape[1], weight.dtype)
 
 
 def integer_linear_class(scheme: str) -> type[IntegerLinear]:

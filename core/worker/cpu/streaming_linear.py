@@ -15,7 +15,9 @@ multiply-adds (AVX-512: 16, AVX2: 8), int8 weights
 widened in registers and scaled per output feature, and int4 weights
 (:class:`patchbay.worker.cpu.quantization.Int4TileLayout`) in tiles of 8 output
 features, per 32 input features with their scales and minimums, multiplied as
-bytes by activations rounded to int8.  The kernel computes blocks of up to six
+bytes by activations rounded to int8; W8A8 weights
+(:class:`patchbay.worker.cpu.quantization.W8A8TileLayout`) lie in tiles of 16
+features, four input features per lane, with their scales at the tile's end.  The kernel computes blocks of up to six
 rows by up to four tiles in registers (float32 accumulation, one rounding to the
 output dtype), so many-row products reuse each tile from cache as well.
 

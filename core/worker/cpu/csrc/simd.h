@@ -15,12 +15,30 @@ static inline vfloat vload(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-static inline void vstore(float* p, vfloat a) { _mm512_storeu_ps(p, a); }
-static inline void vstore(c10::BFloat16* p, vfloat a) {
+// a's lanes as bfloat16 bits, rounded to nearest even as torch rounds them (NaNs stay quiet NaNs).
+static inline __m256i vbf16_bits(vfloat a) {
   const __m512i bits = _mm512_castps_si512(a);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
+  const __m512i kept = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), quiet);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(kept, 16));
+}
+static inline void vstore(float* p, vfloat a) { _mm512_storeu_ps(p, a); }
+static inline void vstore(c10::BFloat16* p, vfloat a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), vbf16_bits(a));
+}
+// The first `count` of 16 lanes (all of them from 16 on), for loads and stores at the end of a row.
+static inline __mmask16 vmask_first(int64_t count) {
+  return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+}
+static inline vfloat vload_masked(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+static inline vfloat vload_masked(const c10::BFloat16* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+static inline void vstore_masked(float* p, vfloat a, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, a); }
+static inline void vstore_masked(c10::BFloat16* p, vfloat a, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, vbf16_bits(a));
 }
 static inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }

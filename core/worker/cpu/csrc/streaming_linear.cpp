@@ -378,10 +378,6 @@ static void int4_tile_range(const Int8Rows& x, int64_t rows, const uint8_t* tile
 #endif
 
 #if defined(__AVX512BF16__)
-static inline __m512 vload_masked_bf16(const c10::BFloat16* p, __mmask16 mask) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 static inline void vstore_masked_bf16(c10::BFloat16* p, __m512 a, __mmask16 mask) {
   _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(a));  // rounded to nearest even
 }
@@ -412,13 +408,109 @@ static void bf16_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16*
   }
   for (int t = 0; t < TILES; ++t) {
     const int64_t n = n0 + t * 16;
-    const int64_t valid = std::min<int64_t>(16, N - n);
-    const __mmask16 mask = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    const __mmask16 mask = vmask_first(N - n);
     __m512 b = _mm512_setzero_ps();
-    if (bias) b = vload_masked_bf16(bias + n, mask);
+    if (bias) b = vload_masked(bias + n, mask);
     for (int m = 0; m < ROWS; ++m) vstore_masked_bf16(out + m * ldo + n, _mm512_add_ps(acc[m][t], b), mask);
   }
 }
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PATCHBAY_W8A8 1
+// W8A8: int8 weights with one float32 scale per output feature, times activations rounded to int8 with one scale
+// per row, multiplied as bytes by VNNI's four-way dot product (64 products per instruction, twice bfloat16's pair
+// dot product) and summed exactly in int32; each sum is scaled once, at the end.
+//
+// A tile holds kW8A8Lanes output features over K input features as K/4 + 2 lines of 64 bytes: line q holds input
+// features 4q..4q+3 of every lane (byte 4i + j: feature 4q + j of lane i); then the lanes' float32 scales; then
+// the lanes' int32 offsets, 128 times the sum of their weights.  Activations enter the dot product as unsigned
+// bytes, level + 128, so each sum carries 128 times its weights' sum, which the offset takes back out:
+//   out[m][n] = (sum_k (a[m][k] + 128) * w[n][k] - offset[n]) * (x_scale[m] * w_scale[n]) + bias[n],
+// with a = round(x * (127 / max|x_row|)) (nearest even) and x_scale = max|x_row| / 127; the last multiply and
+// the bias's add are one fused multiply-add, rounded once.
+constexpr int64_t kW8A8Lanes = 16;
+constexpr int64_t kW8A8LineBytes = 64;
+constexpr int kW8A8Tiles = 4;
+constexpr int kW8A8Rows = 6;
+
+// Row x (K features) as unsigned levels a + 128 in `levels`; returns the row's scale, max|x| / 127.
+template <typename X>
+static float quantize_row_w8a8(const X* x, int64_t K, uint8_t* levels) {
+  __m512 largest = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16)
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(vload_masked(x + k, vmask_first(K - k))));
+  const float top = _mm512_reduce_max_ps(largest);
+  const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+  const __m512i offset = _mm512_set1_epi32(128);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = vmask_first(K - k);
+    const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(vload_masked(x + k, mask), inverse));  // nearest even
+    _mm_mask_storeu_epi8(levels + k, mask, _mm512_cvtepi32_epi8(_mm512_add_epi32(rounded, offset)));
+  }
+  return top / 127.0f;
+}
+
+template <typename X, int ROWS, int TILES>
+static void w8a8_block(const uint8_t* x, int64_t ldx, const float* x_scales, const int8_t* panel, int64_t lines,
+                       const float* bias, X* out, int64_t ldo, int64_t n0, int64_t N) {
+  const int64_t tile_bytes = (lines + 2) * kW8A8LineBytes;
+  __m512i acc[ROWS][TILES];
+  for (int m = 0; m < ROWS; ++m)
+    for (int t = 0; t < TILES; ++t) acc[m][t] = _mm512_setzero_si512();
+  for (int64_t q = 0; q < lines; ++q) {
+    __m512i w[TILES];
+    for (int t = 0; t < TILES; ++t) w[t] = _mm512_loadu_si512(panel + t * tile_bytes + q * kW8A8LineBytes);
+    if constexpr (ROWS > 1)  // as bf16_block: the panel's first rows stream it from memory
+      for (int t = 0; t < TILES; ++t)
+        _mm_prefetch(reinterpret_cast<const char*>(panel + t * tile_bytes + q * kW8A8LineBytes + kPrefetchBytes),
+                     _MM_HINT_T0);
+    for (int m = 0; m < ROWS; ++m) {
+      int32_t quad;
+      std::memcpy(&quad, x + m * ldx + 4 * q, 4);
+      const __m512i xb = _mm512_set1_epi32(quad);
+      for (int t = 0; t < TILES; ++t) acc[m][t] = _mm512_dpbusd_epi32(acc[m][t], xb, w[t]);
+    }
+  }
+  for (int t = 0; t < TILES; ++t) {
+    const int8_t* tail = panel + t * tile_bytes + lines * kW8A8LineBytes;
+    const __m512 w_scales = _mm512_loadu_ps(tail);
+    const __m512i offsets = _mm512_loadu_si512(tail + kW8A8LineBytes);
+    const int64_t n = n0 + t * kW8A8Lanes;
+    const __mmask16 mask = vmask_first(N - n);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][t], offsets));
+      const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(x_scales[m]), w_scales);
+      vstore_masked(out + m * ldo + n, _mm512_fmadd_ps(sums, scale, b), mask);
+    }
+  }
+}
+
+template <typename X>
+using W8A8Block = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int64_t, const float*, X*, int64_t,
+                           int64_t, int64_t);
+#define PATCHBAY_W8A8_ROWS(X, T) \
+  {w8a8_block<X, 1, T>, w8a8_block<X, 2, T>, w8a8_block<X, 3, T>, w8a8_block<X, 4, T>, w8a8_block<X, 5, T>, \
+   w8a8_block<X, 6, T>}
+
+// Every row times the tiles [tile_begin, tile_end), blocks of up to kW8A8Rows rows by up to kW8A8Tiles tiles.
+template <typename X>
+static void w8a8_tile_range(const uint8_t* x, int64_t K, const float* x_scales, int64_t rows, const int8_t* tiles,
+                            const float* bias, X* out, int64_t N, int64_t tile_begin, int64_t tile_end) {
+  static const W8A8Block<X> blocks[kW8A8Tiles][kW8A8Rows] = {PATCHBAY_W8A8_ROWS(X, 1), PATCHBAY_W8A8_ROWS(X, 2),
+                                                             PATCHBAY_W8A8_ROWS(X, 3), PATCHBAY_W8A8_ROWS(X, 4)};
+  const int64_t lines = K / 4, tile_bytes = (lines + 2) * kW8A8LineBytes;
+  for (int64_t t0 = tile_begin; t0 < tile_end; t0 += kW8A8Tiles) {
+    const int64_t tiles_here = std::min<int64_t>(kW8A8Tiles, tile_end - t0);
+    for (int64_t m0 = 0; m0 < rows; m0 += kW8A8Rows) {
+      const int64_t rows_here = std::min<int64_t>(kW8A8Rows, rows - m0);
+      blocks[tiles_here - 1][rows_here - 1](x + m0 * K, K, x_scales + m0, tiles + t0 * tile_bytes, lines, bias,
+                                            out + m0 * N, N, t0 * kW8A8Lanes, N);
+    }
+  }
+}
+#undef PATCHBAY_W8A8_ROWS
 #endif
 
 template <typename Block>
@@ -520,10 +612,68 @@ torch::Tensor tiled_int4_linear(torch::Tensor x, torch::Tensor tiles, c10::optio
 #endif
 }
 
+// Output features per W8A8 tile (0: this build has no W8A8 tiles: they need AVX512-VNNI and AVX512-BW).
+int64_t w8a8_lanes() {
+#ifdef PATCHBAY_W8A8
+  return kW8A8Lanes;
+#else
+  return 0;
+#endif
+}
+
+// x: [rows, K] float32 or bfloat16; tiles: int8 [N/16][K/4 + 2][64] (see w8a8_block); bias: any float dtype.
+torch::Tensor tiled_w8a8_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<torch::Tensor> bias,
+                                int64_t out_features, int64_t threads) {
+#ifdef PATCHBAY_W8A8
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "tiled_w8a8_linear takes rows of contiguous features");
+  TORCH_CHECK(tiles.scalar_type() == torch::kInt8 && tiles.is_contiguous() && tiles.dim() == 3
+              && tiles.size(2) == kW8A8LineBytes && x.size(1) == 4 * (tiles.size(1) - 2),
+              "W8A8 tiles are int8 [N/16][K/4 + 2][64]");
+  TORCH_CHECK(x.size(1) < (1 << 16), "tiled_w8a8_linear: int32 sums hold at most 65535 input features");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "tiled_w8a8_linear takes float32 or bfloat16 activations");
+  const int64_t rows = x.size(0), K = x.size(1), N = out_features, n_tiles = tiles.size(0);
+  TORCH_CHECK(N <= n_tiles * kW8A8Lanes, "tiled_w8a8_linear: more output features than tiles");
+  auto out = torch::empty({rows, N}, x.options());
+  if (rows == 0) return out;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->contiguous().to(torch::kFloat32);
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  auto levels = torch::empty({rows, K}, x.options().dtype(torch::kUInt8));
+  auto x_scales = torch::empty({rows}, x.options().dtype(torch::kFloat32));
+  uint8_t* lp = levels.data_ptr<uint8_t>();
+  float* sp = x_scales.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  constexpr int64_t kRowsPerChunk = 8;
+  const int64_t row_chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
+  const int8_t* tp = tiles.data_ptr<int8_t>();
+  const int64_t per_chunk = chunk_tiles(n_tiles, kW8A8Tiles, threads);
+  const int64_t chunks = (n_tiles + per_chunk - 1) / per_chunk;
+  auto run = [&](auto* xp, auto* op) {
+    ChunkPool::instance().run(rows >= 2 * kRowsPerChunk ? static_cast<int>(threads) : 1, row_chunks, [&](int64_t c) {
+      for (int64_t m = c * kRowsPerChunk; m < std::min(rows, (c + 1) * kRowsPerChunk); ++m)
+        sp[m] = quantize_row_w8a8(xp + m * ldx, K, lp + m * K);
+    });
+    ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
+      w8a8_tile_range(lp, K, sp, rows, tp, bp, op, N, chunk * per_chunk, std::min(n_tiles, (chunk + 1) * per_chunk));
+    });
+  };
+  if (x.scalar_type() == torch::kFloat32)
+    run(x.data_ptr<float>(), out.data_ptr<float>());
+  else
+    run(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  return out;
+#else
+  TORCH_CHECK(false, "tiled_w8a8_linear needs AVX512-VNNI and AVX512-BW");
+#endif
+}
+
 torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<torch::Tensor> bias,
                            int64_t out_features, int64_t threads) {
   // int4 tiles carry their own scales; the fused decoder layer reaches them through this entry too.
   if (tiles.scalar_type() == torch::kUInt8) return tiled_int4_linear(x, tiles, bias, out_features, threads);
+  // So do W8A8 tiles (weight-only int8 tiles never come here: their scales lie apart, see tiled_int8_linear).
+  if (tiles.scalar_type() == torch::kInt8) return tiled_w8a8_linear(x, tiles, bias, out_features, threads);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "tiled_linear takes rows of contiguous features");
   TORCH_CHECK(tiles.is_contiguous() && (tiles.dim() == 3 || tiles.dim() == 4), "tiled_linear takes tiled weights");
   TORCH_CHECK(x.scalar_type() == tiles.scalar_type(), "tiled_linear: inputs and weights differ in dtype");
@@ -631,6 +781,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_linear", torch::wrap_pybind_function_no_gil(tiled_linear), "tiled_linear");
   m.def("tiled_int8_linear", torch::wrap_pybind_function_no_gil(tiled_int8_linear), "tiled_int8_linear");
   m.def("tiled_int4_linear", torch::wrap_pybind_function_no_gil(tiled_int4_linear), "tiled_int4_linear");
+  m.def("tiled_w8a8_linear", torch::wrap_pybind_function_no_gil(tiled_w8a8_linear), "tiled_w8a8_linear");
+  m.def("w8a8_lanes", torch::wrap_pybind_function(w8a8_lanes), "w8a8_lanes");
   m.def("int4_block_bytes", torch::wrap_pybind_function(int4_block_bytes), "int4_block_bytes");
   m.def("float32_lanes", torch::wrap_pybind_function(float32_lanes), "float32_lanes");
   m.def("bfloat16_supported", torch::wrap_pybind_function(bfloat16_supported), "bfloat16_supported");
