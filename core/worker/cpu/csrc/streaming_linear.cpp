@@ -451,6 +451,15 @@ static float quantize_row_w8a8(const X* x, int64_t K, uint8_t* levels) {
   return top / 127.0f;
 }
 
+// acc + the four-way byte dot products of `levels` (unsigned) and `weights` (signed), as _mm512_dpbusd_epi32.
+// Written as one instruction because GCC 12 compiles the intrinsic in a block of accumulators into register copies
+// and a store of every accumulator on each line: 6 x 4 blocks ran at 147 G multiply-adds per second on one core of
+// an Intel Xeon (family 6 model 207), this form at 334 G, the instruction's own ceiling there.
+static inline __m512i add_byte_dots(__m512i acc, __m512i levels, __m512i weights) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(levels), "v"(weights));
+  return acc;
+}
+
 template <typename X, int ROWS, int TILES>
 static void w8a8_block(const uint8_t* x, int64_t ldx, const float* x_scales, const int8_t* panel, int64_t lines,
                        const float* bias, X* out, int64_t ldo, int64_t n0, int64_t N) {
@@ -469,7 +478,7 @@ static void w8a8_block(const uint8_t* x, int64_t ldx, const float* x_scales, con
       int32_t quad;
       std::memcpy(&quad, x + m * ldx + 4 * q, 4);
       const __m512i xb = _mm512_set1_epi32(quad);
-      for (int t = 0; t < TILES; ++t) acc[m][t] = _mm512_dpbusd_epi32(acc[m][t], xb, w[t]);
+      for (int t = 0; t < TILES; ++t) acc[m][t] = add_byte_dots(acc[m][t], xb, w[t]);
     }
   }
   for (int t = 0; t < TILES; ++t) {
