@@ -211,7 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         default=[],
         dest="quantizations",
-        help="one more patchbay engine per weight quantization, at the dtype the machine's tuning chose",
+        help="one more patchbay engine per weight quantization, at model.dtype auto",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -342,8 +342,7 @@ class Bench:
                 )
             )
         for scheme in options.quantizations:
-            # Integer kernels multiply activations of the model's dtype: at the dtype the machine's tuning
-            # chose (bfloat16 where the CPU has it; float32 activations make them many times slower).
+            # At the dtype an operator gets by default: the tuning's choice, or bfloat16 under integer tiles.
             quantized = PatchbayEngine(
                 f"patchbay ({scheme})", **{**overrides, "model__dtype": "auto", "model__quantization": scheme}
             )

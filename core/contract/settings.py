@@ -79,8 +79,9 @@ class ModelSettings(Section):
     Nothing is downloaded."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV cache (unless ``cache.dtype`` sets the cache's). ``auto``: bfloat16 on CUDA; on a CPU the
-    fastest dtype it computes natively, measured once (``patchbay tune``). In bfloat16 greedy tokens can differ at
-    near-ties as batching changes; ``float32`` keeps them (docs/design/cpu-fast-paths.md#dtypes)."""
+    fastest dtype it computes natively, measured once (``patchbay tune``), or bfloat16 where it has it under
+    ``w8a8`` or ``int4`` tiles. In bfloat16 greedy tokens can differ at near-ties as batching changes;
+    ``float32`` keeps them (docs/design/cpu-fast-paths.md#dtypes)."""
     quantization: Literal["none", "int8", "w8a8", "int4"] = "none"
     """Integer weights on the CPU: ``int8`` per output row, for steps of up to 16 rows; ``w8a8`` the same
     weights for every step, times activations rounded to int8 per token (AVX512-VNNI); ``int4`` per 32 input

@@ -47,6 +47,7 @@ from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.worker.parallel import distributed
 from patchbay.worker.cpu.fused_ops import FusedModules
 from patchbay.worker.cpu.heap import keep_freed_memory
+from patchbay.worker.cpu.quantization import rounds_activations_to_int8
 from patchbay.worker.lora.manager import LoRAManager
 from patchbay.worker.model.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.parallel.kv_transfers import RankTransferReports
@@ -103,13 +104,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device, tuning: Tuning | None) -> str:
-    """``auto`` is what the CPU's tuning measured fastest among its native dtypes, and bfloat16 on GPUs."""
+def resolve_dtype(name: str, device: torch.device, tuning: Tuning | None, integer_products: bool = False) -> str:
+    """``auto`` is bfloat16 on GPUs; on a CPU, what its tuning measured fastest among its native dtypes, except
+    that with ``integer_products`` (every product runs integer tiles that round activations to int8 themselves,
+    so their speed does not depend on the dtype) a CPU that computes bfloat16 natively gets bfloat16: the KV
+    cache, the attention and the ops between products then read half float32's bytes."""
     if name != "auto":
         return name
-    if device.type == "cpu":
-        return tuning.dtype if tuning is not None else "float32"
-    return "bfloat16"
+    if device.type != "cpu":
+        return "bfloat16"
+    if tuning is None:
+        return "float32"
+    if integer_products and "bfloat16" in tuning.native_dtypes:
+        return "bfloat16"
+    return tuning.dtype
 
 
 def ranks_on_this_machine(settings: Settings) -> int:
@@ -164,7 +172,7 @@ class EngineParts:
 
     device: torch.device
     dtype: str
-    """``model.dtype`` resolved (``auto``: the tuning's choice on the CPU, bfloat16 on GPUs)."""
+    """``model.dtype`` resolved (``auto``: see :func:`resolve_dtype`)."""
     tuning: Tuning | None
     """The CPU's measured defaults, when a setting is left to them (``None``: none were needed)."""
     heap: str
@@ -215,7 +223,8 @@ def build_engine_parts(settings: Settings, registry: Registry) -> EngineParts:
     device = resolve_device(settings.runtime.device)
     model_dir = resolve_model_dir(settings.model.path)
     tuning = machine_tuning(settings, model_dir, device)
-    dtype = resolve_dtype(settings.model.dtype, device, tuning)
+    integer_products = device.type == "cpu" and rounds_activations_to_int8(settings.model.quantization)
+    dtype = resolve_dtype(settings.model.dtype, device, tuning, integer_products)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ranks = _start_ranks(settings, model_dir, device, dtype, tuning)
     try:

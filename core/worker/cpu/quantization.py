@@ -276,6 +276,13 @@ def w8a8_tiles_unavailable() -> str | None:
     return None
 
 
+def rounds_activations_to_int8(scheme: str) -> bool:
+    """Whether every product under quantization ``scheme`` runs this machine's integer tiles, which round each
+    product's activations to int8 themselves: the model's dtype then leaves the products' speed unchanged."""
+    unavailable = {"w8a8": w8a8_tiles_unavailable, "int4": int4_tiles_unavailable}.get(scheme)
+    return unavailable is not None and unavailable() is None
+
+
 W8A8_LANES = 16
 """Output features per W8A8 tile (one 512-bit register of int32 sums)."""
 

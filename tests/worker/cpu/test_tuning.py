@@ -266,6 +266,57 @@ def test_an_engine_left_on_auto_runs_the_tuned_dtype(tiny_llama, tmp_path, monke
     assert pinned.engine.dtype == "float32"
 
 
+XEON_WITHOUT_AMX = CpuInfo("Intel(R) Xeon(R) Processor", frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}))
+FLOAT32_FASTEST = {"float32": [1, 2, 8, 30], "bfloat16": [1.5, 3, 16, 60]}
+
+
+def test_auto_is_bfloat16_under_integer_products_where_the_cpu_has_it():
+    from patchbay.engine.builder import resolve_dtype
+
+    cpu = torch.device("cpu")
+    float32_chosen = choose(XEON_WITHOUT_AMX, _measured(**FLOAT32_FASTEST), threads=2)
+    assert float32_chosen.dtype == "float32"
+    assert resolve_dtype("auto", cpu, float32_chosen, integer_products=True) == "bfloat16"
+    assert resolve_dtype("auto", cpu, float32_chosen) == "float32"  # float products keep the measured choice
+    assert resolve_dtype("float32", cpu, float32_chosen, integer_products=True) == "float32"  # a pinned dtype stays
+    avx2_chosen = choose(AVX2_EPYC, _measured(float32=[1, 2, 8, 30]), threads=2)
+    assert resolve_dtype("auto", cpu, avx2_chosen, integer_products=True) == "float32"  # no native bfloat16
+    assert resolve_dtype("auto", cpu, None, integer_products=True) == "float32"
+    assert resolve_dtype("auto", torch.device("cuda"), None) == "bfloat16"
+
+
+def test_only_integer_tiles_count_as_integer_products():
+    from patchbay.worker.cpu.quantization import (
+        int4_tiles_unavailable,
+        rounds_activations_to_int8,
+        w8a8_tiles_unavailable,
+    )
+
+    assert not rounds_activations_to_int8("none")
+    assert not rounds_activations_to_int8("int8")  # weight-only: its products multiply activations of the dtype
+    assert rounds_activations_to_int8("int4") == (int4_tiles_unavailable() is None)
+    assert rounds_activations_to_int8("w8a8") == (w8a8_tiles_unavailable() is None)
+
+
+def test_an_int4_engine_left_on_auto_runs_bfloat16_where_float32_measured_faster(tiny_llama, tmp_path, monkeypatch):
+    from patchbay.worker.cpu.quantization import int4_tiles_unavailable
+
+    if (reason := int4_tiles_unavailable()) is not None:
+        pytest.skip(reason)
+    import patchbay
+
+    monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PATCHBAY_MODEL__DTYPE", raising=False)
+    monkeypatch.setattr(tuning.CpuInfo, "read", classmethod(lambda cls, cpuinfo=None: XEON_WITHOUT_AMX))
+    monkeypatch.setattr(
+        tuning, "measure", lambda shapes, dtypes, threads, budget_seconds=1.5: _measured(**FLOAT32_FASTEST)
+    )
+    llm = patchbay.LLM(model__path=str(tiny_llama), model__quantization="int4")
+    assert llm.engine.tuning.dtype == "float32" and llm.engine.dtype == "bfloat16"
+    (output,) = llm.generate([[1, 2, 3]], patchbay.SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(output.token_ids) == 4
+
+
 def test_patchbay_tune_measures_afresh_and_prints_the_choice(tiny_llama, tmp_path, monkeypatch, capsys):
     from patchbay.entrypoints.cli import main
 
