@@ -9,7 +9,8 @@ it lies in memory, reaches about 41 GB/s on one core and 79 GB/s on two.
 
 The weights are reordered once, at load, into tiles of output features whose
 weights lie contiguously: bfloat16 in pairs of input features for AVX512-BF16's
-pair dot product (``[N/16][K/2][16][2]``), float32 as ``[N/L][K][L]`` for L-lane
+pair dot product (``[N/16][K/2][16][2]``; on CPUs where that product is slow,
+widened to float32 in registers instead, :data:`BFLOAT16_KERNELS`), float32 as ``[N/L][K][L]`` for L-lane
 multiply-adds (AVX-512: 16, AVX2: 8), int8 weights
 (:class:`patchbay.worker.cpu.quantization.TiledInt8Linear`) in float32's layout,
 widened in registers and scaled per output feature, and int4 weights
@@ -108,6 +109,21 @@ def tiles_unavailable(dtype: torch.dtype) -> str | None:
     if dtype == torch.float32 and not kernels.float32_lanes():
         return "tiled float32 products need AVX-512 or AVX2"
     return None
+
+
+BFLOAT16_KERNELS = ("pairs", "fma")
+"""How bfloat16 tiles multiply: ``pairs``, AVX512-BF16's pair dot product (``vdpbf16ps``, two multiply-adds per
+lane and instruction); ``fma``, each weight widened to float32 in registers and multiplied by float32 FMA, for
+CPUs that issue the pair product at under half their FMA rate.  Both sum exact products in float32; which runs
+faster is measured per CPU (:mod:`patchbay.worker.cpu.tuning`)."""
+
+
+def use_bfloat16_kernel(name: str) -> str:
+    """Multiply every bfloat16 tile of this process with kernel ``name`` (one of :data:`BFLOAT16_KERNELS`) from
+    now on; returns the kernel that ran before.  Process-wide: the choice belongs to the CPU, not to one model."""
+    if name not in BFLOAT16_KERNELS:
+        raise ValueError(f"bfloat16 tile kernels are {', '.join(BFLOAT16_KERNELS)}, not {name!r}")
+    return str(load_streaming_linear().use_bfloat16_kernel(name))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ a few row counts — decide:
   (:mod:`patchbay.worker.cpu.streaming_linear`) instead, where that beats the best path above (geometric mean over
   the row counts: the tiles win few-row products by streaming weights on every core, oneDNN may win many-row
   products where it has AMX);
+- for bfloat16 tiles, which kernel multiplies them (:data:`patchbay.worker.cpu.streaming_linear.BFLOAT16_KERNELS`):
+  the pair dot product, or float32 FMA on weights widened in registers, whichever is faster over the row counts
+  (an Intel Xeon without AMX issues the pair product at half its FMA rate, AMD Zen 4 the other way round);
 - for each native dtype, up to how many rows a step runs on one thread: OpenMP threads that sleep between
   parallel regions (``OMP_WAIT_POLICY=PASSIVE``, see ``patchbay/__init__.py``) cost a wake-up per product,
   more than a second core gains on a product bound by memory bandwidth.  Tiled products keep their own
@@ -61,7 +64,13 @@ from patchbay.worker.cpu.packed_linear import (
     packing_supported,
     use_packed_linears,
 )
-from patchbay.worker.cpu.streaming_linear import TileLayout, tiles_unavailable
+from patchbay.worker.cpu.streaming_linear import (
+    BFLOAT16_KERNELS,
+    TileLayout,
+    TiledWeight,
+    tiles_unavailable,
+    use_bfloat16_kernel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +80,7 @@ MIN_GAIN = 1.1
 """A lower-precision dtype is chosen only when it is this much faster than float32 (geometric mean over buckets)."""
 PATH_GAIN = 1.05
 """A linear path replaces torch's own product up to the largest bucket where it is this much faster."""
-TUNING_FORMAT = 4
+TUNING_FORMAT = 5
 """Bumped whenever what is measured or chosen changes, so cached results from older rules are measured again."""
 
 NATIVE_DTYPE_FLAGS = {
@@ -154,6 +163,8 @@ class Measurements:
     """Per dtype, its packed path (torch's own where it cannot pack) on one thread, at few rows."""
     tiled: dict[str, dict[int, float]] = field(default_factory=dict)
     """Per dtype the tiled kernels run here: weights in output tiles, q/k/v and gate/up each as one product."""
+    bfloat16_kernels: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Where bfloat16 tiles run: the tiled path once per bfloat16 kernel (``tiled`` has none for bfloat16)."""
 
 
 @dataclass
@@ -178,6 +189,8 @@ class Tuning:
     threads: int
     torch_version: str
     measurements: dict[str, dict[str, float]]
+    bfloat16_kernel: str = "pairs"
+    """The kernel bfloat16 tiles run (:data:`patchbay.worker.cpu.streaming_linear.BFLOAT16_KERNELS`)."""
     """Seconds per layer, by path (``float32``, ``bfloat16``, ``row_split``, ``fused``, ``packed_<dtype>``) and rows."""
     cached: bool = False
 
@@ -185,7 +198,12 @@ class Tuning:
         """One line for the run summary and the bench."""
         speedups = ", ".join(f"{dtype} {gain:.2f}x" for dtype, gain in self.speedup.items() if dtype != "float32")
         packed = ", ".join(dtype for dtype in self.packed_dtypes if dtype not in self.tiled_dtypes) or "none"
-        tiled = ", ".join(self.tiled_dtypes) or "none"
+        tiled = (
+            ", ".join(
+                f"{dtype} ({self.bfloat16_kernel})" if dtype == "bfloat16" else dtype for dtype in self.tiled_dtypes
+            )
+            or "none"
+        )
         return (
             f"dtype {self.dtype} ({speedups or 'float32 only'} vs float32), "
             f"tiled linears for {tiled}, oneDNN-packed linears for {packed}, otherwise "
@@ -214,13 +232,17 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
         and _geometric_mean([times[rows] / measured.packed[dtype][rows] for rows in times]) >= PATH_GAIN
     ]
     fastest = {dtype: measured.packed[dtype] if dtype in packed_dtypes else times for dtype, times in unpacked.items()}
+    kernels = measured.bfloat16_kernels
+    bfloat16_kernel = min(
+        kernels, key=lambda kernel: _geometric_mean(list(kernels[kernel].values())), default=BFLOAT16_KERNELS[0]
+    )
+    tiled = {**measured.tiled, **({"bfloat16": kernels[bfloat16_kernel]} if kernels else {})}
     tiled_dtypes = [
         dtype
         for dtype, times in fastest.items()
-        if dtype in measured.tiled
-        and _geometric_mean([times[rows] / measured.tiled[dtype][rows] for rows in times]) >= PATH_GAIN
+        if dtype in tiled and _geometric_mean([times[rows] / tiled[dtype][rows] for rows in times]) >= PATH_GAIN
     ]
-    fastest.update({dtype: measured.tiled[dtype] for dtype in tiled_dtypes})
+    fastest.update({dtype: tiled[dtype] for dtype in tiled_dtypes})
     speedup = {
         dtype: _geometric_mean([fastest["float32"][rows] / times[rows] for rows in times])
         for dtype, times in fastest.items()
@@ -252,6 +274,7 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
         native_dtypes=list(natives),
         threads=threads,
         torch_version=torch.__version__,
+        bfloat16_kernel=bfloat16_kernel,
         measurements={
             path: {str(rows): seconds for rows, seconds in times.items()}
             for path, times in [
@@ -260,6 +283,7 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
                 ("fused", measured.fused),
                 *((f"packed_{dtype}", times) for dtype, times in measured.packed.items()),
                 *((f"tiled_{dtype}", times) for dtype, times in measured.tiled.items()),
+                *((f"tiled_bfloat16_{kernel}", times) for kernel, times in kernels.items()),
                 *((f"one_thread_{dtype}", times) for dtype, times in measured.single_thread.items()),
             ]
         },
@@ -291,8 +315,9 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
     packable = [dtype for dtype in dtypes if packing_supported(getattr(torch, dtype))]
     tileable = [dtype for dtype in dtypes if tiles_unavailable(getattr(torch, dtype)) is None]
     streamed_buckets = sum(1 for rows in ROW_BUCKETS if rows <= STREAMED_MAX_ROWS)
+    tiled_cases = len(tileable) + (len(BFLOAT16_KERNELS) - 1) * ("bfloat16" in tileable)
     per_case = budget_seconds / (
-        len(ROW_BUCKETS) * (len(dtypes) + len(packable) + len(tileable) + 2) + streamed_buckets * len(dtypes)
+        len(ROW_BUCKETS) * (len(dtypes) + len(packable) + tiled_cases + 2) + streamed_buckets * len(dtypes)
     )
     measured = Measurements()
 
@@ -331,11 +356,28 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
         if dtype in tileable:
             tiles = TileLayout(threads)
             weights = [[tiles.pack(weight) for weight in _fused(layer)] for layer in layers]
-            measured.tiled[dtype] = per_layer(lambda x, t, tiles=tiles: tiles.product(x, t, None), weights)
+            tiled_product = functools.partial(_tiled_product, tiles)
+            if dtype == "bfloat16":
+                measured.bfloat16_kernels = _per_bfloat16_kernel(functools.partial(per_layer, tiled_product, weights))
+            else:
+                measured.tiled[dtype] = per_layer(tiled_product, weights)
     layers = _layers(shapes, torch.float32)
     measured.row_split = per_layer(lambda x, w: row_split_linear(x, w, None, threads, max_rows=1 << 30), layers)
     measured.fused = per_layer(F.linear, [_fused(layer) for layer in layers])
     return measured
+
+
+def _tiled_product(tiles: TileLayout, x: torch.Tensor, weight: TiledWeight) -> torch.Tensor:
+    return tiles.product(x, weight, None)
+
+
+def _per_bfloat16_kernel(timed: Callable[[], dict[int, float]]) -> dict[str, dict[int, float]]:
+    """``timed()`` once with each bfloat16 tile kernel; the kernel that ran before runs again afterwards."""
+    previous = use_bfloat16_kernel(BFLOAT16_KERNELS[0])
+    try:
+        return {kernel: (use_bfloat16_kernel(kernel), timed())[1] for kernel in BFLOAT16_KERNELS}
+    finally:
+        use_bfloat16_kernel(previous)
 
 
 STREAMED_MAX_ROWS = 8
@@ -410,6 +452,8 @@ def apply_linear_paths(
     layout: TileLayout | OneDnnLayout | None = None
     if cpu and (linear_kernel == "tiles" or (tuned is not None and dtype in tuned.tiled_dtypes)):
         layout = TileLayout(torch.get_num_threads())
+        if dtype == "bfloat16":
+            use_bfloat16_kernel(tuning.bfloat16_kernel if tuning is not None else BFLOAT16_KERNELS[0])
     elif cpu and (linear_kernel == "onednn" or (tuned is not None and dtype in tuned.packed_dtypes)):
         layout = ONEDNN
     if layout is not None:

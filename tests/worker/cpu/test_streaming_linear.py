@@ -31,15 +31,35 @@ def _dtypes() -> list[torch.dtype]:
     return [dtype for dtype in (torch.float32, torch.bfloat16) if tiles_unavailable(dtype) is None]
 
 
+def _paths() -> list:
+    """Each dtype the tiles run here, bfloat16 once per kernel."""
+    kernels = {torch.float32: [None], torch.bfloat16: list(streaming_linear.BFLOAT16_KERNELS)}
+    return [
+        pytest.param(dtype, kernel, id=str(dtype).removeprefix("torch.") + (f"-{kernel}" if kernel else ""))
+        for dtype in _dtypes()
+        for kernel in kernels[dtype]
+    ]
+
+
+@pytest.fixture
+def kernel_in_use(request):
+    """Run the test with the bfloat16 tile kernel its ``kernel`` parameter names (None: whichever runs)."""
+    kernel = request.getfixturevalue("kernel")
+    previous = streaming_linear.use_bfloat16_kernel(kernel) if kernel else None
+    yield kernel
+    if previous:
+        streaming_linear.use_bfloat16_kernel(previous)
+
+
 def _oracle(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.linear(inputs.double(), weight.double(), None if bias is None else bias.double())
 
 
-@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize(("dtype", "kernel"), _paths())
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
 @pytest.mark.parametrize("shape", [(96, 48), (49, 32), (200, 130)])  # out features: whole, partial and many tiles
-def test_a_tiled_product_is_the_exact_product_rounded_once(shape, rows, threads, dtype):
+def test_a_tiled_product_is_the_exact_product_rounded_once(shape, rows, threads, dtype, kernel, kernel_in_use):
     torch.manual_seed(rows)
     out_features, in_features = shape
     weight = torch.randn(out_features, in_features).to(dtype)
@@ -53,8 +73,8 @@ def test_a_tiled_product_is_the_exact_product_rounded_once(shape, rows, threads,
         torch.testing.assert_close(got.double(), _oracle(inputs, weight, with_bias), **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", _dtypes())
-def test_leading_dimensions_and_strided_inputs_are_multiplied_as_their_values(dtype):
+@pytest.mark.parametrize(("dtype", "kernel"), _paths())
+def test_leading_dimensions_and_strided_inputs_are_multiplied_as_their_values(dtype, kernel, kernel_in_use):
     torch.manual_seed(0)
     weight = torch.randn(40, 64).to(dtype)
     layout = TileLayout(2)
@@ -68,6 +88,28 @@ def test_leading_dimensions_and_strided_inputs_are_multiplied_as_their_values(dt
         layout.product(strided, packed, None).double(), _oracle(strided, weight, None), **TOLERANCE[dtype]
     )
     assert layout.product(torch.empty(0, 64, dtype=dtype), packed, None).shape == (0, 40)
+
+
+def test_the_bfloat16_kernels_agree_and_an_unknown_one_is_refused():
+    if tiles_unavailable(torch.bfloat16) is not None:
+        pytest.skip(tiles_unavailable(torch.bfloat16))
+    torch.manual_seed(0)
+    weight, inputs = torch.randn(70, 96).bfloat16(), torch.randn(9, 96).bfloat16()
+    layout = TileLayout(2)
+    packed = layout.pack(weight)
+    previous = streaming_linear.use_bfloat16_kernel("pairs")
+    try:
+        by_pairs = layout.product(inputs, packed, None)
+        assert streaming_linear.use_bfloat16_kernel("fma") == "pairs"
+        by_fma = layout.product(inputs, packed, None)
+        with pytest.raises(ValueError, match="pairs, fma, not 'amx'"):
+            streaming_linear.use_bfloat16_kernel("amx")
+        assert streaming_linear.use_bfloat16_kernel("pairs") == "fma"  # the refused name changed nothing
+    finally:
+        streaming_linear.use_bfloat16_kernel(previous)
+    # The same exact products summed in float32 in another order: at most one rounding step of bfloat16 apart.
+    torch.testing.assert_close(by_fma, by_pairs, rtol=2**-7, atol=1e-3)
+    assert not torch.equal(by_fma, torch.zeros_like(by_fma))
 
 
 def test_products_from_several_threads_at_once_stay_apart():

@@ -20,6 +20,7 @@ AMX_XEON = CpuInfo(
     "Intel(R) Xeon(R) Platinum 8481C",
     frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16"}),
 )
+XEON_WITHOUT_AMX = CpuInfo("Intel(R) Xeon(R) Processor", frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}))
 SHAPES = LayerShapes(hidden=64, qkv=(64, 16, 16), intermediate=128)
 
 
@@ -28,7 +29,15 @@ def _times(**per_bucket: list[float]) -> dict[str, dict[int, float]]:
 
 
 def _measured(
-    float32, bfloat16=None, float16=None, row_split=None, fused=None, packed=None, single_thread=None, tiled=None
+    float32,
+    bfloat16=None,
+    float16=None,
+    row_split=None,
+    fused=None,
+    packed=None,
+    single_thread=None,
+    tiled=None,
+    bfloat16_kernels=None,
 ) -> Measurements:
     by_dtype = _times(
         float32=float32, **({"bfloat16": bfloat16} if bfloat16 else {}), **({"float16": float16} if float16 else {})
@@ -43,6 +52,7 @@ def _measured(
         packed=_times(**(packed or {})),
         single_thread=few_rows,
         tiled=_times(**(tiled or {})),
+        bfloat16_kernels=_times(**(bfloat16_kernels or {})),
     )
 
 
@@ -119,7 +129,7 @@ def test_tiles_replace_oneDNN_only_where_they_win_over_the_row_counts():
     assert (chosen.dtype, chosen.tiled_dtypes) == ("bfloat16", ["bfloat16"])  # float32 tiles gain nothing
     # The tiled products keep their own threads: only the ops around them go to one thread, up to 8 tokens.
     assert chosen.single_thread_max_tokens["bfloat16"] == tuning.STREAMED_MAX_ROWS
-    assert "tiled linears for bfloat16, oneDNN-packed linears for none" in chosen.describe()  # tiles replace it
+    assert "tiled linears for bfloat16 (pairs), oneDNN-packed linears for none" in chosen.describe()  # tiles replace it
     assert chosen.measurements["tiled_bfloat16"]["256"] == 1.9
     # With AMX, oneDNN is several times faster on many rows: over the row counts the tiles lose, oneDNN stays.
     amx = _measured(
@@ -249,6 +259,73 @@ def test_auto_tiles_the_linears_of_a_dtype_the_tuning_tiles():
         torch.testing.assert_close(linear(inputs), want, rtol=2e-5, atol=2e-5)
 
 
+def test_bfloat16_tiles_run_the_faster_kernel_and_it_decides_the_dtype():
+    cpu = XEON_WITHOUT_AMX
+    float32_tiles = {"float32": [0.5, 1, 4, 15]}
+    pairs, fma = [0.3, 0.6, 6, 24], [0.3, 0.5, 3.5, 14]  # the pair product at half float32's rate once rows grow
+    xeon = choose(
+        cpu,
+        _measured(
+            float32=[1, 2, 8, 30],
+            bfloat16=[2, 4, 16, 60],
+            tiled=float32_tiles,
+            bfloat16_kernels=dict(pairs=pairs, fma=fma),
+        ),
+        threads=2,
+    )
+    assert (xeon.bfloat16_kernel, xeon.dtype, xeon.tiled_dtypes) == ("fma", "bfloat16", ["float32", "bfloat16"])
+    assert xeon.measurements["tiled_bfloat16_pairs"]["64"] == 6 and "(fma)" in xeon.describe()
+    pairs_only = choose(
+        cpu,
+        _measured(
+            float32=[1, 2, 8, 30], bfloat16=[2, 4, 16, 60], tiled=float32_tiles, bfloat16_kernels=dict(pairs=pairs)
+        ),
+        threads=2,
+    )
+    assert (pairs_only.bfloat16_kernel, pairs_only.dtype) == ("pairs", "float32")  # 1.04x: under MIN_GAIN
+    zen4 = choose(
+        cpu,
+        _measured(
+            float32=[1, 2, 8, 30],
+            bfloat16=[2, 4, 16, 60],
+            tiled=float32_tiles,
+            bfloat16_kernels=dict(pairs=[0.3, 0.5, 2, 7], fma=fma),
+        ),
+        threads=2,
+    )
+    assert (zen4.bfloat16_kernel, zen4.dtype) == ("pairs", "bfloat16")
+    assert choose(AVX2_EPYC, _measured(float32=[1, 2, 8, 30]), threads=2).bfloat16_kernel == "pairs"  # none measured
+
+
+@pytest.mark.parametrize("kernel", ["fma", "pairs"])
+def test_auto_tiles_bfloat16_with_the_tuned_kernel(kernel):
+    from patchbay.worker.cpu import streaming_linear
+
+    if streaming_linear.tiles_unavailable(torch.bfloat16) is not None:
+        pytest.skip(streaming_linear.tiles_unavailable(torch.bfloat16))
+    kernels = {"pairs": [0.3, 0.6, 6, 24], "fma": [0.3, 0.5, 3.5, 14]}
+    kernels[kernel] = [0.1, 0.2, 1, 4]
+    measured = _measured(float32=[1, 2, 8, 30], bfloat16=[2, 4, 16, 60], bfloat16_kernels=kernels)
+    chosen = choose(XEON_WITHOUT_AMX, measured, threads=2)
+    assert chosen.bfloat16_kernel == kernel and chosen.tiled_dtypes == ["bfloat16"]
+    other = "pairs" if kernel == "fma" else "fma"
+    previous = streaming_linear.use_bfloat16_kernel(other)
+    try:
+        layer = _Layer(torch.bfloat16)
+        paths = apply_linear_paths(
+            layer,
+            linear_kernel="auto",
+            fuse_projections=True,
+            dtype="bfloat16",
+            device=torch.device("cpu"),
+            tuning=chosen,
+        )
+        assert paths.layout == "output tiles"
+        assert streaming_linear.use_bfloat16_kernel(other) == kernel  # the tuned kernel ran until put back here
+    finally:
+        streaming_linear.use_bfloat16_kernel(previous)
+
+
 def test_an_engine_left_on_auto_runs_the_tuned_dtype(tiny_llama, tmp_path, monkeypatch):
     import patchbay
 
@@ -266,7 +343,6 @@ def test_an_engine_left_on_auto_runs_the_tuned_dtype(tiny_llama, tmp_path, monke
     assert pinned.engine.dtype == "float32"
 
 
-XEON_WITHOUT_AMX = CpuInfo("Intel(R) Xeon(R) Processor", frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}))
 FLOAT32_FASTEST = {"float32": [1, 2, 8, 30], "bfloat16": [1.5, 3, 16, 60]}
 
 

@@ -13,7 +13,9 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <string>
 #include <type_traits>
+#include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
 static inline void cpu_relax() { _mm_pause(); }
@@ -377,6 +379,9 @@ static void int4_tile_range(const Int8Rows& x, int64_t rows, const uint8_t* tile
 }
 #endif
 
+// Which kernel multiplies bfloat16 tiles: the pair dot product (false) or float32 multiply-adds (true).
+static std::atomic<bool> bf16_through_fma{false};
+
 #if defined(__AVX512BF16__)
 static inline void vstore_masked_bf16(c10::BFloat16* p, __m512 a, __mmask16 mask) {
   _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(a));  // rounded to nearest even
@@ -385,6 +390,19 @@ static inline void vstore_masked_bf16(c10::BFloat16* p, __m512 a, __mmask16 mask
 // Bfloat16 weights: tiles of 16 output features, [K/2][16][2] each (pairs of input features per lane).
 constexpr int kBf16Tiles = 4;
 constexpr int kBf16Rows = 6;
+
+// A block's float32 sums to bfloat16 `out` (up to `N` features), plus a bfloat16 bias.
+template <int ROWS, int TILES>
+static inline void store_bf16_block(const __m512 (&acc)[ROWS][TILES], const c10::BFloat16* bias, c10::BFloat16* out,
+                                    int64_t ldo, int64_t n0, int64_t N) {
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n = n0 + t * 16;
+    const __mmask16 mask = vmask_first(N - n);
+    __m512 b = _mm512_setzero_ps();
+    if (bias) b = vload_masked(bias + n, mask);
+    for (int m = 0; m < ROWS; ++m) vstore_masked_bf16(out + m * ldo + n, _mm512_add_ps(acc[m][t], b), mask);
+  }
+}
 
 template <int ROWS, int TILES>
 static void bf16_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* tiles, int64_t pairs,
@@ -406,14 +424,59 @@ static void bf16_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16*
       for (int t = 0; t < TILES; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], w[t], xb);
     }
   }
-  for (int t = 0; t < TILES; ++t) {
-    const int64_t n = n0 + t * 16;
-    const __mmask16 mask = vmask_first(N - n);
-    __m512 b = _mm512_setzero_ps();
-    if (bias) b = vload_masked(bias + n, mask);
-    for (int m = 0; m < ROWS; ++m) vstore_masked_bf16(out + m * ldo + n, _mm512_add_ps(acc[m][t], b), mask);
-  }
+  store_bf16_block<ROWS, TILES>(acc, bias, out, ldo, n0, N);
 }
+
+// The same tiles through float32 multiply-adds, for CPUs that issue vdpbf16ps at a fraction of their FMA rate
+// (an Intel Xeon without AMX: 40 G pair products per core against 85 G FMAs).  A bfloat16 is the top half of a
+// float32, so each line of pairs widens in two instructions: feature 2p shifted up, feature 2p + 1 masked.  The
+// activations come widened to float32 (`x`), once per product.  Products are exact, summed in float32 as the pair
+// kernel sums them, one multiply-add at a time.  Six rows by three tiles of sums, six widened weight registers and
+// two broadcasts fit AVX-512's 32 registers.
+constexpr int kBf16FmaTiles = 3;
+
+template <int ROWS, int TILES>
+static void bf16_fma_block(const float* x, int64_t ldx, const c10::BFloat16* tiles, int64_t pairs,
+                           const c10::BFloat16* bias, c10::BFloat16* out, int64_t ldo, int64_t n0, int64_t N) {
+  __m512 acc[ROWS][TILES];
+  for (int m = 0; m < ROWS; ++m)
+    for (int t = 0; t < TILES; ++t) acc[m][t] = _mm512_setzero_ps();
+  const __m512i upper_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512 first[TILES], second[TILES];
+    for (int t = 0; t < TILES; ++t) {
+      const __m512i line = _mm512_loadu_si512(tiles + (t * pairs + p) * 32);
+      first[t] = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
+      second[t] = _mm512_castsi512_ps(_mm512_and_si512(line, upper_half));
+    }
+    if constexpr (ROWS > 1)
+      for (int t = 0; t < TILES; ++t)
+        _mm_prefetch(reinterpret_cast<const char*>(tiles + (t * pairs + p + kPrefetchBytes / 64) * 32), _MM_HINT_T0);
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512 a = _mm512_set1_ps(x[m * ldx + 2 * p]), b = _mm512_set1_ps(x[m * ldx + 2 * p + 1]);
+      for (int t = 0; t < TILES; ++t) acc[m][t] = _mm512_fmadd_ps(second[t], b, _mm512_fmadd_ps(first[t], a, acc[m][t]));
+    }
+  }
+  store_bf16_block<ROWS, TILES>(acc, bias, out, ldo, n0, N);
+}
+
+// Rows of bfloat16 x as float32, into a buffer of this thread's that keeps its memory for the next product.
+static const float* widen_rows(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t K) {
+  thread_local std::vector<float> widened;
+  widened.resize(static_cast<size_t>(rows * K));
+  for (int64_t m = 0; m < rows; ++m) {
+    const c10::BFloat16* row = x + m * ldx;
+    float* to = widened.data() + m * K;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+      _mm512_storeu_ps(to + k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+    }
+    for (; k < K; ++k) to[k] = static_cast<float>(row[k]);
+  }
+  return widened.data();
+}
+
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -528,10 +591,11 @@ using BlockTable = Block[4][6];
 #define PATCHBAY_BLOCKS(F) {PATCHBAY_ROWS(F, 1), PATCHBAY_ROWS(F, 2), PATCHBAY_ROWS(F, 3), PATCHBAY_ROWS(F, 4)}
 
 // Every row of x times the tiles [tile_begin, tile_end), a block of rows by up to `max_tiles` tiles at a time
-// (the block's weights stay in cache while its rows pass); `extra` is the block's bias or scales.
-template <typename X, typename W, typename E, typename Block>
+// (the block's weights stay in cache while its rows pass); `extra` is the block's bias or scales.  The output is in
+// the activations' dtype, except where the activations come widened to float32.
+template <typename X, typename W, typename E, typename O, typename Block>
 static void tile_range(const BlockTable<Block>& blocks, int max_tiles, const X* x, int64_t ldx, int64_t rows,
-                       const W* tiles, int64_t tile_elements, int64_t depth, const E* extra, X* out, int64_t ldo,
+                       const W* tiles, int64_t tile_elements, int64_t depth, const E* extra, O* out, int64_t ldo,
                        int64_t lanes, int64_t N, int64_t tile_begin, int64_t tile_end) {
   for (int64_t t0 = tile_begin; t0 < tile_end; t0 += max_tiles) {
     const int64_t tiles_here = std::min<int64_t>(max_tiles, tile_end - t0);
@@ -558,6 +622,13 @@ bool bfloat16_supported() {
 #else
   return false;
 #endif
+}
+
+// The kernel of bfloat16 tiles, by name: "pairs" (vdpbf16ps) or "fma" (widened to float32); returns the previous.
+std::string use_bfloat16_kernel(const std::string& name) {
+  TORCH_CHECK(name == "pairs" || name == "fma", "bfloat16 tile kernels are 'pairs' and 'fma', not '", name, "'");
+  const bool previous = bf16_through_fma.exchange(name == "fma");
+  return previous ? "fma" : "pairs";
 }
 
 // Tiles per chunk: whole blocks, about eight chunks per thread so a late helper leaves little to wait for.
@@ -704,6 +775,17 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<t
     const auto* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
     auto* op = out.data_ptr<at::BFloat16>();
     const int64_t ldx = x.stride(0), pairs = tiles.size(1);
+    if (bf16_through_fma.load(std::memory_order_relaxed)) {
+      static const BlockTable<decltype(&bf16_fma_block<1, 1>)> fma_blocks = PATCHBAY_BLOCKS(bf16_fma_block);
+      const int64_t K = 2 * pairs;
+      const float* widened = widen_rows(xp, ldx, rows, K);
+      const int64_t per_chunk = chunk_tiles(n_tiles, kBf16FmaTiles, threads);
+      ChunkPool::instance().run(threads, (n_tiles + per_chunk - 1) / per_chunk, [&](int64_t chunk) {
+        tile_range(fma_blocks, kBf16FmaTiles, widened, K, rows, tp, tile_elements, pairs, bp, op, N, 16, N,
+                   chunk * per_chunk, std::min(n_tiles, (chunk + 1) * per_chunk));
+      });
+      return out;
+    }
     const int64_t per_chunk = chunk_tiles(n_tiles, kBf16Tiles, threads);
     ChunkPool::instance().run(threads, (n_tiles + per_chunk - 1) / per_chunk, [&](int64_t chunk) {
       tile_range(blocks, kBf16Tiles, xp, ldx, rows, tp, tile_elements, pairs, bp, op, N, 16, N, chunk * per_chunk,
@@ -795,6 +877,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_block_bytes", torch::wrap_pybind_function(int4_block_bytes), "int4_block_bytes");
   m.def("float32_lanes", torch::wrap_pybind_function(float32_lanes), "float32_lanes");
   m.def("bfloat16_supported", torch::wrap_pybind_function(bfloat16_supported), "bfloat16_supported");
+  m.def("use_bfloat16_kernel", torch::wrap_pybind_function(use_bfloat16_kernel), "use_bfloat16_kernel");
   m.def("chunk_runner", torch::wrap_pybind_function(chunk_runner), "chunk_runner");
   m.def("tiled_product", torch::wrap_pybind_function(tiled_product), "tiled_product");
 }
