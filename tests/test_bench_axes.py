@@ -246,6 +246,7 @@ def test_bench_axes_neighbour_and_quality_on_tiny_models(tiny_llama, tmp_path, c
         ("patchbay", "model tiny-wide, concurrency 1"),
     ]
     assert all(row["kv_cache_bytes"] > 0 and row["generated_tokens"] == sizes[0]["generated_tokens"] for row in sizes)
+    assert all(8 + 3 <= row["max_model_len"] <= 24 + 6 for row in sizes)  # the longest request, not the checkpoint's
     neighbour = {(row["engine"], row["neighbour"]) for row in rows if row.get("neighbour")}
     assert neighbour == {
         (engine, state)

@@ -510,7 +510,9 @@ class Bench:
     def _run_size_axis(self) -> None:
         """The model-size axis: the throughput workload (first concurrency) on the random checkpoint of each
         size, patchbay at the first engine's settings and vLLM at its dtype (the transformers peers would need
-        float32 copies of the larger models: left out)."""
+        float32 copies of the larger models: left out).  Both engines' ``max_model_len`` is the workload's
+        longest request: the checkpoints allow 16,384 positions, and a 3B model's pool in the memory left
+        beside its weights need not hold a request that long."""
         from transformers import AutoTokenizer
 
         corpus: list[int] | None = None
@@ -526,7 +528,8 @@ class Bench:
                 corpus = wl.source_corpus(AutoTokenizer.from_pretrained(path))
             workload = self._throughput_workload(corpus, self.options.concurrency[0])
             workload = dataclasses.replace(workload, name="size", label=f"model {size}, {workload.label}")
-            engine = PatchbayEngine(**{**self.overrides, "model__path": str(path)})
+            longest = max(len(request.prompt_token_ids) + request.max_tokens for request in workload.requests)
+            engine = PatchbayEngine(**{**self.overrides, "model__path": str(path), "model__max_model_len": longest})
             peers: list[Any] = []
             try:
                 if "vllm" in self.options.peers:

@@ -69,6 +69,7 @@ class PatchbayEngine:
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
             "cached_prompt_tokens": sum(o.metrics.num_cached_tokens for o in outputs),
             "kv_cache_bytes": self.kv_cache_bytes(),
+            "max_model_len": engine.max_model_len,
         }
         if self.llm.spec_stats.num_draft_tokens > drafted_before:
             details["spec"] = self.llm.spec_stats.as_dict()
