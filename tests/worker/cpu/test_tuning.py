@@ -260,39 +260,19 @@ def test_auto_tiles_the_linears_of_a_dtype_the_tuning_tiles():
 
 
 def test_bfloat16_tiles_run_the_faster_kernel_and_it_decides_the_dtype():
-    cpu = XEON_WITHOUT_AMX
-    float32_tiles = {"float32": [0.5, 1, 4, 15]}
+    def chosen_with(**kernels: list[float]) -> tuning.Tuning:
+        measured = _measured(
+            float32=[1, 2, 8, 30], bfloat16=[2, 4, 16, 60], tiled={"float32": [0.5, 1, 4, 15]}, bfloat16_kernels=kernels
+        )
+        return choose(XEON_WITHOUT_AMX, measured, threads=2)
+
     pairs, fma = [0.3, 0.6, 6, 24], [0.3, 0.5, 3.5, 14]  # the pair product at half float32's rate once rows grow
-    xeon = choose(
-        cpu,
-        _measured(
-            float32=[1, 2, 8, 30],
-            bfloat16=[2, 4, 16, 60],
-            tiled=float32_tiles,
-            bfloat16_kernels=dict(pairs=pairs, fma=fma),
-        ),
-        threads=2,
-    )
+    xeon = chosen_with(pairs=pairs, fma=fma)
     assert (xeon.bfloat16_kernel, xeon.dtype, xeon.tiled_dtypes) == ("fma", "bfloat16", ["float32", "bfloat16"])
     assert xeon.measurements["tiled_bfloat16_pairs"]["64"] == 6 and "(fma)" in xeon.describe()
-    pairs_only = choose(
-        cpu,
-        _measured(
-            float32=[1, 2, 8, 30], bfloat16=[2, 4, 16, 60], tiled=float32_tiles, bfloat16_kernels=dict(pairs=pairs)
-        ),
-        threads=2,
-    )
+    pairs_only = chosen_with(pairs=pairs)
     assert (pairs_only.bfloat16_kernel, pairs_only.dtype) == ("pairs", "float32")  # 1.04x: under MIN_GAIN
-    zen4 = choose(
-        cpu,
-        _measured(
-            float32=[1, 2, 8, 30],
-            bfloat16=[2, 4, 16, 60],
-            tiled=float32_tiles,
-            bfloat16_kernels=dict(pairs=[0.3, 0.5, 2, 7], fma=fma),
-        ),
-        threads=2,
-    )
+    zen4 = chosen_with(pairs=[0.3, 0.5, 2, 7], fma=fma)
     assert (zen4.bfloat16_kernel, zen4.dtype) == ("pairs", "bfloat16")
     assert choose(AVX2_EPYC, _measured(float32=[1, 2, 8, 30]), threads=2).bfloat16_kernel == "pairs"  # none measured
 
