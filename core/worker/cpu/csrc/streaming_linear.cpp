@@ -430,9 +430,9 @@ static void bf16_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16*
 // The same tiles through float32 multiply-adds, for CPUs that issue vdpbf16ps at a fraction of their FMA rate
 // (an Intel Xeon without AMX: 40 G pair products per core against 85 G FMAs).  A bfloat16 is the top half of a
 // float32, so each line of pairs widens in two instructions: feature 2p shifted up, feature 2p + 1 masked.  The
-// activations come widened to float32 (`x`), once per product.  Products are exact, summed in float32 as the pair
-// kernel sums them, one multiply-add at a time.  Six rows by three tiles of sums, six widened weight registers and
-// two broadcasts fit AVX-512's 32 registers.
+// activations come widened to float32 (`x`), once per product.  Products are exact and summed in float32, one
+// multiply-add at a time (the pair kernel adds two per instruction, so the two round apart).  Six rows by three
+// tiles of sums, six widened weight registers and two broadcasts fit AVX-512's 32 registers.
 constexpr int kBf16FmaTiles = 3;
 
 template <int ROWS, int TILES>
