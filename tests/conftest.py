@@ -140,6 +140,30 @@ def example_only_env() -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------
+# A cache directory of a test's own
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def own_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh ``$PATCHBAY_CACHE_DIR`` for one test, sharing the session's built kernels and CPU tunings.
+
+    An engine built with an empty cache compiles the C++ kernels and measures the CPU again: a minute or
+    more per test, for what the test does not look at.
+    """
+    from patchbay.worker.model.model_loader import cache_dir
+
+    shared = cache_dir()
+    own = tmp_path / "cache"
+    own.mkdir()
+    for folder in ("kernels", "tuning"):
+        (shared / folder).mkdir(parents=True, exist_ok=True)
+        (own / folder).symlink_to(shared / folder, target_is_directory=True)
+    monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(own))
+    return own
+
+
+# ------------------------------------------------------------------------------------------------
 # Tiny random-weight models (see tests/tiny_models.py)
 # ------------------------------------------------------------------------------------------------
 

@@ -107,13 +107,12 @@ def test_a_consumer_with_the_wrong_key_deletes_no_valid_entry(tmp_path):
     assert errors == set() and right.connector.stats["loaded_blocks"] == 3
 
 
-def test_an_unsafe_default_store_directory_is_a_one_line_error_naming_it(tmp_path, monkeypatch, tiny_llama, capsys):
+def test_an_unsafe_default_store_directory_is_a_one_line_error_naming_it(tmp_path, own_cache_dir, tiny_llama, capsys):
     """Issue 30: an unsafe store directory was refused with a traceback instead of a clear error."""
     from patchbay.entrypoints.cli import main
 
-    monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path / "cache"))
-    store = tmp_path / "cache" / "kv-store"
-    store.mkdir(parents=True)
+    store = own_cache_dir / "kv-store"
+    store.mkdir()
     store.chmod(0o777)
     config = tmp_path / "job.yaml"
     config.write_text(

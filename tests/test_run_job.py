@@ -103,7 +103,7 @@ def test_an_interrupted_job_keeps_its_finished_lines_and_records_the_error(job, 
     assert not list((tmp_path / "out").glob(".*.partial"))
 
 
-def test_a_tilde_in_paths_means_the_home_directory(job, tmp_path, capsys, monkeypatch):
+def test_a_tilde_in_paths_means_the_home_directory(job, tmp_path, capsys, monkeypatch, own_cache_dir):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     code, err = _run(job(GOOD, output="~/results/job.jsonl"), capsys)

@@ -80,7 +80,7 @@ MIN_GAIN = 1.1
 """A lower-precision dtype is chosen only when it is this much faster than float32 (geometric mean over buckets)."""
 PATH_GAIN = 1.05
 """A linear path replaces torch's own product up to the largest bucket where it is this much faster."""
-TUNING_FORMAT = 5
+TUNING_FORMAT = 6
 """Bumped whenever what is measured or chosen changes, so cached results from older rules are measured again."""
 
 NATIVE_DTYPE_FLAGS = {
@@ -117,11 +117,16 @@ class CpuInfo:
 
 @dataclass(frozen=True)
 class LayerShapes:
-    """The linears of one decoder layer: hidden size, q/k/v output sizes, MLP intermediate size."""
+    """The linears of one decoder layer: hidden size, q/k/v output sizes, MLP intermediate size; and how many
+    such layers the model has."""
 
     hidden: int
     qkv: tuple[int, int, int]
     intermediate: int
+    layers: int | None = None
+    """Decoder layers in the model (``None``: not known). A decode step reads every layer's weights once, so
+    :func:`measure` streams no more copies of a layer than the model has: a model small enough to stay in the
+    cache is timed in the cache, and timing it costs seconds, not minutes of thousands of tiny products."""
 
     @classmethod
     def of(cls, config: Any) -> LayerShapes:
@@ -131,7 +136,13 @@ class LayerShapes:
         head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
-        return cls(hidden, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), intermediate)
+        layers = getattr(config, "num_hidden_layers", None)
+        return cls(
+            hidden,
+            (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim),
+            intermediate,
+            int(layers) if layers else None,
+        )
 
     def products(self) -> list[tuple[int, int]]:
         """``(in_features, out_features)`` of each linear, projections of one input listed one by one."""
@@ -309,8 +320,8 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
 
     Few-row products stream their weights from memory in a real model (every layer's weights are read once
     per step), so up to :data:`STREAMED_MAX_ROWS` rows the layer is timed as one of enough copies to overflow
-    the CPU's last-level cache; one layer whose weights stay cached would flatter whichever path reads them
-    most often.
+    the CPU's last-level cache (no more copies than the model has layers); one layer whose weights stay cached
+    would flatter whichever path reads them most often.
     """
     packable = [dtype for dtype in dtypes if packing_supported(getattr(torch, dtype))]
     tileable = [dtype for dtype in dtypes if tiles_unavailable(getattr(torch, dtype)) is None]
@@ -390,7 +401,8 @@ def _fused(weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _layers(shapes: LayerShapes, dtype: torch.dtype) -> list[list[torch.Tensor]]:
-    """Copies of one layer's random weights, together at least twice the last-level cache (64 MiB at least)."""
+    """Copies of one layer's random weights, together at least twice the last-level cache (64 MiB at least),
+    or as many as the model has layers where that is fewer."""
     generator = torch.Generator().manual_seed(0)
     layer = [
         torch.randn(out_features, in_features, generator=generator).to(dtype) * in_features**-0.5
@@ -398,6 +410,7 @@ def _layers(shapes: LayerShapes, dtype: torch.dtype) -> list[list[torch.Tensor]]
     ]
     layer_bytes = sum(weight.numel() * weight.element_size() for weight in layer)
     copies = max(1, math.ceil(max(64 << 20, 2 * _last_level_cache_bytes()) / layer_bytes))
+    copies = min(copies, shapes.layers or copies)
     return [layer] + [[weight.clone() for weight in layer] for _ in range(copies - 1)]
 
 

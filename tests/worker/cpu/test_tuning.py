@@ -191,6 +191,16 @@ def test_tune_measures_once_caches_per_cpu_and_measures_again_when_asked(tmp_pat
     assert tuning.tune(SHAPES, threads=2, cpu=AMX_XEON).cached is False
 
 
+def test_decode_timings_stream_no_more_layers_than_the_model_has():
+    """A tiny model was timed as thousands of layer copies (minutes per start) though it runs from the cache."""
+    overflowing = tuning._layers(SHAPES, torch.float32)
+    layer_bytes = sum(weight.numel() * weight.element_size() for weight in overflowing[0])
+    assert len(overflowing) * layer_bytes >= 64 << 20  # depth unknown: enough copies to overflow the cache
+    four_layers = LayerShapes(SHAPES.hidden, SHAPES.qkv, SHAPES.intermediate, layers=4)
+    copies = tuning._layers(four_layers, torch.float32)
+    assert len(copies) == 4 and copies[1][0] is not copies[0][0] and torch.equal(copies[1][0], copies[0][0])
+
+
 class _Layer(nn.Module):
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
@@ -399,7 +409,10 @@ def test_patchbay_tune_measures_afresh_and_prints_the_choice(tiny_llama, tmp_pat
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     kv_width = config["num_key_value_heads"] * head_dim  # 8 query heads, 2 KV heads: GQA shapes
     assert calls[0] == LayerShapes(
-        config["hidden_size"], (config["hidden_size"], kv_width, kv_width), config["intermediate_size"]
+        config["hidden_size"],
+        (config["hidden_size"], kv_width, kv_width),
+        config["intermediate_size"],
+        config["num_hidden_layers"],
     )
 
 
