@@ -9,9 +9,14 @@ import torch
 
 from patchbay.contract.registry import Registry
 from patchbay.interfaces import AttentionConfig, AttentionLayerSpec
-from patchbay.plugins.attention.common import CommonMetadataBuilder
+from patchbay.plugins.attention.common import CommonMetadataBuilder, as_paged
 from patchbay.plugins.attention.reference import ReferenceBackend, ReferenceImpl
-from patchbay.plugins.attention.torch_sdpa import TorchSDPABackend, TorchSDPAImpl, TorchSDPAMetadataBuilder
+from patchbay.plugins.attention.torch_sdpa import (
+    TorchSDPABackend,
+    TorchSDPAImpl,
+    TorchSDPAMetadataBuilder,
+    plan_step,
+)
 from patchbay.testing import AttentionBackendSuite, MetadataBuilderSuite
 from patchbay.testing.attention import AttentionCase, build_common_metadata, check_attention, make_block_table
 
@@ -180,6 +185,17 @@ def test_sdpa_plan_batches_decodes_and_splits_prefills() -> None:
     decodes = next(batch for batch in plan.short_batches if batch.query_len == 1)
     assert sorted(decodes.rows.tolist()) == [0, 1, 2]
     assert [(q.query_start, q.query_end, q.block_ids) for q in plan.long_queries] == [(11, 41, None)]
+
+
+def test_sdpa_plan_attends_a_cpu_chunk_after_cached_tokens_without_a_mask() -> None:
+    """A mask over thousands of keys sent SDPA down its slow path: the context is attended apart instead."""
+    common = _step((0, 100, 100), (30, 30, 30))
+    plan = TorchSDPAMetadataBuilder(block_size=16).build(common).plan
+    fresh, cached, _ = plan.long_queries
+    assert (fresh.mask, fresh.context_len, cached.mask, cached.context_len) == (None, 0, None, 100)
+    assert (cached.num_keys, len(cached.block_ids)) == (130, 9)
+    windowed = plan_step(as_paged(common), sliding_window=8)
+    assert windowed.long_queries[1].mask is not None and windowed.long_queries[1].context_len == 0
 
 
 def test_sdpa_plan_does_not_pad_short_requests_to_a_long_one() -> None:

@@ -13,7 +13,12 @@ import torch
 import patchbay
 from patchbay.plugins.attention import _cpu_kernel, torch_sdpa
 from patchbay.worker.cpu import native_build
-from patchbay.worker.cpu.streaming_linear import load_streaming_linear
+from patchbay.worker.cpu.streaming_linear import (
+    BFLOAT16_KERNELS,
+    load_streaming_linear,
+    tiles_unavailable,
+    use_bfloat16_kernel,
+)
 from patchbay.sampling_params import SamplingParams
 from patchbay.testing.attention import AttentionCase, check_attention, make_batch
 from decode_kernels import expected_attention, kernel_variant, needs_kernel
@@ -223,13 +228,47 @@ def test_a_built_kernel_loads_past_a_lock_left_after_it_was_built(tmp_path, monk
         ),
         AttentionCase(num_computed=(30, 0, 12), num_new=(1, 40, 9), sliding_window=16, num_heads=4, num_kv_heads=4),
         AttentionCase(num_computed=(25, 0), num_new=(1, 20), dtype="bfloat16", num_heads=6, num_kv_heads=2),
+        # chunks longer than the kernel takes after cached tokens: SDPA's two mask-free calls, merged
+        *(
+            AttentionCase(
+                num_computed=(37, 300),
+                num_new=(torch_sdpa.KERNEL_MAX_QUERY_LEN + 9, torch_sdpa.KERNEL_MAX_QUERY_LEN + 40),
+                dtype=dtype,
+                num_heads=6,
+                num_kv_heads=2,
+                cache_dtype=cache_dtype,
+            )
+            for dtype, cache_dtype in (("float32", None), ("bfloat16", None), ("float32", "int8"))
+        ),
     ],
-    ids=["mixed", "window", "bf16"],
+    ids=["mixed", "window", "bf16", "long-after-cached", "long-after-cached-bf16", "long-after-cached-int8"],
 )
 def test_the_kernel_attends_every_token_of_short_queries_like_the_dense_oracle(case):
     # paged_cpp: the kernel takes every request of up to KERNEL_MAX_QUERY_LEN tokens, SDPA the longer ones.
     options = torch_sdpa.TorchSDPABackend.Options(decode_kernel="paged_cpp")
     check_attention(torch_sdpa.TorchSDPABackend, torch_sdpa.TorchSDPAMetadataBuilder, case, options=options)
+
+
+@pytest.mark.parametrize("kernel", BFLOAT16_KERNELS)
+def test_a_long_bfloat16_chunk_after_cached_tokens_attends_like_the_oracle_with_either_tile_kernel(kernel):
+    """Where the tuning widens bfloat16 products to float32 (``fma``), long chunks are attended in float32 too."""
+    case = AttentionCase(
+        num_computed=(300,),
+        num_new=(torch_sdpa.KERNEL_MAX_QUERY_LEN + 40,),
+        dtype="bfloat16",
+        num_heads=6,
+        num_kv_heads=2,
+    )
+    options = torch_sdpa.TorchSDPABackend.Options(decode_kernel="paged_cpp")
+    if tiles_unavailable(torch.float32) is not None:
+        pytest.skip(f"no tiled products here: {tiles_unavailable(torch.float32)}")
+    previous = use_bfloat16_kernel(kernel)
+    try:
+        widened = torch_sdpa._long_compute_dtype(torch.zeros(1, dtype=torch.bfloat16)) == torch.float32
+        assert widened == (kernel == "fma")
+        check_attention(torch_sdpa.TorchSDPABackend, torch_sdpa.TorchSDPAMetadataBuilder, case, options=options)
+    finally:
+        use_bfloat16_kernel(previous)
 
 
 def test_the_plan_gives_the_kernel_each_token_with_its_own_causal_length():

@@ -8,7 +8,8 @@ Each step is planned once per KV-cache group (by :class:`TorchSDPAMetadataBuilde
   boolean mask hides padding keys, future keys and keys outside the window;
 - longer queries (prefill chunks) get one SDPA call each: ``is_causal`` over
   the new keys when nothing is cached, else an explicit mask over the
-  gathered blocks.
+  gathered blocks; on the CPU without a sliding window, a chunk after cached
+  tokens is two mask-free calls instead (``_context_split``).
 
 On CPU float32 and bfloat16, single-token queries (decodes) skip the gather
 and go through patchbay's C++ kernel over the paged cache instead (option
@@ -33,6 +34,7 @@ from patchbay.interfaces import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
 )
+from patchbay.plugins.attention._context_split import attend_after_context
 from patchbay.plugins.attention._cpu_kernel import KernelBuild, kernel_unavailable, load_kernel
 from patchbay.plugins.attention._paged import (
     Workspace,
@@ -48,7 +50,7 @@ from patchbay.plugins.attention.common import (
     as_paged,
     extend_metadata,
 )
-from patchbay.worker.cpu.streaming_linear import chunk_runner
+from patchbay.worker.cpu.streaming_linear import bfloat16_products_widened, chunk_runner
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +104,10 @@ class LongQuery:
     block_ids: torch.Tensor | None
     """long: blocks to gather; ``None`` when nothing is cached and the new keys are used directly."""
     mask: torch.Tensor | None
-    """bool ``[query_len, num_keys]``; ``None`` means plain causal attention over the new keys."""
+    """bool ``[query_len, num_keys]``; ``None`` means causal attention over the new keys, after
+    :attr:`context_len` cached keys every query sees."""
+    context_len: int = 0
+    """Cached keys before the new ones, attended apart from them (on the CPU: see ``_context_split``)."""
 
 
 class SDPAPlan:
@@ -225,15 +230,24 @@ def _long_query(metadata: PagedAttentionMetadata, request: int, sliding_window: 
     # Gather from the first block the window reaches (block 0 without a window); nothing when nothing is cached.
     first_block = window_start(context_len, sliding_window) // block_size if context_len else 0
     first_key = first_block * block_size
+    block_ids = metadata.block_table[request, first_block : -(-seq_len // block_size)].long() if context_len else None
+    if device.type == "cpu" and sliding_window is None:
+        return LongQuery(start, end, seq_len, block_ids, None, context_len)
     query_positions = context_len + torch.arange(end - start, device=device)
     key_positions = torch.arange(first_key, seq_len, device=device)
     mask = key_positions <= query_positions[:, None]
     if sliding_window is not None:
         mask &= key_positions > query_positions[:, None] - sliding_window
-    if context_len == 0:
-        return LongQuery(start, end, seq_len, None, mask)
-    block_ids = metadata.block_table[request, first_block : -(-seq_len // block_size)].long()
     return LongQuery(start, end, seq_len - first_key, block_ids, mask)
+
+
+def _long_compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype a long query is attended in: float32 for bfloat16 on a CPU whose bfloat16 dot products the tuning
+    measured slower than float32 FMA (there torch's CPU attention ran bfloat16 1.3-1.5x slower than float32, and the
+    widened copies cost little next to it); else the query's own."""
+    if query.dtype == torch.bfloat16 and query.device.type == "cpu" and bfloat16_products_widened():
+        return torch.float32
+    return query.dtype
 
 
 def plan_step(metadata: PagedAttentionMetadata, sliding_window: int | None) -> SDPAPlan:
@@ -462,16 +476,22 @@ class TorchSDPAImpl(AttentionImpl):
         else:
             keys = self._gather("keys", key_cache, long_query.block_ids)[: long_query.num_keys]
             values = self._gather("values", value_cache, long_query.block_ids)[: long_query.num_keys]
-        attended = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1)[None],
-            as_float(keys, query.dtype).transpose(0, 1)[None],
-            as_float(values, query.dtype).transpose(0, 1)[None],
-            attn_mask=long_query.mask,
-            is_causal=long_query.mask is None,
-            scale=self.layer.scale,
-            enable_gqa=self.enable_gqa,
-        )
-        output[start:end] = attended[0].transpose(0, 1)
+        compute = _long_compute_dtype(query)
+        queries = query[start:end].transpose(0, 1).to(compute)
+        keys, values = (as_float(rows, compute).transpose(0, 1) for rows in (keys, values))
+        if long_query.context_len:
+            attended = attend_after_context(queries, keys, values, long_query.context_len, self.layer.scale)
+        else:
+            attended = F.scaled_dot_product_attention(
+                queries[None],
+                keys[None],
+                values[None],
+                attn_mask=long_query.mask,
+                is_causal=long_query.mask is None,
+                scale=self.layer.scale,
+                enable_gqa=self.enable_gqa,
+            )[0]
+        output[start:end] = attended.transpose(0, 1)
 
     def _gather(self, name: str, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         numel = block_ids.shape[0] * cache[0].numel()

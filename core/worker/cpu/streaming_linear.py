@@ -118,12 +118,24 @@ CPUs that issue the pair product at under half their FMA rate.  Both sum exact p
 faster is measured per CPU (:mod:`patchbay.worker.cpu.tuning`)."""
 
 
+_bfloat16_kernel = BFLOAT16_KERNELS[0]
+
+
 def use_bfloat16_kernel(name: str) -> str:
     """Multiply every bfloat16 tile of this process with kernel ``name`` (one of :data:`BFLOAT16_KERNELS`) from
     now on; returns the kernel that ran before.  Process-wide: the choice belongs to the CPU, not to one model."""
+    global _bfloat16_kernel
     if name not in BFLOAT16_KERNELS:
         raise ValueError(f"bfloat16 tile kernels are {', '.join(BFLOAT16_KERNELS)}, not {name!r}")
-    return str(load_streaming_linear().use_bfloat16_kernel(name))
+    previous = str(load_streaming_linear().use_bfloat16_kernel(name))
+    _bfloat16_kernel = name
+    return previous
+
+
+def bfloat16_products_widened() -> bool:
+    """Whether this process multiplies bfloat16 through float32 FMA (kernel ``fma``): the tuning measured this
+    CPU's bfloat16 dot products slower than widening, so other bfloat16 products may widen too."""
+    return _bfloat16_kernel == "fma"
 
 
 @dataclass(frozen=True)
