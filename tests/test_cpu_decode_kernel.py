@@ -13,6 +13,7 @@ import torch
 import patchbay
 from patchbay.plugins.attention import _cpu_kernel, torch_sdpa
 from patchbay.worker.cpu import native_build
+from patchbay.worker.int8_kv_rows import dequantize_rows, quantize_rows
 from patchbay.worker.cpu.streaming_linear import (
     BFLOAT16_KERNELS,
     load_streaming_linear,
@@ -213,6 +214,58 @@ def test_a_built_kernel_loads_past_a_lock_left_after_it_was_built(tmp_path, monk
         assert not native_build.finished(built, tmp_path / "lock")
     finally:
         _cpu_kernel.load_kernel.cache_clear()
+
+
+# Queries with thousands of keys: many passes of the kernel's running softmax (a larger score arriving late
+# rescales what came before), and keys split between tasks whose shares are merged (one query alone, or a few).
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8")])
+@pytest.mark.parametrize("window", [0, 700])
+@pytest.mark.parametrize("seq_lens", [[3001], [1, 129, 1500, 2300]], ids=["alone", "few"])
+@pytest.mark.parametrize("pool_threads", [0, 2])
+def test_long_queries_attend_like_dense_attention(dtype, cache_dtype, window, seq_lens, pool_threads):
+    generator = torch.Generator().manual_seed(2)
+    heads, kv_heads, head_size, block_size = 9, 3, 64, 16
+    num_reqs, max_blocks = len(seq_lens), -(-max(seq_lens) // block_size)
+    num_blocks = num_reqs * max_blocks + 3
+    runner = load_streaming_linear().chunk_runner() if pool_threads else 0
+    shape = (num_blocks, block_size, kv_heads, head_size)
+    # Scores that grow along the sequence: later passes keep finding a larger one than every pass before.
+    drift = torch.linspace(0, 3, num_blocks * block_size).view(num_blocks, block_size, 1, 1)
+    keys = torch.randn(*shape, generator=generator) + drift
+    values = torch.randn(*shape, generator=generator)
+    if cache_dtype == "int8":
+        key_cache, value_cache = quantize_rows(keys), quantize_rows(values)
+        keys_by_block, values_by_block = dequantize_rows(key_cache), dequantize_rows(value_cache)
+    else:
+        key_cache, value_cache = keys.to(dtype), values.to(dtype)
+        keys_by_block, values_by_block = key_cache, value_cache
+    block_table = torch.randperm(num_blocks, generator=generator)[: num_reqs * max_blocks].view(num_reqs, max_blocks)
+    block_table = block_table.sort(dim=1).values.to(torch.int32)  # ascending: the drift grows along each query
+    rows = torch.arange(num_reqs).flip(0)
+    query = (torch.randn(num_reqs, heads, head_size, generator=generator) + 1).to(dtype)
+    output = torch.full(query.shape, float("nan"), dtype=dtype)
+    scale = head_size**-0.5
+    kernel_variant("native").paged_decode_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        rows,
+        torch.arange(num_reqs),
+        scale,
+        window,
+        output,
+        runner,
+        pool_threads,
+    )
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2
+    for request, length in enumerate(seq_lens):
+        row = int(rows[request])
+        expected = expected_attention(
+            query[row], keys_by_block, values_by_block, block_table[request], length, window, scale
+        )
+        torch.testing.assert_close(output[row].float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,7 @@ from patchbay.plugins.attention.common import (
     as_paged,
     extend_metadata,
 )
-from patchbay.worker.cpu.streaming_linear import bfloat16_products_widened, chunk_runner
+from patchbay.worker.cpu.streaming_linear import bfloat16_products_widened, chunk_runner, chunk_threads
 
 logger = logging.getLogger(__name__)
 
@@ -415,7 +415,7 @@ class TorchSDPAImpl(AttentionImpl):
                 self.layer.sliding_window or 0,
                 output,
                 chunk_runner(),
-                torch.get_num_threads(),
+                chunk_threads() or torch.get_num_threads(),
             )
             covered = KERNEL_MAX_QUERY_LEN
         if plan.max_query_len > covered:  # else the kernel attended every request: SDPA has nothing to do

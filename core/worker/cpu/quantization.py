@@ -262,7 +262,7 @@ class Int4TileLayout(TileLayout):
         )
 
     def pack(self, weight: torch.Tensor) -> TiledWeight:
-        note_tiles_in_use()
+        note_tiles_in_use(self.threads)
         return TiledWeight(int4_tiles(weight), weight.shape[0], weight.shape[1], weight.dtype)
 
 
@@ -329,7 +329,7 @@ class W8A8TileLayout(TileLayout):
         )
 
     def pack(self, weight: torch.Tensor) -> TiledWeight:
-        note_tiles_in_use()
+        note_tiles_in_use(self.threads)
         return TiledWeight(w8a8_tiles(weight), weight.shape[0], weight.shape[1], weight.dtype)
 
 

@@ -66,13 +66,14 @@ def tile(weight: torch.Tensor, lanes: int) -> torch.Tensor:
     return padded.reshape(-1, lanes, in_features).permute(0, 2, 1).contiguous()
 
 
-_helpers_in_use = False  # set once a weight is packed into tiles: this process's products run on the pool
+_helper_threads = 0  # the most threads tiled products run on in this process; 0 until a weight is tiled
 
 
-def note_tiles_in_use() -> None:
-    """Record that this process multiplies by tiled weights (so :func:`chunk_runner` hands out the helpers)."""
-    global _helpers_in_use
-    _helpers_in_use = True
+def note_tiles_in_use(threads: int) -> None:
+    """Record that this process multiplies by tiled weights on ``threads`` threads (so :func:`chunk_runner`
+    hands out the helpers and :func:`chunk_threads` says how many threads they make)."""
+    global _helper_threads
+    _helper_threads = max(_helper_threads, threads)
 
 
 def chunk_runner() -> int:
@@ -85,7 +86,14 @@ def chunk_runner() -> int:
     this process multiplies by tiled weights: then the helpers are awake between products, where OpenMP's
     sleeping threads would have to be woken and would then contend with them for the cores.
     """
-    return load_streaming_linear().chunk_runner() if _helpers_in_use else 0
+    return load_streaming_linear().chunk_runner() if _helper_threads else 0
+
+
+def chunk_threads() -> int:
+    """How many threads to hand :func:`chunk_runner`'s function: as many as the tiled products run on (0 before
+    any weight is tiled).  Not torch's thread count, which a step of a few tokens sets to one for its small ops:
+    the helpers are awake all the same, so a kernel between the products gains the second core at no wake-up."""
+    return _helper_threads
 
 
 def tiled_product_entry() -> int:
@@ -169,7 +177,7 @@ class TileLayout:
         return weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0  # bfloat16 tiles pair input features
 
     def pack(self, weight: torch.Tensor) -> TiledWeight:
-        note_tiles_in_use()
+        note_tiles_in_use(self.threads)
         return TiledWeight(
             tile(weight, load_streaming_linear().float32_lanes()), weight.shape[0], weight.shape[1], weight.dtype
         )

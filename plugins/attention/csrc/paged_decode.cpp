@@ -204,45 +204,45 @@ constexpr int kRegisters = kLanes == 16 ? 32 : 16;
 template <int kChunks>
 constexpr int kValueHeads = std::min(8, std::max(1, (kRegisters - kChunks - 2) / kChunks));
 
-// The outputs of kHeads consecutive query heads of one KV head: each value row is widened once and feeds
-// kHeads x kChunks independent multiply-adds, so neither a reload per head nor one chain of dependent adds per
-// register bounds the pass.  scores: the heads' probabilities, n per head; out: the first head's output row.
-template <int kChunks, typename query_t, typename cache_t, int kHeads>
-static void weigh_values(const Problem& p, const int32_t* blocks, int64_t first, int64_t seq_len,
-                         const cache_t* v_head, const float* scores, int64_t n, query_t* out) {
+// kHeads consecutive query heads of one KV head weigh the value rows [begin, end) into their float32 sums: each
+// value row is widened once and feeds kHeads x kChunks independent multiply-adds, so neither a reload per head nor
+// one chain of dependent adds per register bounds the pass.  weights: the first head's, one per key from `begin`,
+// the next head's `weights_stride` further; sums: the first head's head_size sums, added to.
+template <int kChunks, typename cache_t, int kHeads>
+static void weigh_values(const Problem& p, const int32_t* blocks, int64_t begin, int64_t end, const cache_t* v_head,
+                         const float* weights, int64_t weights_stride, float* sums) {
   vfloat acc[kHeads][kChunks];
   for (int h = 0; h < kHeads; ++h)
-    for (int c = 0; c < kChunks; ++c) acc[h][c] = vbroadcast(0.0f);
-  for (int64_t pos = first; pos < seq_len;) {
+    for (int c = 0; c < kChunks; ++c) acc[h][c] = vload(sums + h * p.head_size + c * kLanes);
+  for (int64_t pos = begin; pos < end;) {
     const int64_t offset = pos % p.block_size;
-    const int64_t count = std::min(p.block_size - offset, seq_len - pos);
+    const int64_t count = std::min(p.block_size - offset, end - pos);
     const cache_t* v = v_head + blocks[pos / p.block_size] * p.block_stride + offset * p.token_stride;
-    const float* weights = scores + pos - first;
+    const float* w = weights + pos - begin;
     for (int64_t j = 0; j < count; ++j, v += p.token_stride) {
       vfloat row[kChunks];
       for (int c = 0; c < kChunks; ++c) row[c] = vload(v + c * kLanes);
       // An int8 row's scale goes into its kHeads weights: fewer multiplies than scaling its kChunks registers.
       const float v_scale = row_scale(v, p.head_size);
       for (int h = 0; h < kHeads; ++h) {
-        const vfloat weight = vbroadcast(weights[h * n + j] * v_scale);
+        const vfloat weight = vbroadcast(w[h * weights_stride + j] * v_scale);
         for (int c = 0; c < kChunks; ++c) acc[h][c] = vfma(weight, row[c], acc[h][c]);
       }
     }
     pos += count;
   }
   for (int h = 0; h < kHeads; ++h)
-    for (int c = 0; c < kChunks; ++c) vstore(out + h * p.head_size + c * kLanes, acc[h][c]);
+    for (int c = 0; c < kChunks; ++c) vstore(sums + h * p.head_size + c * kLanes, acc[h][c]);
 }
 
-template <int kChunks, typename query_t, typename cache_t>
-using WeighValues = void (*)(const Problem&, const int32_t*, int64_t, int64_t, const cache_t*, const float*,
-                             int64_t, query_t*);
-template <int kChunks, typename query_t, typename cache_t>
-constexpr WeighValues<kChunks, query_t, cache_t> kWeighValues[8] = {
-    weigh_values<kChunks, query_t, cache_t, 1>, weigh_values<kChunks, query_t, cache_t, 2>,
-    weigh_values<kChunks, query_t, cache_t, 3>, weigh_values<kChunks, query_t, cache_t, 4>,
-    weigh_values<kChunks, query_t, cache_t, 5>, weigh_values<kChunks, query_t, cache_t, 6>,
-    weigh_values<kChunks, query_t, cache_t, 7>, weigh_values<kChunks, query_t, cache_t, 8>};
+template <int kChunks, typename cache_t>
+using WeighValues = void (*)(const Problem&, const int32_t*, int64_t, int64_t, const cache_t*, const float*, int64_t,
+                             float*);
+template <int kChunks, typename cache_t>
+constexpr WeighValues<kChunks, cache_t> kWeighValues[8] = {
+    weigh_values<kChunks, cache_t, 1>, weigh_values<kChunks, cache_t, 2>, weigh_values<kChunks, cache_t, 3>,
+    weigh_values<kChunks, cache_t, 4>, weigh_values<kChunks, cache_t, 5>, weigh_values<kChunks, cache_t, 6>,
+    weigh_values<kChunks, cache_t, 7>, weigh_values<kChunks, cache_t, 8>};
 
 #if defined(__AVX512BF16__)
 // Bfloat16 caches: one query head's scores against `count` keys `token_stride` apart, pairs of bfloat16 features
@@ -271,92 +271,216 @@ static inline void bf16_scores(const __m512bh* query, const c10::BFloat16* k, in
 }
 #endif
 
-// Head size = kChunks registers.  Per (request, KV head) task and per query head of its group, the query's
-// registers stay loaded while keys stream past (one dot product per key, reduced once), then the value
-// accumulators stay in registers while values stream past.  The task's keys and values (a few KiB per
-// request) stay in L1/L2 between query heads, so memory sees each of them about once.
+// Keys a task scores, weighs and folds into its running softmax at a time, per KV head: their rows, read from
+// memory for the group's first query head, are still in L1 for the others, and so are their scores when the
+// values are weighed.  (Scoring all of a query's keys for each head before weighing any value read them from
+// memory once per head at a context of thousands: 4 requests of 8,192 tokens ran at a fifth of the machine's
+// read bandwidth.)
+constexpr int64_t kKeysPerPass = 128;
+// A query with at least twice this many keys, in a step with too few queries to share the threads evenly, has
+// its keys split between several tasks whose partial softmaxes are merged at the end.
+constexpr int64_t kMinSegmentKeys = 512;
+
+// One query head's scores against the keys [begin, end) of its KV head (`k_head`: the head's first key row).
+template <int kChunks, typename query_t, typename cache_t>
+static void score_keys(const Problem& p, const int32_t* blocks, int64_t begin, int64_t end, const cache_t* k_head,
+                       const cache_t* v_head, const query_t* query, const float* scaled_query, bool prefetch,
+                       float* scores) {
+  const int64_t row_bytes = p.row_size * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t stride_bytes = p.token_stride * static_cast<int64_t>(sizeof(cache_t));
+#if defined(__AVX512BF16__)
+  constexpr bool kPairDots = std::is_same<cache_t, c10::BFloat16>::value && std::is_same<query_t, cache_t>::value
+                             && kChunks % 2 == 0;
+  __m512bh qpairs[kChunks / 2 > 0 ? kChunks / 2 : 1];
+  if constexpr (kPairDots)
+    for (int c = 0; c < kChunks / 2; ++c) qpairs[c] = (__m512bh)_mm512_loadu_si512(query + c * 32);
+#endif
+  vfloat qv[kChunks];
+  for (int c = 0; c < kChunks; ++c) qv[c] = vload(scaled_query + c * kLanes);
+  for (int64_t pos = begin; pos < end;) {
+    const int64_t offset = pos % p.block_size;
+    const int64_t count = std::min(p.block_size - offset, end - pos);
+    const int64_t at = blocks[pos / p.block_size] * p.block_stride + offset * p.token_stride;
+    const cache_t* k = k_head + at;
+    float* sc = scores + pos - begin;
+    if (prefetch) {
+      // One block's rows of one head are too few for the hardware prefetcher to start on: ask for the values
+      // these keys weigh and the next block's keys while this block's dot products run.
+      prefetch_rows<_MM_HINT_T0>(v_head + at, count, stride_bytes, row_bytes);
+      const int64_t next = pos + count;
+      if (next < end)
+        prefetch_rows<_MM_HINT_T0>(k_head + blocks[next / p.block_size] * p.block_stride,
+                                   std::min(p.block_size, end - next), stride_bytes, row_bytes);
+    }
+    pos += count;
+#if defined(__AVX512BF16__)
+    if constexpr (kPairDots) {
+      bf16_scores<kChunks / 2>(qpairs, reinterpret_cast<const c10::BFloat16*>(k), p.token_stride, count, p.scale,
+                               sc);
+      continue;
+    }
+#endif
+    int64_t j = 0;
+    for (; j + 4 <= count; j += 4, k += 4 * p.token_stride) {
+      const cache_t* k1 = k + p.token_stride;
+      const cache_t* k2 = k1 + p.token_stride;
+      const cache_t* k3 = k2 + p.token_stride;
+      vfloat a0 = vmul(qv[0], vload(k)), a1 = vmul(qv[0], vload(k1));
+      vfloat a2 = vmul(qv[0], vload(k2)), a3 = vmul(qv[0], vload(k3));
+      for (int c = 1; c < kChunks; ++c) {
+        a0 = vfma(qv[c], vload(k + c * kLanes), a0);
+        a1 = vfma(qv[c], vload(k1 + c * kLanes), a1);
+        a2 = vfma(qv[c], vload(k2 + c * kLanes), a2);
+        a3 = vfma(qv[c], vload(k3 + c * kLanes), a3);
+      }
+      _mm_storeu_ps(sc + j, scale_dots4(vsum4(a0, a1, a2, a3), k, p.token_stride, p.head_size));
+    }
+    for (; j < count; ++j, k += p.token_stride) {
+      vfloat acc = vmul(qv[0], vload(k));
+      for (int c = 1; c < kChunks; ++c) acc = vfma(qv[c], vload(k + c * kLanes), acc);
+      sc[j] = vsum(acc) * row_scale(k, p.head_size);
+    }
+  }
+}
+
+// Scores in place as e^(score - top), where `top` is at least their largest; returns their sum.
+static float exponentiate(float* scores, int64_t n, float top) {
+  const vfloat shift = vbroadcast(-top);
+  vfloat sums = vbroadcast(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vfloat e = vexp(vadd(vload(scores + i), shift));
+    vstore(scores + i, e);
+    sums = vadd(sums, e);
+  }
+  float total = vsum(sums);
+  for (; i < n; ++i) total += (scores[i] = std::exp(scores[i] - top));
+  return total;
+}
+
+// Which query and which share of its keys each task computes, for every KV head: the keys of a long query are
+// split into `segments` consecutive shares where the queries alone are too few tasks for the threads.
+struct TaskPlan {
+  std::vector<int64_t> first_task;  // per query: its first task; its shares follow
+  std::vector<int64_t> segments;    // per query
+  int64_t tasks = 0;
+
+  TaskPlan(const Problem& p, int threads) : first_task(p.requests), segments(p.requests) {
+    const int64_t queries = std::max<int64_t>(1, p.requests);
+    const int64_t wanted = queries >= 4 * threads ? 1 : (4 * threads + queries - 1) / queries;
+    for (int64_t r = 0; r < p.requests; ++r) {
+      const int64_t keys = p.lens[r] - p.first_key(r);
+      segments[r] = std::max<int64_t>(1, std::min(wanted, keys / kMinSegmentKeys));
+      first_task[r] = tasks;
+      tasks += segments[r];
+    }
+  }
+};
+
+// Head size = kChunks registers.  A task runs over its query's keys kKeysPerPass at a time, for every KV head:
+// each query head of the head's group scores the pass's keys (the query's registers stay loaded while the keys
+// pass, four keys' dot products reduced once), the scores fold into the query heads' running softmax (the
+// largest score so far, the sum of e^(score - largest)), and each value row is weighed for several query heads
+// at once.  The first query head asks for each block's values and the next block's keys while it scores, so
+// memory sees each key and value once.  A task holding all of a query's keys writes its output; the shares of
+// a split query are merged afterwards.
 template <int kChunks, typename query_t, typename cache_t>
 void decode_attention_simd(const Problem& p, const query_t* q_base, const cache_t* k_base,
                            const cache_t* v_base, query_t* out_base) {
-  const int64_t hs = p.head_size;
-  const int64_t row_bytes = p.row_size * static_cast<int64_t>(sizeof(cache_t));
-  const int64_t stride_bytes = p.token_stride * static_cast<int64_t>(sizeof(cache_t));
-  for_each_task(p, p.requests * p.kv_heads, [&](int64_t task) {
-    const int64_t r = task / p.kv_heads, kvh = task % p.kv_heads;
-    thread_local std::vector<float> scores, q;  // reused by every task a thread runs
-    q.resize(hs);
-    const int64_t seq_len = p.lens[r], first = p.first_key(r), n = seq_len - first;
+  const int64_t hs = p.head_size, group = p.group;
+  const int threads = p.run_chunks != nullptr && p.threads > 1 ? p.threads : omp_get_max_threads();
+  const TaskPlan plan(p, threads);
+  // Per task and KV head, per query head: the largest score, the sum of exponentials, the weighed values.
+  const int64_t partial_floats = group * (hs + 2), task_floats = p.kv_heads * partial_floats;
+  std::vector<float> partials;
+  if (plan.tasks > p.requests) partials.resize(static_cast<size_t>(plan.tasks * task_floats));
+  for_each_task(p, plan.tasks, [&](int64_t task) {
+    const int64_t r = std::upper_bound(plan.first_task.begin(), plan.first_task.end(), task)
+                      - plan.first_task.begin() - 1;
+    const int64_t segments = plan.segments[r], segment = task - plan.first_task[r];
+    const int64_t first = p.first_key(r), n = p.lens[r] - first;
+    const int64_t begin = first + n * segment / segments, end = first + n * (segment + 1) / segments;
     const int32_t* blocks = p.table + p.table_row_of[r] * p.max_blocks;
-    scores.resize(p.group * n);
-    for (int64_t g = 0; g < p.group; ++g) {
-      const query_t* qg = q_base + p.row_of[r] * p.q_token_stride + (kvh * p.group + g) * p.q_head_stride;
-      for (int64_t d = 0; d < hs; ++d) q[d] = static_cast<float>(qg[d]) * p.scale;
-#if defined(__AVX512BF16__)
-      constexpr bool kPairDots = std::is_same<cache_t, c10::BFloat16>::value && std::is_same<query_t, cache_t>::value
-                                 && kChunks % 2 == 0;
-      __m512bh qpairs[kChunks / 2 > 0 ? kChunks / 2 : 1];
-      if constexpr (kPairDots)
-        for (int c = 0; c < kChunks / 2; ++c) qpairs[c] = (__m512bh)_mm512_loadu_si512(qg + c * 32);
-#else
-      constexpr bool kPairDots = false;
-#endif
-      vfloat qv[kChunks];
-      for (int c = 0; c < kChunks; ++c) qv[c] = vload(q.data() + c * kLanes);
-      float* sg = scores.data() + g * n;
-      for (int64_t pos = first; pos < seq_len;) {
-        const int64_t offset = pos % p.block_size;
-        const int64_t count = std::min(p.block_size - offset, seq_len - pos);
-        const cache_t* k = k_base + blocks[pos / p.block_size] * p.block_stride + offset * p.token_stride
-                           + kvh * p.row_size;
-        if (g == 0) {
-          // Ask for the values these keys weigh (read next) and for the next block's keys while the dot
-          // products run: one block's rows of one head are too few for the hardware prefetcher to start.
-          prefetch_rows<_MM_HINT_T1>(v_base + (k - k_base), count, stride_bytes, row_bytes);
-          const int64_t next = pos + count;
-          if (next < seq_len)
-            prefetch_rows<_MM_HINT_T0>(k_base + blocks[next / p.block_size] * p.block_stride + kvh * p.row_size,
-                                       std::min(p.block_size, seq_len - next), stride_bytes, row_bytes);
-        }
-#if defined(__AVX512BF16__)
-        if constexpr (kPairDots) {
-          bf16_scores<kChunks / 2>(qpairs, reinterpret_cast<const c10::BFloat16*>(k), p.token_stride, count,
-                                   p.scale, sg + pos - first);
-          pos += count;
-          continue;
-        }
-#endif
-        int64_t j = 0;
-        for (; j + 4 <= count; j += 4, k += 4 * p.token_stride) {
-          const cache_t* k1 = k + p.token_stride;
-          const cache_t* k2 = k1 + p.token_stride;
-          const cache_t* k3 = k2 + p.token_stride;
-          vfloat a0 = vmul(qv[0], vload(k)), a1 = vmul(qv[0], vload(k1));
-          vfloat a2 = vmul(qv[0], vload(k2)), a3 = vmul(qv[0], vload(k3));
-          for (int c = 1; c < kChunks; ++c) {
-            a0 = vfma(qv[c], vload(k + c * kLanes), a0);
-            a1 = vfma(qv[c], vload(k1 + c * kLanes), a1);
-            a2 = vfma(qv[c], vload(k2 + c * kLanes), a2);
-            a3 = vfma(qv[c], vload(k3 + c * kLanes), a3);
+    thread_local std::vector<float> scores, queries, own;  // reused by every task a thread runs
+    scores.resize(group * kKeysPerPass);
+    queries.resize(p.heads * hs);
+    if (segments == 1) own.resize(task_floats);
+    float* part = segments > 1 ? partials.data() + task * task_floats : own.data();
+    const query_t* q_row = q_base + p.row_of[r] * p.q_token_stride;
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t d = 0; d < hs; ++d) queries[h * hs + d] = static_cast<float>(q_row[h * p.q_head_stride + d]) * p.scale;
+    for (int64_t kvh = 0; kvh < p.kv_heads; ++kvh) std::fill_n(part + kvh * partial_floats + 2 * group, group * hs, 0.0f);
+    for (int64_t pass = begin; pass < end; pass += kKeysPerPass) {
+      const int64_t pass_end = std::min(end, pass + kKeysPerPass), count = pass_end - pass;
+        for (int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
+        float* top = part + kvh * partial_floats;
+        float* total = top + group;
+        float* sums = total + group;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t head = kvh * group + g;
+          float* sg = scores.data() + g * kKeysPerPass;
+          score_keys<kChunks>(p, blocks, pass, pass_end, k_base + kvh * p.row_size, v_base + kvh * p.row_size,
+                              q_row + head * p.q_head_stride, queries.data() + head * hs, g == 0, sg);
+          float largest = sg[0];
+          for (int64_t j = 1; j < count; ++j) largest = std::max(largest, sg[j]);
+          if (pass == begin) {
+            top[g] = largest;
+            total[g] = exponentiate(sg, count, largest);
+            continue;
           }
-          _mm_storeu_ps(sg + pos - first + j, scale_dots4(vsum4(a0, a1, a2, a3), k, p.token_stride, hs));
+          // A larger score than any before rescales what the earlier keys added.
+          const float new_top = std::max(top[g], largest), rescale = std::exp(top[g] - new_top);
+          total[g] = total[g] * rescale + exponentiate(sg, count, new_top);
+          top[g] = new_top;
+          if (rescale != 1.0f)
+            for (int64_t d = 0; d < hs; ++d) sums[g * hs + d] *= rescale;
         }
-        for (; j < count; ++j, k += p.token_stride) {
-          vfloat acc = vmul(qv[0], vload(k));
-          for (int c = 1; c < kChunks; ++c) acc = vfma(qv[c], vload(k + c * kLanes), acc);
-          sg[pos - first + j] = vsum(acc) * row_scale(k, hs);
+        for (int64_t g = 0; g < group;) {
+          const int64_t heads = std::min<int64_t>(kValueHeads<kChunks>, group - g);
+          kWeighValues<kChunks, cache_t>[heads - 1](p, blocks, pass, pass_end, v_base + kvh * p.row_size,
+                                                    scores.data() + g * kKeysPerPass, kKeysPerPass, sums + g * hs);
+          g += heads;
         }
-        pos += count;
       }
     }
-    softmax_rows(scores.data(), p.group, n);
-    query_t* out = out_base + (p.row_of[r] * p.heads + kvh * p.group) * hs;
-    for (int64_t g = 0; g < p.group;) {
-      const int64_t heads = std::min<int64_t>(kValueHeads<kChunks>, p.group - g);
-      kWeighValues<kChunks, query_t, cache_t>[heads - 1](p, blocks, first, seq_len, v_base + kvh * p.row_size,
-                                                         scores.data() + g * n, n, out + g * hs);
-      g += heads;
+    if (segments == 1) {
+      query_t* out = out_base + p.row_of[r] * p.heads * hs;
+      for (int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
+        const float* total = part + kvh * partial_floats + group;
+        const float* sums = total + group;
+        for (int64_t g = 0; g < group; ++g) {
+          const float inverse = 1.0f / total[g];
+          for (int64_t d = 0; d < hs; ++d)
+            out[(kvh * group + g) * hs + d] = static_cast<query_t>(sums[g * hs + d] * inverse);
+        }
+      }
     }
   });
+  if (partials.empty()) return;
+  // Each split query's shares, merged: every share's sums and total rescaled to the largest score of all.
+  std::vector<float> sums(hs);
+  for (int64_t r = 0; r < p.requests; ++r) {
+    const int64_t segments = plan.segments[r];
+    if (segments == 1) continue;
+    query_t* out = out_base + p.row_of[r] * p.heads * hs;
+    for (int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
+      const float* shares = partials.data() + plan.first_task[r] * task_floats + kvh * partial_floats;
+      for (int64_t g = 0; g < group; ++g) {
+        float top = shares[g];
+        for (int64_t s = 1; s < segments; ++s) top = std::max(top, shares[s * task_floats + g]);
+        float total = 0.0f;
+        std::fill(sums.begin(), sums.end(), 0.0f);
+        for (int64_t s = 0; s < segments; ++s) {
+          const float* share = shares + s * task_floats;
+          const float weight = std::exp(share[g] - top);
+          total += share[group + g] * weight;
+          for (int64_t d = 0; d < hs; ++d) sums[d] += share[2 * group + g * hs + d] * weight;
+        }
+        const float inverse = 1.0f / total;
+        for (int64_t d = 0; d < hs; ++d) out[(kvh * group + g) * hs + d] = static_cast<query_t>(sums[d] * inverse);
+      }
+    }
+  }
 }
 
 template <typename query_t, typename cache_t>

@@ -117,7 +117,7 @@ def test_the_ops_between_products_give_the_same_bits_on_the_helpers(dtype):
     if tiles_unavailable(dtype) is not None:
         pytest.skip(tiles_unavailable(dtype))
     ops, linear = fused_ops.load_fused_ops(), load_streaming_linear()
-    note_tiles_in_use()
+    note_tiles_in_use(2)
     helpers, entry = chunk_runner(), tiled_product_entry()
     assert helpers != 0
     generator = torch.Generator().manual_seed(0)
