@@ -119,9 +119,9 @@ class RuntimeSettings(Section):
     layers through patchbay's C++ kernels on CPU float32 and bfloat16. Without a C++ compiler nothing changes
     (docs/design/cpu-fast-paths.md#fused-kernels). With a ``lora:`` section whole layers do not fuse."""
     single_thread_max_tokens: NonNegativeInt | Literal["auto"] = "auto"
-    """Steps of at most this many tokens run on one CPU thread, where waking a second costs more than it gains.
-    ``auto``: up to the row count the machine's tuning measured faster for the run's dtype (0 without a tuning);
-    0: never."""
+    """Steps of at most this many tokens run torch's ops on one CPU thread, where waking a second costs more than
+    it gains (tiled products and the decode kernel keep their own awake helpers). ``auto``: up to the row count
+    the machine's tuning measured faster for the run's dtype (0 without a tuning); 0: never."""
     seed: int = 0
     """``torch.manual_seed`` at engine start and again once the engine is built, on every rank and stage, so
     random samplers repeat run to run whatever the rank count."""

@@ -13,10 +13,14 @@ run as AVX512-BF16 pair dot products where the CPU has them).  On x86 CPUs with
 AVX-512, or AVX2 and FMA, head sizes that are a multiple of the register width
 run a SIMD path (the query and the value accumulators held in registers, four
 keys' dot products reduced by one add tree, each value row weighed for several
-query heads at once); other shapes and CPUs run plain loops.  The work, one
-task per request and KV head, runs on the tiled products' helper threads where
-the process has them (:func:`patchbay.worker.cpu.streaming_linear.chunk_runner`),
-else over OpenMP.  The extension also writes a step's new keys and values into
+query heads at once); other shapes and CPUs run plain loops.  The SIMD path
+reads each key and value once: a task runs over one query's keys 128 at a
+time for every KV head, folding each pass into a running softmax, and a query
+of thousands of keys in a step of few queries is split between tasks whose
+shares are merged.  The tasks run on the tiled products' helper threads, as
+many as the products use, where the process has them
+(:func:`patchbay.worker.cpu.streaming_linear.chunk_runner`), else over OpenMP.
+The extension also writes a step's new keys and values into
 the cache, one call per layer (``write_kv``).  It is built like every
 patchbay extension (:mod:`patchbay.worker.cpu.native_build`): by ``make`` at
 install time (``python -m patchbay.plugins.attention._cpu_kernel``), elsewhere
