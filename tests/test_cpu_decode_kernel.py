@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -42,7 +43,6 @@ def test_kernel_matches_dense_attention_over_the_gathered_blocks(
 ):
     generator = torch.Generator().manual_seed(0)
     num_reqs, block_size, num_blocks = 7, 4, 128
-    runner = load_streaming_linear().chunk_runner() if pool_threads else 0
     key_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=generator).to(dtype)
     value_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=generator).to(dtype)
     seq_lens = torch.tensor([1, 3, 4, 5, 17, 40, 63], dtype=torch.int32)
@@ -50,29 +50,67 @@ def test_kernel_matches_dense_attention_over_the_gathered_blocks(
     rows = torch.tensor([6, 0, 3, 1, 5, 2, 4])  # queries sit in any row order
     # transformers hands queries as [heads, tokens, head_size]; the kernel reads that layout through strides.
     query = torch.randn(heads, num_reqs, head_size, generator=generator).to(dtype).transpose(0, 1)
-    output = torch.full(query.shape, float("nan"), dtype=dtype)
-    scale = head_size**-0.5
-    kernel_variant(variant).paged_decode_attention(
+    attended = _attend(
+        kernel_variant(variant), query, key_cache, value_cache, block_table, seq_lens, rows, window, pool_threads
+    )
+    attended.check(tolerance)
+
+
+@dataclass
+class _Attended:
+    """The kernel's output for one query per request, and what the dense oracle compares it with."""
+
+    output: torch.Tensor
+    query: torch.Tensor
+    keys_by_block: torch.Tensor
+    values_by_block: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    rows: torch.Tensor
+    window: int
+    scale: float
+
+    def check(self, tolerance: float) -> None:
+        for request in range(len(self.rows)):
+            row = int(self.rows[request])
+            expected = expected_attention(
+                self.query[row],
+                self.keys_by_block,
+                self.values_by_block,
+                self.block_table[request],
+                int(self.seq_lens[request]),
+                self.window,
+                self.scale,
+            )
+            # The reference computes in float64 from the same (rounded) inputs; bfloat16 output adds one rounding.
+            torch.testing.assert_close(self.output[row].float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def _attend(
+    kernel, query, key_cache, value_cache, block_table, seq_lens, rows, window, pool_threads, dequantized=None
+) -> _Attended:
+    """The kernel on request i's query in row ``rows[i]``, over OpenMP (``pool_threads`` 0) or the tiled
+    products' pool; ``dequantized``: the caches as float features, where they are int8 rows."""
+    runner = load_streaming_linear().chunk_runner() if pool_threads else 0
+    output = torch.full(query.shape, float("nan"), dtype=query.dtype)
+    scale = query.shape[-1] ** -0.5
+    table_rows = torch.arange(len(rows))
+    kernel.paged_decode_attention(
         query,
         key_cache,
         value_cache,
         block_table,
         seq_lens,
         rows,
-        torch.arange(num_reqs),
+        table_rows,
         scale,
         window,
         output,
         runner,
         pool_threads,
     )
-    for request in range(num_reqs):
-        row = int(rows[request])
-        expected = expected_attention(
-            query[row], key_cache, value_cache, block_table[request], int(seq_lens[request]), window, scale
-        )
-        # The reference computes in float64 from the same (rounded) inputs; bfloat16 output adds one rounding.
-        torch.testing.assert_close(output[row].float(), expected.float(), rtol=tolerance, atol=tolerance)
+    keys, values = dequantized if dequantized is not None else (key_cache, value_cache)
+    return _Attended(output, query, keys, values, block_table, seq_lens, rows, window, scale)
 
 
 def test_the_build_runs_in_the_background_and_the_kernel_is_used_once_ready(monkeypatch):
@@ -227,7 +265,6 @@ def test_long_queries_attend_like_dense_attention(dtype, cache_dtype, window, se
     heads, kv_heads, head_size, block_size = 9, 3, 64, 16
     num_reqs, max_blocks = len(seq_lens), -(-max(seq_lens) // block_size)
     num_blocks = num_reqs * max_blocks + 3
-    runner = load_streaming_linear().chunk_runner() if pool_threads else 0
     shape = (num_blocks, block_size, kv_heads, head_size)
     # Scores that grow along the sequence: later passes keep finding a larger one than every pass before.
     drift = torch.linspace(0, 3, num_blocks * block_size).view(num_blocks, block_size, 1, 1)
@@ -235,37 +272,27 @@ def test_long_queries_attend_like_dense_attention(dtype, cache_dtype, window, se
     values = torch.randn(*shape, generator=generator)
     if cache_dtype == "int8":
         key_cache, value_cache = quantize_rows(keys), quantize_rows(values)
-        keys_by_block, values_by_block = dequantize_rows(key_cache), dequantize_rows(value_cache)
+        dequantized = dequantize_rows(key_cache), dequantize_rows(value_cache)
     else:
-        key_cache, value_cache = keys.to(dtype), values.to(dtype)
-        keys_by_block, values_by_block = key_cache, value_cache
+        key_cache, value_cache, dequantized = keys.to(dtype), values.to(dtype), None
     block_table = torch.randperm(num_blocks, generator=generator)[: num_reqs * max_blocks].view(num_reqs, max_blocks)
     block_table = block_table.sort(dim=1).values.to(torch.int32)  # ascending: the drift grows along each query
-    rows = torch.arange(num_reqs).flip(0)
     query = (torch.randn(num_reqs, heads, head_size, generator=generator) + 1).to(dtype)
-    output = torch.full(query.shape, float("nan"), dtype=dtype)
-    scale = head_size**-0.5
-    kernel_variant("native").paged_decode_attention(
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    rows = torch.arange(num_reqs).flip(0)
+    attended = _attend(
+        kernel_variant("native"),
         query,
         key_cache,
         value_cache,
         block_table,
-        torch.tensor(seq_lens, dtype=torch.int32),
+        lens,
         rows,
-        torch.arange(num_reqs),
-        scale,
         window,
-        output,
-        runner,
         pool_threads,
+        dequantized,
     )
-    tolerance = 1e-4 if dtype == torch.float32 else 1e-2
-    for request, length in enumerate(seq_lens):
-        row = int(rows[request])
-        expected = expected_attention(
-            query[row], keys_by_block, values_by_block, block_table[request], length, window, scale
-        )
-        torch.testing.assert_close(output[row].float(), expected.float(), rtol=tolerance, atol=tolerance)
+    attended.check(1e-4 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize(
