@@ -140,6 +140,13 @@ def use_bfloat16_kernel(name: str) -> str:
     return previous
 
 
+def use_bfloat16_pairs_up_to(rows: int) -> int:
+    """Run products of at most ``rows`` rows through ``pairs`` even where the kernel is ``fma`` (0: none), from now
+    on; returns the limit that held before.  At a row or two a product streams its weights, and the pair product
+    reads them in fewer instructions; the tuning measures where that pays (process-wide, like the kernel)."""
+    return int(load_streaming_linear().use_bfloat16_pairs_up_to(rows))
+
+
 def bfloat16_products_widened() -> bool:
     """Whether this process multiplies bfloat16 through float32 FMA (kernel ``fma``): the tuning measured this
     CPU's bfloat16 dot products slower than widening, so other bfloat16 products may widen too."""

@@ -22,7 +22,9 @@ a few row counts — decide:
   products where it has AMX);
 - for bfloat16 tiles, which kernel multiplies them (:data:`patchbay.worker.cpu.streaming_linear.BFLOAT16_KERNELS`):
   the pair dot product, or float32 FMA on weights widened in registers, whichever is faster over the row counts
-  (an Intel Xeon without AMX issues the pair product at half its FMA rate, AMD Zen 4 the other way round);
+  (an Intel Xeon without AMX issues the pair product at half its FMA rate, AMD Zen 4 the other way round), and
+  where the FMA kernel wins, up to how many rows the pair product still runs (it streams a row's weights in
+  fewer instructions);
 - for each native dtype, up to how many rows a step runs on one thread: OpenMP threads that sleep between
   parallel regions (``OMP_WAIT_POLICY=PASSIVE``, see ``patchbay/__init__.py``) cost a wake-up per product,
   more than a second core gains on a product bound by memory bandwidth.  Tiled products keep their own
@@ -70,6 +72,7 @@ from patchbay.worker.cpu.streaming_linear import (
     TiledWeight,
     tiles_unavailable,
     use_bfloat16_kernel,
+    use_bfloat16_pairs_up_to,
 )
 
 logger = logging.getLogger(__name__)
@@ -80,7 +83,7 @@ MIN_GAIN = 1.1
 """A lower-precision dtype is chosen only when it is this much faster than float32 (geometric mean over buckets)."""
 PATH_GAIN = 1.05
 """A linear path replaces torch's own product up to the largest bucket where it is this much faster."""
-TUNING_FORMAT = 6
+TUNING_FORMAT = 7
 """Bumped whenever what is measured or chosen changes, so cached results from older rules are measured again."""
 
 NATIVE_DTYPE_FLAGS = {
@@ -202,6 +205,8 @@ class Tuning:
     measurements: dict[str, dict[str, float]]
     bfloat16_kernel: str = "pairs"
     """The kernel bfloat16 tiles run (:data:`patchbay.worker.cpu.streaming_linear.BFLOAT16_KERNELS`)."""
+    bfloat16_pairs_max_rows: int = 0
+    """Under the ``fma`` kernel, products of up to this many rows run ``pairs`` all the same; 0: none."""
     """Seconds per layer, by path (``float32``, ``bfloat16``, ``row_split``, ``fused``, ``packed_<dtype>``) and rows."""
     cached: bool = False
 
@@ -211,7 +216,7 @@ class Tuning:
         packed = ", ".join(dtype for dtype in self.packed_dtypes if dtype not in self.tiled_dtypes) or "none"
         tiled = (
             ", ".join(
-                f"{dtype} ({self.bfloat16_kernel})" if dtype == "bfloat16" else dtype for dtype in self.tiled_dtypes
+                f"{dtype} ({self._bfloat16_kernels()})" if dtype == "bfloat16" else dtype for dtype in self.tiled_dtypes
             )
             or "none"
         )
@@ -223,6 +228,12 @@ class Tuning:
             f"{self.cpu}, {self.threads} threads, torch {self.torch_version}"
             f"{' (cached)' if self.cached else ''}"
         )
+
+    def _bfloat16_kernels(self) -> str:
+        if self.bfloat16_kernel == "fma" and self.bfloat16_pairs_max_rows:
+            rows = self.bfloat16_pairs_max_rows
+            return f"fma, pairs up to {rows} row{'s' if rows > 1 else ''}"
+        return self.bfloat16_kernel
 
 
 def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
@@ -247,7 +258,12 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
     bfloat16_kernel = min(
         kernels, key=lambda kernel: _geometric_mean(list(kernels[kernel].values())), default=BFLOAT16_KERNELS[0]
     )
-    tiled = {**measured.tiled, **({"bfloat16": kernels[bfloat16_kernel]} if kernels else {})}
+    fma_chosen = bfloat16_kernel == "fma" and "pairs" in kernels
+    pairs_rows = _wins_up_to(kernels["pairs"], kernels["fma"]) if fma_chosen else 0
+    tiled = dict(measured.tiled)
+    if kernels:  # the chosen kernel's times, the pair product's where it runs all the same
+        chosen = kernels[bfloat16_kernel]
+        tiled["bfloat16"] = {rows: kernels["pairs"][rows] if rows <= pairs_rows else chosen[rows] for rows in chosen}
     tiled_dtypes = [
         dtype
         for dtype, times in fastest.items()
@@ -286,6 +302,7 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
         threads=threads,
         torch_version=torch.__version__,
         bfloat16_kernel=bfloat16_kernel,
+        bfloat16_pairs_max_rows=pairs_rows,
         measurements={
             path: {str(rows): seconds for rows, seconds in times.items()}
             for path, times in [
@@ -467,6 +484,7 @@ def apply_linear_paths(
         layout = TileLayout(torch.get_num_threads())
         if dtype == "bfloat16":
             use_bfloat16_kernel(tuning.bfloat16_kernel if tuning is not None else BFLOAT16_KERNELS[0])
+            use_bfloat16_pairs_up_to(tuning.bfloat16_pairs_max_rows if tuning is not None else 0)
     elif cpu and (linear_kernel == "onednn" or (tuned is not None and dtype in tuned.packed_dtypes)):
         layout = ONEDNN
     if layout is not None:

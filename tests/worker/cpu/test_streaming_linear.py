@@ -112,6 +112,34 @@ def test_the_bfloat16_kernels_agree_and_an_unknown_one_is_refused():
     assert not torch.equal(by_fma, torch.zeros_like(by_fma))
 
 
+def test_under_fma_products_of_few_rows_run_the_pair_product_as_told():
+    if tiles_unavailable(torch.bfloat16) is not None:
+        pytest.skip(tiles_unavailable(torch.bfloat16))
+    # Subnormal weights tell the kernels apart: the pair product reads them as zero (AVX512-BF16 always does), the
+    # FMA kernel widens them exactly, and their 512 products sum to a normal number.
+    weight, inputs = torch.full((256, 512), 1e-39).bfloat16(), torch.ones(3, 512).bfloat16()
+    assert weight[0, 0] != 0 and weight.float().abs().max() < torch.finfo(torch.float32).tiny
+    layout = TileLayout(2)
+    packed = layout.pack(weight)
+
+    def products(kernel: str, pairs_up_to: int) -> list[torch.Tensor]:
+        streaming_linear.use_bfloat16_kernel(kernel)
+        streaming_linear.use_bfloat16_pairs_up_to(pairs_up_to)
+        return [layout.product(inputs[:rows], packed, None) for rows in (1, 2, 3)]
+
+    previous = streaming_linear.use_bfloat16_kernel("pairs"), streaming_linear.use_bfloat16_pairs_up_to(0)
+    try:
+        by_pairs, by_fma, mixed = products("pairs", 0), products("fma", 0), products("fma", 2)
+        with pytest.raises(RuntimeError, match="row count of 0 or more"):
+            streaming_linear.use_bfloat16_pairs_up_to(-1)
+    finally:
+        streaming_linear.use_bfloat16_kernel(previous[0])
+        streaming_linear.use_bfloat16_pairs_up_to(previous[1])
+    assert all(not product.any() for product in by_pairs) and all(product.all() for product in by_fma)
+    assert not mixed[0].any() and not mixed[1].any()  # one and two rows: the pair product
+    assert torch.equal(mixed[2], by_fma[2])  # three: FMA
+
+
 def test_products_from_several_threads_at_once_stay_apart():
     """The helper threads serve one product at a time; concurrent callers queue, and none sees another's rows."""
     torch.manual_seed(0)

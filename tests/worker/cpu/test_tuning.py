@@ -282,8 +282,14 @@ def test_bfloat16_tiles_run_the_faster_kernel_and_it_decides_the_dtype():
     assert xeon.measurements["tiled_bfloat16_pairs"]["64"] == 6 and "(fma)" in xeon.describe()
     pairs_only = chosen_with(pairs=pairs)
     assert (pairs_only.bfloat16_kernel, pairs_only.dtype) == ("pairs", "float32")  # 1.04x: under MIN_GAIN
+    assert xeon.bfloat16_pairs_max_rows == 0  # a tie at one row: fma throughout
+    # The pair product 1.2x faster at one row, slower from 8: it keeps the one-row products.
+    one_row = chosen_with(pairs=[0.25, 0.6, 6, 24], fma=fma)
+    assert (one_row.bfloat16_kernel, one_row.bfloat16_pairs_max_rows) == ("fma", 1)
+    assert "(fma, pairs up to 1 row)" in one_row.describe()
+    assert one_row.speedup["bfloat16"] > xeon.speedup["bfloat16"]  # the dtype is chosen on the mixed times
     zen4 = chosen_with(pairs=[0.3, 0.5, 2, 7], fma=fma)
-    assert (zen4.bfloat16_kernel, zen4.dtype) == ("pairs", "bfloat16")
+    assert (zen4.bfloat16_kernel, zen4.dtype, zen4.bfloat16_pairs_max_rows) == ("pairs", "bfloat16", 0)
     assert choose(AVX2_EPYC, _measured(float32=[1, 2, 8, 30]), threads=2).bfloat16_kernel == "pairs"  # none measured
 
 
@@ -295,11 +301,14 @@ def test_auto_tiles_bfloat16_with_the_tuned_kernel(kernel):
         pytest.skip(streaming_linear.tiles_unavailable(torch.bfloat16))
     kernels = {"pairs": [0.3, 0.6, 6, 24], "fma": [0.3, 0.5, 3.5, 14]}
     kernels[kernel] = [0.1, 0.2, 1, 4]
+    kernels["pairs"][0] = 0.05  # pairs wins one-row products, so under fma it keeps them
     measured = _measured(float32=[1, 2, 8, 30], bfloat16=[2, 4, 16, 60], bfloat16_kernels=kernels)
     chosen = choose(XEON_WITHOUT_AMX, measured, threads=2)
     assert chosen.bfloat16_kernel == kernel and chosen.tiled_dtypes == ["bfloat16"]
+    assert chosen.bfloat16_pairs_max_rows == (1 if kernel == "fma" else 0)
     other = "pairs" if kernel == "fma" else "fma"
     previous = streaming_linear.use_bfloat16_kernel(other)
+    previous_rows = streaming_linear.use_bfloat16_pairs_up_to(5)
     try:
         layer = _Layer(torch.bfloat16)
         paths = apply_linear_paths(
@@ -312,8 +321,10 @@ def test_auto_tiles_bfloat16_with_the_tuned_kernel(kernel):
         )
         assert paths.layout == "output tiles"
         assert streaming_linear.use_bfloat16_kernel(other) == kernel  # the tuned kernel ran until put back here
+        assert streaming_linear.use_bfloat16_pairs_up_to(previous_rows) == chosen.bfloat16_pairs_max_rows
     finally:
         streaming_linear.use_bfloat16_kernel(previous)
+        streaming_linear.use_bfloat16_pairs_up_to(previous_rows)
 
 
 def test_an_engine_left_on_auto_runs_the_tuned_dtype(tiny_llama, tmp_path, monkeypatch):

@@ -379,8 +379,10 @@ static void int4_tile_range(const Int8Rows& x, int64_t rows, const uint8_t* tile
 }
 #endif
 
-// Which kernel multiplies bfloat16 tiles: the pair dot product (false) or float32 multiply-adds (true).
+// Which kernel multiplies bfloat16 tiles: the pair dot product (false) or float32 multiply-adds (true); and up to
+// how many rows the pair dot product runs all the same (a row or two stream weights faster through it).
 static std::atomic<bool> bf16_through_fma{false};
+static std::atomic<int64_t> bf16_pairs_max_rows{0};
 
 #if defined(__AVX512BF16__)
 static inline void vstore_masked_bf16(c10::BFloat16* p, __m512 a, __mmask16 mask) {
@@ -631,6 +633,12 @@ std::string use_bfloat16_kernel(const std::string& name) {
   return previous ? "fma" : "pairs";
 }
 
+// Products of up to `rows` rows run the pair dot product under the "fma" kernel too; returns the previous limit.
+int64_t use_bfloat16_pairs_up_to(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "use_bfloat16_pairs_up_to takes a row count of 0 or more, not ", rows);
+  return bf16_pairs_max_rows.exchange(rows);
+}
+
 // Tiles per chunk: whole blocks, about eight chunks per thread so a late helper leaves little to wait for.
 static int64_t chunk_tiles(int64_t n_tiles, int64_t block_tiles, int64_t threads) {
   const int64_t wanted = (n_tiles + 8 * threads - 1) / (8 * threads);
@@ -775,7 +783,7 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<t
     const auto* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
     auto* op = out.data_ptr<at::BFloat16>();
     const int64_t ldx = x.stride(0), pairs = tiles.size(1);
-    if (bf16_through_fma.load(std::memory_order_relaxed)) {
+    if (bf16_through_fma.load(std::memory_order_relaxed) && rows > bf16_pairs_max_rows.load(std::memory_order_relaxed)) {
       static const BlockTable<decltype(&bf16_fma_block<1, 1>)> fma_blocks = PATCHBAY_BLOCKS(bf16_fma_block);
       const int64_t K = 2 * pairs;
       const float* widened = widen_rows(xp, ldx, rows, K);
@@ -878,6 +886,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("float32_lanes", torch::wrap_pybind_function(float32_lanes), "float32_lanes");
   m.def("bfloat16_supported", torch::wrap_pybind_function(bfloat16_supported), "bfloat16_supported");
   m.def("use_bfloat16_kernel", torch::wrap_pybind_function(use_bfloat16_kernel), "use_bfloat16_kernel");
+  m.def("use_bfloat16_pairs_up_to", torch::wrap_pybind_function(use_bfloat16_pairs_up_to), "use_bfloat16_pairs_up_to");
   m.def("chunk_runner", torch::wrap_pybind_function(chunk_runner), "chunk_runner");
   m.def("tiled_product", torch::wrap_pybind_function(tiled_product), "tiled_product");
 }
