@@ -203,11 +203,11 @@ class Tuning:
     threads: int
     torch_version: str
     measurements: dict[str, dict[str, float]]
+    """Seconds per layer, by path (``float32``, ``bfloat16``, ``row_split``, ``fused``, ``packed_<dtype>``) and rows."""
     bfloat16_kernel: str = "pairs"
     """The kernel bfloat16 tiles run (:data:`patchbay.worker.cpu.streaming_linear.BFLOAT16_KERNELS`)."""
     bfloat16_pairs_max_rows: int = 0
     """Under the ``fma`` kernel, products of up to this many rows run ``pairs`` all the same; 0: none."""
-    """Seconds per layer, by path (``float32``, ``bfloat16``, ``row_split``, ``fused``, ``packed_<dtype>``) and rows."""
     cached: bool = False
 
     def describe(self) -> str:
