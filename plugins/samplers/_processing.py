@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from patchbay.interfaces import SamplingMetadata
+from patchbay.worker.cpu.fused_ops import inverse_cdf_rows
 
 NEG_INF = float("-inf")
 
@@ -73,27 +74,27 @@ def apply_sampling_filters(
 def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """One token per row of ``probs`` (``[num_rows, vocab]``, rows need not be normalised), int64 ``[num_rows]``.
 
-    An exponential race: with ``q ~ Exp(1)`` per token, ``argmax(probs / q)``
-    is a draw from ``probs`` (normalised).  Rows listed in ``generators``
-    draw their ``q`` from their own generator only, so their tokens depend
-    on nothing else in the batch; the other rows share one batched draw
-    from the default generator.
+    Inverse transform sampling: one uniform ``u`` per row, and the row's first
+    token whose cumulative probability exceeds ``u`` times the row's total
+    (:func:`~patchbay.worker.cpu.fused_ops.inverse_cdf_rows`); a token of
+    probability 0 is never drawn.  Rows listed in ``generators`` draw their
+    ``u`` from their own generator only, so their tokens depend on nothing
+    else in the batch; the other rows share one batched draw from the default
+    generator.  One random number per row, where an exponential race needs one
+    per token: torch's ``exponential_`` took ~20 ms for 16 rows of a
+    49,152-token vocabulary on a 2-core CPU.
     """
-    q = draw_exponential(probs.shape, generators, probs.device)
-    return probs.div(q).argmax(dim=-1)
+    return inverse_cdf_rows(probs, draw_uniform(probs.shape[0], generators, probs.device))
 
 
-def draw_exponential(
-    shape: Sequence[int] | torch.Size, generators: dict[int, torch.Generator], device: torch.device
-) -> torch.Tensor:
-    """``Exp(1)`` noise of ``shape``, row ``i`` from ``generators[i]`` when present; clamped away from 0."""
-    q = torch.empty(tuple(shape), dtype=torch.float32, device=device)
-    if len(generators) < q.shape[0]:
-        q.exponential_()
+def draw_uniform(num_rows: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
+    """float64 uniforms in ``[0, 1)``, one per row: row ``i`` from ``generators[i]`` when present."""
+    uniform = torch.empty(num_rows, dtype=torch.float64, device=device)
+    if len(generators) < num_rows:
+        uniform.uniform_()
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
-    # An exact 0 (possible in float32) would turn a zero-probability token's 0/0 into NaN.
-    return q.clamp_min_(torch.finfo(torch.float32).tiny)
+        uniform[row : row + 1].uniform_(generator=generator)
+    return uniform
 
 
 def top_p_mask(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

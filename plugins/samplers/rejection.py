@@ -14,7 +14,7 @@ from patchbay.interfaces import (
     SpecDecodeMetadata,
 )
 from patchbay.plugins.samplers import _processing
-from patchbay.worker.cpu.fused_ops import argmax_rows
+from patchbay.worker.cpu.fused_ops import argmax_rows, inverse_cdf_rows
 
 PADDING = -1
 
@@ -29,8 +29,9 @@ class StandardRejectionSampler(RejectionSampler):
     distribution, one-hot on the draft when ``draft_probs`` is ``None``.
     Greedy requests accept while the draft equals the target argmax and then
     take the argmax.  When every draft is accepted the bonus token follows.
-    Seeded requests draw only from their own generator: first one uniform per
-    draft, then one exponential race over the vocabulary per draft.
+    Seeded requests draw only from their own generator: one uniform per draft
+    to accept it, then one per draft to draw its recovered token (inverse
+    transform sampling over the residual).
     """
 
     contract_version = "1.1"
@@ -97,11 +98,10 @@ class StandardRejectionSampler(RejectionSampler):
             draft = torch.zeros_like(target).scatter_(1, drafts, 1.0)
         else:
             draft = draft_probs[rows].to(torch.float32)
-        uniform, exponential = _draw_noise(requests, target.shape[1], sampling.generators, target.device)
+        acceptance, recovery = _draw_uniforms(requests, sampling.generators, target.device)
         # u < p(x) / q(x), written without the division: accepts with probability min(1, p/q).
-        accepted = uniform * draft.gather(1, drafts).squeeze(1) < target.gather(1, drafts).squeeze(1)
-        residual = (target - draft).clamp_min_(0.0)
-        recovered = residual.div_(exponential).argmax(dim=-1)
+        accepted = acceptance * draft.gather(1, drafts).squeeze(1) < target.gather(1, drafts).squeeze(1)
+        recovered = inverse_cdf_rows((target - draft).clamp_min_(0.0), recovery)
         return accepted, recovered
 
 
@@ -155,25 +155,26 @@ def _per_draft_row(sampling: SamplingMetadata, metadata: SpecDecodeMetadata) -> 
     )
 
 
-def _draw_noise(
-    requests: torch.Tensor, vocab: int, generators: dict[int, torch.Generator], device: torch.device
+def _draw_uniforms(
+    requests: torch.Tensor, generators: dict[int, torch.Generator], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A uniform per row and ``Exp(1)`` per row and token; rows of seeded requests from the request's generator."""
+    """Two float64 uniforms per row, one to accept the draft and one to draw the recovered token; rows of
+    seeded requests from the request's generator (first the acceptance uniforms, then the recovery ones)."""
     num_rows = requests.shape[0]
-    uniform = torch.empty(num_rows, dtype=torch.float32, device=device)
-    exponential = torch.empty(num_rows, vocab, dtype=torch.float32, device=device)
+    acceptance = torch.empty(num_rows, dtype=torch.float64, device=device)
+    recovery = torch.empty(num_rows, dtype=torch.float64, device=device)
     seeded = torch.zeros(num_rows, dtype=torch.bool, device=device)
     for request, generator in generators.items():
         rows = (requests == request).nonzero().squeeze(1)
         if rows.numel():
-            uniform[rows] = torch.rand(rows.numel(), generator=generator, device=device)
-            exponential[rows] = torch.empty(rows.numel(), vocab, device=device).exponential_(generator=generator)
+            acceptance[rows] = torch.rand(rows.numel(), generator=generator, dtype=torch.float64, device=device)
+            recovery[rows] = torch.rand(rows.numel(), generator=generator, dtype=torch.float64, device=device)
             seeded[rows] = True
     unseeded = (~seeded).nonzero().squeeze(1)
     if unseeded.numel():
-        uniform[unseeded] = torch.rand(unseeded.numel(), device=device)
-        exponential[unseeded] = torch.empty(unseeded.numel(), vocab, device=device).exponential_()
-    return uniform, exponential.clamp_min_(torch.finfo(torch.float32).tiny)
+        acceptance[unseeded] = torch.rand(unseeded.numel(), dtype=torch.float64, device=device)
+        recovery[unseeded] = torch.rand(unseeded.numel(), dtype=torch.float64, device=device)
+    return acceptance, recovery
 
 
 def _assemble(

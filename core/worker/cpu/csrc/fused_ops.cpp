@@ -341,6 +341,76 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// One token per row of non-negative weights, by inverse transform sampling: the row's first token whose
+// cumulative weight exceeds u times the row's total, for the row's uniform u in [0, 1).  A token of weight 0
+// is never chosen.  The weights are summed in float64, in blocks of kCdfBlock: the total is the blocks' sums
+// added in order, and the search adds the same sums in the same order, so it finds the block where the
+// cumulative weight passes the target and walks only that block token by token.  Where rounding walks past a
+// block's end (or u * total rounds up to the total), the last token of positive weight is the one drawn; a
+// row of zeros draws its last token.
+constexpr int64_t kCdfBlock = 64;
+
+static double weight_sum(const float* w, int64_t n) {
+  constexpr int kPartials = 16;  // two vectors of doubles: the adds do not wait on each other
+  double partial[kPartials] = {};
+  int64_t i = 0;
+  for (; i + kPartials <= n; i += kPartials)
+    for (int lane = 0; lane < kPartials; ++lane) partial[lane] += w[i + lane];
+  double sum = 0.0;
+  for (int lane = 0; lane < kPartials; ++lane) sum += partial[lane];
+  for (; i < n; ++i) sum += w[i];
+  return sum;
+}
+
+static int64_t last_positive(const float* w, int64_t begin, int64_t end, int64_t otherwise) {
+  for (int64_t i = end - 1; i >= begin; --i)
+    if (w[i] > 0.0f) return i;
+  return otherwise;
+}
+
+static int64_t row_inverse_cdf(const float* w, int64_t n, double u, std::vector<double>& block_sums) {
+  const int64_t blocks = (n + kCdfBlock - 1) / kCdfBlock;
+  block_sums.resize(blocks);
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    block_sums[b] = weight_sum(w + b * kCdfBlock, std::min(kCdfBlock, n - b * kCdfBlock));
+    total += block_sums[b];
+  }
+  const double target = u * total;
+  double before = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (before + block_sums[b] <= target) {
+      before += block_sums[b];
+      continue;
+    }
+    const int64_t begin = b * kCdfBlock, end = std::min(n, begin + kCdfBlock);
+    double running = before;
+    for (int64_t i = begin; i < end; ++i) {
+      if (w[i] <= 0.0f) continue;
+      running += w[i];
+      if (running > target) return i;
+    }
+    return last_positive(w, begin, end, n - 1);
+  }
+  return last_positive(w, 0, n, n - 1);
+}
+
+torch::Tensor inverse_cdf_rows(torch::Tensor weights, torch::Tensor uniform) {
+  TORCH_CHECK(weights.dim() == 2 && weights.is_contiguous() && weights.size(1) > 0 &&
+                  weights.scalar_type() == torch::kFloat32,
+              "inverse_cdf_rows: contiguous float32 [rows, n > 0] weights");
+  TORCH_CHECK(uniform.dim() == 1 && uniform.size(0) == weights.size(0) && uniform.scalar_type() == torch::kFloat64,
+              "inverse_cdf_rows: one float64 uniform per row");
+  const int64_t rows = weights.size(0), n = weights.size(1);
+  auto out = torch::empty({rows}, weights.options().dtype(torch::kInt64));
+  const auto u = uniform.contiguous();
+  int64_t* o = out.data_ptr<int64_t>();
+  std::vector<double> block_sums;
+  for (int64_t r = 0; r < rows; ++r)
+    o[r] = row_inverse_cdf(weights.data_ptr<float>() + r * n, n, u.data_ptr<double>()[r], block_sums);
+  return out;
+}
+
 // A tiled product, through the address patchbay.worker.cpu.streaming_linear.tiled_product_entry() hands out.
 using TiledProduct = void (*)(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor* bias,
                               int64_t out_features, int64_t threads, torch::Tensor& out);
@@ -403,6 +473,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", torch::wrap_pybind_function_no_gil(silu_and_mul), "silu_and_mul");
   m.def("rotary", torch::wrap_pybind_function_no_gil(rotary), "rotary");
   m.def("argmax_rows", torch::wrap_pybind_function_no_gil(argmax_rows), "argmax_rows");
+  m.def("inverse_cdf_rows", torch::wrap_pybind_function_no_gil(inverse_cdf_rows), "inverse_cdf_rows");
   m.def("decoder_attention_inputs", torch::wrap_pybind_function_no_gil(decoder_attention_inputs),
         "decoder_attention_inputs");
   m.def("decoder_attention_output_and_mlp", torch::wrap_pybind_function_no_gil(decoder_attention_output_and_mlp),
