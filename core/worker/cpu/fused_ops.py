@@ -97,6 +97,20 @@ def inverse_cdf_rows(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     return torch.searchsorted(cumulative, target, right=True).squeeze(1).clamp_max_(weights.shape[1] - 1)
 
 
+def _function_source(function: Any) -> str:
+    """The source of ``function``, or of the function a hub-kernel wrapper calls.
+
+    With the ``kernels`` package installed (transformers 5.25 requires it), ``@use_kernel_forward_from_hub``
+    turns a decorated function such as ``apply_rotary_pos_emb`` into an ``nn.Module`` instance whose ``forward``
+    calls the function it closes over (``func``), unless a hub kernel was swapped in, which patchbay never does.
+    """
+    if isinstance(function, nn.Module):
+        wrapped = inspect.getclosurevars(type(function).forward).nonlocals.get("func")
+        if callable(wrapped):
+            function = wrapped
+    return inspect.getsource(function)
+
+
 @functools.cache
 def _reference_sources() -> tuple[str, str, str]:
     from transformers.models.llama import modeling_llama
@@ -104,7 +118,7 @@ def _reference_sources() -> tuple[str, str, str]:
     return (
         inspect.getsource(modeling_llama.LlamaRMSNorm.forward),
         inspect.getsource(modeling_llama.LlamaMLP.forward),
-        inspect.getsource(modeling_llama.apply_rotary_pos_emb),
+        _function_source(modeling_llama.apply_rotary_pos_emb),
     )
 
 
@@ -137,7 +151,7 @@ def _llama_style_attention(cls: type[nn.Module]) -> bool:
         module = sys.modules[cls.__module__]
         return (
             inspect.getsource(cls.forward) in _attention_sources()
-            and inspect.getsource(module.apply_rotary_pos_emb) == _reference_sources()[2]
+            and _function_source(module.apply_rotary_pos_emb) == _reference_sources()[2]
         )
     except (OSError, TypeError, AttributeError, KeyError):
         return False
