@@ -47,6 +47,7 @@ from patchbay.worker.cpu.quantization import (
     Int4TileLayout,
     W8A8TileLayout,
     int4_tiles_unavailable,
+    use_w8a8_amx_from,
     w8a8_tiles_unavailable,
     quantize_linears,
 )
@@ -206,6 +207,7 @@ def speed_up_linears(
             quantized = use_packed_linears(model.model, Int4TileLayout(torch.get_num_threads()))
         elif quantization == "w8a8":
             quantized = use_packed_linears(model.model, W8A8TileLayout(torch.get_num_threads()))
+            use_w8a8_amx_from(tuning.w8a8_amx_from_rows if tuning is not None else 0)
         else:
             quantized = quantize_linears(model.model, quantization)
     if runtime.linear_kernel == "row_split" and not (device.type == "cpu" and dtype == "float32"):

@@ -276,6 +276,20 @@ def w8a8_tiles_unavailable() -> str | None:
     return None
 
 
+def w8a8_amx_available() -> bool:
+    """Whether W8A8 tiles can run through AMX here: the kernels were built for a CPU with AMX-INT8 and Linux
+    lets this process use its tile registers."""
+    return w8a8_tiles_unavailable() is None and bool(load_streaming_linear().w8a8_amx_supported())
+
+
+def use_w8a8_amx_from(rows: int) -> int:
+    """Run W8A8 products of at least ``rows`` rows through AMX's byte product (0: never), from now on, where
+    :func:`w8a8_amx_available`; returns the row count that held before.  AMX reads the tiles as they lie and
+    sums the same bytes exactly, so its outputs equal VNNI's; it multiplies 16 rows at a time, so it pays once
+    a product has enough rows.  Process-wide; the tuning measures from how many rows."""
+    return int(load_streaming_linear().use_w8a8_amx_from(rows))
+
+
 def rounds_activations_to_int8(scheme: str) -> bool:
     """Whether every product under quantization ``scheme`` runs this machine's integer tiles, which round each
     product's activations to int8 themselves: the model's dtype then leaves the products' speed unchanged."""

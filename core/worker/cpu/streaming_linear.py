@@ -28,9 +28,10 @@ its spinning ones make every product wait for a thread a busy neighbour has
 descheduled.  So the products have their own helper threads (``ChunkPool``):
 chunks of tiles are claimed from one counter by the caller and the helpers
 alike, the caller never waits for a helper to start, and helpers spin only
-briefly between products.  Whether tiles beat oneDNN on a machine (they need
-not where oneDNN has AMX for many-row products) is measured there
-(:mod:`patchbay.worker.cpu.tuning`).
+briefly between products.  Where the CPU has AMX, products of many rows run
+through its tile product over the same tiles (bfloat16 and W8A8), from a row
+count the tuning measures; whether tiles beat oneDNN on a machine is measured
+there too (:mod:`patchbay.worker.cpu.tuning`).
 """
 
 from __future__ import annotations
@@ -145,6 +146,21 @@ def use_bfloat16_pairs_up_to(rows: int) -> int:
     on; returns the limit that held before.  At a row or two a product streams its weights, and the pair product
     reads them in fewer instructions; the tuning measures where that pays (process-wide, like the kernel)."""
     return int(load_streaming_linear().use_bfloat16_pairs_up_to(rows))
+
+
+def bfloat16_amx_available() -> bool:
+    """Whether bfloat16 tiles can run through AMX here: the kernels were built for a CPU with AMX-BF16 and
+    Linux lets this process use its tile registers."""
+    return tiles_unavailable(torch.bfloat16) is None and bool(load_streaming_linear().bfloat16_amx_supported())
+
+
+def use_bfloat16_amx_from(rows: int) -> int:
+    """Run bfloat16 tile products of at least ``rows`` rows through AMX's tile product (0: never), from now on,
+    where :func:`bfloat16_amx_available`; returns the row count that held before.  AMX multiplies 16 rows by
+    16 features by 32 inputs per instruction, straight from the tiles' layout: far ahead of the kernels above
+    once a product has enough rows to be bound by arithmetic, not by reading its weights.  Process-wide, like
+    the kernel; the tuning measures from how many rows it pays."""
+    return int(load_streaming_linear().use_bfloat16_amx_from(rows))
 
 
 def bfloat16_products_widened() -> bool:

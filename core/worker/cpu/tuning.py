@@ -19,12 +19,13 @@ a few row counts — decide:
 - for each native dtype, whether they run over weights in patchbay's output tiles
   (:mod:`patchbay.worker.cpu.streaming_linear`) instead, where that beats the best path above (geometric mean over
   the row counts: the tiles win few-row products by streaming weights on every core, oneDNN may win many-row
-  products where it has AMX);
+  products where only its kernels use the CPU's matrix units);
 - for bfloat16 tiles, which kernel multiplies them (:data:`patchbay.worker.cpu.streaming_linear.BFLOAT16_KERNELS`):
   the pair dot product, or float32 FMA on weights widened in registers, whichever is faster over the row counts
   (an Intel Xeon without AMX issues the pair product at half its FMA rate, AMD Zen 4 the other way round), and
   where the FMA kernel wins, up to how many rows the pair product still runs (it streams a row's weights in
-  fewer instructions);
+  fewer instructions); and where the CPU has AMX, from how many rows its tile product takes over;
+- where the CPU has AMX-INT8, from how many rows W8A8 products (``model.quantization: w8a8``) run through it;
 - for each native dtype, up to how many rows a step runs on one thread: OpenMP threads that sleep between
   parallel regions (``OMP_WAIT_POLICY=PASSIVE``, see ``patchbay/__init__.py``) cost a wake-up per product,
   more than a second core gains on a product bound by memory bandwidth.  Tiled products keep their own
@@ -58,6 +59,7 @@ from torch import nn
 
 from patchbay.worker.cpu.cpu_linear import DEFAULT_MAX_ROWS, row_split_linear, use_row_split_linears
 from patchbay.worker.cpu.fused_projections import FUSE_MAX_ROWS, fuse_shared_input_projections
+from patchbay.worker.cpu.quantization import W8A8TileLayout, use_w8a8_amx_from, w8a8_amx_available
 from patchbay.worker.cpu.packed_linear import (
     ONEDNN,
     OneDnnLayout,
@@ -70,7 +72,9 @@ from patchbay.worker.cpu.streaming_linear import (
     BFLOAT16_KERNELS,
     TileLayout,
     TiledWeight,
+    bfloat16_amx_available,
     tiles_unavailable,
+    use_bfloat16_amx_from,
     use_bfloat16_kernel,
     use_bfloat16_pairs_up_to,
 )
@@ -83,7 +87,7 @@ MIN_GAIN = 1.1
 """A lower-precision dtype is chosen only when it is this much faster than float32 (geometric mean over buckets)."""
 PATH_GAIN = 1.05
 """A linear path replaces torch's own product up to the largest bucket where it is this much faster."""
-TUNING_FORMAT = 7
+TUNING_FORMAT = 8
 """Bumped whenever what is measured or chosen changes, so cached results from older rules are measured again."""
 
 NATIVE_DTYPE_FLAGS = {
@@ -179,6 +183,12 @@ class Measurements:
     """Per dtype the tiled kernels run here: weights in output tiles, q/k/v and gate/up each as one product."""
     bfloat16_kernels: dict[str, dict[int, float]] = field(default_factory=dict)
     """Where bfloat16 tiles run: the tiled path once per bfloat16 kernel (``tiled`` has none for bfloat16)."""
+    bfloat16_amx: dict[int, float] = field(default_factory=dict)
+    """Where bfloat16 tiles can run through AMX: the tiled path with every product on AMX."""
+    w8a8: dict[int, float] = field(default_factory=dict)
+    """Where W8A8 tiles can run through AMX: W8A8 tiles on VNNI (bfloat16 activations)..."""
+    w8a8_amx: dict[int, float] = field(default_factory=dict)
+    """... and the same with every product on AMX."""
 
 
 @dataclass
@@ -208,6 +218,10 @@ class Tuning:
     """The kernel bfloat16 tiles run (:data:`patchbay.worker.cpu.streaming_linear.BFLOAT16_KERNELS`)."""
     bfloat16_pairs_max_rows: int = 0
     """Under the ``fma`` kernel, products of up to this many rows run ``pairs`` all the same; 0: none."""
+    bfloat16_amx_from_rows: int = 0
+    """bfloat16 tile products of at least this many rows run through AMX's tile product; 0: never."""
+    w8a8_amx_from_rows: int = 0
+    """W8A8 products of at least this many rows run through AMX's byte product; 0: never."""
     cached: bool = False
 
     def describe(self) -> str:
@@ -223,17 +237,22 @@ class Tuning:
         return (
             f"dtype {self.dtype} ({speedups or 'float32 only'} vs float32), "
             f"tiled linears for {tiled}, oneDNN-packed linears for {packed}, otherwise "
-            f"row-split up to {self.row_split_max_rows} rows, fused projections up to {self.fuse_max_rows} rows; "
+            f"row-split up to {self.row_split_max_rows} rows, fused projections up to {self.fuse_max_rows} rows"
+            f"{f'; W8A8 through AMX from {self.w8a8_amx_from_rows} rows' if self.w8a8_amx_from_rows else ''}; "
             f"one thread for steps up to {self.single_thread_max_tokens.get(self.dtype, 0)} tokens; "
             f"{self.cpu}, {self.threads} threads, torch {self.torch_version}"
             f"{' (cached)' if self.cached else ''}"
         )
 
     def _bfloat16_kernels(self) -> str:
+        kernels = self.bfloat16_kernel
         if self.bfloat16_kernel == "fma" and self.bfloat16_pairs_max_rows:
             rows = self.bfloat16_pairs_max_rows
-            return f"fma, pairs up to {rows} row{'s' if rows > 1 else ''}"
-        return self.bfloat16_kernel
+            kernels += f", pairs up to {rows} row{'s' if rows > 1 else ''}"
+        if self.bfloat16_amx_from_rows:
+            rows = self.bfloat16_amx_from_rows
+            kernels += f", AMX from {rows} row{'s' if rows > 1 else ''}"
+        return kernels
 
 
 def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
@@ -264,6 +283,13 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
     if kernels:  # the chosen kernel's times, the pair product's where it runs all the same
         chosen = kernels[bfloat16_kernel]
         tiled["bfloat16"] = {rows: kernels["pairs"][rows] if rows <= pairs_rows else chosen[rows] for rows in chosen}
+    amx_rows = _wins_from(measured.bfloat16_amx, tiled["bfloat16"]) if "bfloat16" in tiled else 0
+    if amx_rows:
+        pairs_rows = min(pairs_rows, amx_rows - 1)  # AMX takes its rows whatever the kernel
+        tiled["bfloat16"] = {
+            rows: measured.bfloat16_amx[rows] if rows >= amx_rows else seconds
+            for rows, seconds in tiled["bfloat16"].items()
+        }
     tiled_dtypes = [
         dtype
         for dtype, times in fastest.items()
@@ -303,6 +329,8 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
         torch_version=torch.__version__,
         bfloat16_kernel=bfloat16_kernel,
         bfloat16_pairs_max_rows=pairs_rows,
+        bfloat16_amx_from_rows=amx_rows,
+        w8a8_amx_from_rows=_wins_from(measured.w8a8_amx, measured.w8a8),
         measurements={
             path: {str(rows): seconds for rows, seconds in times.items()}
             for path, times in [
@@ -312,6 +340,8 @@ def choose(cpu: CpuInfo, measured: Measurements, threads: int) -> Tuning:
                 *((f"packed_{dtype}", times) for dtype, times in measured.packed.items()),
                 *((f"tiled_{dtype}", times) for dtype, times in measured.tiled.items()),
                 *((f"tiled_bfloat16_{kernel}", times) for kernel, times in kernels.items()),
+                *([("tiled_bfloat16_amx", measured.bfloat16_amx)] if measured.bfloat16_amx else []),
+                *([("w8a8", measured.w8a8), ("w8a8_amx", measured.w8a8_amx)] if measured.w8a8_amx else []),
                 *((f"one_thread_{dtype}", times) for dtype, times in measured.single_thread.items()),
             ]
         },
@@ -332,6 +362,17 @@ def _wins_up_to(path: dict[int, float], baseline: dict[int, float]) -> int:
     return limit
 
 
+def _wins_from(path: dict[int, float], baseline: dict[int, float]) -> int:
+    """The smallest bucket from which ``path`` beats ``baseline`` by :data:`PATH_GAIN` at every larger bucket
+    too; 0: none (or ``path`` unmeasured)."""
+    start = 0
+    for rows in sorted(baseline, reverse=True):
+        if rows not in path or baseline[rows] < path[rows] * PATH_GAIN:
+            break
+        start = rows
+    return start
+
+
 def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_seconds: float = 1.5) -> Measurements:
     """Time one decoder layer's linears with each path at each of :data:`ROW_BUCKETS` rows (random weights).
 
@@ -343,7 +384,9 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
     packable = [dtype for dtype in dtypes if packing_supported(getattr(torch, dtype))]
     tileable = [dtype for dtype in dtypes if tiles_unavailable(getattr(torch, dtype)) is None]
     streamed_buckets = sum(1 for rows in ROW_BUCKETS if rows <= STREAMED_MAX_ROWS)
-    tiled_cases = len(tileable) + (len(BFLOAT16_KERNELS) - 1) * ("bfloat16" in tileable)
+    amx = "bfloat16" in tileable and bfloat16_amx_available()
+    w8a8_amx = w8a8_amx_available()
+    tiled_cases = len(tileable) + (len(BFLOAT16_KERNELS) - 1 + amx) * ("bfloat16" in tileable) + 2 * w8a8_amx
     per_case = budget_seconds / (
         len(ROW_BUCKETS) * (len(dtypes) + len(packable) + tiled_cases + 2) + streamed_buckets * len(dtypes)
     )
@@ -386,9 +429,28 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
             weights = [[tiles.pack(weight) for weight in _fused(layer)] for layer in layers]
             tiled_product = functools.partial(_tiled_product, tiles)
             if dtype == "bfloat16":
-                measured.bfloat16_kernels = _per_bfloat16_kernel(functools.partial(per_layer, tiled_product, weights))
+                previous_amx = use_bfloat16_amx_from(0)
+                try:
+                    measured.bfloat16_kernels = _per_bfloat16_kernel(
+                        functools.partial(per_layer, tiled_product, weights)
+                    )
+                    if amx:
+                        use_bfloat16_amx_from(1)
+                        measured.bfloat16_amx = per_layer(tiled_product, weights)
+                finally:
+                    use_bfloat16_amx_from(previous_amx)
             else:
                 measured.tiled[dtype] = per_layer(tiled_product, weights)
+    if w8a8_amx:
+        tiles = W8A8TileLayout(threads)
+        weights = [[tiles.pack(weight) for weight in _fused(layer)] for layer in _layers(shapes, torch.bfloat16)]
+        previous_amx = use_w8a8_amx_from(0)
+        try:
+            measured.w8a8 = per_layer(functools.partial(_tiled_product, tiles), weights)
+            use_w8a8_amx_from(1)
+            measured.w8a8_amx = per_layer(functools.partial(_tiled_product, tiles), weights)
+        finally:
+            use_w8a8_amx_from(previous_amx)
     layers = _layers(shapes, torch.float32)
     measured.row_split = per_layer(lambda x, w: row_split_linear(x, w, None, threads, max_rows=1 << 30), layers)
     measured.fused = per_layer(F.linear, [_fused(layer) for layer in layers])
@@ -485,6 +547,7 @@ def apply_linear_paths(
         if dtype == "bfloat16":
             use_bfloat16_kernel(tuning.bfloat16_kernel if tuning is not None else BFLOAT16_KERNELS[0])
             use_bfloat16_pairs_up_to(tuning.bfloat16_pairs_max_rows if tuning is not None else 0)
+            use_bfloat16_amx_from(tuning.bfloat16_amx_from_rows if tuning is not None else 0)
     elif cpu and (linear_kernel == "onednn" or (tuned is not None and dtype in tuned.packed_dtypes)):
         layout = ONEDNN
     if layout is not None:

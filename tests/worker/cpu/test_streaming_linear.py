@@ -140,6 +140,53 @@ def test_under_fma_products_of_few_rows_run_the_pair_product_as_told():
     assert torch.equal(mixed[2], by_fma[2])  # three: FMA
 
 
+def _amx_or_skip() -> None:
+    if tiles_unavailable(torch.bfloat16) is not None or not streaming_linear.bfloat16_amx_available():
+        pytest.skip("bfloat16 tiles through AMX need a CPU with AMX-BF16 (and Linux's leave to use it)")
+
+
+@pytest.fixture
+def amx_from_one_row():
+    """Every bfloat16 tile product of the test through AMX, under the FMA kernel (which AMX must replace)."""
+    _amx_or_skip()
+    previous = streaming_linear.use_bfloat16_amx_from(1), streaming_linear.use_bfloat16_kernel("fma")
+    yield
+    streaming_linear.use_bfloat16_amx_from(previous[0])
+    streaming_linear.use_bfloat16_kernel(previous[1])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 100])  # whole and partial 16-row slices, one or two per block
+@pytest.mark.parametrize("shape", [(49, 32), (200, 128), (16, 96)])  # partial, many, and a single tile of features
+def test_products_through_amx_are_the_exact_product_rounded_once(shape, rows, threads, amx_from_one_row):
+    torch.manual_seed(rows)
+    out_features, in_features = shape
+    weight, bias = torch.randn(shape).bfloat16(), torch.randn(out_features).bfloat16()
+    layout = TileLayout(threads)
+    packed = layout.pack(weight)
+    wide = torch.randn(rows, 2 * in_features).bfloat16()
+    for inputs in (wide[:, :in_features], wide[:, :in_features].contiguous()):  # rows strided and packed
+        for with_bias in (None, bias):
+            got = layout.product(inputs, packed, with_bias)
+            torch.testing.assert_close(got.double(), _oracle(inputs, weight, with_bias), **TOLERANCE[torch.bfloat16])
+
+
+def test_amx_takes_products_from_the_row_count_it_is_told(amx_from_one_row):
+    # AMX reads subnormal bfloat16 as zero, the FMA kernel widens it exactly: the products tell which one ran.
+    weight, inputs = torch.full((64, 512), 1e-39).bfloat16(), torch.ones(40, 512).bfloat16()
+    layout = TileLayout(2)
+    packed = layout.pack(weight)
+    streaming_linear.use_bfloat16_amx_from(17)
+    products = {rows: layout.product(inputs[:rows], packed, None) for rows in (1, 16, 17, 40)}
+    assert products[1].all() and products[16].all()  # under 17 rows: FMA
+    assert not products[17].any() and not products[40].any()  # from 17: AMX
+    with pytest.raises(RuntimeError, match="row count of 0 or more"):
+        streaming_linear.use_bfloat16_amx_from(-1)
+    # Input widths AMX cannot take whole (pairs not a multiple of 16) stay on the kernel in use.
+    odd = TileLayout(2).pack(torch.full((64, 48), 1e-39).bfloat16())
+    assert layout.product(torch.ones(40, 48).bfloat16(), odd, None).all()
+
+
 def test_products_from_several_threads_at_once_stay_apart():
     """The helper threads serve one product at a time; concurrent callers queue, and none sees another's rows."""
     torch.manual_seed(0)

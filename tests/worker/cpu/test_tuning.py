@@ -38,6 +38,7 @@ def _measured(
     single_thread=None,
     tiled=None,
     bfloat16_kernels=None,
+    bfloat16_amx=None,
 ) -> Measurements:
     by_dtype = _times(
         float32=float32, **({"bfloat16": bfloat16} if bfloat16 else {}), **({"float16": float16} if float16 else {})
@@ -53,6 +54,7 @@ def _measured(
         single_thread=few_rows,
         tiled=_times(**(tiled or {})),
         bfloat16_kernels=_times(**(bfloat16_kernels or {})),
+        bfloat16_amx=_times(x=bfloat16_amx)["x"] if bfloat16_amx else {},
     )
 
 
@@ -140,6 +142,63 @@ def test_tiles_replace_oneDNN_only_where_they_win_over_the_row_counts():
     )
     chosen = choose(AMX_XEON, amx, threads=2)
     assert chosen.tiled_dtypes == [] and chosen.packed_dtypes == ["bfloat16"]
+
+
+def test_amx_takes_bfloat16_tiles_from_the_bucket_where_it_wins_on_and_tiles_then_beat_onednn():
+    def chosen_with(amx: list[float]) -> tuning.Tuning:
+        measured = _measured(
+            float32=[1, 2, 8, 30],
+            bfloat16=[0.8, 1, 2, 8],
+            packed={"bfloat16": [0.4, 0.45, 0.3, 0.6]},
+            bfloat16_kernels={"pairs": [0.11, 0.17, 0.9, 3.5]},
+            bfloat16_amx=amx,
+        )
+        return choose(AMX_XEON, measured, threads=2)
+
+    # AMX wins at 1 row, loses at 8, wins from 64 on: it takes over from 64, and tiles then beat oneDNN throughout.
+    chosen = chosen_with([0.1, 0.2, 0.2, 0.5])
+    assert (chosen.bfloat16_amx_from_rows, chosen.tiled_dtypes, chosen.dtype) == (64, ["bfloat16"], "bfloat16")
+    assert "tiled linears for bfloat16 (pairs, AMX from 64 rows)" in chosen.describe()
+    assert chosen.measurements["tiled_bfloat16_amx"]["256"] == 0.5
+    assert chosen_with([0.1, 0.1, 0.1, 0.2]).bfloat16_amx_from_rows == 1
+    slow = chosen_with([0.5, 0.5, 0.9, 3.4])  # under PATH_GAIN at 256: no AMX, and oneDNN keeps bfloat16
+    assert (slow.bfloat16_amx_from_rows, slow.tiled_dtypes, slow.packed_dtypes) == (0, [], ["bfloat16"])
+    assert "AMX" not in slow.describe()
+
+
+def test_auto_tiles_run_amx_from_the_tuned_row_count():
+    from patchbay.worker.cpu import streaming_linear
+
+    if streaming_linear.tiles_unavailable(torch.bfloat16) is not None:
+        pytest.skip(streaming_linear.tiles_unavailable(torch.bfloat16))
+    measured = _measured(
+        float32=[1, 2, 8, 30],
+        bfloat16=[2, 4, 16, 60],
+        bfloat16_kernels={"pairs": [0.3, 0.6, 6, 24], "fma": [0.3, 0.5, 3.5, 14]},
+        bfloat16_amx=[0.5, 0.4, 0.5, 1],
+    )
+    chosen = choose(AMX_XEON, measured, threads=2)
+    assert chosen.bfloat16_amx_from_rows == 8
+    previous = (
+        streaming_linear.use_bfloat16_amx_from(0),
+        streaming_linear.use_bfloat16_kernel("pairs"),
+        streaming_linear.use_bfloat16_pairs_up_to(0),
+    )
+    try:
+        layer = _Layer(torch.bfloat16)
+        apply_linear_paths(
+            layer,
+            linear_kernel="auto",
+            fuse_projections=True,
+            dtype="bfloat16",
+            device=torch.device("cpu"),
+            tuning=chosen,
+        )
+        assert streaming_linear.use_bfloat16_amx_from(previous[0]) == 8
+    finally:
+        streaming_linear.use_bfloat16_amx_from(previous[0])
+        streaming_linear.use_bfloat16_kernel(previous[1])
+        streaming_linear.use_bfloat16_pairs_up_to(previous[2])
 
 
 def test_steps_run_on_one_thread_up_to_the_last_bucket_where_one_thread_wins():

@@ -15,7 +15,14 @@ from patchbay.worker import runner_build
 from patchbay.worker.cpu import fused_layer, fused_ops
 from patchbay.worker.cpu.native_build import build_unavailable
 from patchbay.worker.cpu.packed_linear import PackedLinear
-from patchbay.worker.cpu.quantization import W8A8TileLayout, quantize_int8, w8a8_tiles, w8a8_tiles_unavailable
+from patchbay.worker.cpu.quantization import (
+    W8A8TileLayout,
+    quantize_int8,
+    use_w8a8_amx_from,
+    w8a8_amx_available,
+    w8a8_tiles,
+    w8a8_tiles_unavailable,
+)
 from patchbay.worker.cpu.streaming_linear import load_streaming_linear
 
 needs_w8a8 = pytest.mark.skipif(
@@ -87,6 +94,28 @@ def test_many_rows_quantized_over_the_helpers_give_the_same_bits():
     one_by_one = torch.cat([load_streaming_linear().tiled_linear(row[None], tiles, None, 64, 1) for row in inputs])
     assert torch.equal(together, one_by_one)
     assert torch.equal(together, w8a8_reference(inputs, weight, bias))
+
+
+@needs_w8a8
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 40, 70])  # whole and partial 16-row slices, one or two at once
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_through_amx_equal_the_int8_reference_bit_for_bit(rows, dtype):
+    if not w8a8_amx_available():
+        pytest.skip("W8A8 through AMX needs a CPU with AMX-INT8 (and Linux's leave to use it)")
+    out_features, in_features = 200, 192  # 13 tiles: pairs of them and one alone; 3 blocks of 64 input features
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    inputs = torch.randn(rows, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    tiles = w8a8_tiles(weight)
+    previous = use_w8a8_amx_from(1)
+    try:
+        got = load_streaming_linear().tiled_linear(inputs, tiles, bias, out_features, 3)
+        with pytest.raises(RuntimeError, match="row count of 0 or more"):
+            use_w8a8_amx_from(-1)
+    finally:
+        use_w8a8_amx_from(previous)
+    assert torch.equal(got, w8a8_reference(inputs, weight, bias))
 
 
 @needs_w8a8

@@ -379,10 +379,47 @@ static void int4_tile_range(const Int8Rows& x, int64_t rows, const uint8_t* tile
 }
 #endif
 
+#if defined(__AMX_TILE__)
+#define PATCHBAY_AMX_TILE 1
+// AMX: eight tile registers of up to 16 rows by 64 bytes, loaded and stored with a row stride, and a tile
+// product (bfloat16 pairs or bytes) summing into float32 or int32 tiles.  Every kernel here configures all eight
+// as 16 rows of 64 bytes, once per chunk of work (the configuration belongs to the thread), and releases them
+// after, so a thread that later runs no AMX saves no tile state when the kernel switches it out.
+constexpr int64_t kAmxRows = 16;
+
+// Linux hands a process AMX's tile data only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM, feature XTILEDATA).
+static bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+static void configure_amx_tiles() {
+  AmxTileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kAmxRows;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+#endif
+
 // Which kernel multiplies bfloat16 tiles: the pair dot product (false) or float32 multiply-adds (true); and up to
 // how many rows the pair dot product runs all the same (a row or two stream weights faster through it).
 static std::atomic<bool> bf16_through_fma{false};
 static std::atomic<int64_t> bf16_pairs_max_rows{0};
+// Products of at least this many rows run through AMX where the CPU has it (0: never).
+static std::atomic<int64_t> bf16_amx_from_rows{0};
 
 #if defined(__AVX512BF16__)
 static inline void vstore_masked_bf16(c10::BFloat16* p, __m512 a, __mmask16 mask) {
@@ -478,6 +515,77 @@ static const float* widen_rows(const c10::BFloat16* x, int64_t ldx, int64_t rows
   }
   return widened.data();
 }
+
+#if defined(PATCHBAY_AMX_TILE) && defined(__AMX_BF16__)
+#define PATCHBAY_AMX_BF16 1
+// Bfloat16 tiles through AMX, for products of many rows (prefill chunks, large decode batches), where the pair
+// dot product is bound by arithmetic and AMX's tile product does 16 times its work per instruction.  A tile of
+// 16 output features is [K/2][16][2]: 16 lines of it (32 input features) are exactly AMX's B operand, 16 pairs
+// by 16 features, 64 bytes a line; 16 rows of x by 32 input features are its A operand, read in place.  Tile
+// registers: 0-3 the float32 sums of 32 rows by 32 features (2 x 2 tiles), 4-5 two 16-row slices of x, 6-7 two
+// tiles' lines.  Rows past the last one are read from a zero-padded copy of x, so every slice has 16 rows.
+constexpr int64_t kAmxPairs = 16;  // pairs of input features in one B operand
+// Sums of rows [m0, m0 + 16 * ROW_SLICES) by tiles [t0, t0 + TILES) over every input feature, into `sums`
+// ([4][16][16] float32: slice-major, then tile).
+template <int ROW_SLICES, int TILES>
+static void bf16_amx_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t pairs,
+                           float* sums) {
+  const int64_t x_stride = ldx * 2, tile_elements = pairs * 32;
+  _tile_zero(0);
+  if constexpr (TILES > 1) _tile_zero(1);
+  if constexpr (ROW_SLICES > 1) _tile_zero(2);
+  if constexpr (ROW_SLICES > 1 && TILES > 1) _tile_zero(3);
+  for (int64_t p = 0; p < pairs; p += kAmxPairs) {
+    _tile_loadd(4, x + 2 * p, x_stride);
+    _tile_loadd(6, panel + p * 32, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (TILES > 1) {
+      _tile_loadd(7, panel + tile_elements + p * 32, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (ROW_SLICES > 1) {
+      _tile_loadd(5, x + kAmxRows * ldx + 2 * p, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (TILES > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, 64);
+  if constexpr (TILES > 1) _tile_stored(1, sums + 256, 64);
+  if constexpr (ROW_SLICES > 1) _tile_stored(2, sums + 512, 64);
+  if constexpr (ROW_SLICES > 1 && TILES > 1) _tile_stored(3, sums + 768, 64);
+}
+
+// Every row of x (`padded_rows`, a multiple of 16, of which the first `rows` are real) times tiles
+// [tile_begin, tile_end), 32 rows by 2 tiles at a time; rows outer, so the range's tiles stay in cache.
+static void bf16_amx_range(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t padded_rows,
+                           const c10::BFloat16* tiles, int64_t pairs, const c10::BFloat16* bias, c10::BFloat16* out,
+                           int64_t ldo, int64_t N, int64_t tile_begin, int64_t tile_end) {
+  configure_amx_tiles();
+  alignas(64) float sums[4 * 256];
+  for (int64_t m0 = 0; m0 < padded_rows; m0 += 2 * kAmxRows) {
+    const bool two_slices = m0 + kAmxRows < padded_rows;
+    for (int64_t t0 = tile_begin; t0 < tile_end; t0 += 2) {
+      const bool two_tiles = t0 + 1 < tile_end;
+      const c10::BFloat16* panel = tiles + t0 * pairs * 32;
+      const c10::BFloat16* xs = x + m0 * ldx;
+      if (two_slices && two_tiles) bf16_amx_block<2, 2>(xs, ldx, panel, pairs, sums);
+      else if (two_slices) bf16_amx_block<2, 1>(xs, ldx, panel, pairs, sums);
+      else if (two_tiles) bf16_amx_block<1, 2>(xs, ldx, panel, pairs, sums);
+      else bf16_amx_block<1, 1>(xs, ldx, panel, pairs, sums);
+      for (int t = 0; t < (two_tiles ? 2 : 1); ++t) {
+        const int64_t n = (t0 + t) * 16;
+        const __mmask16 mask = vmask_first(N - n);
+        const __m512 b = bias ? vload_masked(bias + n, mask) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < 2 * kAmxRows && m0 + r < rows; ++r) {
+          const float* line = sums + (r / kAmxRows) * 512 + t * 256 + (r % kAmxRows) * 16;
+          vstore_masked_bf16(out + (m0 + r) * ldo + n, _mm512_add_ps(_mm512_load_ps(line), b), mask);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
 
 #endif
 
@@ -585,6 +693,80 @@ static void w8a8_tile_range(const uint8_t* x, int64_t K, const float* x_scales, 
   }
 }
 #undef PATCHBAY_W8A8_ROWS
+
+#if defined(PATCHBAY_AMX_TILE) && defined(__AMX_INT8__)
+#define PATCHBAY_AMX_W8A8 1
+// W8A8 tiles through AMX's byte product (unsigned levels by signed weights, as VNNI's), for products of many rows:
+// 16 lines of a tile (64 input features) are AMX's B operand as they lie, 16 rows of levels its A operand.  The
+// int32 sums are VNNI's exactly, and the same epilogue scales them, so the outputs equal the kernel's above.
+// Tile registers as for bfloat16: 0-3 sums of 32 rows by 2 tiles, 4-5 levels, 6-7 weights.
+constexpr int64_t kAmxW8A8Lines = 16;
+
+template <int ROW_SLICES, int TILES>
+static void w8a8_amx_block(const uint8_t* x, int64_t K, const int8_t* panel, int64_t tile_bytes, int64_t lines,
+                           int32_t* sums) {
+  _tile_zero(0);
+  if constexpr (TILES > 1) _tile_zero(1);
+  if constexpr (ROW_SLICES > 1) _tile_zero(2);
+  if constexpr (ROW_SLICES > 1 && TILES > 1) _tile_zero(3);
+  for (int64_t q = 0; q < lines; q += kAmxW8A8Lines) {
+    _tile_loadd(4, x + 4 * q, K);
+    _tile_loadd(6, panel + q * kW8A8LineBytes, kW8A8LineBytes);
+    _tile_dpbusd(0, 4, 6);
+    if constexpr (TILES > 1) {
+      _tile_loadd(7, panel + tile_bytes + q * kW8A8LineBytes, kW8A8LineBytes);
+      _tile_dpbusd(1, 4, 7);
+    }
+    if constexpr (ROW_SLICES > 1) {
+      _tile_loadd(5, x + kAmxRows * K + 4 * q, K);
+      _tile_dpbusd(2, 5, 6);
+      if constexpr (TILES > 1) _tile_dpbusd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, 64);
+  if constexpr (TILES > 1) _tile_stored(1, sums + 256, 64);
+  if constexpr (ROW_SLICES > 1) _tile_stored(2, sums + 512, 64);
+  if constexpr (ROW_SLICES > 1 && TILES > 1) _tile_stored(3, sums + 768, 64);
+}
+
+// Every row of levels (`padded_rows` of K, a multiple of 16; the first `rows` real) times tiles
+// [tile_begin, tile_end), 32 rows by 2 tiles at a time, rows outer as for bfloat16.
+template <typename X>
+static void w8a8_amx_range(const uint8_t* x, int64_t K, const float* x_scales, int64_t rows, int64_t padded_rows,
+                           const int8_t* tiles, const float* bias, X* out, int64_t N, int64_t tile_begin,
+                           int64_t tile_end) {
+  configure_amx_tiles();
+  alignas(64) int32_t sums[4 * 256];
+  const int64_t lines = K / 4, tile_bytes = (lines + 2) * kW8A8LineBytes;
+  for (int64_t m0 = 0; m0 < padded_rows; m0 += 2 * kAmxRows) {
+    const bool two_slices = m0 + kAmxRows < padded_rows;
+    for (int64_t t0 = tile_begin; t0 < tile_end; t0 += 2) {
+      const bool two_tiles = t0 + 1 < tile_end;
+      const int8_t* panel = tiles + t0 * tile_bytes;
+      const uint8_t* xs = x + m0 * K;
+      if (two_slices && two_tiles) w8a8_amx_block<2, 2>(xs, K, panel, tile_bytes, lines, sums);
+      else if (two_slices) w8a8_amx_block<2, 1>(xs, K, panel, tile_bytes, lines, sums);
+      else if (two_tiles) w8a8_amx_block<1, 2>(xs, K, panel, tile_bytes, lines, sums);
+      else w8a8_amx_block<1, 1>(xs, K, panel, tile_bytes, lines, sums);
+      for (int t = 0; t < (two_tiles ? 2 : 1); ++t) {
+        const int8_t* tail = panel + t * tile_bytes + lines * kW8A8LineBytes;
+        const __m512 w_scales = _mm512_loadu_ps(tail);
+        const __m512i offsets = _mm512_loadu_si512(tail + kW8A8LineBytes);
+        const int64_t n = (t0 + t) * kW8A8Lanes;
+        const __mmask16 mask = vmask_first(N - n);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < 2 * kAmxRows && m0 + r < rows; ++r) {
+          const int32_t* line = sums + (r / kAmxRows) * 512 + t * 256 + (r % kAmxRows) * 16;
+          const __m512 summed = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(line), offsets));
+          const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(x_scales[m0 + r]), w_scales);
+          vstore_masked(out + (m0 + r) * N + n, _mm512_fmadd_ps(summed, scale, b), mask);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
 #endif
 
 template <typename Block>
@@ -637,6 +819,22 @@ std::string use_bfloat16_kernel(const std::string& name) {
 int64_t use_bfloat16_pairs_up_to(int64_t rows) {
   TORCH_CHECK(rows >= 0, "use_bfloat16_pairs_up_to takes a row count of 0 or more, not ", rows);
   return bf16_pairs_max_rows.exchange(rows);
+}
+
+// Whether bfloat16 tiles can run through AMX here: built for a CPU with AMX-BF16, and Linux lets this process
+// use its tile registers.
+bool bfloat16_amx_supported() {
+#if defined(PATCHBAY_AMX_BF16)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// Products of at least `rows` rows run through AMX where bfloat16_amx_supported() (0: never); returns the previous.
+int64_t use_bfloat16_amx_from(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "use_bfloat16_amx_from takes a row count of 0 or more, not ", rows);
+  return bf16_amx_from_rows.exchange(rows);
 }
 
 // Tiles per chunk: whole blocks, about eight chunks per thread so a late helper leaves little to wait for.
@@ -701,6 +899,24 @@ torch::Tensor tiled_int4_linear(torch::Tensor x, torch::Tensor tiles, c10::optio
 }
 
 // Output features per W8A8 tile (0: this build has no W8A8 tiles: they need AVX512-VNNI and AVX512-BW).
+// W8A8 products of at least this many rows run through AMX where the CPU has it (0: never).
+static std::atomic<int64_t> w8a8_amx_from_rows{0};
+
+// Whether W8A8 tiles can run through AMX here: built for a CPU with AMX-INT8, and Linux lets this process use it.
+bool w8a8_amx_supported() {
+#if defined(PATCHBAY_AMX_W8A8)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// W8A8 products of at least `rows` rows run through AMX where w8a8_amx_supported() (0: never); returns the previous.
+int64_t use_w8a8_amx_from(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "use_w8a8_amx_from takes a row count of 0 or more, not ", rows);
+  return w8a8_amx_from_rows.exchange(rows);
+}
+
 int64_t w8a8_lanes() {
 #ifdef PATCHBAY_W8A8
   return kW8A8Lanes;
@@ -727,9 +943,17 @@ torch::Tensor tiled_w8a8_linear(torch::Tensor x, torch::Tensor tiles, c10::optio
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->contiguous().to(torch::kFloat32);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  auto levels = torch::empty({rows, K}, x.options().dtype(torch::kUInt8));
+#if defined(PATCHBAY_AMX_W8A8)
+  const int64_t amx_from = w8a8_amx_from_rows.load(std::memory_order_relaxed);
+  const bool amx = amx_from > 0 && rows >= amx_from && (K / 4) % kAmxW8A8Lines == 0 && amx_permitted();
+  const int64_t padded_rows = amx ? (rows + kAmxRows - 1) / kAmxRows * kAmxRows : rows;
+#else
+  const int64_t padded_rows = rows;
+#endif
+  auto levels = torch::empty({padded_rows, K}, x.options().dtype(torch::kUInt8));
   auto x_scales = torch::empty({rows}, x.options().dtype(torch::kFloat32));
   uint8_t* lp = levels.data_ptr<uint8_t>();
+  std::memset(lp + rows * K, 0, static_cast<size_t>((padded_rows - rows) * K));  // AMX's last slice reads them
   float* sp = x_scales.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   constexpr int64_t kRowsPerChunk = 8;
@@ -742,6 +966,16 @@ torch::Tensor tiled_w8a8_linear(torch::Tensor x, torch::Tensor tiles, c10::optio
       for (int64_t m = c * kRowsPerChunk; m < std::min(rows, (c + 1) * kRowsPerChunk); ++m)
         sp[m] = quantize_row_w8a8(xp + m * ldx, K, lp + m * K);
     });
+#if defined(PATCHBAY_AMX_W8A8)
+    if (amx) {
+      const int64_t amx_per_chunk = chunk_tiles(n_tiles, 2, threads);
+      ChunkPool::instance().run(threads, (n_tiles + amx_per_chunk - 1) / amx_per_chunk, [&](int64_t chunk) {
+        w8a8_amx_range(lp, K, sp, rows, padded_rows, tp, bp, op, N, chunk * amx_per_chunk,
+                       std::min(n_tiles, (chunk + 1) * amx_per_chunk));
+      });
+      return;
+    }
+#endif
     ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
       w8a8_tile_range(lp, K, sp, rows, tp, bp, op, N, chunk * per_chunk, std::min(n_tiles, (chunk + 1) * per_chunk));
     });
@@ -783,6 +1017,28 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<t
     const auto* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
     auto* op = out.data_ptr<at::BFloat16>();
     const int64_t ldx = x.stride(0), pairs = tiles.size(1);
+#if defined(PATCHBAY_AMX_BF16)
+    const int64_t amx_from = bf16_amx_from_rows.load(std::memory_order_relaxed);
+    if (amx_from > 0 && rows >= amx_from && pairs % kAmxPairs == 0 && amx_permitted()) {
+      const int64_t padded_rows = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
+      const c10::BFloat16* xa = xp;
+      int64_t lda = ldx;
+      thread_local std::vector<c10::BFloat16> padded;
+      if (padded_rows != rows) {  // the last slice's missing rows read as zeros
+        const int64_t K = 2 * pairs;
+        padded.assign(static_cast<size_t>(padded_rows * K), c10::BFloat16(0.0f));
+        for (int64_t m = 0; m < rows; ++m) std::memcpy(padded.data() + m * K, xp + m * ldx, K * sizeof(c10::BFloat16));
+        xa = padded.data();
+        lda = K;
+      }
+      const int64_t per_chunk = chunk_tiles(n_tiles, 2, threads);
+      ChunkPool::instance().run(threads, (n_tiles + per_chunk - 1) / per_chunk, [&](int64_t chunk) {
+        bf16_amx_range(xa, lda, rows, padded_rows, tp, pairs, bp, op, N, N, chunk * per_chunk,
+                       std::min(n_tiles, (chunk + 1) * per_chunk));
+      });
+      return out;
+    }
+#endif
     if (bf16_through_fma.load(std::memory_order_relaxed) && rows > bf16_pairs_max_rows.load(std::memory_order_relaxed)) {
       static const BlockTable<decltype(&bf16_fma_block<1, 1>)> fma_blocks = PATCHBAY_BLOCKS(bf16_fma_block);
       const int64_t K = 2 * pairs;
@@ -885,6 +1141,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_block_bytes", torch::wrap_pybind_function(int4_block_bytes), "int4_block_bytes");
   m.def("float32_lanes", torch::wrap_pybind_function(float32_lanes), "float32_lanes");
   m.def("bfloat16_supported", torch::wrap_pybind_function(bfloat16_supported), "bfloat16_supported");
+  m.def("bfloat16_amx_supported", torch::wrap_pybind_function(bfloat16_amx_supported), "bfloat16_amx_supported");
+  m.def("use_bfloat16_amx_from", torch::wrap_pybind_function(use_bfloat16_amx_from), "use_bfloat16_amx_from");
+  m.def("w8a8_amx_supported", torch::wrap_pybind_function(w8a8_amx_supported), "w8a8_amx_supported");
+  m.def("use_w8a8_amx_from", torch::wrap_pybind_function(use_w8a8_amx_from), "use_w8a8_amx_from");
   m.def("use_bfloat16_kernel", torch::wrap_pybind_function(use_bfloat16_kernel), "use_bfloat16_kernel");
   m.def("use_bfloat16_pairs_up_to", torch::wrap_pybind_function(use_bfloat16_pairs_up_to), "use_bfloat16_pairs_up_to");
   m.def("chunk_runner", torch::wrap_pybind_function(chunk_runner), "chunk_runner");
