@@ -17,8 +17,10 @@ from patchbay.worker.cpu import native_build
 from patchbay.worker.int8_kv_rows import dequantize_rows, quantize_rows
 from patchbay.worker.cpu.streaming_linear import (
     BFLOAT16_KERNELS,
+    bfloat16_amx_available,
     load_streaming_linear,
     tiles_unavailable,
+    use_bfloat16_amx_from,
     use_bfloat16_kernel,
 )
 from patchbay.sampling_params import SamplingParams
@@ -342,13 +344,18 @@ def test_a_long_bfloat16_chunk_after_cached_tokens_attends_like_the_oracle_with_
     options = torch_sdpa.TorchSDPABackend.Options(decode_kernel="paged_cpp")
     if tiles_unavailable(torch.float32) is not None:
         pytest.skip(f"no tiled products here: {tiles_unavailable(torch.float32)}")
-    previous = use_bfloat16_kernel(kernel)
+    previous = use_bfloat16_kernel(kernel), use_bfloat16_amx_from(0)
     try:
         widened = torch_sdpa._long_compute_dtype(torch.zeros(1, dtype=torch.bfloat16)) == torch.float32
         assert widened == (kernel == "fma")
         check_attention(torch_sdpa.TorchSDPABackend, torch_sdpa.TorchSDPAMetadataBuilder, case, options=options)
+        # Where AMX takes many-row bfloat16 products, torch's attention has it too: nothing widens.
+        use_bfloat16_amx_from(8)
+        amx_widened = torch_sdpa._long_compute_dtype(torch.zeros(1, dtype=torch.bfloat16)) == torch.float32
+        assert amx_widened == (kernel == "fma" and not bfloat16_amx_available())
     finally:
-        use_bfloat16_kernel(previous)
+        use_bfloat16_kernel(previous[0])
+        use_bfloat16_amx_from(previous[1])
 
 
 def test_the_plan_gives_the_kernel_each_token_with_its_own_causal_length():

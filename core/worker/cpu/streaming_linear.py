@@ -128,6 +128,7 @@ faster is measured per CPU (:mod:`patchbay.worker.cpu.tuning`)."""
 
 
 _bfloat16_kernel = BFLOAT16_KERNELS[0]
+_bfloat16_amx_from = 0
 
 
 def use_bfloat16_kernel(name: str) -> str:
@@ -160,13 +161,17 @@ def use_bfloat16_amx_from(rows: int) -> int:
     16 features by 32 inputs per instruction, straight from the tiles' layout: far ahead of the kernels above
     once a product has enough rows to be bound by arithmetic, not by reading its weights.  Process-wide, like
     the kernel; the tuning measures from how many rows it pays."""
-    return int(load_streaming_linear().use_bfloat16_amx_from(rows))
+    global _bfloat16_amx_from
+    previous = int(load_streaming_linear().use_bfloat16_amx_from(rows))
+    _bfloat16_amx_from = rows
+    return previous
 
 
 def bfloat16_products_widened() -> bool:
-    """Whether this process multiplies bfloat16 through float32 FMA (kernel ``fma``): the tuning measured this
-    CPU's bfloat16 dot products slower than widening, so other bfloat16 products may widen too."""
-    return _bfloat16_kernel == "fma"
+    """Whether this process multiplies many-row bfloat16 products through float32 FMA: the kernel is ``fma`` (the
+    tuning measured this CPU's bfloat16 dot products slower than widening) and no AMX takes those products, so
+    other many-row bfloat16 products (attention over long chunks) may widen too."""
+    return _bfloat16_kernel == "fma" and not (_bfloat16_amx_from and bfloat16_amx_available())
 
 
 @dataclass(frozen=True)
