@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from patchbay.bench.machine import describe_machine
-from patchbay.bench.peers import DEFAULT_PYTHON, vllm_environment
+from patchbay.bench.peers import DEFAULT_PYTHON, peer_environment, vllm_environment
 from patchbay.worker.model.model_loader import resolve_model_dir
 
 SERVED_NAME = "smollm2"
@@ -174,7 +174,7 @@ def main() -> None:
         "--served-model-name", SERVED_NAME, "--dtype", vllm_dtype, "--port", str(port + 1),
         "--max-model-len", str(2 * (args.input_len + args.output_len)),
     ]  # fmt: skip
-    env = {**os.environ, **dict(vllm_environment(args.vllm_python, os.cpu_count()))}
+    env = {**peer_environment(), **dict(vllm_environment(args.vllm_python, os.cpu_count()))}
     with running(vllm_command, port + 1, out / "vllm.log", env=env):
         warm_up(args.vllm_python, port + 1, model, args, out)
         rows[reference] = {

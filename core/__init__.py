@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 # and an explicit OMP_WAIT_POLICY always wins.
 OMP_POLICY_TOO_LATE = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
 """torch was imported before patchbay with no wait policy set: the engine warns that steps may crawl."""
+OMP_POLICY_SET_HERE = "OMP_WAIT_POLICY" not in os.environ
+"""patchbay set the wait policy (the user had not): processes it starts for other engines leave it out."""
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Imported after the policy is set, so nothing they import can load torch before it.

@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from patchbay.bench.peers import PeerSpec, PeerUnavailable, SubprocessPeer, standard_checkpoint, vllm_environment
+import patchbay
+from patchbay.bench.peers import (
+    PeerSpec,
+    PeerUnavailable,
+    SubprocessPeer,
+    peer_environment,
+    standard_checkpoint,
+    vllm_environment,
+)
 from patchbay.bench.workloads import BenchRequest, Workload
 
 # A stand-in for the vllm package: the parts of its API the driver uses.  Request ``i`` of a prompt yields
@@ -187,6 +195,18 @@ def test_vllm_environment_binds_the_threads_and_keeps_the_callers_choices(tmp_pa
     environment = dict(vllm_environment(tmp_path / "venv" / "bin" / "python", threads=2))
     assert environment["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and environment["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert str(venv_lib / "libiomp5.so") in environment["LD_PRELOAD"].split(":")
+
+
+def test_a_peer_runs_without_the_wait_policy_patchbay_set_for_itself_but_with_the_users(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setattr(patchbay, "OMP_POLICY_SET_HERE", True)
+    set_here = peer_environment()
+    assert "OMP_WAIT_POLICY" not in set_here and "PYTHONPATH" not in set_here
+    assert set_here["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setattr(patchbay, "OMP_POLICY_SET_HERE", False)  # the user's own choice
+    assert peer_environment()["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
 def test_standard_checkpoint_saves_the_tied_embedding_and_names_the_architecture(tiny_llama, tmp_path):

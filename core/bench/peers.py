@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import patchbay
 from patchbay.bench.engines import EngineRun
 from patchbay.bench.workloads import Workload
 
@@ -78,7 +79,7 @@ class SubprocessPeer:
         self.dtype = spec.dtype
         check_interpreter(spec.backend, spec.python)
         self._log: IO[str] = tempfile.TemporaryFile("w+", encoding="utf-8")
-        environment = {**_inherited_environment(), **dict(spec.env)}
+        environment = {**peer_environment(), **dict(spec.env)}
         self._process = subprocess.Popen(
             [str(spec.python), str(DRIVER), json.dumps(spec.config())],
             stdin=subprocess.PIPE,
@@ -171,9 +172,14 @@ class SubprocessPeer:
         self._log.close()
 
 
-def _inherited_environment() -> dict[str, str]:
-    """The bench's environment less what would make the peer's interpreter import this one's packages."""
-    return {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+def peer_environment() -> dict[str, str]:
+    """The bench's environment less what would make the peer's interpreter import this one's packages, and less
+    the OpenMP wait policy patchbay set for itself (a peer runs as its users run it: llama.cpp's OpenMP threads,
+    made to sleep between its ops, decoded 3.3x slower on an Intel Xeon); one the user set stays."""
+    left_out = {"PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"} | (
+        {"OMP_WAIT_POLICY"} if patchbay.OMP_POLICY_SET_HERE else set()
+    )
+    return {key: value for key, value in os.environ.items() if key not in left_out}
 
 
 def vllm_environment(python: Path, threads: int | None) -> tuple[tuple[str, str], ...]:
