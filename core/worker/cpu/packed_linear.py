@@ -12,9 +12,11 @@ bfloat16 ran in 81 us with ``F.linear`` and 25 us packed once and run as one
 product; float32, which oneDNN computes with its own kernels instead of MKL's,
 went from 126 to 46 us, and still ran twice as fast at 1,024 rows.
 
-Packed bfloat16 products are bit-identical to ``F.linear`` (the same oneDNN
-kernel, minus the per-call reorder); packed float32 products round
-differently from MKL's, like any other float32 GEMM.  Whether packing pays is
+Packed bfloat16 products without a bias are bit-identical to ``F.linear``
+(the same oneDNN kernel, minus the per-call reorder); with a bias, on an
+Intel Xeon with AMX from 10 rows, torch's own call took another kernel and an
+output could land one bfloat16 rounding step away.  Packed float32 products
+round differently from MKL's, like any other float32 GEMM.  Whether packing pays is
 measured per machine (:mod:`patchbay.worker.cpu.tuning`).
 
 The packed copy replaces the plain weight: the module's ``weight`` parameter

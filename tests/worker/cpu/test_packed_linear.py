@@ -29,8 +29,13 @@ def test_a_packed_product_is_torch_s_product(shape, bias, dtype):
     expected = F.linear(inputs, linear.weight, linear.bias)
     got = packed_linear(inputs, pack(linear.weight), linear.bias)
     assert got.shape == expected.shape and got.dtype == dtype
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and not bias:
         assert torch.equal(got, expected)  # the same oneDNN kernel, without the per-call reorder
+    elif dtype == torch.bfloat16:
+        # With a bias, torch's own call may take another oneDNN kernel (an Intel Xeon with AMX did from 10 rows):
+        # the same products, each output at most one bfloat16 rounding step from torch's.
+        steps = (got.detach().view(torch.int16).int() - expected.detach().view(torch.int16).int()).abs()
+        assert steps.max() <= 1 and torch.equal(torch.sign(got), torch.sign(expected))
     else:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # Non-contiguous inputs (a slice of a wider tensor) are multiplied as their values.
