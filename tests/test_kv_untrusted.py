@@ -175,16 +175,42 @@ class _FakeRedis(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
 
+def _complete_commands(buffer: bytes) -> tuple[int, bytes]:
+    """How many whole RESP commands (arrays of bulk strings) ``buffer`` starts with, and the bytes after them."""
+    count = 0
+    while buffer.startswith(b"*"):
+        end = buffer.find(b"\r\n")
+        if end < 0:
+            break
+        at, parts = end + 2, int(buffer[1:end])
+        for _ in range(parts):
+            size_end = buffer.find(b"\r\n", at)
+            if size_end < 0 or not buffer.startswith(b"$", at):
+                return count, buffer
+            at = size_end + 2 + int(buffer[at + 1 : size_end]) + 2
+            if at > len(buffer):
+                return count, buffer
+        count, buffer = count + 1, buffer[at:]
+    return count, buffer
+
+
 def _server(answer: bytes | None) -> tuple[_FakeRedis, str]:
-    """A TCP server answering every request with ``answer`` (``None``: accept, read, never answer)."""
+    """A TCP server answering every request with ``answer`` (``None``: accept, read, never answer): once per
+    RESP command (a client may send several in one packet, as redis-py 8 does on connecting), else once per
+    read."""
 
     class Handler(socketserver.BaseRequestHandler):
         def handle(self):
             self.request.settimeout(5)
+            pending = b""
             try:
-                while self.request.recv(65536):
-                    if answer is not None:
-                        self.request.sendall(answer)
+                while data := self.request.recv(65536):
+                    if answer is None:
+                        continue
+                    commands, pending = _complete_commands(pending + data)
+                    if not commands and not pending.startswith(b"*"):
+                        commands, pending = 1, b""  # not RESP: one answer per read
+                    self.request.sendall(answer * commands)
             except OSError:
                 pass
 
