@@ -412,6 +412,71 @@ static void configure_amx_tiles() {
   }
   _tile_loadconfig(&config);
 }
+
+// Which tile product a kernel runs: bfloat16 pairs into float32 sums, or unsigned by signed bytes into int32 sums.
+enum class AmxProduct { kBfloat16Pairs, kBytes };
+
+// The tile product P of tile registers A and B into SUMS (the intrinsics name their registers in the instruction's
+// text, so they take literal numbers: a macro, not a template).
+#if defined(__AMX_INT8__)
+#define PATCHBAY_AMX_BYTES(SUMS, A, B) _tile_dpbusd(SUMS, A, B)
+#else
+#define PATCHBAY_AMX_BYTES(SUMS, A, B) ((void)0)
+#endif
+#if defined(__AMX_BF16__)
+#define PATCHBAY_AMX_PAIRS(SUMS, A, B) _tile_dpbf16ps(SUMS, A, B)
+#else
+#define PATCHBAY_AMX_PAIRS(SUMS, A, B) ((void)0)
+#endif
+#define PATCHBAY_AMX_PRODUCT(P, SUMS, A, B)                                              \
+  do {                                                                                   \
+    if constexpr (P == AmxProduct::kBytes) PATCHBAY_AMX_BYTES(SUMS, A, B);               \
+    else PATCHBAY_AMX_PAIRS(SUMS, A, B);                                                 \
+  } while (0)
+
+// Sums of 16 * ROW_SLICES rows of A (`x`, rows `x_stride` bytes apart) by TILES weight tiles (the first at
+// `panel`, the next `tile_bytes` on) over `steps` operands: 64 bytes of each row of A, and the next 1 KiB (16
+// lines of 64 bytes) of each tile.  Into `sums`, [4][16][16] 4-byte sums: slice-major, then tile.  Tile registers:
+// 0-3 the sums (2 x 2), 4-5 the slices of A, 6-7 the tiles' lines.
+template <AmxProduct P, int ROW_SLICES, int TILES>
+static void amx_block(const char* x, int64_t x_stride, const char* panel, int64_t tile_bytes, int64_t steps,
+                      char* sums) {
+  _tile_zero(0);
+  if constexpr (TILES > 1) _tile_zero(1);
+  if constexpr (ROW_SLICES > 1) _tile_zero(2);
+  if constexpr (ROW_SLICES > 1 && TILES > 1) _tile_zero(3);
+  for (int64_t step = 0; step < steps; ++step) {
+    _tile_loadd(4, x + 64 * step, x_stride);
+    _tile_loadd(6, panel + 1024 * step, 64);
+    PATCHBAY_AMX_PRODUCT(P, 0, 4, 6);
+    if constexpr (TILES > 1) {
+      _tile_loadd(7, panel + tile_bytes + 1024 * step, 64);
+      PATCHBAY_AMX_PRODUCT(P, 1, 4, 7);
+    }
+    if constexpr (ROW_SLICES > 1) {
+      _tile_loadd(5, x + kAmxRows * x_stride + 64 * step, x_stride);
+      PATCHBAY_AMX_PRODUCT(P, 2, 5, 6);
+      if constexpr (TILES > 1) PATCHBAY_AMX_PRODUCT(P, 3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, 64);
+  if constexpr (TILES > 1) _tile_stored(1, sums + 1024, 64);
+  if constexpr (ROW_SLICES > 1) _tile_stored(2, sums + 2048, 64);
+  if constexpr (ROW_SLICES > 1 && TILES > 1) _tile_stored(3, sums + 3072, 64);
+}
+
+// amx_block of one or two row slices by one or two tiles, as the block's edges leave.
+template <AmxProduct P>
+static void amx_block_of(bool two_slices, bool two_tiles, const void* x, int64_t x_stride, const void* panel,
+                         int64_t tile_bytes, int64_t steps, void* sums) {
+  const char* xb = static_cast<const char*>(x);
+  const char* pb = static_cast<const char*>(panel);
+  char* sb = static_cast<char*>(sums);
+  if (two_slices && two_tiles) amx_block<P, 2, 2>(xb, x_stride, pb, tile_bytes, steps, sb);
+  else if (two_slices) amx_block<P, 2, 1>(xb, x_stride, pb, tile_bytes, steps, sb);
+  else if (two_tiles) amx_block<P, 1, 2>(xb, x_stride, pb, tile_bytes, steps, sb);
+  else amx_block<P, 1, 1>(xb, x_stride, pb, tile_bytes, steps, sb);
+}
 #endif
 
 // Which kernel multiplies bfloat16 tiles: the pair dot product (false) or float32 multiply-adds (true); and up to
@@ -521,40 +586,9 @@ static const float* widen_rows(const c10::BFloat16* x, int64_t ldx, int64_t rows
 // Bfloat16 tiles through AMX, for products of many rows (prefill chunks, large decode batches), where the pair
 // dot product is bound by arithmetic and AMX's tile product does 16 times its work per instruction.  A tile of
 // 16 output features is [K/2][16][2]: 16 lines of it (32 input features) are exactly AMX's B operand, 16 pairs
-// by 16 features, 64 bytes a line; 16 rows of x by 32 input features are its A operand, read in place.  Tile
-// registers: 0-3 the float32 sums of 32 rows by 32 features (2 x 2 tiles), 4-5 two 16-row slices of x, 6-7 two
-// tiles' lines.  Rows past the last one are read from a zero-padded copy of x, so every slice has 16 rows.
+// by 16 features, 64 bytes a line; 16 rows of x by 32 input features are its A operand, read in place (see
+// amx_block).  Rows past the last one are read from a zero-padded copy of x, so every slice has 16 rows.
 constexpr int64_t kAmxPairs = 16;  // pairs of input features in one B operand
-// Sums of rows [m0, m0 + 16 * ROW_SLICES) by tiles [t0, t0 + TILES) over every input feature, into `sums`
-// ([4][16][16] float32: slice-major, then tile).
-template <int ROW_SLICES, int TILES>
-static void bf16_amx_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t pairs,
-                           float* sums) {
-  const int64_t x_stride = ldx * 2, tile_elements = pairs * 32;
-  _tile_zero(0);
-  if constexpr (TILES > 1) _tile_zero(1);
-  if constexpr (ROW_SLICES > 1) _tile_zero(2);
-  if constexpr (ROW_SLICES > 1 && TILES > 1) _tile_zero(3);
-  for (int64_t p = 0; p < pairs; p += kAmxPairs) {
-    _tile_loadd(4, x + 2 * p, x_stride);
-    _tile_loadd(6, panel + p * 32, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (TILES > 1) {
-      _tile_loadd(7, panel + tile_elements + p * 32, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if constexpr (ROW_SLICES > 1) {
-      _tile_loadd(5, x + kAmxRows * ldx + 2 * p, x_stride);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (TILES > 1) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, sums, 64);
-  if constexpr (TILES > 1) _tile_stored(1, sums + 256, 64);
-  if constexpr (ROW_SLICES > 1) _tile_stored(2, sums + 512, 64);
-  if constexpr (ROW_SLICES > 1 && TILES > 1) _tile_stored(3, sums + 768, 64);
-}
-
 // Every row of x (`padded_rows`, a multiple of 16, of which the first `rows` are real) times tiles
 // [tile_begin, tile_end), 32 rows by 2 tiles at a time; rows outer, so the range's tiles stay in cache.
 static void bf16_amx_range(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t padded_rows,
@@ -568,10 +602,8 @@ static void bf16_amx_range(const c10::BFloat16* x, int64_t ldx, int64_t rows, in
       const bool two_tiles = t0 + 1 < tile_end;
       const c10::BFloat16* panel = tiles + t0 * pairs * 32;
       const c10::BFloat16* xs = x + m0 * ldx;
-      if (two_slices && two_tiles) bf16_amx_block<2, 2>(xs, ldx, panel, pairs, sums);
-      else if (two_slices) bf16_amx_block<2, 1>(xs, ldx, panel, pairs, sums);
-      else if (two_tiles) bf16_amx_block<1, 2>(xs, ldx, panel, pairs, sums);
-      else bf16_amx_block<1, 1>(xs, ldx, panel, pairs, sums);
+      amx_block_of<AmxProduct::kBfloat16Pairs>(two_slices, two_tiles, xs, ldx * 2, panel, pairs * 64,
+                                                pairs / kAmxPairs, sums);
       for (int t = 0; t < (two_tiles ? 2 : 1); ++t) {
         const int64_t n = (t0 + t) * 16;
         const __mmask16 mask = vmask_first(N - n);
@@ -699,35 +731,7 @@ static void w8a8_tile_range(const uint8_t* x, int64_t K, const float* x_scales, 
 // W8A8 tiles through AMX's byte product (unsigned levels by signed weights, as VNNI's), for products of many rows:
 // 16 lines of a tile (64 input features) are AMX's B operand as they lie, 16 rows of levels its A operand.  The
 // int32 sums are VNNI's exactly, and the same epilogue scales them, so the outputs equal the kernel's above.
-// Tile registers as for bfloat16: 0-3 sums of 32 rows by 2 tiles, 4-5 levels, 6-7 weights.
 constexpr int64_t kAmxW8A8Lines = 16;
-
-template <int ROW_SLICES, int TILES>
-static void w8a8_amx_block(const uint8_t* x, int64_t K, const int8_t* panel, int64_t tile_bytes, int64_t lines,
-                           int32_t* sums) {
-  _tile_zero(0);
-  if constexpr (TILES > 1) _tile_zero(1);
-  if constexpr (ROW_SLICES > 1) _tile_zero(2);
-  if constexpr (ROW_SLICES > 1 && TILES > 1) _tile_zero(3);
-  for (int64_t q = 0; q < lines; q += kAmxW8A8Lines) {
-    _tile_loadd(4, x + 4 * q, K);
-    _tile_loadd(6, panel + q * kW8A8LineBytes, kW8A8LineBytes);
-    _tile_dpbusd(0, 4, 6);
-    if constexpr (TILES > 1) {
-      _tile_loadd(7, panel + tile_bytes + q * kW8A8LineBytes, kW8A8LineBytes);
-      _tile_dpbusd(1, 4, 7);
-    }
-    if constexpr (ROW_SLICES > 1) {
-      _tile_loadd(5, x + kAmxRows * K + 4 * q, K);
-      _tile_dpbusd(2, 5, 6);
-      if constexpr (TILES > 1) _tile_dpbusd(3, 5, 7);
-    }
-  }
-  _tile_stored(0, sums, 64);
-  if constexpr (TILES > 1) _tile_stored(1, sums + 256, 64);
-  if constexpr (ROW_SLICES > 1) _tile_stored(2, sums + 512, 64);
-  if constexpr (ROW_SLICES > 1 && TILES > 1) _tile_stored(3, sums + 768, 64);
-}
 
 // Every row of levels (`padded_rows` of K, a multiple of 16; the first `rows` real) times tiles
 // [tile_begin, tile_end), 32 rows by 2 tiles at a time, rows outer as for bfloat16.
@@ -744,10 +748,8 @@ static void w8a8_amx_range(const uint8_t* x, int64_t K, const float* x_scales, i
       const bool two_tiles = t0 + 1 < tile_end;
       const int8_t* panel = tiles + t0 * tile_bytes;
       const uint8_t* xs = x + m0 * K;
-      if (two_slices && two_tiles) w8a8_amx_block<2, 2>(xs, K, panel, tile_bytes, lines, sums);
-      else if (two_slices) w8a8_amx_block<2, 1>(xs, K, panel, tile_bytes, lines, sums);
-      else if (two_tiles) w8a8_amx_block<1, 2>(xs, K, panel, tile_bytes, lines, sums);
-      else w8a8_amx_block<1, 1>(xs, K, panel, tile_bytes, lines, sums);
+      amx_block_of<AmxProduct::kBytes>(two_slices, two_tiles, xs, K, panel, tile_bytes, lines / kAmxW8A8Lines,
+                                       sums);
       for (int t = 0; t < (two_tiles ? 2 : 1); ++t) {
         const int8_t* tail = panel + t * tile_bytes + lines * kW8A8LineBytes;
         const __m512 w_scales = _mm512_loadu_ps(tail);
@@ -1027,7 +1029,8 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<t
       if (padded_rows != rows) {  // the last slice's missing rows read as zeros
         const int64_t K = 2 * pairs;
         padded.assign(static_cast<size_t>(padded_rows * K), c10::BFloat16(0.0f));
-        for (int64_t m = 0; m < rows; ++m) std::memcpy(padded.data() + m * K, xp + m * ldx, K * sizeof(c10::BFloat16));
+        for (int64_t m = 0; m < rows; ++m)
+          std::memcpy(padded.data() + m * K, xp + m * ldx, K * sizeof(c10::BFloat16));
         xa = padded.data();
         lda = K;
       }
