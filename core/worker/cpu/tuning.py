@@ -87,7 +87,7 @@ MIN_GAIN = 1.1
 """A lower-precision dtype is chosen only when it is this much faster than float32 (geometric mean over buckets)."""
 PATH_GAIN = 1.05
 """A linear path replaces torch's own product up to the largest bucket where it is this much faster."""
-TUNING_FORMAT = 8
+TUNING_FORMAT = 9
 """Bumped whenever what is measured or chosen changes, so cached results from older rules are measured again."""
 
 NATIVE_DTYPE_FLAGS = {
@@ -363,14 +363,29 @@ def _wins_up_to(path: dict[int, float], baseline: dict[int, float]) -> int:
 
 
 def _wins_from(path: dict[int, float], baseline: dict[int, float]) -> int:
-    """The smallest bucket from which ``path`` beats ``baseline`` by :data:`PATH_GAIN` at every larger bucket
-    too; 0: none (or ``path`` unmeasured)."""
+    """The row count from which ``path`` beats ``baseline`` by :data:`PATH_GAIN` at every measured bucket too;
+    0: none (or ``path`` unmeasured).
+
+    Above :data:`STREAMED_MAX_ROWS` rows a product is bound by arithmetic and its time grows in step with its
+    rows, so between the last bucket there where ``path`` loses and the first from which it wins, both times
+    are read as straight lines and the row count where they cross by :data:`PATH_GAIN` is returned: a path that
+    wins from 16 rows would otherwise wait for the 64-row bucket, and a decode batch of 32 would miss it.
+    Fewer rows stream their weights in about the same time whatever their count: no line to draw there.
+    """
     start = 0
     for rows in sorted(baseline, reverse=True):
         if rows not in path or baseline[rows] < path[rows] * PATH_GAIN:
             break
         start = rows
-    return start
+    losing = [rows for rows in baseline if rows < start]
+    if not losing or max(losing) < STREAMED_MAX_ROWS:
+        return start
+    below = max(losing)
+    deficit = PATH_GAIN * path[below] - baseline[below] if below in path else math.inf
+    surplus = baseline[start] - PATH_GAIN * path[start]
+    if math.isinf(deficit) or deficit + surplus <= 0:
+        return start
+    return min(start, math.ceil(below + (start - below) * deficit / (deficit + surplus)))
 
 
 def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_seconds: float = 1.5) -> Measurements:

@@ -155,15 +155,32 @@ def test_amx_takes_bfloat16_tiles_from_the_bucket_where_it_wins_on_and_tiles_the
         )
         return choose(AMX_XEON, measured, threads=2)
 
-    # AMX wins at 1 row, loses at 8, wins from 64 on: it takes over from 64, and tiles then beat oneDNN throughout.
+    # AMX wins at 1 row, loses at 8, wins from 64 on: it takes over where the straight lines between 8 and 64
+    # cross by PATH_GAIN (0.17 + 0.73 (r - 8) / 56 = 1.05 (0.2 + 0 (r - 8) / 56) at r = 11.07), and tiles then
+    # beat oneDNN throughout.
     chosen = chosen_with([0.1, 0.2, 0.2, 0.5])
-    assert (chosen.bfloat16_amx_from_rows, chosen.tiled_dtypes, chosen.dtype) == (64, ["bfloat16"], "bfloat16")
-    assert "tiled linears for bfloat16 (pairs, AMX from 64 rows)" in chosen.describe()
+    assert (chosen.bfloat16_amx_from_rows, chosen.tiled_dtypes, chosen.dtype) == (12, ["bfloat16"], "bfloat16")
+    assert "tiled linears for bfloat16 (pairs, AMX from 12 rows)" in chosen.describe()
     assert chosen.measurements["tiled_bfloat16_amx"]["256"] == 0.5
     assert chosen_with([0.1, 0.1, 0.1, 0.2]).bfloat16_amx_from_rows == 1
     slow = chosen_with([0.5, 0.5, 0.9, 3.4])  # under PATH_GAIN at 256: no AMX, and oneDNN keeps bfloat16
     assert (slow.bfloat16_amx_from_rows, slow.tiled_dtypes, slow.packed_dtypes) == (0, [], ["bfloat16"])
     assert "AMX" not in slow.describe()
+
+
+def test_a_path_wins_from_where_its_straight_line_crosses_the_baselines_between_buckets():
+    def wins_from(path: list[float], baseline: list[float]) -> int:
+        return tuning._wins_from(*(dict(zip(tuning.ROW_BUCKETS, times, strict=True)) for times in (path, baseline)))
+
+    # W8A8 through AMX against VNNI on the Xeon with AMX (ms per layer): behind at 8 rows, twice as fast at 64;
+    # a step of 16 rows measured it 1.07x and one of 32 rows 1.6x faster. The bucket alone would say 64.
+    assert wins_from([0.223, 0.226, 0.277, 0.882], [0.178, 0.207, 0.545, 1.926]) == 14
+    assert wins_from([0.1, 0.1, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2]) == 1  # wins everywhere
+    assert wins_from([0.3, 0.1, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2]) == 8  # from 1 to 8 rows the times stay flat
+    assert wins_from([0.3, 0.3, 0.3, 0.1], [0.2, 0.2, 0.2, 0.2]) == 170  # crossing at 169.1 rows, between 64 and 256
+    assert wins_from([0.3, 0.3, 0.3, 0.3], [0.2, 0.2, 0.2, 0.2]) == 0  # never
+    assert wins_from([0.1, 0.3, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2]) == 39  # 0.2 = 1.05 (0.3 - 0.2 (r - 8) / 56) at 38.7
+    assert tuning._wins_from({64: 0.1, 256: 0.1}, {1: 0.2, 8: 0.2, 64: 0.2, 256: 0.2}) == 64  # 8 unmeasured
 
 
 def test_auto_tiles_run_amx_from_the_tuned_row_count():
@@ -178,7 +195,7 @@ def test_auto_tiles_run_amx_from_the_tuned_row_count():
         bfloat16_amx=[0.5, 0.4, 0.5, 1],
     )
     chosen = choose(AMX_XEON, measured, threads=2)
-    assert chosen.bfloat16_amx_from_rows == 8
+    assert chosen.bfloat16_amx_from_rows == 8  # under 8 rows the weights stream: no straight line to cross
     previous = (
         streaming_linear.use_bfloat16_amx_from(0),
         streaming_linear.use_bfloat16_kernel("pairs"),
