@@ -6,7 +6,7 @@ slow; on one torch runs few-row products on a single core (so cutting weights
 into per-thread slices pays), on another its own kernel is faster. So on the
 first start on a machine (and by ``patchbay tune``), a few seconds of
 micro-benchmarks at the model's real shapes — one decoder layer's linears at
-a few row counts — decide:
+a few row counts, :data:`TUNING_ROUNDS` times over, the fastest kept — decide:
 
 - the dtype, among those this CPU computes natively (float32 always;
   bfloat16 with ``avx512_bf16`` or ``amx_bf16``; float16 with ``avx512_fp16``
@@ -87,6 +87,14 @@ MIN_GAIN = 1.1
 """A lower-precision dtype is chosen only when it is this much faster than float32 (geometric mean over buckets)."""
 PATH_GAIN = 1.05
 """A linear path replaces torch's own product up to the largest bucket where it is this much faster."""
+TUNING_ROUNDS = 2
+"""Every path is measured this many times over, a whole measurement apart, and its fastest time kept: on a
+shared machine a neighbour's burst that slowed one path's turn alone decided the choice, and stayed cached (a
+2-core Xeon kept oneDNN for bfloat16 instead of its AMX tiles and ran at half speed until the cache was cleared)."""
+MAX_TUNING_ROUNDS = 4
+"""Rounds that disagree by more than :data:`ROUNDS_AGREE` are followed by another, up to this many."""
+ROUNDS_AGREE = 1.15
+"""Two rounds agree where their times differ by at most this factor (geometric mean over every path and bucket)."""
 TUNING_FORMAT = 9
 """Bumped whenever what is measured or chosen changes, so cached results from older rules are measured again."""
 
@@ -472,6 +480,52 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
     return measured
 
 
+def measure_in_rounds(
+    shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_seconds: float = 1.5
+) -> Measurements:
+    """:func:`measure` :data:`TUNING_ROUNDS` times, and again while the last two rounds disagree (up to
+    :data:`MAX_TUNING_ROUNDS`); each path's fastest time at each bucket over all rounds."""
+    rounds = [measure(shapes, dtypes, threads, budget_seconds) for _ in range(TUNING_ROUNDS)]
+    while len(rounds) < MAX_TUNING_ROUNDS and (spread := _disagreement(rounds[-2], rounds[-1])) > ROUNDS_AGREE:
+        logger.info(
+            "tuning rounds %d and %d differ by %.2fx (a busy machine?): measuring again",
+            len(rounds) - 1,
+            len(rounds),
+            spread,
+        )
+        rounds.append(measure(shapes, dtypes, threads, budget_seconds))
+    return Measurements(**{name: _fastest([getattr(r, name) for r in rounds]) for name in _MEASURED_PATHS})
+
+
+_MEASURED_PATHS = tuple(Measurements.__dataclass_fields__)
+
+
+def _fastest(times: list[Any]) -> Any:  # noqa: ANN401 - nested dicts of seconds, as Measurements' fields
+    """Per key of the first of ``times`` (dicts of seconds, or of such dicts), the smallest time any has."""
+    if not isinstance(times[0], dict):
+        return min(times)
+    return {key: _fastest([t[key] for t in times if key in t]) for key in times[0]}
+
+
+def _seconds(times: Any) -> list[tuple[str, float]]:  # noqa: ANN401 - as _fastest's
+    """Every time in ``times`` (a Measurements field), under a key naming its path and bucket."""
+    if not isinstance(times, dict):
+        return [("", times)]
+    return [(f"{key}/{name}", seconds) for key, value in times.items() for name, seconds in _seconds(value)]
+
+
+def _disagreement(first: Measurements, second: Measurements) -> float:
+    """How far two rounds' times are apart: the geometric mean, over every time both measured, of the larger
+    over the smaller."""
+    ratios = []
+    for name in _MEASURED_PATHS:
+        theirs = dict(_seconds(getattr(second, name)))
+        for key, seconds in _seconds(getattr(first, name)):
+            if key in theirs and min(seconds, theirs[key]) > 0:
+                ratios.append(max(seconds, theirs[key]) / min(seconds, theirs[key]))
+    return _geometric_mean(ratios) if ratios else 1.0
+
+
 def _tiled_product(tiles: TileLayout, x: torch.Tensor, weight: TiledWeight) -> torch.Tensor:
     return tiles.product(x, weight, None)
 
@@ -628,7 +682,7 @@ def tune(
         except (OSError, ValueError, TypeError):
             pass  # absent or unreadable: measure again
     started = time.perf_counter()
-    result = choose(cpu, measure(shapes, cpu.native_dtypes(), threads, budget_seconds), threads)
+    result = choose(cpu, measure_in_rounds(shapes, cpu.native_dtypes(), threads, budget_seconds), threads)
     logger.info("tuned for this machine in %.1f s: %s", time.perf_counter() - started, result.describe())
     _save(result, path)
     return result
