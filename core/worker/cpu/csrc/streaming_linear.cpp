@@ -410,6 +410,10 @@ static void configure_amx_tiles() {
     config.rows[t] = kAmxRows;
     config.bytes_per_row[t] = 64;
   }
+  // GCC's _tile_loadconfig tells the compiler it reads 8 bytes of the configuration, so the stores above may be
+  // dropped as dead (a change that inlined this into a lambda had ldtilecfg read garbage and fault); an empty asm
+  // that takes the address and clobbers memory keeps them.
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 
