@@ -1,4 +1,4 @@
-"""Linear products over weights stored in output tiles, for the few-row products of decoding.
+"""Linear products over weights stored in output tiles, at every row count where the tuning measured them fastest.
 
 A decode step multiplies a handful of rows by every weight of the model, so its
 products are bound by how fast the weights stream from memory, not by
