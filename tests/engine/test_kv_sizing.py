@@ -111,17 +111,22 @@ def test_an_engine_on_auto_measures_a_step_and_sizes_its_pool(tiny_llama, monkey
     assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 6)
 
 
-def test_stale_bytes_in_a_fresh_cpu_pool_never_reach_attention(tiny_llama, monkeypatch):
-    # The pool is left unwritten at start; each block must be zeroed when first handed out, or a masked
-    # attention multiplying NaN garbage by a zero weight returns NaN.
+def _llm_on_a_pool_of_nans(tiny_llama, monkeypatch) -> patchbay.LLM:
+    """An engine whose CPU pool starts as NaNs where it is left unwritten (stale bytes at their worst)."""
     monkeypatch.setattr(
         model_runner,
         "_unwritten",
         lambda shape, *, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device),
     )
-    llm = patchbay.LLM(
+    return patchbay.LLM(
         model__path=str(tiny_llama), attention__backend="torch_sdpa", attention__options={"decode_kernel": "sdpa"}
     )
+
+
+def test_stale_bytes_in_a_fresh_cpu_pool_never_reach_attention(tiny_llama, monkeypatch):
+    # The pool is left unwritten at start; each block must be zeroed when first handed out, or a masked
+    # attention multiplying NaN garbage by a zero weight returns NaN.
+    llm = _llm_on_a_pool_of_nans(tiny_llama, monkeypatch)
     prompts = [list(range(20, 70)), [7, 8, 9], list(range(3, 40))]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 8)
@@ -130,19 +135,12 @@ def test_stale_bytes_in_a_fresh_cpu_pool_never_reach_attention(tiny_llama, monke
 def test_the_first_blocks_can_be_zeroed_ahead_and_are_not_zeroed_again(tiny_llama, monkeypatch):
     # patchbay bench zeroes the blocks a workload will hold before timing it: the page faults of first writes
     # belong to no run. Blocks past the count stay unwritten until handed out.
-    monkeypatch.setattr(
-        model_runner,
-        "_unwritten",
-        lambda shape, *, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device),
-    )
-    llm = patchbay.LLM(
-        model__path=str(tiny_llama), attention__backend="torch_sdpa", attention__options={"decode_kernel": "sdpa"}
-    )
+    llm = _llm_on_a_pool_of_nans(tiny_llama, monkeypatch)
     runner = llm.engine.runner
     assert runner.zero_first_blocks(6) == 5 * len(runner.groups)  # blocks 1-5; 0, the null block, already was
     assert runner.zero_first_blocks(6) == 0
     for cache in runner.kv_caches.values():
-        for part in llm.engine.runner.backend.split_kv_cache(cache):
+        for part in runner.backend.split_kv_cache(cache):
             assert not part[:6].isnan().any() and part[6:].isnan().all()
     zeroed = []
     monkeypatch.setattr(runner, "_zero_blocks", lambda caches, group, ids: zeroed.extend(ids))
