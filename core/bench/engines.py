@@ -53,18 +53,21 @@ class PatchbayEngine:
         per_block = sum(len(group.layer_names) * group.spec.page_size_bytes for group in engine.groups)
         return engine.num_blocks * per_block
 
-    def _blocks_held(self, workload: Workload) -> int:
-        """Blocks the workload's requests hold at most, all at once, with a block per request to spare: zeroed
-        before the run is timed (rank 0's; other ranks zero theirs as they go), as vLLM's pool is at load."""
-        block_size = min(group.spec.block_size for group in self.llm.engine.groups)
+    def _blocks_to_zero(self, workload: Workload) -> int:
+        """How many of the pool's first blocks to zero before the run is timed (rank 0's; other ranks zero theirs
+        as they go), as vLLM's pool is at load: never-used blocks are handed out in id order before any freed
+        one, so those up to the highest handed out so far, and as many above it as the workload's requests
+        hold at most, all at once, with a block per request to spare."""
+        engine = self.llm.engine
+        block_size = min(group.spec.block_size for group in engine.groups)
         held = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // block_size) + 1 for r in workload.requests)
-        return 1 + held
+        return max(engine.scheduler.kv_cache_manager.highest_block_ids) + 1 + held
 
     def run(self, workload: Workload) -> EngineRun:
         engine = self.llm.engine
         engine.scheduler.max_num_seqs = workload.concurrency  # run-time knob: the bench varies concurrency
         engine.reset_step_timings()
-        engine.runner.zero_first_blocks(self._blocks_held(workload))
+        engine.runner.zero_first_blocks(self._blocks_to_zero(workload))
         drafted_before = self.llm.spec_stats.num_draft_tokens
         start = time.perf_counter()
         outputs = self.llm.generate(

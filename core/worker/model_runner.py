@@ -246,9 +246,9 @@ class ModelRunner:
 
         A CPU pool is left unwritten and each block zeroed when first handed out, so the first write to each
         of its pages is a page fault the step pays: under a hypervisor whose memory another process had just
-        given back, those faults took 20-28 % of a step of 32 requests.  A fresh pool hands out low ids first,
-        so a caller who knows how many blocks a run will hold (``patchbay bench``, before it times a workload,
-        as vLLM's pool is zeroed at load) can take that cost out of the run.
+        given back, those faults took 20-28 % of a step of 32 requests.  Never-used blocks are handed out in id
+        order before any freed one, so a caller who knows how many blocks a run will take (``patchbay bench``,
+        before it times a workload, as vLLM's pool is zeroed at load) can take that cost out of the run.
         """
         if self._unzeroed is None:
             return 0
