@@ -114,6 +114,11 @@ class RuntimeSettings(Section):
     """Compute each layer's q/k/v projections (and gate/up) as one product over their concatenated weights, in
     steps of up to as many rows as the machine's tuning measured faster (16 without a tuning). Off with a ``lora:``
     section, whose adapters add to each projection's own output."""
+    cpu_allocator: Literal["caching", "system"] = "caching"
+    """Where torch's CPU tensors come from, for the whole process (the first engine's choice holds):
+    ``caching``, patchbay's cache of freed blocks by size class (up to 512 MiB kept), built like the C++ kernels,
+    so a step's temporaries skip the C library's search (docs/design/cpu-fast-paths.md#host-allocator);
+    ``system``, the C library's allocator."""
     fused_ops: bool = True
     """Run Llama-style RMS norms, SiLU MLPs, rotary embeddings and, where all of a layer fused, whole decoder
     layers through patchbay's C++ kernels on CPU float32 and bfloat16. Without a C++ compiler nothing changes

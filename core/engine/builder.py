@@ -46,7 +46,7 @@ from patchbay.scheduling.scheduler import Scheduler
 from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.worker.parallel import distributed
 from patchbay.worker.cpu.fused_ops import FusedModules
-from patchbay.worker.cpu.heap import keep_freed_memory
+from patchbay.worker.cpu.heap import set_up_heap
 from patchbay.worker.cpu.quantization import rounds_activations_to_int8
 from patchbay.worker.lora.manager import LoRAManager
 from patchbay.worker.model.hf_model import HFCausalLM, torch_dtype
@@ -218,7 +218,7 @@ def build_engine_parts(settings: Settings, registry: Registry) -> EngineParts:
     threads = distributed.rank_threads(settings)
     if threads is not None:
         torch.set_num_threads(threads)
-    heap = keep_freed_memory()
+    heap = set_up_heap(settings.runtime.cpu_allocator)
     torch.manual_seed(settings.runtime.seed)
     device = resolve_device(settings.runtime.device)
     model_dir = resolve_model_dir(settings.model.path)

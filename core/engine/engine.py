@@ -44,6 +44,7 @@ from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOut
 from patchbay.worker.lora.catalog import AdapterInUseError
 from patchbay.worker.lora.manager import LoRAManager
 from patchbay.worker.lora.peft_adapter import LoRAAdapterError
+from patchbay.worker.cpu.heap import release_kept_blocks
 from patchbay.worker.model_runner import StepStage
 
 logger = logging.getLogger(__name__)
@@ -368,10 +369,12 @@ class Engine:
     def close(self) -> None:
         """Release what outlives a step: the other tensor-parallel ranks' processes (idempotent; no-op for one rank).
 
-        Also runs when the engine is collected or the interpreter exits.
+        Also runs when the engine is collected or the interpreter exits.  The freed blocks patchbay's block cache
+        kept go back to the C library (the cache is the process's: another engine refills it as it steps).
         """
         if self._close_ranks is not None:
             self._close_ranks()
+        release_kept_blocks()
 
     @property
     def is_dead(self) -> bool:

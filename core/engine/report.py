@@ -44,7 +44,7 @@ class EngineReport:
     """The KV cache's dtype: the model's, or ``int8`` (``cache.dtype``)."""
     device: str
     heap: str
-    """What was done to the allocator's thresholds."""
+    """Where torch's CPU tensors come from and what was done to glibc's thresholds."""
     machine_defaults: str | None
     """The CPU's measured defaults the run used, described (``None``: no setting was left to them)."""
     kv_sizing: str | None

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from patchbay.interfaces import AttentionImpl
+from patchbay.worker.cpu.heap import release_kept_blocks
 from patchbay.worker.model.forward_context import ForwardContext, LayerBinding, forward_context
 from patchbay.worker.model.hf_model import HFCausalLM
 
@@ -109,9 +110,11 @@ class _PeakMeter:
 def _return_free_heap_memory() -> None:
     """Hand the pages of freed heap memory back to the kernel (glibc's ``malloc_trim``), where there is glibc.
 
-    Memory an earlier step freed stays resident in the allocator's arenas; a step that reuses it raises no
-    resident-set peak, so without this the meter reads a step's activations as nothing.
+    Memory an earlier step freed stays resident in the allocator's arenas (and in patchbay's block cache, emptied
+    first); a step that reuses it raises no resident-set peak, so without this the meter reads a step's
+    activations as nothing.
     """
+    release_kept_blocks()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

@@ -118,6 +118,13 @@ class NativeExtension:
         path CPUs without AVX-512 run, on a CPU that has both."""
         return dataclasses.replace(self, cflags=(*self.cflags, "-mno-avx512f"))
 
+    def is_built(self) -> bool:
+        """Whether :meth:`load` would import the module without compiling it (nor waiting for a build)."""
+        if build_unavailable() is not None:
+            return False
+        directory = self.build_directory()
+        return finished(directory / f"{self.build_name()}.so", directory / "lock")
+
     def load(self) -> Any:
         """The built module: imported if built already, else built now (waiting for another process's build)."""
         reason = build_unavailable()

@@ -47,7 +47,7 @@ from patchbay.contract.registry import registry_for
 from patchbay.contract.settings import Settings
 from patchbay.worker.parallel import distributed
 from patchbay.worker.parallel.distributed import RankSetup
-from patchbay.worker.cpu.heap import keep_freed_memory
+from patchbay.worker.cpu.heap import set_up_heap
 from patchbay.worker.model.model_loader import resolve_model_dir
 from patchbay.worker.parallel.kv_transfers import RankTransferReports
 from patchbay.worker.parallel.pipeline_parallel import last_stage_rank
@@ -100,7 +100,7 @@ def run_rank(
     threads = distributed.rank_threads(settings)
     if threads is not None:
         torch.set_num_threads(threads)
-    keep_freed_memory()
+    set_up_heap(settings.runtime.cpu_allocator)
     device = (
         distributed.rank_device(torch.device(setup.device), rank)
         if local_rank is None

@@ -1,4 +1,4 @@
-"""The engine's glibc allocator settings (patchbay.worker.cpu.heap)."""
+"""The engine's heap: glibc's thresholds and the block cache torch's CPU tensors come from."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 
 import pytest
+import torch
 
 from patchbay.worker.cpu import heap
 
@@ -49,3 +51,105 @@ def test_glibc_keeps_a_freed_step_sized_block_for_the_next_step(mode, reused):
         [sys.executable, "-c", FIRST_REUSE, mode], capture_output=True, text=True, env=env, check=True
     )
     assert result.stdout.strip() == str(reused), result.stderr
+
+
+needs_the_block_cache = pytest.mark.skipif(
+    heap.build_unavailable() is not None, reason=f"the block cache cannot be built here: {heap.build_unavailable()}"
+)
+
+
+@pytest.fixture
+def block_cache():
+    """The block cache installed in this process, as an engine installs it, emptied before and after."""
+    heap._install()
+    heap.release_kept_blocks()
+    yield
+    heap.release_kept_blocks()
+
+
+def _counters_after(allocate) -> dict[str, int]:
+    before = heap.block_cache_counters()
+    allocate()
+    after = heap.block_cache_counters()
+    return {key: after[key] - before[key] for key in ("reused", "fresh", "not_kept")}
+
+
+@needs_the_block_cache
+def test_a_freed_block_comes_back_for_a_tensor_of_its_size_class(block_cache):
+    """300,000 and 290,000 bytes share a class (eight per doubling: up to 327,680); 400,000 bytes do not."""
+    first = torch.empty(300_000, dtype=torch.uint8)
+    address = first.data_ptr()
+    assert address % 64 == 0
+    del first
+    assert heap.block_cache_counters()["kept_bytes"] == 327_680
+    second = torch.empty(290_000, dtype=torch.uint8)
+    assert second.data_ptr() == address
+    assert heap.block_cache_counters()["kept_bytes"] == 0
+    other = torch.empty(400_000, dtype=torch.uint8)
+    assert other.data_ptr() != address
+
+
+@needs_the_block_cache
+def test_blocks_too_large_to_keep_go_back_to_the_c_library(block_cache):
+    def large() -> None:
+        torch.empty(heap.LARGEST_KEPT_BLOCK + 1, dtype=torch.uint8)
+
+    assert _counters_after(large) == {"reused": 0, "fresh": 0, "not_kept": 1}
+    assert heap.block_cache_counters()["kept_bytes"] == 0
+
+
+@needs_the_block_cache
+def test_the_kept_bytes_stay_within_their_limit_and_are_released(block_cache):
+    """Twenty blocks of 60 MiB (never written, so never resident) freed at once: only what fits the limit is kept."""
+    blocks = [torch.empty(60 << 20, dtype=torch.uint8) for _ in range(20)]
+    del blocks
+    kept = heap.block_cache_counters()["kept_bytes"]
+    assert heap.KEPT_BYTES_LIMIT - (64 << 20) < kept <= heap.KEPT_BYTES_LIMIT
+    assert heap.release_kept_blocks() == kept
+    assert heap.block_cache_counters()["kept_bytes"] == 0
+
+
+@needs_the_block_cache
+def test_tensors_from_kept_blocks_compute_what_fresh_ones_do_across_threads(block_cache):
+    """Four threads allocate and free products of many sizes at once; each result matches float64's."""
+    generator = torch.Generator().manual_seed(0)
+    cases = [
+        (torch.randn(rows, 96, generator=generator), torch.randn(96, cols, generator=generator))
+        for rows, cols in [(1, 7), (3, 64), (17, 130), (64, 576), (128, 40)]
+    ]
+    expected = [(a.double() @ b.double()).sum().item() for a, b in cases]
+    failures: list[str] = []
+
+    def work(seed: int) -> None:
+        for repeat in range(40):
+            index = (seed + repeat) % len(cases)
+            a, b = cases[index]
+            got = (a @ b).sum().item()
+            if abs(got - expected[index]) > 1e-3 * max(1.0, abs(expected[index])):
+                failures.append(f"thread {seed}, case {index}: {got} != {expected[index]}")
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert heap.block_cache_counters()["reused"] > 0
+
+
+SET_UP = """
+import sys
+from patchbay.worker.cpu import heap
+print(heap.set_up_heap(sys.argv[1]))
+print(heap.caching_allocator_installed())
+"""
+
+
+@needs_the_block_cache
+@pytest.mark.parametrize("allocator, installed", [("caching", True), ("system", False)])
+def test_the_setting_chooses_the_processs_allocator_and_the_summary_says_which(allocator, installed):
+    heap.EXTENSION.load()  # built, as the Makefile builds it
+    result = subprocess.run([sys.executable, "-c", SET_UP, allocator], capture_output=True, text=True, check=True)
+    summary, flag = result.stdout.strip().splitlines()
+    assert flag == str(installed), result.stderr
+    assert ("patchbay's block cache" in summary) == installed, summary

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 
 from patchbay.plugins.attention import _cpu_kernel
-from patchbay.worker.cpu import fused_ops, streaming_linear
+from patchbay.worker.cpu import fused_ops, heap, streaming_linear
 from patchbay.worker.cpu.native_build import CSRC, NativeExtension
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 EXTENSIONS = {
     "fused_ops": fused_ops.EXTENSION,
     "streaming_linear": streaming_linear.EXTENSION,
+    "host_allocator": heap.EXTENSION,
     "paged_decode": _cpu_kernel.extension(),
 }
 
