@@ -153,3 +153,9 @@ def test_the_setting_chooses_the_processs_allocator_and_the_summary_says_which(a
     summary, flag = result.stdout.strip().splitlines()
     assert flag == str(installed), result.stderr
     assert ("patchbay's block cache" in summary) == installed, summary
+
+
+@needs_the_block_cache
+def test_a_tensor_larger_than_memory_is_an_error_naming_the_block_cache(block_cache):
+    with pytest.raises(RuntimeError, match="patchbay's block cache: not enough memory for a tensor of"):
+        torch.empty(1 << 62, dtype=torch.uint8)

@@ -11,9 +11,9 @@
 
 #include <c10/core/CPUAllocator.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
-#include <new>
 #include <unordered_map>
 #include <vector>
 
@@ -43,13 +43,13 @@ class BlockCache {
 
   // A block of at least `bytes` (its class stored in its header); `data` is what the tensor sees.
   void* take(size_t bytes) {
-    size_t block_class = size_class(bytes);
+    size_t block_class = kNotKept;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (block_class > largest_kept_) {
-        block_class = kNotKept;
+      if (bytes > largest_kept_) {
         ++bypassed_;
       } else {
+        block_class = size_class(bytes);
         auto found = free_.find(block_class);
         if (found != free_.end() && !found->second.empty()) {
           void* block = found->second.back();
@@ -63,7 +63,8 @@ class BlockCache {
     }
     const size_t size = block_class == kNotKept ? bytes : block_class;
     void* block = nullptr;
-    if (posix_memalign(&block, kAlignment, size + kHeader) != 0) throw std::bad_alloc();
+    TORCH_CHECK(size <= SIZE_MAX - kHeader && posix_memalign(&block, kAlignment, size + kHeader) == 0,
+                "patchbay's block cache: not enough memory for a tensor of ", bytes, " bytes");
     *static_cast<size_t*>(block) = block_class;
     return static_cast<char*>(block) + kHeader;
   }
