@@ -1,4 +1,4 @@
-"""glibc's allocator set up for a step loop: memory one step frees stays mapped for the next.
+"""The process's heap set up for a step loop: freed memory stays mapped, and torch's CPU tensors reuse freed blocks.
 
 By default glibc serves each allocation above a threshold (128 KiB, raised as
 such blocks are freed, up to 32 MiB) with a fresh ``mmap``, and hands the top
