@@ -34,7 +34,7 @@ import ctypes
 import functools
 import logging
 import os
-from typing import Any, Literal
+from typing import Any
 
 from patchbay.worker.cpu.native_build import CSRC, BackgroundBuild, NativeExtension, build_at_install, build_unavailable
 
@@ -52,8 +52,6 @@ KEPT_BYTES_LIMIT = 512 << 20
 """The most bytes of freed blocks the caching allocator keeps; a block freed beyond it goes back to the C library."""
 LARGEST_KEPT_BLOCK = 64 << 20
 """Larger blocks (weights, a layer's KV pool, a long prefill's logits) come from the C library and go back to it."""
-
-CpuAllocator = Literal["caching", "system"]
 
 EXTENSION = NativeExtension("patchbay_host_allocator", (CSRC / "host_allocator.cpp",))
 
@@ -76,23 +74,22 @@ def keep_freed_memory() -> str:
     return "freed memory kept for the next step (glibc mmap threshold 32 MiB, trim threshold 1 GiB)"
 
 
-def set_up_heap(allocator: CpuAllocator) -> str:
-    """Set up the process's heap for a step loop (once per process; later calls report it); say how, for the
-    run summary.  ``caching`` installs the block cache when its extension is built, or from a background
-    build once it is (until then torch allocates from the C library)."""
+def set_up_heap(allocator: str) -> str:
+    """Set up the process's heap for a step loop, with ``runtime.cpu_allocator`` (``caching`` or ``system``);
+    say how, for the run summary.  ``caching`` installs the block cache once per process, now where its
+    extension is built, else from a background build (torch allocates from the C library until then)."""
     glibc = keep_freed_memory()
+    if allocator == "caching" and not caching_allocator_installed():
+        reason = build_unavailable()
+        if reason is not None:
+            return f"torch's CPU tensors from the C library (no block cache: {reason}); {glibc}"
+        if not EXTENSION.is_built():
+            HostAllocatorBuild.shared()
+            return f"torch's CPU tensors from the C library until patchbay's block cache is built; {glibc}"
+        _install()
     if caching_allocator_installed():
         return f"torch's CPU tensors from patchbay's block cache ({_limits()}); {glibc}"
-    if allocator == "system":
-        return f"torch's CPU tensors from the C library; {glibc}"
-    reason = build_unavailable()
-    if reason is not None:
-        return f"torch's CPU tensors from the C library (no block cache: {reason}); {glibc}"
-    if EXTENSION.is_built():
-        _install()
-        return f"torch's CPU tensors from patchbay's block cache ({_limits()}); {glibc}"
-    HostAllocatorBuild.shared()
-    return f"torch's CPU tensors from the C library until patchbay's block cache is built; {glibc}"
+    return f"torch's CPU tensors from the C library; {glibc}"
 
 
 def caching_allocator_installed() -> bool:
