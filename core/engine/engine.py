@@ -369,8 +369,9 @@ class Engine:
     def close(self) -> None:
         """Release what outlives a step: the other tensor-parallel ranks' processes (idempotent; no-op for one rank).
 
-        Also runs when the engine is collected or the interpreter exits.  The freed blocks patchbay's block cache
-        kept go back to the C library (the cache is the process's: another engine refills it as it steps).
+        Ending the ranks also runs when the engine is collected or the interpreter exits.  A call also hands the
+        freed blocks patchbay's block cache kept back to the C library (the cache is the process's: another
+        engine refills it as it steps).
         """
         if self._close_ranks is not None:
             self._close_ranks()
