@@ -71,7 +71,8 @@ class BenchOptions:
     quantizations: list[str] = field(default_factory=list)
     """One more patchbay engine per ``model.quantization`` scheme, at the machine's tuned dtype (``auto``)."""
     kv_cache_dtypes: list[str] = field(default_factory=list)
-    """One more patchbay engine per ``cache.dtype`` (``int8``), at the first engine's dtype."""
+    """One more patchbay engine per ``cache.dtype`` (``int8``): at the first engine's dtype, and with each of
+    ``quantizations``."""
     vllm_python: Path = DEFAULT_PYTHON["vllm"]
     vllm_dtypes: list[str] = field(default_factory=list)
     """Empty: the dtypes the patchbay engines run at (equal-dtype rows)."""
@@ -219,7 +220,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=CACHE_DTYPES,
         default=[],
         dest="kv_cache_dtypes",
-        help="one more patchbay engine per KV-cache dtype (cache.dtype), at the first patchbay engine's dtype",
+        help="one more patchbay engine per KV-cache dtype (cache.dtype): at the first patchbay engine's dtype, "
+        "and with each --quantization",
     )
     parser.add_argument(
         "--vllm-python",
@@ -342,12 +344,16 @@ class Bench:
                 )
             )
         for scheme in options.quantizations:
-            # At the dtype an operator gets by default: the tuning's choice, or bfloat16 under integer tiles.
-            quantized = PatchbayEngine(
-                f"patchbay ({scheme})", **{**overrides, "model__dtype": "auto", "model__quantization": scheme}
-            )
-            quantized.name = f"patchbay ({quantized.llm.engine.dtype}, {scheme})"
-            self.patchbays.append(quantized)
+            for cache in ["auto", *options.kv_cache_dtypes]:
+                # At the dtype an operator gets by default: the tuning's choice, or bfloat16 under integer tiles.
+                cache_overrides = {} if cache == "auto" else {"cache__dtype": cache}
+                quantized = PatchbayEngine(
+                    f"patchbay ({scheme})",
+                    **{**overrides, "model__dtype": "auto", "model__quantization": scheme, **cache_overrides},
+                )
+                kv_label = "" if cache == "auto" else f", {cache} KV"
+                quantized.name = f"patchbay ({quantized.llm.engine.dtype}, {scheme}{kv_label})"
+                self.patchbays.append(quantized)
         engine = self.patchbay.llm.engine
         self.model_dir = str(engine.model_dir)
         self.roofline = Roofline(_whole_model_cost(engine), machine)

@@ -77,6 +77,8 @@ class PatchbayEngine:
         ttft = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
         details: dict[str, Any] = {
             "dtype": engine.dtype,
+            "quantization": engine.settings.model.quantization,
+            "kv_cache_dtype": engine.settings.cache.dtype,
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
             "cached_prompt_tokens": sum(o.metrics.num_cached_tokens for o in outputs),
             "kv_cache_bytes": self.kv_cache_bytes(),
