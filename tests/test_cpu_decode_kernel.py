@@ -389,3 +389,47 @@ def test_the_kernel_writes_new_keys_and_values_where_write_kv_does(dtype, slot_d
         assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="slot 24 of token 1 is outside the cache's 24 rows"):
         _cpu_kernel.load_kernel().write_kv(*caches, key, value, torch.tensor([0, 24], dtype=slot_dtype))
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", [("float32", None), ("bfloat16", None), ("bfloat16", "int8")])
+def test_a_step_the_kernel_attends_whole_is_one_call_per_layer_with_the_two_calls_results(
+    dtype, cache_dtype, monkeypatch
+):
+    """Decodes, a draft and a short prefill, with padding rows: the one call writes the cache and attends exactly
+    as write_kv and the kernel do apart; inputs it does not take go to the general path, and it writes nothing."""
+    case = AttentionCase(
+        num_computed=(40, 7, 0), num_new=(1, 4, 9), num_heads=8, num_kv_heads=2, dtype=dtype, cache_dtype=cache_dtype
+    )
+    batch = make_batch(torch_sdpa.TorchSDPABackend, case)
+    metadata = torch_sdpa.TorchSDPAMetadataBuilder(block_size=case.block_size).build(batch.common)
+    assert metadata.plan.kernel_attends_all
+    backend = torch_sdpa.TorchSDPABackend(torch_sdpa.TorchSDPABackend.Options(decode_kernel="paged_cpp"))
+    impl = backend.make_impl(case.layer(0))
+    kernel = _cpu_kernel.load_kernel()
+    one_call_cache = batch.kv_cache.clone()
+    one_call_outputs = []
+
+    def one_call(*args):
+        one_call_outputs.append(type(impl)._kernel_only(impl, *args))
+        return one_call_outputs[-1]
+
+    monkeypatch.setattr(impl, "_kernel_only", one_call)
+    output = impl.forward(batch.query, batch.key, batch.value, one_call_cache, metadata)
+    assert len(one_call_outputs) == 1 and one_call_outputs[0] is output
+
+    two_call_cache = batch.kv_cache.clone()
+    key_cache, value_cache = torch_sdpa.TorchSDPABackend.split_kv_cache(two_call_cache)
+    kernel.write_kv(key_cache, value_cache, batch.key, batch.value, metadata.plan.slots)
+    expected = torch.zeros_like(batch.query)
+    queries = metadata.plan.kernel_queries
+    kernel.paged_decode_attention(
+        batch.query, key_cache, value_cache, queries.block_table, queries.seq_lens, queries.rows,
+        queries.table_rows, impl.layer.scale, 0, expected, 0, 1,
+    )  # fmt: skip
+    assert torch.equal(one_call_cache, two_call_cache) and torch.equal(output, expected)
+    assert output[sum(case.num_new) :].count_nonzero() == 0  # padding rows
+
+    strided = torch.cat([batch.query, batch.query], dim=-1)[..., ::2]  # stride 2 along head_size
+    untouched = batch.kv_cache.clone()
+    assert impl._kernel_only(strided, batch.key, batch.value, untouched, metadata.plan) is None
+    assert torch.equal(untouched, batch.kv_cache)

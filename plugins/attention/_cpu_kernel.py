@@ -21,7 +21,8 @@ shares are merged.  The tasks run on the tiled products' helper threads, as
 many as the products use, where the process has them
 (:func:`patchbay.worker.cpu.streaming_linear.chunk_runner`), else over OpenMP.
 The extension also writes a step's new keys and values into
-the cache, one call per layer (``write_kv``).  It is built like every
+the cache, one call per layer (``write_kv``), and in a step the kernel attends
+whole does both in one call (``write_kv_and_attend``).  It is built like every
 patchbay extension (:mod:`patchbay.worker.cpu.native_build`): by ``make`` at
 install time (``python -m patchbay.plugins.attention._cpu_kernel``), elsewhere
 by :class:`KernelBuild` in a background thread while decodes run through SDPA;

@@ -125,6 +125,10 @@ class SDPAPlan:
         """The same requests' tokens for the C++ kernel where it runs (CPU), up to
         :data:`KERNEL_MAX_QUERY_LEN` tokens per request: with the kernel, short batches and long queries it
         covers are not attended by SDPA."""
+        self.kernel_attends_all = self.kernel_queries is not None and self.max_query_len <= KERNEL_MAX_QUERY_LEN
+        """Whether the kernel attends every request (every decode step on the CPU): each layer is then one call."""
+        self.slots = metadata.slot_mapping.contiguous()
+        """The cache slot of each actual token, shared by the layers."""
 
     @functools.cached_property
     def short_batches(self) -> list[ShortQueryBatch]:
@@ -383,6 +387,10 @@ class TorchSDPAImpl(AttentionImpl):
     ) -> torch.Tensor:
         """Write the new keys and values, then attend every request as the step's plan says."""
         plan = self._plan(metadata)
+        if plan.kernel_attends_all:
+            output = self._kernel_only(query, key, value, kv_cache, plan)
+            if output is not None:
+                return output
         metadata = as_paged(metadata)
         kernel = None
         if query.device.type == "cpu" and kv_cache.dtype in (query.dtype, torch.int8) and query.dtype in KERNEL_DTYPES:
@@ -431,6 +439,33 @@ class TorchSDPAImpl(AttentionImpl):
             for long_query in plan.long_queries:
                 if long_query.query_end - long_query.query_start > covered:
                     self._long(query, key, value, key_cache, value_cache, long_query, output)
+        return output
+
+    def _kernel_only(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: SDPAPlan
+    ) -> torch.Tensor | None:
+        """The layer as one C++ call (write the keys and values, attend every query), where the kernel runs and
+        takes these tensors; ``None`` leaves the layer to the general path.  Per layer of a decode step, the
+        Python and tensor views around two calls had cost more than the attention itself."""
+        kernel = self.decode_kernel.get()
+        queries = plan.kernel_queries
+        if kernel is None or queries is None:
+            return None
+        output: torch.Tensor | None = kernel.write_kv_and_attend(
+            query,
+            key,
+            value,
+            kv_cache,
+            plan.slots,
+            queries.block_table,
+            queries.seq_lens,
+            queries.rows,
+            queries.table_rows,
+            self.layer.scale,
+            self.layer.sliding_window or 0,
+            chunk_runner(),
+            chunk_threads() or torch.get_num_threads(),
+        )
         return output
 
     def _plan(self, metadata: SDPAMetadata | PagedAttentionMetadata | CommonAttentionMetadata) -> SDPAPlan:

@@ -644,9 +644,38 @@ void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
   }
 }
 
+// write_kv, then paged_decode_attention into a new output: one call per layer for a step whose every query the
+// kernel attends.  kv_cache: [2, blocks, block_size, kv_heads, row], keys then values (the backend's layout);
+// slots: one per actual token; output rows past them (padding) are zeros.  Returns None, having written nothing,
+// where the tensors are not ones the kernels read (a dtype they do not take, a query or keys without unit
+// stride along head_size, a cache of another layout): the caller's general path then takes the layer.
+c10::optional<torch::Tensor> write_kv_and_attend(torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                                                 torch::Tensor kv_cache, torch::Tensor slots,
+                                                 torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor rows,
+                                                 torch::Tensor table_rows, double scale, int64_t window,
+                                                 int64_t chunk_runner, int64_t threads) {
+  const auto dtype = query.scalar_type(), cache_dtype = kv_cache.scalar_type();
+  const bool kernel_inputs =
+      (dtype == torch::kFloat32 || dtype == torch::kBFloat16) && (cache_dtype == dtype || cache_dtype == torch::kInt8)
+      && query.dim() == 3 && query.stride(2) == 1 && key.dim() == 3 && value.dim() == 3
+      && key.scalar_type() == dtype && value.scalar_type() == dtype && key.stride(2) == 1 && value.stride(2) == 1
+      && kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() && slots.dim() == 1
+      && slots.is_contiguous() && (slots.scalar_type() == torch::kInt32 || slots.scalar_type() == torch::kInt64);
+  if (!kernel_inputs) return c10::nullopt;
+  torch::Tensor key_cache = kv_cache.select(0, 0), value_cache = kv_cache.select(0, 1);
+  write_kv(key_cache, value_cache, key, value, slots);
+  auto output = torch::empty(query.sizes(), query.options());
+  const int64_t actual = slots.numel();
+  if (actual < output.size(0)) output.narrow(0, actual, output.size(0) - actual).zero_();
+  paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, rows, table_rows, scale, window, output,
+                         chunk_runner, threads);
+  return output;
+}
+
 // The kernels run without the GIL: a server's asyncio thread streams while the engine thread is in them
 // (docs/design/cpu-fast-paths.md#kernels-and-the-gil).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", torch::wrap_pybind_function_no_gil(paged_decode_attention), "paged_decode_attention");
   m.def("write_kv", torch::wrap_pybind_function_no_gil(write_kv), "write_kv");
+  m.def("write_kv_and_attend", torch::wrap_pybind_function_no_gil(write_kv_and_attend), "write_kv_and_attend");
 }
