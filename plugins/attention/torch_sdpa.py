@@ -276,6 +276,12 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
         return extend_metadata(paged, SDPAMetadata, plan=plan_step(paged, self.sliding_window))
 
 
+def _kernel_pool() -> tuple[int, int]:
+    """Where the kernel runs its tasks: the tiled products' helpers (the pool's entry point, 0: OpenMP), on as
+    many threads as the products use."""
+    return chunk_runner(), chunk_threads() or torch.get_num_threads()
+
+
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """Cache dtypes the C++ decode kernel runs on."""
 
@@ -396,7 +402,7 @@ class TorchSDPAImpl(AttentionImpl):
         if query.device.type == "cpu" and kv_cache.dtype in (query.dtype, torch.int8) and query.dtype in KERNEL_DTYPES:
             kernel = self.decode_kernel.get()
             query = query.contiguous() if kernel is not None and query.stride(-1) != 1 else query
-        slots = metadata.slot_mapping
+        slots = plan.slots
         if (
             kernel is not None
             and key.dim() == value.dim() == 3
@@ -418,18 +424,7 @@ class TorchSDPAImpl(AttentionImpl):
         if kernel is not None and plan.kernel_queries is not None:
             queries = plan.kernel_queries
             kernel.paged_decode_attention(
-                query,
-                key_cache,
-                value_cache,
-                queries.block_table,
-                queries.seq_lens,
-                queries.rows,
-                queries.table_rows,
-                self.layer.scale,
-                self.layer.sliding_window or 0,
-                output,
-                chunk_runner(),
-                chunk_threads() or torch.get_num_threads(),
+                query, key_cache, value_cache, *self._kernel_queries(queries), output, *_kernel_pool()
             )
             covered = KERNEL_MAX_QUERY_LEN
         if plan.max_query_len > covered:  # else the kernel attended every request: SDPA has nothing to do
@@ -452,21 +447,21 @@ class TorchSDPAImpl(AttentionImpl):
         if kernel is None or queries is None:
             return None
         output: torch.Tensor | None = kernel.write_kv_and_attend(
-            query,
-            key,
-            value,
-            kv_cache,
-            plan.slots,
+            query, key, value, kv_cache, plan.slots, *self._kernel_queries(queries), *_kernel_pool()
+        )
+        return output
+
+    def _kernel_queries(self, queries: KernelQueries) -> tuple[Any, ...]:
+        """The kernel's arguments that say what each query attends: the step's block table, lengths and rows,
+        then the layer's scale and window (0: none)."""
+        return (
             queries.block_table,
             queries.seq_lens,
             queries.rows,
             queries.table_rows,
             self.layer.scale,
             self.layer.sliding_window or 0,
-            chunk_runner(),
-            chunk_threads() or torch.get_num_threads(),
         )
-        return output
 
     def _plan(self, metadata: SDPAMetadata | PagedAttentionMetadata | CommonAttentionMetadata) -> SDPAPlan:
         if isinstance(metadata, SDPAMetadata) and metadata.plan.sliding_window == self.layer.sliding_window:
