@@ -424,7 +424,7 @@ class TorchSDPAImpl(AttentionImpl):
         if kernel is not None and plan.kernel_queries is not None:
             queries = plan.kernel_queries
             kernel.paged_decode_attention(
-                query, key_cache, value_cache, *self._kernel_queries(queries), output, *_kernel_pool()
+                query, key_cache, value_cache, *self._query_arguments(queries), output, *_kernel_pool()
             )
             covered = KERNEL_MAX_QUERY_LEN
         if plan.max_query_len > covered:  # else the kernel attended every request: SDPA has nothing to do
@@ -447,11 +447,11 @@ class TorchSDPAImpl(AttentionImpl):
         if kernel is None or queries is None:
             return None
         output: torch.Tensor | None = kernel.write_kv_and_attend(
-            query, key, value, kv_cache, plan.slots, *self._kernel_queries(queries), *_kernel_pool()
+            query, key, value, kv_cache, plan.slots, *self._query_arguments(queries), *_kernel_pool()
         )
         return output
 
-    def _kernel_queries(self, queries: KernelQueries) -> tuple[Any, ...]:
+    def _query_arguments(self, queries: KernelQueries) -> tuple[Any, ...]:
         """The kernel's arguments that say what each query attends: the step's block table, lengths and rows,
         then the layer's scale and window (0: none)."""
         return (
