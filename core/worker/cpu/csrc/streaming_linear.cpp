@@ -11,6 +11,8 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <stdexcept>
 #include <mutex>
 #include <thread>
 #include <string>
@@ -44,19 +46,23 @@ class ChunkPool {
       for (int64_t chunk = 0; chunk < chunks; ++chunk) work(context, chunk);
       return;
     }
+    TORCH_CHECK(chunks <= UINT32_MAX, "ChunkPool: at most 2^32 - 1 chunks per product, got ", chunks);
     std::lock_guard<std::mutex> one_product_at_a_time(caller_);
     start_helpers(threads - 1);
     work_ = work;
     context_ = context;
-    chunks_.store(chunks, std::memory_order_relaxed);
+    chunks_ = chunks;
+    failure_ = nullptr;
     finished_.store(0, std::memory_order_relaxed);
     const uint64_t generation = (state_.load(std::memory_order_relaxed) >> 32) + 1;
-    state_.store(generation << 32, std::memory_order_seq_cst);
+    state_.store((generation << 32) | static_cast<uint64_t>(chunks), std::memory_order_seq_cst);
     wake_sequence_.fetch_add(1, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0)
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&wake_sequence_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
     drain(generation);
+    // Every chunk claimed is waited for, even after a failure: they all read the caller's context.
     while (finished_.load(std::memory_order_acquire) < chunks) cpu_relax();
+    if (failure_) std::rethrow_exception(failure_);
   }
 
   template <typename F>
@@ -71,14 +77,22 @@ class ChunkPool {
     for (; helpers_ < wanted; ++helpers_) std::thread([this] { helper(); }).detach();
   }
 
-  // Claim and run chunks of `generation` until none is left.
+  // Claim and run chunks of `generation` until none is left.  The state word holds the generation and the
+  // chunks still unclaimed, so a claim is checked against its own product's count: a thread holding a stale
+  // state cannot claim a chunk of the next product before that product is published (the count used to live in
+  // a field of its own, which the next caller could overwrite while the state still named the old product).
   void drain(uint64_t generation) {
     uint64_t state = state_.load(std::memory_order_acquire);
-    while ((state >> 32) == generation &&
-           static_cast<int64_t>(state & 0xFFFFFFFFu) < chunks_.load(std::memory_order_relaxed)) {
-      if (state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+    while ((state >> 32) == generation && (state & 0xFFFFFFFFu) != 0) {
+      if (state_.compare_exchange_weak(state, state - 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
         // The fields are this generation's: the next product cannot start before this chunk is finished.
-        work_(context_, static_cast<int64_t>(state & 0xFFFFFFFFu));
+        const int64_t chunk = chunks_ - static_cast<int64_t>(state & 0xFFFFFFFFu);
+        try {
+          work_(context_, chunk);
+        } catch (...) {
+          std::lock_guard<std::mutex> first_failure(failure_lock_);
+          if (!failure_) failure_ = std::current_exception();
+        }
         finished_.fetch_add(1, std::memory_order_release);
         state = state_.load(std::memory_order_acquire);
       }
@@ -114,9 +128,11 @@ class ChunkPool {
   int helpers_ = 0;
   Work work_ = nullptr;
   const void* context_ = nullptr;
-  std::atomic<int64_t> chunks_{0};
-  std::atomic<uint64_t> state_{0};  // generation (high 32 bits) and the next chunk to claim (low 32 bits)
+  int64_t chunks_ = 0;  // written before the state that publishes it, read only by a thread that claimed a chunk
+  std::atomic<uint64_t> state_{0};  // generation (high 32 bits) and the chunks still unclaimed (low 32 bits)
   std::atomic<int64_t> finished_{0};
+  std::mutex failure_lock_;
+  std::exception_ptr failure_;  // the first chunk's exception, rethrown to the caller once every chunk is done
   std::atomic<uint32_t> wake_sequence_{0};
   std::atomic<int> sleepers_{0};
 };
@@ -129,6 +145,33 @@ extern "C" void patchbay_run_chunks(int threads, int64_t chunks, void (*work)(co
 }
 
 int64_t chunk_runner() { return reinterpret_cast<int64_t>(&patchbay_run_chunks); }
+
+// The pool's self-check for the tests: `products` products on `threads` threads, alternately 9 and 2 chunks (a
+// larger product right after a smaller one is where a stale claim would land), each chunk counting its own
+// runs.  With `throwing_chunk` >= 0 that chunk of every product throws, and the exception must reach the caller.
+// Returns how many products, when run() returned, had not run every chunk exactly once or lost the exception.
+int64_t chunk_pool_self_check(int64_t threads, int64_t products, int64_t throwing_chunk) {
+  constexpr int64_t kLarge = 9, kSmall = 2;
+  int64_t wrong = 0;
+  for (int64_t product = 0; product < products; ++product) {
+    const int64_t chunks = product % 2 == 0 ? kLarge : kSmall;
+    std::atomic<int> runs[kLarge];
+    for (auto& count : runs) count.store(0, std::memory_order_relaxed);
+    bool thrown = false;
+    try {
+      ChunkPool::instance().run(static_cast<int>(threads), chunks, [&](int64_t chunk) {
+        runs[chunk].fetch_add(1, std::memory_order_relaxed);
+        if (chunk == throwing_chunk) throw std::runtime_error("chunk_pool_self_check");
+      });
+    } catch (const std::runtime_error&) {
+      thrown = true;
+    }
+    bool right = thrown == (throwing_chunk >= 0 && throwing_chunk < chunks);
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) right = right && runs[chunk].load() == 1;
+    wrong += right ? 0 : 1;
+  }
+  return wrong;
+}
 
 #ifdef PATCHBAY_SIMD
 // Float32 and int8 weights: tiles of kLanes output features, [K][kLanes] each, widened to float32 in registers.
@@ -1167,5 +1210,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_bfloat16_kernel", torch::wrap_pybind_function(use_bfloat16_kernel), "use_bfloat16_kernel");
   m.def("use_bfloat16_pairs_up_to", torch::wrap_pybind_function(use_bfloat16_pairs_up_to), "use_bfloat16_pairs_up_to");
   m.def("chunk_runner", torch::wrap_pybind_function(chunk_runner), "chunk_runner");
+  m.def("chunk_pool_self_check", torch::wrap_pybind_function_no_gil(chunk_pool_self_check), "chunk_pool_self_check");
   m.def("tiled_product", torch::wrap_pybind_function(tiled_product), "tiled_product");
 }
