@@ -22,7 +22,11 @@ many as the products use, where the process has them
 (:func:`patchbay.worker.cpu.streaming_linear.chunk_runner`), else over OpenMP.
 The extension also writes a step's new keys and values into
 the cache, one call per layer (``write_kv``), and in a step the kernel attends
-whole does both in one call (``write_kv_and_attend``).  It is built like every
+whole does both in one call (``write_kv_and_attend``).  Where the CPU has AMX
+bfloat16 tiles, it also attends long bfloat16 prefill chunks of head size 64
+(``amx_prefill_attention``, in ``csrc/prefill_attention.cpp``): a task is one
+query head's 16 rows against every key they see, its output held in tile
+registers throughout.  It is built like every
 patchbay extension (:mod:`patchbay.worker.cpu.native_build`): by ``make`` at
 install time (``python -m patchbay.plugins.attention._cpu_kernel``), elsewhere
 by :class:`KernelBuild` in a background thread while decodes run through SDPA;
@@ -54,11 +58,13 @@ EXTRA_CFLAGS = (*NATIVE_CFLAGS, "-ffast-math")
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
 """The kernel's C++ (package data); it includes the worker's shared SIMD header, in
 :data:`patchbay.worker.cpu.native_build.CSRC`."""
+PREFILL_SOURCE = SOURCE.with_name("prefill_attention.cpp")
+"""The long prefills' AMX kernel, in the same extension (``amx_prefill_attention``; see ``torch_sdpa``)."""
 
 
 def extension() -> NativeExtension:
     """The kernel as a :class:`NativeExtension` (its flags read now, so a test can change them)."""
-    return NativeExtension("patchbay_paged_decode", (SOURCE,), EXTRA_CFLAGS, (CSRC,))
+    return NativeExtension("patchbay_paged_decode", (SOURCE, PREFILL_SOURCE), EXTRA_CFLAGS, (CSRC,))
 
 
 def kernel_unavailable() -> str | None:

@@ -282,6 +282,9 @@ def _kernel_pool() -> tuple[int, int]:
     return chunk_runner(), chunk_threads() or torch.get_num_threads()
 
 
+AMX_PREFILL_HEAD_SIZE = 64
+"""The head size the AMX prefill kernel takes (``amx_prefill_attention``)."""
+
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """Cache dtypes the C++ decode kernel runs on."""
 
@@ -296,6 +299,11 @@ class TorchSDPAOptions(BaseModel):
     patchbay's C++ kernel (needs a C++ compiler and ninja); ``sdpa`` gathers the blocks and calls SDPA; ``auto``
     uses the kernel once built, SDPA meanwhile or, logged, for good
     (docs/design/cpu-fast-paths.md#the-decode-attention-kernel)."""
+    prefill_kernel: Literal["auto", "sdpa"] = "auto"
+    """Prefill chunks of over 256 tokens on a CPU, in bfloat16, head size 64, no sliding window: ``auto`` attends
+    them with patchbay's AMX kernel where the CPU has AMX bfloat16 tiles and the C++ kernel is built (it comes with
+    ``decode_kernel``'s, so not with ``sdpa`` there), else with SDPA; ``sdpa`` always uses SDPA
+    (docs/design/cpu-fast-paths.md#long-prefills-through-amx)."""
 
 
 class DecodeKernel:
@@ -367,14 +375,18 @@ class TorchSDPABackend(AttentionBackend):
 
     def make_impl(self, layer: AttentionLayerSpec) -> TorchSDPAImpl:
         """Create the implementation of one layer (all layers share the gather buffers and the decode kernel)."""
-        return TorchSDPAImpl(layer, self.workspace, self.decode_kernel)
+        return TorchSDPAImpl(layer, self.workspace, self.decode_kernel, self.options.prefill_kernel)
 
 
 class TorchSDPAImpl(AttentionImpl):
     """One layer of :class:`TorchSDPABackend`."""
 
     def __init__(
-        self, layer: AttentionLayerSpec, workspace: Workspace | None = None, decode_kernel: DecodeKernel | None = None
+        self,
+        layer: AttentionLayerSpec,
+        workspace: Workspace | None = None,
+        decode_kernel: DecodeKernel | None = None,
+        prefill_kernel: Literal["auto", "sdpa"] = "auto",
     ) -> None:
         if layer.logits_soft_cap is not None:
             raise ValueError(f"torch_sdpa cannot soft-cap attention logits (layer {layer.layer_name})")
@@ -382,6 +394,9 @@ class TorchSDPAImpl(AttentionImpl):
         self.workspace = workspace if workspace is not None else Workspace()
         self.decode_kernel = decode_kernel if decode_kernel is not None else DecodeKernel("sdpa")
         self.enable_gqa = layer.num_heads != layer.num_kv_heads
+        self.amx_prefill = (
+            prefill_kernel == "auto" and layer.head_size == AMX_PREFILL_HEAD_SIZE and layer.sliding_window is None
+        )
 
     def forward(
         self,
@@ -513,6 +528,15 @@ class TorchSDPAImpl(AttentionImpl):
             keys = self._gather("keys", key_cache, long_query.block_ids)[: long_query.num_keys]
             values = self._gather("values", value_cache, long_query.block_ids)[: long_query.num_keys]
         compute = _long_compute_dtype(query)
+        kernel = self._amx_prefill_kernel(query, compute, long_query)
+        if kernel is not None:
+            if long_query.block_ids is not None:
+                keys, values = as_float(keys, compute), as_float(values, compute)
+            kernel.amx_prefill_attention(
+                query[start:end], keys, values, long_query.context_len, self.layer.scale, output[start:end],
+                *_kernel_pool(),
+            )  # fmt: skip
+            return
         queries = query[start:end].transpose(0, 1).to(compute)
         keys, values = (as_float(rows, compute).transpose(0, 1) for rows in (keys, values))
         if long_query.context_len:
@@ -528,6 +552,20 @@ class TorchSDPAImpl(AttentionImpl):
                 enable_gqa=self.enable_gqa,
             )[0]
         output[start:end] = attended.transpose(0, 1)
+
+    def _amx_prefill_kernel(self, query: torch.Tensor, compute: torch.dtype, long_query: LongQuery) -> Any:
+        """The C++ extension, where it attends this long query through AMX tiles (a bfloat16 CPU query attended in
+        bfloat16, every key up to its own seen); else ``None``."""
+        if not (
+            self.amx_prefill
+            and query.dtype == compute == torch.bfloat16
+            and query.device.type == "cpu"
+            and query.stride(-1) == 1
+            and long_query.mask is None
+        ):
+            return None
+        kernel = self.decode_kernel.get()
+        return kernel if kernel is not None and kernel.amx_prefill_supported() else None
 
     def _gather(self, name: str, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         numel = block_ids.shape[0] * cache[0].numel()

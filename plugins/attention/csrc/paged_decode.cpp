@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 #include <cstring>
 #include "simd.h"
+#include "prefill_attention.h"
 #include <omp.h>
 #include <algorithm>
 #include <cmath>
@@ -17,9 +18,7 @@
 // then per query (a decode's one token, or each token of a short prefill or a draft): seq_lens: int32, the keys
 // it attends (itself included); rows: int64, its query row; table_rows: int64, its request's block-table row;
 // window: 0, or the sliding window.
-// A pool's entry point (patchbay.worker.cpu.streaming_linear.chunk_runner): runs work(context, i) for every i in
-// [0, chunks) over the calling thread and threads - 1 helpers.
-using RunChunks = void (*)(int threads, int64_t chunks, void (*work)(const void*, int64_t), const void* context);
+// RunChunks, a pool's entry point: prefill_attention.h.
 
 struct Problem {
   int64_t requests, heads, head_size, row_size, block_size, kv_heads, group, max_blocks;
@@ -678,4 +677,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", torch::wrap_pybind_function_no_gil(paged_decode_attention), "paged_decode_attention");
   m.def("write_kv", torch::wrap_pybind_function_no_gil(write_kv), "write_kv");
   m.def("write_kv_and_attend", torch::wrap_pybind_function_no_gil(write_kv_and_attend), "write_kv_and_attend");
+  m.def("amx_prefill_supported", torch::wrap_pybind_function(amx_prefill_supported), "amx_prefill_supported");
+  m.def("amx_prefill_attention", torch::wrap_pybind_function_no_gil(amx_prefill_attention), "amx_prefill_attention");
 }
