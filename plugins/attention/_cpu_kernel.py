@@ -1,4 +1,4 @@
-"""A C++ kernel for attention of single query tokens straight over the paged cache, built once per install.
+"""C++ kernels for attention straight over the paged cache, and for long prefills through AMX, built once per install.
 
 Each query token (a decode's, a draft's, or one of a short prefill's, whose
 keys the step has already written) attends the keys up to itself on its own.

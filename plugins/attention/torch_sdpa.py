@@ -13,7 +13,9 @@ Each step is planned once per KV-cache group (by :class:`TorchSDPAMetadataBuilde
 
 On CPU float32 and bfloat16, single-token queries (decodes) skip the gather
 and go through patchbay's C++ kernel over the paged cache instead (option
-``decode_kernel``; see ``_cpu_kernel.py``).
+``decode_kernel``; see ``_cpu_kernel.py``).  On a CPU with AMX, long bfloat16
+prefill chunks of head size 64 go through the same extension's AMX kernel
+instead of SDPA (option ``prefill_kernel``).
 """
 
 from __future__ import annotations
