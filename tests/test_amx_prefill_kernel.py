@@ -108,6 +108,8 @@ def test_inputs_the_kernel_does_not_take_are_refused_by_name(kernel):
         kernel.amx_prefill_attention(torch.zeros(4, 2, 128, dtype=torch.bfloat16), keys, keys, 0, 0.1, output, 0, 1)
     with pytest.raises(RuntimeError, match="amx_prefill_attention: 4 keys for 2 cached and 4 new tokens"):
         kernel.amx_prefill_attention(query, keys, keys, 2, 0.1, output, 0, 1)
+    with pytest.raises(RuntimeError, match="amx_prefill_attention: a positive scale expected, got -0.1"):
+        kernel.amx_prefill_attention(query, keys, keys, 0, -0.1, output, 0, 1)
 
 
 def _long_bfloat16_case(cache_dtype: str | None) -> AttentionCase:

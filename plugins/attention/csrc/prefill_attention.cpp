@@ -326,6 +326,8 @@ void amx_prefill_attention(torch::Tensor query, torch::Tensor keys, torch::Tenso
   TORCH_CHECK(context_len >= 0 && num_keys == context_len + q_len, "amx_prefill_attention: ", num_keys,
               " keys for ", context_len, " cached and ", q_len, " new tokens");
   TORCH_CHECK(num_keys < INT32_MAX, "amx_prefill_attention: under 2^31 keys expected, got ", num_keys);
+  // Scores are compared with a row's limit before they are scaled (weigh_block): that needs a positive scale.
+  TORCH_CHECK(scale > 0, "amx_prefill_attention: a positive scale expected, got ", scale);
 #ifdef PATCHBAY_AMX_PREFILL
   if (q_len == 0) return;
   const int64_t blocks = (num_keys + kBlockKeys - 1) / kBlockKeys;
