@@ -18,7 +18,7 @@
 // then per query (a decode's one token, or each token of a short prefill or a draft): seq_lens: int32, the keys
 // it attends (itself included); rows: int64, its query row; table_rows: int64, its request's block-table row;
 // window: 0, or the sliding window.
-// RunChunks, a pool's entry point: prefill_attention.h.
+// RunChunks, a pool's entry point, and run_tasks: run_tasks.h.
 
 struct Problem {
   int64_t requests, heads, head_size, row_size, block_size, kv_heads, group, max_blocks;
@@ -67,18 +67,9 @@ static inline float row_scale(const cache_t* row, int64_t head_size) {
   }
 }
 
-// task(i) for every i in [0, tasks): on the caller's pool where it passed one (its helpers are awake between the
-// step's products, where OpenMP's sleeping threads would have to be woken and then contend with them for the
-// cores), else over OpenMP.
 template <typename Task>
 static void for_each_task(const Problem& p, int64_t tasks, const Task& task) {
-  if (p.run_chunks != nullptr && p.threads > 1) {
-    p.run_chunks(p.threads, tasks, [](const void* context, int64_t i) { (*static_cast<const Task*>(context))(i); },
-                 &task);
-    return;
-  }
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < tasks; ++i) task(i);
+  run_tasks(p.run_chunks, p.threads, tasks, task);
 }
 
 // Softmax in place over each query head's n scores; they are finite (nothing is masked), so fast math is safe.

@@ -11,7 +11,6 @@
 // output are float32 until the output is written.  A task takes every query head of one KV head over 8 row
 // tiles, in passes of 256 keys that all its row tiles use while the keys are in cache.
 #include "prefill_attention.h"
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cfloat>
 #include <climits>
@@ -285,17 +284,6 @@ void attend_rows(const Prefill& job, int64_t kv_head, int64_t first_tile, int64_
       }
     }
   }
-}
-
-template <typename F>
-void run_tasks(RunChunks pool, int threads, int64_t tasks, const F& task) {
-  if (pool != nullptr) {
-    pool(threads, tasks, [](const void* context, int64_t i) { (*static_cast<const F*>(context))(i); }, &task);
-    return;
-  }
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) task(i);
-  });
 }
 
 }  // namespace

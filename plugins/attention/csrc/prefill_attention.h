@@ -2,10 +2,8 @@
 #pragma once
 #include <torch/extension.h>
 #include <cstdint>
+#include "run_tasks.h"
 
-// A pool's entry point (patchbay.worker.cpu.streaming_linear.chunk_runner): runs work(context, i) for every i in
-// [0, chunks) over the calling thread and threads - 1 helpers.
-using RunChunks = void (*)(int threads, int64_t chunks, void (*work)(const void*, int64_t), const void* context);
 
 // Whether amx_prefill_attention runs here: built for AMX with bfloat16 tiles and AVX512-BF16, and the process
 // was granted the tile data.
