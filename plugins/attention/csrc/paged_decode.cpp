@@ -18,7 +18,7 @@
 // then per query (a decode's one token, or each token of a short prefill or a draft): seq_lens: int32, the keys
 // it attends (itself included); rows: int64, its query row; table_rows: int64, its request's block-table row;
 // window: 0, or the sliding window.
-// RunChunks, a pool's entry point, and run_tasks: run_tasks.h.
+// RunChunks, a pool's entry point, and run_tasks: prefill_attention.h.
 
 struct Problem {
   int64_t requests, heads, head_size, row_size, block_size, kv_heads, group, max_blocks;
