@@ -95,7 +95,7 @@ MAX_TUNING_ROUNDS = 4
 """Rounds that disagree by more than :data:`ROUNDS_AGREE` are followed by another, up to this many."""
 ROUNDS_AGREE = 1.15
 """Two rounds agree where their times differ by at most this factor (geometric mean over every path and bucket)."""
-TUNING_FORMAT = 9
+TUNING_FORMAT = 10
 """Bumped whenever what is measured or chosen changes, so cached results from older rules are measured again."""
 
 NATIVE_DTYPE_FLAGS = {

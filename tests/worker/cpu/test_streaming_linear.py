@@ -171,6 +171,21 @@ def test_products_through_amx_are_the_exact_product_rounded_once(shape, rows, th
             torch.testing.assert_close(got.double(), _oracle(inputs, weight, with_bias), **TOLERANCE[torch.bfloat16])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_products_cut_into_passes_over_the_depth_are_the_exact_product(threads, amx_from_one_row):
+    # On one thread, ranges of 18 tiles of 1,056 features (594 KiB) outgrow what a single pass keeps in L2: the
+    # depth's 33 operands run in passes whose sums wait in memory, the tiles in groups of 16 and 2, and 300 rows
+    # in blocks of 256 and 44 (an odd slice count, the last one partial).  Two threads' ranges of 10 tiles run
+    # the depth in one pass.
+    torch.manual_seed(threads)
+    out_features, in_features, rows = 2080, 1056, 300
+    weight, bias = torch.randn(out_features, in_features).bfloat16(), torch.randn(out_features).bfloat16()
+    layout = TileLayout(threads)
+    inputs = torch.randn(rows, in_features).bfloat16()
+    got = layout.product(inputs, layout.pack(weight), bias)
+    torch.testing.assert_close(got.double(), _oracle(inputs, weight, bias), **TOLERANCE[torch.bfloat16])
+
+
 def test_amx_takes_products_from_the_row_count_it_is_told(amx_from_one_row):
     # AMX reads subnormal bfloat16 as zero, the FMA kernel widens it exactly: the products tell which one ran.
     weight, inputs = torch.full((64, 512), 1e-39).bfloat16(), torch.ones(40, 512).bfloat16()

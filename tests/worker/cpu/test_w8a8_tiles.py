@@ -119,6 +119,26 @@ def test_products_through_amx_equal_the_int8_reference_bit_for_bit(rows, dtype):
 
 
 @needs_w8a8
+def test_amx_products_cut_into_passes_over_the_depth_equal_the_int8_reference():
+    # One thread's ranges of 32 tiles of 1,088 features (548 KiB) outgrow a single pass: 17 operands in passes,
+    # the tiles in groups of 16, and 300 rows in blocks of 256 and 44; the last range, 17 tiles, runs in one.
+    if not w8a8_amx_available():
+        pytest.skip("W8A8 through AMX needs a CPU with AMX-INT8 (and Linux's leave to use it)")
+    out_features, in_features, rows = 3856, 1088, 300
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    inputs = torch.randn(rows, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    tiles = w8a8_tiles(weight)
+    previous = use_w8a8_amx_from(1)
+    try:
+        got = load_streaming_linear().tiled_linear(inputs, tiles, bias, out_features, 1)
+    finally:
+        use_w8a8_amx_from(previous)
+    assert torch.equal(got, w8a8_reference(inputs, weight, bias))
+
+
+@needs_w8a8
 def test_the_layout_refuses_weights_it_cannot_hold():
     layout = W8A8TileLayout(threads=2)
     assert layout.supports(torch.randn(8, 64)) and layout.supports(torch.randn(8, 64).bfloat16())
