@@ -459,15 +459,15 @@ enum class AmxProduct { kBfloat16Pairs, kBytes };
     else PATCHBAY_AMX_PAIRS(SUMS, A, B);                                                 \
   } while (0)
 
-// Sums of 16 * ROW_SLICES rows of A (`x`, rows `x_stride` bytes apart) by TILES weight tiles (the first at
-// `panel`, the next `tile_bytes` on) over `steps` operands: 64 bytes of each row of A, and the next 1 KiB (16
-// lines of 64 bytes) of each tile.  The 4-byte sums are 16 x 16 blocks in `sums`, rows `sums_stride` bytes
+// Sums of 16 * ROW_SLICES rows of A (the slices at `x` and `x_next`, rows `x_stride` bytes apart) by TILES weight
+// tiles (the first at `panel`, the next `tile_bytes` on) over `steps` operands: 64 bytes of each row of A, and the
+// next 1 KiB (16 lines of 64 bytes) of each tile.  The 4-byte sums are 16 x 16 blocks in `sums`, rows `sums_stride` bytes
 // apart, the second tile's 64 bytes right of the first's and the second slice's 16 rows below; they start from
 // what `sums` holds when `resume`, else from zero.  Tile registers: 0-3 the sums (2 x 2), 4-5 the slices of A,
 // 6-7 the tiles' lines.
 template <AmxProduct P, int ROW_SLICES, int TILES>
-static void amx_pass(const char* x, int64_t x_stride, const char* panel, int64_t tile_bytes, int64_t steps,
-                     char* sums, int64_t sums_stride, bool resume) {
+static void amx_pass(const char* x, const char* x_next, int64_t x_stride, const char* panel, int64_t tile_bytes,
+                     int64_t steps, char* sums, int64_t sums_stride, bool resume) {
   char* lower = sums + kAmxRows * sums_stride;
   if (resume) {
     _tile_loadd(0, sums, sums_stride);
@@ -489,7 +489,7 @@ static void amx_pass(const char* x, int64_t x_stride, const char* panel, int64_t
       PATCHBAY_AMX_PRODUCT(P, 1, 4, 7);
     }
     if constexpr (ROW_SLICES > 1) {
-      _tile_loadd(5, x + kAmxRows * x_stride + 64 * step, x_stride);
+      _tile_loadd(5, x_next + 64 * step, x_stride);
       PATCHBAY_AMX_PRODUCT(P, 2, 5, 6);
       if constexpr (TILES > 1) PATCHBAY_AMX_PRODUCT(P, 3, 5, 7);
     }
@@ -502,18 +502,19 @@ static void amx_pass(const char* x, int64_t x_stride, const char* panel, int64_t
 
 // amx_pass of one or two row slices by one or two tiles, as the block's edges leave.
 template <AmxProduct P>
-static void amx_pass_of(bool two_slices, bool two_tiles, const char* x, int64_t x_stride, const char* panel,
+static void amx_pass_of(bool two_tiles, const char* x, const char* x_next, int64_t x_stride, const char* panel,
                         int64_t tile_bytes, int64_t steps, char* sums, int64_t sums_stride, bool resume) {
-  if (two_slices && two_tiles) amx_pass<P, 2, 2>(x, x_stride, panel, tile_bytes, steps, sums, sums_stride, resume);
-  else if (two_slices) amx_pass<P, 2, 1>(x, x_stride, panel, tile_bytes, steps, sums, sums_stride, resume);
-  else if (two_tiles) amx_pass<P, 1, 2>(x, x_stride, panel, tile_bytes, steps, sums, sums_stride, resume);
-  else amx_pass<P, 1, 1>(x, x_stride, panel, tile_bytes, steps, sums, sums_stride, resume);
+  if (x_next && two_tiles) amx_pass<P, 2, 2>(x, x_next, x_stride, panel, tile_bytes, steps, sums, sums_stride, resume);
+  else if (x_next) amx_pass<P, 2, 1>(x, x_next, x_stride, panel, tile_bytes, steps, sums, sums_stride, resume);
+  else if (two_tiles) amx_pass<P, 1, 2>(x, x, x_stride, panel, tile_bytes, steps, sums, sums_stride, resume);
+  else amx_pass<P, 1, 1>(x, x, x_stride, panel, tile_bytes, steps, sums, sums_stride, resume);
 }
 
 // How a tile product of many rows is cut so that each operand is read from the nearest cache that holds it.  A
-// pass over up to kAmxDepthSteps operands (the depth cut evenly) reads 8 KiB of each tile: a pair of tiles (16 KiB) stays in L1 while every
-// 32-row block of the rows passes over it with its own 16 KiB, and those rows' 64-byte columns (128 KiB at
-// most) stay in L2 while the group's tile pairs pass.  The sums of kAmxBlockRows rows by kAmxGroupTiles tiles
+// pass over up to kAmxDepthSteps operands (the depth cut evenly) reads 8 KiB of each tile: a pair of tiles
+// (16 KiB) stays in L1 while every 32-row block of the rows passes over it with its own 16 KiB, and those rows'
+// 64-byte columns (128 KiB at most) stay in L2 while the group's tile pairs pass.  A thread's range of tiles
+// that fits in kAmxRangeInL2 stays in L2 whole: its rows run the whole depth in one pass.  The sums of kAmxBlockRows rows by kAmxGroupTiles tiles
 // wait between passes in a buffer of this thread's.  Fewer than 33 rows reuse no tile, so they run the whole
 // depth in one pass.  On an Intel Xeon with AMX (2 threads), the four products of a decoder layer of
 // Llama-3.2-1B's shape at 256 rows took 18-23 ms cut so, 27.5 ms with each 32 rows passing over every tile in
@@ -526,29 +527,43 @@ constexpr int64_t kAmxRangeInL2 = 512 << 10;
 // fall into the same L1 sets.
 constexpr int64_t kAmxSumsStride = kAmxGroupTiles * 64 + 64;
 
-// Every row of A (`padded_rows`, a multiple of 16) times the tiles [tile_begin, tile_end) over `steps` operands.
+// The rows of A in 16-row slices: `full` slices in place at `x`, rows `x_stride` bytes apart, and after them the
+// `tail` slice, if any (the last rows and zeros after them, rows as far apart).
+struct AmxRows {
+  const char* x;
+  int64_t x_stride;
+  int64_t full;
+  const char* tail;
+  int64_t padded_rows() const { return (full + (tail ? 1 : 0)) * kAmxRows; }
+  const char* slice(int64_t m0) const { return m0 / kAmxRows < full ? x + m0 * x_stride : tail; }
+};
+
+// Every row of A (`rows.padded_rows()`) times the tiles [tile_begin, tile_end) over `steps` operands.
 // Once a block of rows by a group of tiles is summed, `finish(m0, block_rows, t0, group_tiles, sums, stride)`
 // takes its 4-byte sums: row m0 + r, tile t0 + t at sums + r * stride + t * 64.
 template <AmxProduct P, typename Finish>
-static void amx_range(const char* x, int64_t x_stride, int64_t padded_rows, const char* tiles, int64_t tile_bytes,
-                      int64_t steps, int64_t tile_begin, int64_t tile_end, const Finish& finish) {
+static void amx_range(const AmxRows& rows, const char* tiles, int64_t tile_bytes, int64_t steps, int64_t tile_begin,
+                      int64_t tile_end, const Finish& finish) {
   thread_local std::vector<char> buffer;
   buffer.resize(static_cast<size_t>(kAmxBlockRows * kAmxSumsStride + 64));
   char* sums = buffer.data() + (-reinterpret_cast<intptr_t>(buffer.data()) & 63);  // 64-byte aligned
   configure_amx_tiles();
   const bool range_fits = (tile_end - tile_begin) * tile_bytes <= kAmxRangeInL2;
+  const int64_t padded_rows = rows.padded_rows();
   for (int64_t group = tile_begin; group < tile_end; group += kAmxGroupTiles) {
     const int64_t group_end = std::min(tile_end, group + kAmxGroupTiles);
     for (int64_t block = 0; block < padded_rows; block += kAmxBlockRows) {
       const int64_t block_end = std::min(padded_rows, block + kAmxBlockRows);
-      const int64_t passes = block_end - block > 2 * kAmxRows && !range_fits ? (steps + kAmxDepthSteps - 1) / kAmxDepthSteps : 1;
+      const bool one_pass = block_end - block <= 2 * kAmxRows || range_fits;
+      const int64_t passes = one_pass ? 1 : (steps + kAmxDepthSteps - 1) / kAmxDepthSteps;
       const int64_t depth = (steps + passes - 1) / passes;  // as even as the steps allow
       for (int64_t s0 = 0; s0 < steps; s0 += depth) {
         const int64_t pass_steps = std::min(depth, steps - s0);
         for (int64_t t0 = group; t0 < group_end; t0 += 2) {
           const char* panel = tiles + t0 * tile_bytes + s0 * 1024;
           for (int64_t m0 = block; m0 < block_end; m0 += 2 * kAmxRows)
-            amx_pass_of<P>(m0 + kAmxRows < block_end, t0 + 1 < group_end, x + m0 * x_stride + s0 * 64, x_stride,
+            amx_pass_of<P>(t0 + 1 < group_end, rows.slice(m0) + s0 * 64,
+                           m0 + kAmxRows < block_end ? rows.slice(m0 + kAmxRows) + s0 * 64 : nullptr, rows.x_stride,
                            panel, tile_bytes, pass_steps, sums + (m0 - block) * kAmxSumsStride + (t0 - group) * 64,
                            kAmxSumsStride, s0 > 0);
         }
@@ -668,12 +683,11 @@ static const float* widen_rows(const c10::BFloat16* x, int64_t ldx, int64_t rows
 // dot product is bound by arithmetic and AMX's tile product does 16 times its work per instruction.  A tile of
 // 16 output features is [K/2][16][2]: 16 lines of it (32 input features) are exactly AMX's B operand, 16 pairs
 // by 16 features, 64 bytes a line; 16 rows of x by 32 input features are its A operand, read in place (see
-// amx_pass).  Rows past the last one are read from a zero-padded copy of x, so every slice has 16 rows.
+// amx_pass).  A last slice of fewer than 16 rows is read from a copy of them padded with zero rows.
 constexpr int64_t kAmxPairs = 16;  // pairs of input features in one B operand
-// Every row of x (`padded_rows`, a multiple of 16, of which the first `rows` are real) times tiles
-// [tile_begin, tile_end), cut as amx_range cuts it.
-static void bf16_amx_range(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t padded_rows,
-                           const c10::BFloat16* tiles, int64_t pairs, const c10::BFloat16* bias, c10::BFloat16* out,
+// Every row of x (`a`, of which the first `rows` are real) times tiles [tile_begin, tile_end), cut as amx_range
+// cuts it.
+static void bf16_amx_range(const AmxRows& a, int64_t rows, const c10::BFloat16* tiles, int64_t pairs, const c10::BFloat16* bias, c10::BFloat16* out,
                            int64_t ldo, int64_t N, int64_t tile_begin, int64_t tile_end) {
   const auto finish = [&](int64_t m0, int64_t block_rows, int64_t t0, int64_t group_tiles, const char* sums,
                           int64_t stride) {
@@ -687,8 +701,7 @@ static void bf16_amx_range(const c10::BFloat16* x, int64_t ldx, int64_t rows, in
       }
     }
   };
-  amx_range<AmxProduct::kBfloat16Pairs>(reinterpret_cast<const char*>(x), ldx * 2, padded_rows,
-                                        reinterpret_cast<const char*>(tiles), pairs * 64, pairs / kAmxPairs,
+  amx_range<AmxProduct::kBfloat16Pairs>(a, reinterpret_cast<const char*>(tiles), pairs * 64, pairs / kAmxPairs,
                                         tile_begin, tile_end, finish);
 }
 #endif
@@ -807,11 +820,10 @@ static void w8a8_tile_range(const uint8_t* x, int64_t K, const float* x_scales, 
 // int32 sums are VNNI's exactly, and the same epilogue scales them, so the outputs equal the kernel's above.
 constexpr int64_t kAmxW8A8Lines = 16;
 
-// Every row of levels (`padded_rows` of K, a multiple of 16; the first `rows` real) times tiles
-// [tile_begin, tile_end), cut as amx_range cuts it.
+// Every row of levels (`a`: rows of K, the first `rows` real) times tiles [tile_begin, tile_end), cut as amx_range
+// cuts it.
 template <typename X>
-static void w8a8_amx_range(const uint8_t* x, int64_t K, const float* x_scales, int64_t rows, int64_t padded_rows,
-                           const int8_t* tiles, const float* bias, X* out, int64_t N, int64_t tile_begin,
+static void w8a8_amx_range(const AmxRows& a, int64_t K, const float* x_scales, int64_t rows, const int8_t* tiles, const float* bias, X* out, int64_t N, int64_t tile_begin,
                            int64_t tile_end) {
   const int64_t lines = K / 4, tile_bytes = (lines + 2) * kW8A8LineBytes;
   const auto finish = [&](int64_t m0, int64_t block_rows, int64_t t0, int64_t group_tiles, const char* sums,
@@ -831,9 +843,8 @@ static void w8a8_amx_range(const uint8_t* x, int64_t K, const float* x_scales, i
       }
     }
   };
-  amx_range<AmxProduct::kBytes>(reinterpret_cast<const char*>(x), K, padded_rows,
-                                reinterpret_cast<const char*>(tiles), tile_bytes, lines / kAmxW8A8Lines, tile_begin,
-                                tile_end, finish);
+  amx_range<AmxProduct::kBytes>(a, reinterpret_cast<const char*>(tiles), tile_bytes, lines / kAmxW8A8Lines,
+                                tile_begin, tile_end, finish);
 }
 #endif
 #endif
@@ -1039,7 +1050,8 @@ torch::Tensor tiled_w8a8_linear(torch::Tensor x, torch::Tensor tiles, c10::optio
     if (amx) {
       const int64_t amx_per_chunk = chunk_tiles(n_tiles, 2, threads);
       ChunkPool::instance().run(threads, (n_tiles + amx_per_chunk - 1) / amx_per_chunk, [&](int64_t chunk) {
-        w8a8_amx_range(lp, K, sp, rows, padded_rows, tp, bp, op, N, chunk * amx_per_chunk,
+        w8a8_amx_range(AmxRows{reinterpret_cast<const char*>(lp), K, padded_rows / kAmxRows, nullptr}, K, sp, rows, tp,
+                       bp, op, N, chunk * amx_per_chunk,
                        std::min(n_tiles, (chunk + 1) * amx_per_chunk));
       });
       return;
@@ -1089,21 +1101,19 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<t
 #if defined(PATCHBAY_AMX_BF16)
     const int64_t amx_from = bf16_amx_from_rows.load(std::memory_order_relaxed);
     if (amx_from > 0 && rows >= amx_from && pairs % kAmxPairs == 0 && amx_permitted()) {
-      const int64_t padded_rows = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
-      const c10::BFloat16* xa = xp;
-      int64_t lda = ldx;
-      thread_local std::vector<c10::BFloat16> padded;
-      if (padded_rows != rows) {  // the last slice's missing rows read as zeros
-        const int64_t K = 2 * pairs;
-        padded.assign(static_cast<size_t>(padded_rows * K), c10::BFloat16(0.0f));
-        for (int64_t m = 0; m < rows; ++m)
-          std::memcpy(padded.data() + m * K, xp + m * ldx, K * sizeof(c10::BFloat16));
-        xa = padded.data();
-        lda = K;
+      AmxRows a{reinterpret_cast<const char*>(xp), ldx * 2, rows / kAmxRows, nullptr};
+      thread_local std::vector<c10::BFloat16> tail;
+      if (const int64_t tail_rows = rows % kAmxRows) {  // the last slice's missing rows read as zeros
+        constexpr int64_t kAligned = 32;  // bfloat16s in 64 bytes
+        tail.assign(static_cast<size_t>(kAmxRows * ldx + kAligned), c10::BFloat16(0.0f));
+        c10::BFloat16* rows_copy = tail.data() + (-reinterpret_cast<intptr_t>(tail.data()) & 63) / 2;
+        for (int64_t r = 0; r < tail_rows; ++r)
+          std::memcpy(rows_copy + r * ldx, xp + (a.full * kAmxRows + r) * ldx, 2 * pairs * sizeof(c10::BFloat16));
+        a.tail = reinterpret_cast<const char*>(rows_copy);
       }
       const int64_t per_chunk = chunk_tiles(n_tiles, 2, threads);
       ChunkPool::instance().run(threads, (n_tiles + per_chunk - 1) / per_chunk, [&](int64_t chunk) {
-        bf16_amx_range(xa, lda, rows, padded_rows, tp, pairs, bp, op, N, N, chunk * per_chunk,
+        bf16_amx_range(a, rows, tp, pairs, bp, op, N, N, chunk * per_chunk,
                        std::min(n_tiles, (chunk + 1) * per_chunk));
       });
       return out;
