@@ -23,7 +23,8 @@ patchbay's block cache torch's CPU allocator, for the whole process
 (``csrc/host_allocator.cpp``): glibc serves torch's 64-byte-aligned requests
 through ``memalign``, whose search of its free chunks took ~6 % of a
 64-request W8A8 decode's samples; the cache hands a freed block of the same
-size class straight back.  It keeps at most :data:`KEPT_BYTES_LIMIT` of freed
+size class straight back (else one of up to twice the size, so that a step of
+a new size reuses resident memory).  It keeps at most :data:`KEPT_BYTES_LIMIT` of freed
 blocks, none larger than :data:`LARGEST_KEPT_BLOCK` (weights and KV pools
 come from the C library), and :func:`release_kept_blocks` hands them back.
 """

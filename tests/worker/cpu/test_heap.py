@@ -90,6 +90,24 @@ def test_a_freed_block_comes_back_for_a_tensor_of_its_size_class(block_cache):
 
 
 @needs_the_block_cache
+def test_a_request_whose_class_is_empty_takes_a_kept_block_up_to_twice_its_size(block_cache):
+    """A freed block of class 655,360 serves 400,000 bytes (class 458,752) and goes back to its own class; it is
+    too large for 200,000 bytes (class 229,376), which get a block of their own."""
+    first = torch.empty(600_000, dtype=torch.uint8)
+    address = first.data_ptr()
+    del first
+    assert _counters_after(lambda: torch.empty(200_000, dtype=torch.uint8)) == {"reused": 0, "fresh": 1, "not_kept": 0}
+    heap.release_kept_blocks()
+    first = torch.empty(600_000, dtype=torch.uint8)
+    address = first.data_ptr()
+    del first
+    smaller = torch.empty(400_000, dtype=torch.uint8)
+    assert smaller.data_ptr() == address
+    del smaller
+    assert heap.block_cache_counters()["kept_bytes"] == 655_360
+
+
+@needs_the_block_cache
 def test_blocks_too_large_to_keep_go_back_to_the_c_library(block_cache):
     def large() -> None:
         torch.empty(heap.LARGEST_KEPT_BLOCK + 1, dtype=torch.uint8)

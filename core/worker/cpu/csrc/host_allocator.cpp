@@ -5,7 +5,9 @@
 // glibc serves by splitting a larger chunk and merging the rest back; on a 64-request W8A8 decode that search took
 // ~6 % of the process's samples. Here a freed block goes to a list for its size class and the next request of that
 // class takes it back, under one mutex; blocks above a size limit, and blocks that would take the kept bytes over
-// their limit, go back to the C library.
+// their limit, go back to the C library. A request whose class has no block takes one of the next classes, up to
+// twice its size, before asking the C library: a step of a new size (a prefill's row count) then reuses memory
+// earlier steps left, instead of faulting in fresh pages while that memory lies idle.
 
 #include <torch/extension.h>
 
@@ -24,6 +26,7 @@ constexpr size_t kHeader = kAlignment;  // the block's size class, stored before
 constexpr size_t kNotKept = 0;  // the class stored in a block too large to keep
 constexpr size_t kSmallBlock = 512;  // up to this size, classes are every 64 bytes
 constexpr size_t kClassesPerDoubling = 8;  // above it, at most 12.5 % of a block is rounding
+constexpr size_t kLargestSpare = 2;  // a request may take a kept block up to this many times its class
 
 size_t size_class(size_t bytes) {
   if (bytes <= kSmallBlock) return bytes <= kAlignment ? kAlignment : (bytes + kAlignment - 1) / kAlignment * kAlignment;
@@ -50,11 +53,12 @@ class BlockCache {
         ++bypassed_;
       } else {
         block_class = size_class(bytes);
-        auto found = free_.find(block_class);
-        if (found != free_.end() && !found->second.empty()) {
-          void* block = found->second.back();
+        for (size_t kept = block_class; kept <= kLargestSpare * block_class; kept = size_class(kept + 1)) {
+          auto found = free_.find(kept);
+          if (found == free_.end() || found->second.empty()) continue;
+          void* block = found->second.back();  // its header keeps its own class, where it goes back
           found->second.pop_back();
-          kept_bytes_ -= block_class;
+          kept_bytes_ -= kept;
           ++reused_;
           return static_cast<char*>(block) + kHeader;
         }
