@@ -461,10 +461,10 @@ enum class AmxProduct { kBfloat16Pairs, kBytes };
 
 // Sums of 16 * ROW_SLICES rows of A (the slices at `x` and `x_next`, rows `x_stride` bytes apart) by TILES weight
 // tiles (the first at `panel`, the next `tile_bytes` on) over `steps` operands: 64 bytes of each row of A, and the
-// next 1 KiB (16 lines of 64 bytes) of each tile.  The 4-byte sums are 16 x 16 blocks in `sums`, rows `sums_stride` bytes
-// apart, the second tile's 64 bytes right of the first's and the second slice's 16 rows below; they start from
-// what `sums` holds when `resume`, else from zero.  Tile registers: 0-3 the sums (2 x 2), 4-5 the slices of A,
-// 6-7 the tiles' lines.
+// next 1 KiB (16 lines of 64 bytes) of each tile.  The 4-byte sums are 16 x 16 blocks in `sums`, rows
+// `sums_stride` bytes apart, the second tile's 64 bytes right of the first's and the second slice's 16 rows below;
+// they start from what `sums` holds when `resume`, else from zero.  Tile registers: 0-3 the sums (2 x 2), 4-5 the
+// slices of A, 6-7 the tiles' lines.
 template <AmxProduct P, int ROW_SLICES, int TILES>
 static void amx_pass(const char* x, const char* x_next, int64_t x_stride, const char* panel, int64_t tile_bytes,
                      int64_t steps, char* sums, int64_t sums_stride, bool resume) {
@@ -514,9 +514,9 @@ static void amx_pass_of(bool two_tiles, const char* x, const char* x_next, int64
 // pass over up to kAmxDepthSteps operands (the depth cut evenly) reads 8 KiB of each tile: a pair of tiles
 // (16 KiB) stays in L1 while every 32-row block of the rows passes over it with its own 16 KiB, and those rows'
 // 64-byte columns (128 KiB at most) stay in L2 while the group's tile pairs pass.  A thread's range of tiles
-// that fits in kAmxRangeInL2 stays in L2 whole: its rows run the whole depth in one pass.  The sums of kAmxBlockRows rows by kAmxGroupTiles tiles
-// wait between passes in a buffer of this thread's.  Fewer than 33 rows reuse no tile, so they run the whole
-// depth in one pass.  On an Intel Xeon with AMX (2 threads), the four products of a decoder layer of
+// that fits in kAmxRangeInL2 stays in L2 whole, and fewer than 33 rows reuse no tile: both run the whole depth in
+// one pass.  The sums of kAmxBlockRows rows by kAmxGroupTiles tiles wait between passes in a buffer of this
+// thread's.  On an Intel Xeon with AMX (2 threads), the four products of a decoder layer of
 // Llama-3.2-1B's shape at 256 rows took 18-23 ms cut so, 27.5 ms with each 32 rows passing over every tile in
 // turn; passes of 16 operands measured 5-8 % slower, and asking for the next pass's operands ahead no faster.
 constexpr int64_t kAmxBlockRows = 256;
@@ -687,8 +687,9 @@ static const float* widen_rows(const c10::BFloat16* x, int64_t ldx, int64_t rows
 constexpr int64_t kAmxPairs = 16;  // pairs of input features in one B operand
 // Every row of x (`a`, of which the first `rows` are real) times tiles [tile_begin, tile_end), cut as amx_range
 // cuts it.
-static void bf16_amx_range(const AmxRows& a, int64_t rows, const c10::BFloat16* tiles, int64_t pairs, const c10::BFloat16* bias, c10::BFloat16* out,
-                           int64_t ldo, int64_t N, int64_t tile_begin, int64_t tile_end) {
+static void bf16_amx_range(const AmxRows& a, int64_t rows, const c10::BFloat16* tiles, int64_t pairs,
+                           const c10::BFloat16* bias, c10::BFloat16* out, int64_t ldo, int64_t N, int64_t tile_begin,
+                           int64_t tile_end) {
   const auto finish = [&](int64_t m0, int64_t block_rows, int64_t t0, int64_t group_tiles, const char* sums,
                           int64_t stride) {
     for (int64_t t = 0; t < group_tiles; ++t) {
@@ -823,8 +824,8 @@ constexpr int64_t kAmxW8A8Lines = 16;
 // Every row of levels (`a`: rows of K, the first `rows` real) times tiles [tile_begin, tile_end), cut as amx_range
 // cuts it.
 template <typename X>
-static void w8a8_amx_range(const AmxRows& a, int64_t K, const float* x_scales, int64_t rows, const int8_t* tiles, const float* bias, X* out, int64_t N, int64_t tile_begin,
-                           int64_t tile_end) {
+static void w8a8_amx_range(const AmxRows& a, int64_t K, const float* x_scales, int64_t rows, const int8_t* tiles,
+                           const float* bias, X* out, int64_t N, int64_t tile_begin, int64_t tile_end) {
   const int64_t lines = K / 4, tile_bytes = (lines + 2) * kW8A8LineBytes;
   const auto finish = [&](int64_t m0, int64_t block_rows, int64_t t0, int64_t group_tiles, const char* sums,
                           int64_t stride) {
