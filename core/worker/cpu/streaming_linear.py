@@ -28,7 +28,11 @@ its spinning ones make every product wait for a thread a busy neighbour has
 descheduled.  So the products have their own helper threads (``ChunkPool``):
 chunks of tiles are claimed from one counter by the caller and the helpers
 alike, the caller never waits for a helper to start, and helpers spin only
-briefly between products.  Where the CPU has AMX, products of many rows run
+briefly between products.  An idle helper prefetches into its L2 the weights
+that followed the last product the time before, and takes its chunks from the
+front, where it read ahead (the caller takes them from the back): through a
+one-request decode's attention and Python the second core keeps streaming
+weights.  Where the CPU has AMX, products of many rows run
 through its tile product over the same tiles (bfloat16 and W8A8), from a row
 count the tuning measures; whether tiles beat oneDNN on a machine is measured
 there too (:mod:`patchbay.worker.cpu.tuning`).

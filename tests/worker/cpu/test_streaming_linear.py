@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -242,6 +243,42 @@ def test_a_chunk_that_throws_reaches_the_caller_after_every_chunk_ran():
     extension = streaming_linear.load_streaming_linear()
     for throwing_chunk in (0, 1, 5, 8):  # the first, one the helper may take, and ones only the 9-chunk runs have
         assert extension.chunk_pool_self_check(2, 20_000, throwing_chunk) == 0
+
+
+def _read_ahead(weights: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], int]:
+    """The plan the pool publishes after products naming ``weights`` (address, bytes) in turn, and its budget."""
+    flat = streaming_linear.load_streaming_linear().chunk_pool_read_ahead(
+        [begin for begin, _ in weights], [size for _, size in weights], 2
+    )
+    return list(zip(flat[:-1:2], flat[1:-1:2], strict=True)), flat[-1]
+
+
+# Addresses nothing maps (the first pages): the helpers only prefetch what a plan names, which drops them.
+A, B, C, D = (0x1000 * i for i in (1, 2, 3, 4))
+
+
+def test_the_pool_reads_ahead_the_weights_that_followed_last_time():
+    _, budget = _read_ahead([])
+    step = [(A, 4096), (B, 8192), (C, 4096)]
+    plan, _ = _read_ahead([*step, *step, step[0]])
+    assert plan == [(B, 8192), (C, 4096)]  # round the step's cycle, not past the product itself
+    plan, _ = _read_ahead([(D, 64)])
+    assert plan == []  # D never came before: nothing is known to follow it
+    plan, _ = _read_ahead([(A, 64), (B, budget + 4096), (A, 64)])
+    assert plan == [(B, budget)]  # cut to the budget, which is a share of the L2 cache
+    assert 0 < budget < 64 << 20
+
+
+def test_reading_ahead_weights_no_longer_mapped_does_not_fault():
+    """A plan may name freed weights (another engine's): the helpers must prefetch them, never load."""
+    torch.manual_seed(0)
+    layout = TileLayout(2)
+    x, weight = torch.randn(3, 64), torch.randn(96, 64)
+    packed = layout.pack(weight)
+    for _ in range(3):
+        _read_ahead([(A, 1 << 20), (B, 1 << 20), (A, 1 << 20)])
+        time.sleep(0.01)  # the helper reads B ahead while idle
+    torch.testing.assert_close(layout.product(x, packed, None), x @ weight.T, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")

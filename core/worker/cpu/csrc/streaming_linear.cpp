@@ -17,6 +17,7 @@
 #include <thread>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -32,79 +33,187 @@ static inline void cpu_relax() { std::this_thread::yield(); }
 // to span the ops between the products of one step, short enough that an idle engine burns no core.
 constexpr int64_t kSpinMicroseconds = 200;
 
+// The weights a product reads, named so the pool can learn which product follows which (ChunkPool::run).
+struct WeightRange {
+  const void* begin = nullptr;
+  int64_t bytes = 0;
+};
+
+// A helper with nothing to do reads ahead the weights of the products that came next last time, up to this share
+// of its L2 cache (in quarters), and takes the chunks it read first: a decode step of one request leaves a helper
+// idle through its attention and Python, and from memory one core reads at about half the machine's bandwidth.
+constexpr int64_t kWarmQuartersOfL2 = 3;
+constexpr int kWarmRanges = 4;
+constexpr size_t kMaxSuccessors = 1 << 14;
+constexpr int64_t kWarmCheckBytes = 4096;  // how often a warming helper looks for a new product
+#ifndef WARM_HINT
+#define WARM_HINT _MM_HINT_T1
+#endif
+
 class ChunkPool {
  public:
   using Work = void (*)(const void* context, int64_t chunk);
+  static constexpr int64_t kMaxChunks = (int64_t{1} << 20) - 1;
 
   static ChunkPool& instance() {
     static ChunkPool* pool = new ChunkPool();  // never destroyed: its helpers are detached and die with the process
     return *pool;
   }
 
-  void run(int threads, int64_t chunks, Work work, const void* context) {
+  // Runs work(context, chunk) for every chunk in [0, chunks).  Helpers claim chunks from the front and the caller
+  // from the back, so a helper runs first what it read ahead.  `weights`, where given, is what the product
+  // reads: the pool remembers the order in which weights follow each other and, while the helpers are idle after
+  // this product, reads ahead the ones that followed it before.
+  void run(int threads, int64_t chunks, Work work, const void* context, WeightRange weights = {}) {
     if (threads <= 1 || chunks <= 1) {
+      if (threads > 1 && weights.begin != nullptr) {
+        std::lock_guard<std::mutex> one_product_at_a_time(caller_);
+        plan_warming(weights, (state_.load(std::memory_order_relaxed) >> kGenerationShift) + 1, false);
+      }
       for (int64_t chunk = 0; chunk < chunks; ++chunk) work(context, chunk);
       return;
     }
-    TORCH_CHECK(chunks <= UINT32_MAX, "ChunkPool: at most 2^32 - 1 chunks per product, got ", chunks);
+    TORCH_CHECK(chunks <= kMaxChunks, "ChunkPool: at most ", kMaxChunks, " chunks per product, got ", chunks);
     std::lock_guard<std::mutex> one_product_at_a_time(caller_);
     start_helpers(threads - 1);
+    const uint64_t generation = ((state_.load(std::memory_order_relaxed) >> kGenerationShift) + 1) & kGenerationMask;
+    plan_warming(weights, generation, true);
     work_ = work;
     context_ = context;
-    chunks_ = chunks;
     failure_ = nullptr;
     finished_.store(0, std::memory_order_relaxed);
-    const uint64_t generation = (state_.load(std::memory_order_relaxed) >> 32) + 1;
-    state_.store((generation << 32) | static_cast<uint64_t>(chunks), std::memory_order_seq_cst);
+    state_.store((generation << kGenerationShift) | static_cast<uint64_t>(chunks), std::memory_order_seq_cst);
     wake_sequence_.fetch_add(1, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0)
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&wake_sequence_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
-    drain(generation);
+    drain(generation, true);
     // Every chunk claimed is waited for, even after a failure: they all read the caller's context.
     while (finished_.load(std::memory_order_acquire) < chunks) cpu_relax();
     if (failure_) std::rethrow_exception(failure_);
   }
 
   template <typename F>
-  void run(int threads, int64_t chunks, const F& f) {
-    run(threads, chunks, [](const void* context, int64_t chunk) { (*static_cast<const F*>(context))(chunk); }, &f);
+  void run(int threads, int64_t chunks, const F& f, WeightRange weights = {}) {
+    run(threads, chunks, [](const void* context, int64_t chunk) { (*static_cast<const F*>(context))(chunk); }, &f,
+        weights);
   }
 
+  // The plan the last product published (begin, bytes per range), and the budget plans are cut to: for the tests.
+  std::vector<std::pair<int64_t, int64_t>> published_plan() {
+    std::lock_guard<std::mutex> one_product_at_a_time(caller_);
+    const WarmPlan& plan = plans_[(state_.load(std::memory_order_relaxed) >> kGenerationShift) & 1];
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (int i = 0; i < kWarmRanges && plan.begin[i].load() != nullptr; ++i)
+      ranges.emplace_back(reinterpret_cast<int64_t>(plan.begin[i].load()), plan.bytes[i].load());
+    return ranges;
+  }
+  int64_t warm_budget() const { return warm_budget_; }
+
  private:
-  ChunkPool() { pthread_atfork(nullptr, nullptr, [] { instance().helpers_ = 0; }); }
+  // The state word: the product's generation, then the first and one past the last chunk not yet claimed.
+  static constexpr int kGenerationShift = 40, kFrontShift = 20;
+  static constexpr uint64_t kGenerationMask = (uint64_t{1} << 24) - 1, kChunkMask = (uint64_t{1} << 20) - 1;
+
+  // What the helpers read ahead after one product: a plan per generation, two slots, so the caller writes the
+  // next product's plan while a helper may still be copying this one's.
+  struct WarmPlan {
+    std::atomic<const char*> begin[kWarmRanges];
+    std::atomic<int64_t> bytes[kWarmRanges];
+  };
+
+  ChunkPool() {
+    pthread_atfork(nullptr, nullptr, [] { instance().helpers_ = 0; });
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    warm_budget_ = (l2 > 0 ? l2 : 1 << 20) / 4 * kWarmQuartersOfL2;
+    for (auto& plan : plans_)
+      for (int i = 0; i < kWarmRanges; ++i) plan.begin[i].store(nullptr), plan.bytes[i].store(0);
+  }
 
   void start_helpers(int wanted) {
     for (; helpers_ < wanted; ++helpers_) std::thread([this] { helper(); }).detach();
   }
 
-  // Claim and run chunks of `generation` until none is left.  The state word holds the generation and the
-  // chunks still unclaimed, so a claim is checked against its own product's count: a thread holding a stale
-  // state cannot claim a chunk of the next product before that product is published (the count used to live in
-  // a field of its own, which the next caller could overwrite while the state still named the old product).
-  void drain(uint64_t generation) {
+  // Learns that `weights` followed the last product's, and writes into generation's slot what comes after
+  // `weights`, up to the budget.  A product without weights (an attention's tasks, rows of an elementwise op)
+  // keeps the plan of the last one with them.  Called with caller_ held.
+  void plan_warming(const WeightRange& weights, uint64_t generation, bool publish) {
+    if (weights.begin != nullptr) {
+      if (successor_.size() > kMaxSuccessors) successor_.clear();  // weights of engines long gone
+      if (last_weights_ != nullptr && last_weights_ != weights.begin) successor_[last_weights_] = weights;
+      last_weights_ = weights.begin;
+      int count = 0;
+      int64_t budget = warm_budget_;
+      const void* at = weights.begin;
+      for (auto next = successor_.find(at); count < kWarmRanges && budget > 0 && next != successor_.end();
+           next = successor_.find(at)) {
+        if (next->second.begin == weights.begin) break;  // round the cycle of one step's products
+        last_plan_[count] = {next->second.begin, std::min(budget, next->second.bytes)};
+        budget -= last_plan_[count].bytes;
+        at = next->second.begin;
+        ++count;
+      }
+      last_plan_count_ = count;
+    }
+    if (!publish) return;
+    WarmPlan& plan = plans_[generation & 1];
+    for (int i = 0; i < kWarmRanges; ++i) {
+      const bool used = i < last_plan_count_;
+      plan.begin[i].store(used ? static_cast<const char*>(last_plan_[i].begin) : nullptr, std::memory_order_relaxed);
+      plan.bytes[i].store(used ? last_plan_[i].bytes : 0, std::memory_order_relaxed);
+    }
+  }
+
+  // Claim and run chunks of `generation` until none is left: the caller from the back, helpers from the front.
+  // The state word holds the generation with the chunks still unclaimed, so a claim is checked against its own
+  // product: a thread holding a stale state cannot claim a chunk of the next product before it is published.
+  void drain(uint64_t generation, bool from_back) {
     uint64_t state = state_.load(std::memory_order_acquire);
-    while ((state >> 32) == generation && (state & 0xFFFFFFFFu) != 0) {
-      if (state_.compare_exchange_weak(state, state - 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
-        // The fields are this generation's: the next product cannot start before this chunk is finished.
-        const int64_t chunk = chunks_ - static_cast<int64_t>(state & 0xFFFFFFFFu);
-        try {
-          work_(context_, chunk);
-        } catch (...) {
-          std::lock_guard<std::mutex> first_failure(failure_lock_);
-          if (!failure_) failure_ = std::current_exception();
-        }
-        finished_.fetch_add(1, std::memory_order_release);
-        state = state_.load(std::memory_order_acquire);
+    for (;;) {
+      const uint64_t front = (state >> kFrontShift) & kChunkMask, back = state & kChunkMask;
+      if ((state >> kGenerationShift) != generation || front >= back) return;
+      const uint64_t claimed = from_back ? state - 1 : state + (uint64_t{1} << kFrontShift);
+      if (!state_.compare_exchange_weak(state, claimed, std::memory_order_acq_rel, std::memory_order_acquire))
+        continue;
+      // The fields are this generation's: the next product cannot start before this chunk is finished.
+      const int64_t chunk = static_cast<int64_t>(from_back ? back - 1 : front);
+      try {
+        work_(context_, chunk);
+      } catch (...) {
+        std::lock_guard<std::mutex> first_failure(failure_lock_);
+        if (!failure_) failure_ = std::current_exception();
+      }
+      finished_.fetch_add(1, std::memory_order_release);
+      state = state_.load(std::memory_order_acquire);
+    }
+  }
+
+  // Asks for generation's plan in this core's L2, line by line, until done or a new product starts.  Prefetches,
+  // not loads: a plan may name weights freed since (another engine's), and a prefetch of unmapped memory is dropped.
+  void warm(uint64_t generation) {
+    const WarmPlan& plan = plans_[generation & 1];
+    const char* begin[kWarmRanges];
+    int64_t bytes[kWarmRanges];
+    for (int i = 0; i < kWarmRanges; ++i) {
+      begin[i] = plan.begin[i].load(std::memory_order_relaxed);
+      bytes[i] = plan.bytes[i].load(std::memory_order_relaxed);
+    }
+    // A newer generation may have rewritten the slot while it was copied (the one after that writes it).
+    if ((state_.load(std::memory_order_acquire) >> kGenerationShift) != generation) return;
+    for (int i = 0; i < kWarmRanges && begin[i] != nullptr; ++i) {
+      for (int64_t at = 0; at < bytes[i]; at += kWarmCheckBytes) {
+        if ((state_.load(std::memory_order_relaxed) >> kGenerationShift) != generation) return;
+        const int64_t end = std::min(bytes[i], at + kWarmCheckBytes);
+        for (int64_t line = at; line < end; line += 64) _mm_prefetch(begin[i] + line, WARM_HINT);
       }
     }
   }
 
   void helper() {
-    uint64_t seen = state_.load(std::memory_order_acquire) >> 32;
+    uint64_t seen = state_.load(std::memory_order_acquire) >> kGenerationShift;
     for (;;) {
       auto idle_since = std::chrono::steady_clock::now();
       uint64_t generation;
-      for (int spins = 0; (generation = state_.load(std::memory_order_acquire) >> 32) == seen; ++spins) {
+      for (int spins = 0; (generation = state_.load(std::memory_order_acquire) >> kGenerationShift) == seen; ++spins) {
         cpu_relax();
         if ((spins & 63) != 63) continue;
         // Hand the core to any other runnable thread (an OpenMP worker of the ops between products).
@@ -113,14 +222,15 @@ class ChunkPool {
         if (std::chrono::duration_cast<std::chrono::microseconds>(idle).count() < kSpinMicroseconds) continue;
         const uint32_t sequence = wake_sequence_.load(std::memory_order_seq_cst);
         sleepers_.fetch_add(1, std::memory_order_seq_cst);
-        if ((state_.load(std::memory_order_seq_cst) >> 32) == seen)
+        if ((state_.load(std::memory_order_seq_cst) >> kGenerationShift) == seen)
           syscall(SYS_futex, reinterpret_cast<uint32_t*>(&wake_sequence_), FUTEX_WAIT_PRIVATE, sequence, nullptr,
                   nullptr, 0);
         sleepers_.fetch_sub(1, std::memory_order_seq_cst);
         idle_since = std::chrono::steady_clock::now();
       }
       seen = generation;
-      drain(generation);
+      drain(generation, false);
+      warm(generation);
     }
   }
 
@@ -128,13 +238,19 @@ class ChunkPool {
   int helpers_ = 0;
   Work work_ = nullptr;
   const void* context_ = nullptr;
-  int64_t chunks_ = 0;  // written before the state that publishes it, read only by a thread that claimed a chunk
-  std::atomic<uint64_t> state_{0};  // generation (high 32 bits) and the chunks still unclaimed (low 32 bits)
+  std::atomic<uint64_t> state_{0};  // generation, first and end of the unclaimed chunks (kGenerationShift, ...)
   std::atomic<int64_t> finished_{0};
   std::mutex failure_lock_;
   std::exception_ptr failure_;  // the first chunk's exception, rethrown to the caller once every chunk is done
   std::atomic<uint32_t> wake_sequence_{0};
   std::atomic<int> sleepers_{0};
+  // Read ahead (caller_ guards all but plans_): which weights followed which, the last product's, its plan.
+  std::unordered_map<const void*, WeightRange> successor_;
+  const void* last_weights_ = nullptr;
+  WeightRange last_plan_[kWarmRanges];
+  int last_plan_count_ = 0;
+  int64_t warm_budget_ = 0;
+  WarmPlan plans_[2];
 };
 
 // The pool for other extensions' kernels (the attention's), as a plain C function whose address chunk_runner()
@@ -145,6 +261,21 @@ extern "C" void patchbay_run_chunks(int threads, int64_t chunks, void (*work)(co
 }
 
 int64_t chunk_runner() { return reinterpret_cast<int64_t>(&patchbay_run_chunks); }
+
+// The pool's read-ahead, for the tests: products of two chunks that do nothing, on `threads` threads, naming in
+// turn the weights [begins[i], begins[i] + bytes[i]) (addresses that need not be mapped: the helpers only
+// prefetch them); returns the plan the last one published, as begin and bytes per range, and then the budget.
+std::vector<int64_t> chunk_pool_read_ahead(std::vector<int64_t> begins, std::vector<int64_t> bytes, int64_t threads) {
+  TORCH_CHECK(begins.size() == bytes.size(), "chunk_pool_read_ahead: one size per weight");
+  ChunkPool& pool = ChunkPool::instance();
+  for (size_t i = 0; i < begins.size(); ++i)
+    pool.run(static_cast<int>(threads), 2, [](int64_t) {},
+             WeightRange{reinterpret_cast<const void*>(begins[i]), bytes[i]});
+  std::vector<int64_t> flat;
+  for (const auto& [begin, size] : pool.published_plan()) flat.insert(flat.end(), {begin, size});
+  flat.push_back(pool.warm_budget());
+  return flat;
+}
 
 // The pool's self-check for the tests: `products` products on `threads` threads, alternately 9 and 2 chunks (a
 // larger product right after a smaller one is where a stale claim would land), each chunk counting its own
@@ -933,6 +1064,11 @@ int64_t use_bfloat16_amx_from(int64_t rows) {
   return bf16_amx_from_rows.exchange(rows);
 }
 
+// What a product reads, for the pool's read-ahead (ChunkPool::run).
+static WeightRange weights_of(const torch::Tensor& tiles) {
+  return {tiles.data_ptr(), static_cast<int64_t>(tiles.nbytes())};
+}
+
 // Tiles per chunk: whole blocks, about eight chunks per thread so a late helper leaves little to wait for.
 static int64_t chunk_tiles(int64_t n_tiles, int64_t block_tiles, int64_t threads) {
   const int64_t wanted = (n_tiles + 8 * threads - 1) / (8 * threads);
@@ -981,12 +1117,12 @@ torch::Tensor tiled_int4_linear(torch::Tensor x, torch::Tensor tiles, c10::optio
     float* op = out.data_ptr<float>();
     ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
       int4_tile_range(quantized, rows, tp, bp, op, N, chunk * per_chunk, std::min(n_tiles, (chunk + 1) * per_chunk));
-    });
+    }, weights_of(tiles));
   } else {
     auto* op = out.data_ptr<at::BFloat16>();
     ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
       int4_tile_range(quantized, rows, tp, bp, op, N, chunk * per_chunk, std::min(n_tiles, (chunk + 1) * per_chunk));
-    });
+    }, weights_of(tiles));
   }
   return out;
 #else
@@ -1069,13 +1205,13 @@ torch::Tensor tiled_w8a8_linear(torch::Tensor x, torch::Tensor tiles, c10::optio
         w8a8_amx_range(AmxRows{reinterpret_cast<const char*>(lp), K, padded_rows / kAmxRows, nullptr}, K, sp, rows, tp,
                        bp, op, N, chunk * amx_per_chunk,
                        std::min(n_tiles, (chunk + 1) * amx_per_chunk));
-      });
+      }, weights_of(tiles));
       return;
     }
 #endif
     ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
       w8a8_tile_range(lp, K, sp, rows, tp, bp, op, N, chunk * per_chunk, std::min(n_tiles, (chunk + 1) * per_chunk));
-    });
+    }, weights_of(tiles));
   };
   if (x.scalar_type() == torch::kFloat32)
     run(x.data_ptr<float>(), out.data_ptr<float>());
@@ -1131,7 +1267,7 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<t
       ChunkPool::instance().run(threads, (n_tiles + per_chunk - 1) / per_chunk, [&](int64_t chunk) {
         bf16_amx_range(a, rows, tp, pairs, bp, op, N, N, chunk * per_chunk,
                        std::min(n_tiles, (chunk + 1) * per_chunk));
-      });
+      }, weights_of(tiles));
       return out;
     }
 #endif
@@ -1143,14 +1279,14 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<t
       ChunkPool::instance().run(threads, (n_tiles + per_chunk - 1) / per_chunk, [&](int64_t chunk) {
         tile_range(fma_blocks, kBf16FmaTiles, widened, K, rows, tp, tile_elements, pairs, bp, op, N, 16, N,
                    chunk * per_chunk, std::min(n_tiles, (chunk + 1) * per_chunk));
-      });
+      }, weights_of(tiles));
       return out;
     }
     const int64_t per_chunk = chunk_tiles(n_tiles, kBf16Tiles, threads);
     ChunkPool::instance().run(threads, (n_tiles + per_chunk - 1) / per_chunk, [&](int64_t chunk) {
       tile_range(blocks, kBf16Tiles, xp, ldx, rows, tp, tile_elements, pairs, bp, op, N, 16, N, chunk * per_chunk,
                  std::min(n_tiles, (chunk + 1) * per_chunk));
-    });
+    }, weights_of(tiles));
     return out;
 #else
     TORCH_CHECK(false, "tiled_linear: bfloat16 needs AVX512-BF16");
@@ -1170,7 +1306,7 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor tiles, c10::optional<t
   ChunkPool::instance().run(threads, (n_tiles + per_chunk - 1) / per_chunk, [&](int64_t chunk) {
     tile_range(blocks, kLaneTiles, xp, ldx, rows, tp, tile_elements, K, bp, op, N, kLanes, N, chunk * per_chunk,
                std::min(n_tiles, (chunk + 1) * per_chunk));
-  });
+  }, weights_of(tiles));
   return out;
 #else
   TORCH_CHECK(false, "tiled_linear needs AVX-512 or AVX2");
@@ -1201,7 +1337,7 @@ torch::Tensor tiled_int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Ten
     ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
       tile_range(blocks, kLaneTiles, xp, ldx, rows, tp, tile_elements, K, sp, op, N, kLanes, N, chunk * per_chunk,
                  std::min(n_tiles, (chunk + 1) * per_chunk));
-    });
+    }, weights_of(tiles));
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "tiled_int8_linear takes float32 or bfloat16 activations");
     static const BlockTable<decltype(&int8_block_bf16<1, 1>)> blocks = PATCHBAY_BLOCKS(int8_block_bf16);
@@ -1210,7 +1346,7 @@ torch::Tensor tiled_int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Ten
     ChunkPool::instance().run(threads, chunks, [&](int64_t chunk) {
       tile_range(blocks, kLaneTiles, xp, ldx, rows, tp, tile_elements, K, sp, op, N, kLanes, N, chunk * per_chunk,
                  std::min(n_tiles, (chunk + 1) * per_chunk));
-    });
+    }, weights_of(tiles));
   }
   return out;
 #else
@@ -1245,5 +1381,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_bfloat16_pairs_up_to", torch::wrap_pybind_function(use_bfloat16_pairs_up_to), "use_bfloat16_pairs_up_to");
   m.def("chunk_runner", torch::wrap_pybind_function(chunk_runner), "chunk_runner");
   m.def("chunk_pool_self_check", torch::wrap_pybind_function_no_gil(chunk_pool_self_check), "chunk_pool_self_check");
+  m.def("chunk_pool_read_ahead", torch::wrap_pybind_function_no_gil(chunk_pool_read_ahead), "chunk_pool_read_ahead");
   m.def("tiled_product", torch::wrap_pybind_function(tiled_product), "tiled_product");
 }
