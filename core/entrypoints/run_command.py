@@ -182,7 +182,7 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Engine) -> s
     )
     lines.append(
         f"fused kernels:       {fused.norms} RMS norms, {fused.mlps} SiLU MLPs, {fused.attentions} "
-        f"rotary attentions, {fused.layers} whole decoder layers"
+        f"rotary attentions, {fused.layers} whole decoder layers, {fused.decoder_loops} decoder loops"
     )
     if report.kv_connector is not None:
         kv = report.kv_connector

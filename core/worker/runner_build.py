@@ -32,7 +32,7 @@ from patchbay.interfaces import (
 )
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup, cache_dtype, group_layers
 from patchbay.scheduling.structured_output import GrammarCompilations
-from patchbay.worker.cpu.fused_layer import use_fused_layers
+from patchbay.worker.cpu.fused_layer import use_fused_decoder_loops, use_fused_layers
 from patchbay.worker.cpu.fused_ops import FusedModules, use_fused_ops
 from patchbay.worker.cpu.fused_projections import fuse_shared_input_projections
 from patchbay.worker.model.hf_model import HFCausalLM, torch_dtype
@@ -127,6 +127,7 @@ def load_rank_model(
     fused = use_fused_ops(model.model, device=device, dtype=dtype) if runtime.fused_ops else FusedModules()
     if fused.attentions and settings.lora is None:  # then whole layers, where their products are tiled
         fused = dataclasses.replace(fused, layers=use_fused_layers(model.model))
+        fused = dataclasses.replace(fused, decoder_loops=use_fused_decoder_loops(model.model))
     return LoadedModel(model, quantized, paths, fused)
 
 

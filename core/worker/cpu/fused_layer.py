@@ -181,6 +181,100 @@ class FusedDecoderLayer:
         return output.view(hidden_states.shape)
 
 
+@functools.cache
+def _llama_model_source() -> str:
+    from transformers.models.llama import modeling_llama
+
+    return inspect.getsource(modeling_llama.LlamaModel.forward)
+
+
+@functools.cache
+def _has_llama_model_forward(cls: type[nn.Module]) -> bool:
+    try:
+        return inspect.getsource(cls.forward) == _llama_model_source()
+    except (OSError, TypeError):
+        return False
+
+
+class FusedDecoderLoop:
+    """The ``forward`` of a Llama-style decoder whose every layer is a :class:`FusedDecoderLayer`.
+
+    transformers' decoder forward wraps each call in decorators for deprecated arguments, config defaults and
+    captured outputs, and builds a causal mask the fused layers never read.  Outside its layers, a one-request
+    int4 decode step of ~7 ms spent 0.81-0.97 ms in the decoder (the caches cold from the weights streamed
+    between calls), and 0.60-0.68 ms with this loop, which embeds, rotates, calls the layers and normalizes,
+    the same ops in the same order.  The layers are still called as modules, so hooks registered later (a
+    drafter's on the layers it reads) run.  Any argument the loop does not take (a transformers cache, an
+    attention mask, outputs to capture) runs the decoder's own ``forward``.
+    """
+
+    def __init__(self, decoder: nn.Module, layers: list[nn.Module]) -> None:
+        self.decoder: Any = decoder  # a Llama-style decoder: embed_tokens, rotary_emb, norm
+        self.layers = layers
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if (
+            kwargs
+            or cache is not None
+            or use_cache
+            or attention_mask is not None
+            or position_ids is None
+            or (input_ids is None) == (inputs_embeds is None)
+        ):
+            return type(self.decoder).forward(
+                self.decoder,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        decoder = self.decoder
+        hidden_states = decoder.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        position_embeddings = decoder.rotary_emb(hidden_states, position_ids=position_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, position_ids=position_ids, position_embeddings=position_embeddings)
+        return BaseModelOutputWithPast(last_hidden_state=decoder.norm(hidden_states))
+
+
+def _fused_loop_layers(decoder: nn.Module) -> list[nn.Module] | None:
+    """``decoder``'s layers, if it is a Llama-style decoder whose every layer is fused."""
+    # mypy wrongly finds a class from type() unhashable for functools.cache
+    if "forward" in vars(decoder) or not _has_llama_model_forward(type(decoder)):  # type: ignore[arg-type]
+        return None
+    config = getattr(decoder, "config", None)
+    stack: Any = decoder.layers
+    layers = list(stack[: config.num_hidden_layers]) if config is not None else []
+    if not layers or not all(isinstance(_own_forward(layer), FusedDecoderLayer) for layer in layers):
+        return None
+    return layers
+
+
+def use_fused_decoder_loops(model: nn.Module) -> int:
+    """Give every Llama-style decoder of ``model`` whose layers are all fused a :class:`FusedDecoderLoop`
+    forward; say how many.  Run after :func:`use_fused_layers`."""
+    count = 0
+    for module in list(model.modules()):
+        layers = _fused_loop_layers(module) if hasattr(module, "layers") else None
+        if layers is not None:
+            module.forward = FusedDecoderLoop(module, layers)
+            count += 1
+    return count
+
+
 def use_fused_layers(model: nn.Module) -> int:
     """Give every qualifying decoder layer of ``model`` a :class:`FusedDecoderLayer` forward; say how many.
 

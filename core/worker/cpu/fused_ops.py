@@ -287,6 +287,9 @@ class FusedModules:
     layers: int = 0
     """Decoder layers whose fused modules and tiled products run as two C++ calls
     (:mod:`patchbay.worker.cpu.fused_layer`)."""
+    decoder_loops: int = 0
+    """Decoders whose every layer is fused, run as one Python loop over their fused layers
+    (:class:`patchbay.worker.cpu.fused_layer.FusedDecoderLoop`)."""
 
 
 def use_fused_ops(

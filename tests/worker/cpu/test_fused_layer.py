@@ -88,6 +88,49 @@ def test_layers_with_hooks_or_untiled_products_keep_their_modules(tiny_llama):
     assert fused_layer.use_fused_layers(llm.engine.model.model) == 1
 
 
+def test_the_decoder_loop_gives_the_decoders_own_tokens_and_logprobs(tiny_llama, monkeypatch):
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
+    looped = tiled_llm(tiny_llama)
+    assert looped.engine.fused_modules.decoder_loops == 1
+    assert isinstance(vars(looped.engine.model.model.model).get("forward"), fused_layer.FusedDecoderLoop)
+    with_loop = looped.generate(PROMPTS, params)
+    monkeypatch.setattr(runner_build, "use_fused_decoder_loops", lambda model: 0)
+    own = tiled_llm(tiny_llama)
+    assert own.engine.fused_modules.decoder_loops == 0
+    for a, b in zip(with_loop, own.generate(PROMPTS, params), strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+
+
+def test_a_decoder_with_an_unfused_layer_keeps_its_forward_and_later_hooks_run(tiny_llama, monkeypatch):
+    llm = tiled_llm(tiny_llama)
+    decoder = llm.engine.model.model.model
+    # A hook registered after the loop took over (a drafter's, on a layer it reads) still runs.
+    seen = []
+    handle = decoder.layers[1].register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    try:
+        llm.generate([[5, 9, 11]], SamplingParams(max_tokens=2, ignore_eos=True))
+    finally:
+        handle.remove()
+    assert len(seen) == 2
+    del decoder.forward
+    layer_forward = vars(decoder.layers[1]).pop("forward")
+    assert fused_layer.use_fused_decoder_loops(llm.engine.model.model) == 0
+    decoder.layers[1].forward = layer_forward
+    assert fused_layer.use_fused_decoder_loops(llm.engine.model.model) == 1
+
+    # Arguments the loop does not take run the decoder's own forward.
+    calls = []
+    original = type(decoder).forward
+    monkeypatch.setattr(
+        type(decoder), "forward", lambda self, **kwargs: calls.append(kwargs) or original(self, **kwargs)
+    )
+    ids = torch.tensor([[5, 9, 11]])
+    with pytest.raises(RuntimeError, match="outside a patchbay forward pass"):
+        decoder(input_ids=ids, position_ids=torch.arange(3)[None], output_hidden_states=True)
+    assert calls and calls[0]["output_hidden_states"] is True
+
+
 def test_until_the_kernels_are_built_the_layer_runs_its_own_forward(tiny_llama, monkeypatch):
     llm = tiled_llm(tiny_llama)
     calls = []

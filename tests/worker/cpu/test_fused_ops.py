@@ -156,6 +156,7 @@ def test_greedy_tokens_match_transformers_with_the_kernels_on(tiny_llama):
         mlps=config.num_hidden_layers,
         attentions=config.num_hidden_layers,
         layers=config.num_hidden_layers if tiled else 0,
+        decoder_loops=1 if tiled else 0,
     )
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outputs] == transformers_greedy(tiny_llama, prompts, 12)
