@@ -46,9 +46,6 @@ constexpr int64_t kWarmQuartersOfL2 = 3;
 constexpr int kWarmRanges = 4;
 constexpr size_t kMaxSuccessors = 1 << 14;
 constexpr int64_t kWarmCheckBytes = 4096;  // how often a warming helper looks for a new product
-#ifndef WARM_HINT
-#define WARM_HINT _MM_HINT_T1
-#endif
 
 class ChunkPool {
  public:
@@ -68,7 +65,7 @@ class ChunkPool {
     if (threads <= 1 || chunks <= 1) {
       if (threads > 1 && weights.begin != nullptr) {
         std::lock_guard<std::mutex> one_product_at_a_time(caller_);
-        plan_warming(weights, (state_.load(std::memory_order_relaxed) >> kGenerationShift) + 1, false);
+        plan_warming(weights);
       }
       for (int64_t chunk = 0; chunk < chunks; ++chunk) work(context, chunk);
       return;
@@ -77,7 +74,8 @@ class ChunkPool {
     std::lock_guard<std::mutex> one_product_at_a_time(caller_);
     start_helpers(threads - 1);
     const uint64_t generation = ((state_.load(std::memory_order_relaxed) >> kGenerationShift) + 1) & kGenerationMask;
-    plan_warming(weights, generation, true);
+    plan_warming(weights);
+    publish_plan(generation);
     work_ = work;
     context_ = context;
     failure_ = nullptr;
@@ -133,28 +131,30 @@ class ChunkPool {
     for (; helpers_ < wanted; ++helpers_) std::thread([this] { helper(); }).detach();
   }
 
-  // Learns that `weights` followed the last product's, and writes into generation's slot what comes after
-  // `weights`, up to the budget.  A product without weights (an attention's tasks, rows of an elementwise op)
-  // keeps the plan of the last one with them.  Called with caller_ held.
-  void plan_warming(const WeightRange& weights, uint64_t generation, bool publish) {
-    if (weights.begin != nullptr) {
-      if (successor_.size() > kMaxSuccessors) successor_.clear();  // weights of engines long gone
-      if (last_weights_ != nullptr && last_weights_ != weights.begin) successor_[last_weights_] = weights;
-      last_weights_ = weights.begin;
-      int count = 0;
-      int64_t budget = warm_budget_;
-      const void* at = weights.begin;
-      for (auto next = successor_.find(at); count < kWarmRanges && budget > 0 && next != successor_.end();
-           next = successor_.find(at)) {
-        if (next->second.begin == weights.begin) break;  // round the cycle of one step's products
-        last_plan_[count] = {next->second.begin, std::min(budget, next->second.bytes)};
-        budget -= last_plan_[count].bytes;
-        at = next->second.begin;
-        ++count;
-      }
-      last_plan_count_ = count;
+  // Learns that `weights` followed the last product's, and plans what comes after `weights`, up to the budget.
+  // A product without weights (an attention's tasks, rows of an elementwise op) keeps the plan of the last one
+  // with them.  Called with caller_ held.
+  void plan_warming(const WeightRange& weights) {
+    if (weights.begin == nullptr) return;
+    if (successor_.size() > kMaxSuccessors) successor_.clear();  // weights of engines long gone
+    if (last_weights_ != nullptr && last_weights_ != weights.begin) successor_[last_weights_] = weights;
+    last_weights_ = weights.begin;
+    int count = 0;
+    int64_t budget = warm_budget_;
+    const void* at = weights.begin;
+    for (auto next = successor_.find(at); count < kWarmRanges && budget > 0 && next != successor_.end();
+         next = successor_.find(at)) {
+      if (next->second.begin == weights.begin) break;  // round the cycle of one step's products
+      last_plan_[count] = {next->second.begin, std::min(budget, next->second.bytes)};
+      budget -= last_plan_[count].bytes;
+      at = next->second.begin;
+      ++count;
     }
-    if (!publish) return;
+    last_plan_count_ = count;
+  }
+
+  // Writes the plan into generation's slot, before the generation is published.  Called with caller_ held.
+  void publish_plan(uint64_t generation) {
     WarmPlan& plan = plans_[generation & 1];
     for (int i = 0; i < kWarmRanges; ++i) {
       const bool used = i < last_plan_count_;
@@ -203,7 +203,7 @@ class ChunkPool {
       for (int64_t at = 0; at < bytes[i]; at += kWarmCheckBytes) {
         if ((state_.load(std::memory_order_relaxed) >> kGenerationShift) != generation) return;
         const int64_t end = std::min(bytes[i], at + kWarmCheckBytes);
-        for (int64_t line = at; line < end; line += 64) _mm_prefetch(begin[i] + line, WARM_HINT);
+        for (int64_t line = at; line < end; line += 64) __builtin_prefetch(begin[i] + line, 0, 2);  // to L2
       }
     }
   }
