@@ -50,16 +50,18 @@ from patchbay.worker.cpu.streaming_linear import TileLayout, chunk_runner, tiled
 
 
 @functools.cache
-def _llama_layer_source() -> str:
+def _llama_source(class_name: str) -> str:
+    """The source of the ``forward`` of transformers' Llama class ``class_name``."""
     from transformers.models.llama import modeling_llama
 
-    return inspect.getsource(modeling_llama.LlamaDecoderLayer.forward)
+    return inspect.getsource(getattr(modeling_llama, class_name).forward)
 
 
 @functools.cache
-def _has_llama_layer_forward(cls: type[nn.Module]) -> bool:
+def _has_llama_forward(cls: type[nn.Module], class_name: str) -> bool:
+    """Whether ``cls.forward`` has the source of Llama's ``class_name`` (Qwen2's and Mistral's are the same)."""
     try:
-        return inspect.getsource(cls.forward) == _llama_layer_source()
+        return inspect.getsource(cls.forward) == _llama_source(class_name)
     except (OSError, TypeError):
         return False
 
@@ -82,7 +84,7 @@ def _tiled_linear(linear: nn.Module) -> PackedLinear | None:
 def _parts(layer: LlamaStyleModule) -> tuple[Any, ...] | None:
     """The fused pieces a qualifying layer is made of, or ``None`` if it does not qualify."""
     # mypy wrongly finds a class from type() unhashable for functools.cache
-    if not _has_llama_layer_forward(type(layer)):  # type: ignore[arg-type]
+    if not _has_llama_forward(type(layer), "LlamaDecoderLayer"):  # type: ignore[arg-type]
         return None
     norm_in, norm_post = _own_forward(layer.input_layernorm), _own_forward(layer.post_attention_layernorm)
     attention, mlp = _own_forward(layer.self_attn), _own_forward(layer.mlp)
@@ -181,21 +183,6 @@ class FusedDecoderLayer:
         return output.view(hidden_states.shape)
 
 
-@functools.cache
-def _llama_model_source() -> str:
-    from transformers.models.llama import modeling_llama
-
-    return inspect.getsource(modeling_llama.LlamaModel.forward)
-
-
-@functools.cache
-def _has_llama_model_forward(cls: type[nn.Module]) -> bool:
-    try:
-        return inspect.getsource(cls.forward) == _llama_model_source()
-    except (OSError, TypeError):
-        return False
-
-
 class FusedDecoderLoop:
     """The ``forward`` of a Llama-style decoder whose every layer is a :class:`FusedDecoderLayer`.
 
@@ -253,7 +240,7 @@ class FusedDecoderLoop:
 def _fused_loop_layers(decoder: nn.Module) -> list[nn.Module] | None:
     """``decoder``'s layers, if it is a Llama-style decoder whose every layer is fused."""
     # mypy wrongly finds a class from type() unhashable for functools.cache
-    if "forward" in vars(decoder) or not _has_llama_model_forward(type(decoder)):  # type: ignore[arg-type]
+    if "forward" in vars(decoder) or not _has_llama_forward(type(decoder), "LlamaModel"):  # type: ignore[arg-type]
         return None
     config = getattr(decoder, "config", None)
     stack: Any = decoder.layers
