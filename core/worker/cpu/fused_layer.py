@@ -31,6 +31,9 @@ were fused, its products are tiled, and none of its modules has a forward hook
 (a tensor-parallel rank's all-reduce is one) — anything else keeps its modules'
 forwards.  Inputs the kernels do not take (angles in another dtype, a
 transformers cache) run the layer's own ``forward``.
+
+A decoder whose every layer is fused runs as a plain loop over them
+(:class:`FusedDecoderLoop`), without transformers' wrappers around its forward.
 """
 
 from __future__ import annotations
