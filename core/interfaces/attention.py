@@ -6,6 +6,12 @@ order).  Each attention layer calls its :class:`AttentionImpl` once per step
 with that step's queries, keys and values; the implementation writes the new
 keys and values into the paged KV cache at ``slot_mapping`` and attends each
 query to its own request's cached and new keys, causally.
+
+An encoder-only model (BERT, RoBERTa, XLM-R, pooled by a pooling engine)
+keeps no KV cache: each of its steps runs whole prompts, and every query
+attends to every key of its own request in the step, both ways
+(``CommonAttentionMetadata.causal`` is ``False``).  Only backends that
+declare ``supports_encoder_only`` are given such steps.
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ class AttentionConfig(ServingConfig):
     cache_dtype: str | None = None
     """The KV cache's dtype where it differs from :attr:`dtype` (``"int8"``: see
     :mod:`patchbay.interfaces.int8_kv`); ``None``: the cache holds keys and values in :attr:`dtype`."""
+    value_size: int | None = None
+    """MLA's latent cache (see :attr:`AttentionLayerSpec.value_size`); ``None``: separate keys and values."""
+    encoder_only: bool = False
+    """The layers are an encoder-only model's: bidirectional attention over each step's own keys, no KV cache."""
 
 
 @dataclass(frozen=True)
@@ -54,8 +64,14 @@ class AttentionCapabilities(Capabilities):
     cache_dtypes: tuple[str, ...] = ()
     """Cache dtypes the backend reads and writes besides the model's (``("int8",)``: rows in the format of
     :mod:`patchbay.interfaces.int8_kv`)."""
+    supports_latent_kv: bool = False
+    """MLA layers: one cache row per token, its first ``value_size`` features the value
+    (:attr:`AttentionLayerSpec.value_size`)."""
+    supports_encoder_only: bool = False
+    """Encoder-only steps: ``causal`` metadata ``False``, an empty ``kv_cache``, whole prompts attended both ways
+    (see :meth:`AttentionImpl.forward`)."""
     priority: int = 0
-    """Rank for ``backend: auto``: among backends that can serve a run, the highest wins."""
+    """Rank for ``attention.name: auto``: among backends that can serve a run, the highest wins."""
 
     def reasons(self, config: ServingConfig) -> list[str]:
         found = super().reasons(config)
@@ -76,8 +92,12 @@ class AttentionCapabilities(Capabilities):
             found.append(f"sliding-window attention not supported (window {config.sliding_window})")
         if config.logits_soft_cap is not None and not self.supports_logits_soft_cap:
             found.append("attention logits soft-capping not supported")
+        if config.encoder_only and not self.supports_encoder_only:
+            found.append("encoder-only attention (bidirectional, without a KV cache) not supported")
         if config.cache_dtype is not None and config.cache_dtype not in self.cache_dtypes:
             found.append(f"{config.cache_dtype} KV cache not supported (supports {list(self.cache_dtypes) or 'none'})")
+        if config.value_size is not None and not self.supports_latent_kv:
+            found.append("MLA's latent KV cache (one row per token, values inside the keys) not supported")
         return found
 
 
@@ -116,6 +136,7 @@ class CommonAttentionMetadata:
     max_seq_len: int
     block_size: int
     causal: bool = True
+    """``False``: an encoder-only model's step (no KV cache; each request whole, attended both ways)."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +155,17 @@ class AttentionLayerSpec:
     logits_soft_cap: float | None = None
     """Cap ``c``: each score ``s = scale * (q . k)`` becomes ``c * tanh(s / c)`` before masking and the
     softmax (Gemma 2).  ``None``: scores are used as they are."""
+    value_size: int | None = None
+    """MLA's latent cache (DeepSeek-V2/V3): each token has one cache row, its key of ``head_size`` features
+    (``num_kv_heads`` is 1: the compressed latent, then the rotary key), and its value is the first
+    ``value_size`` features of that same row (the latent).  Such a layer passes ``key[..., :value_size]`` as
+    the value to :meth:`AttentionImpl.forward` and gets ``[num_tokens, num_heads, value_size]`` back.
+    ``None``: keys and values are cached apart, ``head_size`` features each."""
+
+    @property
+    def latent(self) -> bool:
+        """Whether the layer caches MLA latent rows (:attr:`value_size` is set)."""
+        return self.value_size is not None
 
 
 class AttentionImpl(ABC):
@@ -164,6 +196,19 @@ class AttentionImpl(ABC):
         keys of its own request up to its own position (within
         ``sliding_window`` when set), scaled by ``scale`` and soft-capped by
         ``logits_soft_cap`` when set (see :class:`AttentionLayerSpec`).
+
+        For a latent (MLA) layer (``value_size`` set in its spec, only given to a backend that declares
+        ``supports_latent_kv``), ``key`` is ``[num_tokens, 1, head_size]``, ``value`` is its view
+        ``key[..., :value_size]`` (the same features: nothing of it is written apart), ``kv_cache`` has the shape of
+        :meth:`AttentionBackend.latent_kv_cache_shape`, each token's one row is its key, the first
+        ``value_size`` features of each cached row are its value, and the output is
+        ``[num_tokens, num_heads, value_size]``.
+
+        When the metadata's common part has ``causal`` ``False`` (an
+        encoder-only model; only backends declaring ``supports_encoder_only``
+        get these), ``kv_cache`` is empty and nothing is written: every
+        request runs whole in the step, and each query attends to all of its
+        own request's keys of the step, before and after it.
         """
 
 
@@ -190,6 +235,13 @@ class AttentionBackend(Plugin):
         must also override :meth:`split_kv_cache`.
         """
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def latent_kv_cache_shape(num_blocks: int, block_size: int, row_size: int) -> tuple[int, ...]:
+        """Shape of one latent (MLA) layer's cache tensor: ``(num_blocks, block_size, 1, row_size)``, one row per
+        token, keys and values in it (see :attr:`AttentionLayerSpec.value_size`).  A backend that changes it must
+        keep the blocks on the first dimension: the runner zeroes ``kv_cache[block_ids]``."""
+        return (num_blocks, block_size, 1, row_size)
 
     @staticmethod
     def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ Each (token, KV head) row of an int8 cache holds the ``head_size`` features roun
 scale as the 4 bytes of a float32 (native byte order): feature ``d`` is ``q[d] * scale``.  The cache tensor is
 ``torch.int8`` with rows of :func:`row_size` bytes: the runner asks the backend's
 :meth:`~patchbay.interfaces.AttentionBackend.kv_cache_shape` for ``head_size + 4``.  The torch side
-(rounding rows, reading them back) is :mod:`patchbay.worker.int8_kv_rows`.  A row's scale is
+(rounding rows, reading them back) is :mod:`patchbay.toolkit.int8_kv`.  A row's scale is
 ``max |x| / 127`` (0 for a row of zeros), so every row keeps its own range: a scale per block would have to
 grow, and re-round the block's earlier rows, whenever a later token's features are larger.  A zeroed block
 reads as zeros.

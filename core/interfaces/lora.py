@@ -152,6 +152,9 @@ class LoRAResolverCapabilities(Capabilities):
     devices: tuple[str, ...] = ("cpu", "cuda", "mps")
     can_list: bool = True
     """:meth:`LoRAResolver.available` lists the names it can resolve (a registry it cannot enumerate says False)."""
+    checks_base_model: bool = True
+    """Told the run's base model, :meth:`LoRAResolver.resolve` refuses an adapter whose ``adapter_config.json``
+    names another one (a store that cannot tell which base model an adapter is for says False)."""
 
 
 class LoRAResolveError(LookupError):
@@ -169,15 +172,27 @@ class LoRAResolver(Plugin):
         self.options = options if options is not None else self.Options()
 
     @abstractmethod
-    def resolve(self, name: str) -> Path | None:
+    def resolve(self, name: str, *, base_model: str | None = None) -> Path | None:
         """The local directory holding adapter ``name`` in PEFT's format, or ``None`` when it does not know it.
 
         The directory holds ``adapter_config.json`` and the weights.  A name
         that could reach outside the resolver's own store (``..``, an
         absolute path, a path separator) is never resolved: return ``None``
-        or raise :class:`LoRAResolveError`.  A known name whose files cannot
-        be provided raises :class:`LoRAResolveError` saying why.  Called off
-        the step's critical path, from one thread at a time.
+        or raise :class:`LoRAResolveError`; so is a directory or file that is
+        a symbolic link out of the store.  A known name whose files cannot
+        be provided raises :class:`LoRAResolveError` saying why.
+
+        ``base_model`` names the model the run serves (``model.path`` as
+        written; the bundled model's Hugging Face id; ``None`` when unknown).
+        With ``checks_base_model``, an adapter whose config names another
+        base model raises :class:`LoRAResolveError` naming both.
+
+        Every call answers from the store as it is now: a name missed before
+        may exist now, and an adapter replaced in place is returned with its
+        new files (a resolver that caches or copies checks that its copy is
+        current).  The runner calls this, and reads the files, each time it
+        loads the adapter into its cache of ``lora.max_cpu_loras`` adapters.
+        Called off the step's critical path, from one thread at a time.
         """
 
     def available(self) -> list[str]:

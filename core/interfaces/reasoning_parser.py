@@ -6,6 +6,21 @@ before the answer.  A parser splits the finished text
 (:meth:`ReasoningParser.stream`); the streamed deltas of any split of a text
 add up to the whole parse.  Text the parser cannot read (an unclosed or stray
 tag) is never an exception.
+
+What the contract says of model-written text:
+
+- an output cut inside its reasoning (``max_tokens`` reached before the
+  closing markup) is reasoning, with an empty answer, never content;
+- whitespace before the opening markup is not content, and whitespace
+  between the reasoning and the answer may be dropped (the conformance kit
+  compares reasoning and answers with surrounding whitespace ignored);
+- ``content`` is always a string (``""`` for none); ``reasoning`` is
+  ``None`` only when the output has no reasoning section.
+
+One parser object serves every request of a run: :meth:`ReasoningParser.parse`
+and :meth:`ReasoningParser.stream` may be called while other streams of the
+same parser are open, interleaved and from several threads.  Keep
+per-output state in the stream object, which lives for one output.
 """
 
 from __future__ import annotations
@@ -41,7 +56,8 @@ class ReasoningDelta:
 
 
 class ReasoningStream(ABC):
-    """The state of splitting one streamed output; made by :meth:`ReasoningParser.stream`."""
+    """The state of splitting one streamed output; made by :meth:`ReasoningParser.stream`, fed by one thread at a
+    time: every piece in order, then :meth:`finish` once.  Other streams of the same parser may be open meanwhile."""
 
     @abstractmethod
     def feed(self, text: str) -> ReasoningDelta:
@@ -83,9 +99,13 @@ class ReasoningParser(Plugin):
 
     @abstractmethod
     def stream(self) -> ReasoningStream:
-        """A fresh incremental splitter for one output, whose deltas add up to :meth:`parse` of the whole text."""
+        """A fresh incremental splitter for one output, whose deltas add up to :meth:`parse` of the whole text.
+
+        Each call returns a new object sharing no mutable state with the others or with the parser.
+        """
 
     @abstractmethod
     def render(self, reasoning: str | None, content: str) -> str:
         """Write ``reasoning`` and ``content`` the way a model using this markup would (:meth:`parse` gives them
-        back); used by the conformance suite."""
+        back); used by the conformance suite, which finds the reasoning in the text to cut the output inside it,
+        so write both as they are, inside the markup."""

@@ -40,6 +40,8 @@ CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = ("json_schema", "json_object", "r
 """The constraint fields of :class:`StructuredOutputParams`, which are also the kinds backends declare."""
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+JsonWhitespace = Literal["compact", "flexible"]
+"""How much whitespace a JSON constraint allows between tokens (:attr:`StructuredOutputParams.json_whitespace`)."""
 
 
 class StructuredOutputParams(BaseModel):
@@ -62,6 +64,10 @@ class StructuredOutputParams(BaseModel):
     """The output is exactly one of these strings."""
     grammar: str | None = Field(default=None, min_length=1)
     """A context-free grammar in GBNF (llama.cpp's EBNF dialect, root rule ``root``)."""
+    json_whitespace: JsonWhitespace | None = None
+    """With ``json_schema`` or ``json_object``: ``compact`` allows no whitespace outside strings
+    (``{"a":1,"b":[2,3]}``), ``flexible`` any; null: the backend's own option. A backend whose capabilities
+    declare ``json_whitespace`` honours it; another ignores it (the JSON is the same, spaced its way)."""
 
     @field_validator("json_schema", mode="before")
     @classmethod
@@ -90,6 +96,8 @@ class StructuredOutputParams(BaseModel):
         if len(given) != 1:
             found = ", ".join(given) if given else "none"
             raise ValueError(f"give exactly one of {', '.join(CONSTRAINT_KINDS)} (found: {found})")
+        if self.json_whitespace is not None and given[0] not in ("json_schema", "json_object"):
+            raise ValueError(f"json_whitespace applies to json_schema and json_object, not {given[0]}")
         return self
 
     @property
@@ -106,9 +114,9 @@ class StructuredOutputParams(BaseModel):
         return "" if self.kind == "json_object" else value
 
     @property
-    def key(self) -> tuple[str, str]:
-        """What compiled grammars are cached by: ``(kind, spec)``."""
-        return self.kind, self.spec
+    def key(self) -> tuple[str, ...]:
+        """What compiled grammars are cached by: ``(kind, spec)``, and ``json_whitespace`` when set."""
+        return (self.kind, self.spec) if self.json_whitespace is None else (self.kind, self.spec, self.json_whitespace)
 
     @property
     def field_path(self) -> str:
@@ -137,6 +145,9 @@ class StructuredOutputCapabilities(Capabilities):
     canonical_forced_tokens: bool = False
     """Where the grammar forces the next bytes, the bitmask allows only their canonical tokenization, not
     every token that spells a prefix of them (llguidance does this); the mask is otherwise exact."""
+    json_whitespace: bool = False
+    """JSON constraints honour :attr:`StructuredOutputParams.json_whitespace` (enforced tool calls ask for
+    ``compact``, so a model cannot spend its ``max_tokens`` on indentation)."""
 
     def reasons(self, config: ServingConfig) -> list[str]:
         found = super().reasons(config)

@@ -10,7 +10,16 @@ text is cut into pieces, the pieces' deltas add up to the whole parse.
 
 A call whose JSON is malformed is not a call: its text comes back as content,
 never as an exception, and every call's ``arguments`` is a JSON object text.
-Parsers work on text only; the server assigns call ids.
+Arguments a model wrote as the text of a JSON object (``"arguments":
+"{\"x\": 1}"``) are that object.  Parsers work on text only; the server
+assigns call ids, and turns content that is only whitespace next to calls
+into ``null`` (a parser's ``content`` is always a string, ``""`` for none).
+
+One parser object serves every request of a run: :meth:`ToolParser.parse`
+and :meth:`ToolParser.stream` may be called while other streams of the same
+parser are open, interleaved and from several threads.  Keep per-output
+state in the stream object, which lives for one output: made when it
+begins, fed its pieces in order by one thread at a time, finished once.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel
 
@@ -67,7 +76,11 @@ class ToolCallDelta:
 
 
 class ToolCallStream(ABC):
-    """The state of parsing one streamed output; made by :meth:`ToolParser.stream`, used by one thread."""
+    """The state of parsing one streamed output; made by :meth:`ToolParser.stream`, fed by one thread at a time.
+
+    It lives for one output: every piece in order, then :meth:`finish` once.
+    Other streams of the same parser may be open at the same time.
+    """
 
     @abstractmethod
     def feed(self, text: str) -> ToolCallDelta:
@@ -91,6 +104,12 @@ class ToolParserCapabilities(Capabilities):
     """The format can hold several calls in one answer."""
     content_with_calls: bool = True
     """The format allows ordinary text next to calls (else an answer is either text or calls)."""
+    arguments_syntax: Literal["json", "python", "other"] = "json"
+    """How the format spells a call's arguments: ``json``, a JSON object (Hermes, Mistral, Llama 3);
+    ``python``, keyword arguments of Python literals in a call ``name(key=value, ...)`` (pythonic formats);
+    ``other``, neither.  The conformance kit re-spells the calls :meth:`ToolParser.render` writes the way
+    models write this syntax (escapes, quotes, spacing, string-valued arguments) and breaks them to check
+    malformed calls; with ``other`` those checks do not apply."""
 
     def reasons(self, config: ServingConfig) -> list[str]:
         return []  # text in, text out: no device or dtype is out of reach
@@ -112,9 +131,17 @@ class ToolParser(Plugin):
 
     @abstractmethod
     def stream(self) -> ToolCallStream:
-        """A fresh incremental parser for one output, whose deltas add up to :meth:`parse` of the whole text."""
+        """A fresh incremental parser for one output, whose deltas add up to :meth:`parse` of the whole text.
+
+        Each call returns a new object sharing no mutable state with the others or with the parser.
+        """
 
     @abstractmethod
     def render(self, content: str, tool_calls: Sequence[ToolCall]) -> str:
         """Write ``content`` and ``tool_calls`` the way a model of this format would, so that :meth:`parse` of it
-        gives them back (used by the conformance suite and by chat templates' examples)."""
+        gives them back, arguments compared as decoded JSON (used by the conformance suite and by chat
+        templates' examples).
+
+        The suite asks for content next to calls only when ``content_with_calls`` is declared, and for several
+        calls only when ``parallel_calls`` is; otherwise render may raise ``ValueError``.
+        """

@@ -19,7 +19,7 @@ time for every KV head, folding each pass into a running softmax, and a query
 of thousands of keys in a step of few queries is split between tasks whose
 shares are merged.  The tasks run on the tiled products' helper threads, as
 many as the products use, where the process has them
-(:func:`patchbay.worker.cpu.streaming_linear.chunk_runner`), else over OpenMP.
+(:func:`patchbay.toolkit.tiles.chunk_runner`), else over OpenMP.
 The extension also writes a step's new keys and values into
 the cache, one call per layer (``write_kv``), and in a step the kernel attends
 whole does both in one call (``write_kv_and_attend``).  Where the CPU has AMX
@@ -27,7 +27,7 @@ bfloat16 tiles, it also attends long bfloat16 prefill chunks of head size 64
 (``amx_prefill_attention``, in ``csrc/prefill_attention.cpp``): a task is one
 query head's 16 rows against every key they see, its output held in tile
 registers throughout.  It is built like every
-patchbay extension (:mod:`patchbay.worker.cpu.native_build`): by ``make`` at
+patchbay extension (:mod:`patchbay.toolkit.native_build`): by ``make`` at
 install time (``python -m patchbay.plugins.attention._cpu_kernel``), elsewhere
 by :class:`KernelBuild` in a background thread while decodes run through SDPA;
 :func:`kernel_unavailable` says why it cannot be.
@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from patchbay.worker.cpu.native_build import (
+from patchbay.toolkit.native_build import (
     CSRC,
     NATIVE_CFLAGS,
     BackgroundBuild,
@@ -57,7 +57,7 @@ EXTRA_CFLAGS = (*NATIVE_CFLAGS, "-ffast-math")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
 """The kernel's C++ (package data); it includes the worker's shared SIMD header, in
-:data:`patchbay.worker.cpu.native_build.CSRC`."""
+:data:`patchbay.toolkit.native_build.CSRC`."""
 PREFILL_SOURCE = SOURCE.with_name("prefill_attention.cpp")
 """The long prefills' AMX kernel, in the same extension (``amx_prefill_attention``; see ``torch_sdpa``)."""
 
@@ -92,7 +92,7 @@ def load_kernel() -> Any:
 
 
 class KernelBuild(BackgroundBuild):
-    """:func:`load_kernel` in a background thread (see :class:`~patchbay.worker.cpu.native_build.BackgroundBuild`)."""
+    """:func:`load_kernel` in a background thread (see :class:`~patchbay.toolkit.native_build.BackgroundBuild`)."""
 
     def __init__(self) -> None:
         super().__init__(lambda: load_kernel(), "the C++ decode kernel")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from patchbay.worker.int8_kv_rows import dequantize_rows, quantize_rows
+from patchbay.toolkit.int8_kv import dequantize_rows, quantize_rows
 
 if TYPE_CHECKING:
     from patchbay.interfaces import AttentionBackend
@@ -29,7 +29,7 @@ def write_kv(
     ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_size]``
     views (as :meth:`AttentionBackend.split_kv_cache` returns them); rows of
     ``key``/``value`` past ``len(slot_mapping)`` are padding and are not written.  An int8 cache
-    (rows of ``head_size + 4``) gets each row rounded by :func:`~patchbay.worker.int8_kv_rows.quantize_rows`.
+    (rows of ``head_size + 4``) gets each row rounded by :func:`~patchbay.toolkit.int8_kv.quantize_rows`.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
@@ -39,6 +39,18 @@ def write_kv(
         flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
         rows = quantize_rows(new[:num_tokens]) if cache.dtype == torch.int8 else new[:num_tokens].to(cache.dtype)
         flat.index_copy_(0, slots, rows)
+
+
+def write_latent_rows(kv_cache: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store a latent (MLA) layer's ``key[i]`` (``[tokens, 1, row]``: its one cache row, the value inside it) at
+    slot ``slot_mapping[i]`` of ``kv_cache`` (``[num_blocks, block_size, 1, row]``), for every
+    ``i < len(slot_mapping)``; an int8 cache gets each row rounded as :func:`write_kv` does."""
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    flat = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])
+    new = key[:num_tokens]
+    flat.index_copy_(0, slot_mapping.long(), quantize_rows(new) if kv_cache.dtype == torch.int8 else new.to(flat.dtype))
 
 
 def as_cached(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""The reference backend: plain torch over the paged cache, one request at a time, in float32."""
+"""The reference backend: plain torch over the paged cache, one request at a time, in float32.
+
+It serves MLA's latent layers too (one cache row per token, the value its first ``value_size`` features).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from patchbay.interfaces import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
 )
-from patchbay.plugins.attention._paged import split_and_write_kv
+from patchbay.plugins.attention._paged import as_float, split_and_write_kv, write_latent_rows
 from patchbay.plugins.attention.common import PagedAttentionMetadata, as_paged
 
 
@@ -26,6 +29,8 @@ class ReferenceBackend(AttentionBackend):
         devices=("cpu", "cuda", "mps"),
         supports_sliding_window=True,
         supports_logits_soft_cap=True,
+        supports_latent_kv=True,
+        supports_encoder_only=True,
         priority=0,
     )
     metadata_builder: ClassVar[str] = "common"
@@ -51,6 +56,10 @@ class ReferenceImpl(AttentionImpl):
     ) -> torch.Tensor:
         """Write the new keys and values, then attend each request's queries to its cached keys."""
         metadata = as_paged(metadata)
+        if not metadata.common.causal:
+            return self._encoder_only(query, key, value, metadata)
+        if self.layer.value_size is not None:
+            return self._forward_latent(query, key, kv_cache, metadata, self.layer.value_size)
         key_cache, value_cache = split_and_write_kv(ReferenceBackend, kv_cache, key, value, metadata.slot_mapping)
         output = torch.zeros_like(query)
         for request in range(metadata.num_reqs):
@@ -59,6 +68,37 @@ class ReferenceImpl(AttentionImpl):
                 continue
             keys, values = self._cached(key_cache, value_cache, metadata, request)
             output[start:end] = self._attend(query[start:end], keys, values, metadata.context_lens[request])
+        return output
+
+    def _forward_latent(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+        size: int,
+    ) -> torch.Tensor:
+        """A latent (MLA) layer: write each token's one row, attend to the cached rows, their first ``size``
+        features the values."""
+        write_latent_rows(kv_cache, key, metadata.slot_mapping)
+        output = query.new_zeros(*query.shape[:-1], size)
+        for request in range(metadata.num_reqs):
+            start, end = metadata.query_starts[request], metadata.query_starts[request + 1]
+            if start == end:
+                continue
+            rows, _ = self._cached(kv_cache, kv_cache, metadata, request)
+            rows = as_float(rows, torch.float32)
+            output[start:end] = self._attend(query[start:end], rows, rows[..., :size], metadata.context_lens[request])
+        return output
+
+    def _encoder_only(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        """No cache: each request's queries attend all of its step's keys, both ways (an encoder-only model)."""
+        output = torch.zeros_like(query)
+        for request in range(metadata.num_reqs):
+            start, end = metadata.query_starts[request], metadata.query_starts[request + 1]
+            output[start:end] = self._attend(query[start:end], key[start:end], value[start:end], None)
         return output
 
     @staticmethod
@@ -73,7 +113,10 @@ class ReferenceImpl(AttentionImpl):
         values = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len]
         return keys, values
 
-    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len: int) -> torch.Tensor:
+    def _attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len: int | None
+    ) -> torch.Tensor:
+        """Dense float32 attention; ``context_len`` ``None``: every key is visible (no causal mask, no window)."""
         layer = self.layer
         group = layer.num_heads // layer.num_kv_heads
         # GQA: query head h reads KV head h // group.
@@ -82,6 +125,8 @@ class ReferenceImpl(AttentionImpl):
         scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * layer.scale
         if layer.logits_soft_cap is not None:
             scores = layer.logits_soft_cap * torch.tanh(scores / layer.logits_soft_cap)
+        if context_len is None:
+            return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values).to(query.dtype)
         query_positions = context_len + torch.arange(query.shape[0], device=query.device)
         key_positions = torch.arange(keys.shape[0], device=query.device)
         visible = key_positions[None, :] <= query_positions[:, None]

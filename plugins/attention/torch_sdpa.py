@@ -16,6 +16,13 @@ and go through patchbay's C++ kernel over the paged cache instead (option
 ``decode_kernel``; see ``_cpu_kernel.py``).  On a CPU with AMX, long bfloat16
 prefill chunks of head size 64 go through the same extension's AMX kernel
 instead of SDPA (option ``prefill_kernel``).
+
+MLA's latent layers (one cache row per token, the value its first
+``value_size`` features) run the same kernel with the latent cache as both the
+key and the value cache: every query head reads each cached row once, and the
+output's features past ``value_size`` (the rotary key's, weighed alike) are
+dropped.  Longer queries, and every query off the CPU, attend their request's
+gathered rows through one SDPA call each.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from patchbay.interfaces import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
 )
+from patchbay.plugins.attention._bidirectional import LengthRun, attend_bidirectional, plan_runs
 from patchbay.plugins.attention._context_split import attend_after_context
 from patchbay.plugins.attention._cpu_kernel import KernelBuild, kernel_unavailable, load_kernel
 from patchbay.plugins.attention._paged import (
@@ -45,6 +53,7 @@ from patchbay.plugins.attention._paged import (
     gather_blocks,
     split_and_write_kv,
     window_start,
+    write_latent_rows,
 )
 from patchbay.plugins.attention.common import (
     CommonMetadataBuilder,
@@ -52,7 +61,7 @@ from patchbay.plugins.attention.common import (
     as_paged,
     extend_metadata,
 )
-from patchbay.worker.cpu.streaming_linear import bfloat16_products_widened, chunk_runner, chunk_threads
+from patchbay.toolkit.tiles import bfloat16_products_widened, chunk_runner, chunk_threads
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +173,13 @@ class SDPAMetadata(PagedAttentionMetadata):
     plan: SDPAPlan
 
 
+@dataclass
+class EncoderOnlyMetadata(PagedAttentionMetadata):
+    """An encoder-only step: :class:`PagedAttentionMetadata` with its requests in runs of similar lengths."""
+
+    runs: list[LengthRun]
+
+
 def _split_by_padding(requests: list[int], num_blocks: list[int]) -> list[list[int]]:
     """Split ``requests`` into runs whose block counts are within 2x of the run's largest.
 
@@ -272,9 +288,14 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
 
     contract_version = "1.1"
 
-    def build(self, common: CommonAttentionMetadata) -> SDPAMetadata:
-        """Return :class:`SDPAMetadata` for this step (``common`` is not modified)."""
+    def build(self, common: CommonAttentionMetadata) -> SDPAMetadata | EncoderOnlyMetadata:
+        """Return :class:`SDPAMetadata` for this step (``common`` is not modified); for an encoder-only step, its
+        requests in runs of similar lengths (:class:`EncoderOnlyMetadata`)."""
         paged = super().build(common)
+        if not common.causal:
+            return extend_metadata(
+                paged, EncoderOnlyMetadata, runs=plan_runs(paged.query_starts, common.block_table.device)
+            )
         return extend_metadata(paged, SDPAMetadata, plan=plan_step(paged, self.sliding_window))
 
 
@@ -365,7 +386,9 @@ class TorchSDPABackend(AttentionBackend):
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         devices=("cpu", "cuda", "mps"),
         supports_sliding_window=True,
+        supports_encoder_only=True,
         cache_dtypes=("int8",),
+        supports_latent_kv=True,
         priority=10,
     )
     metadata_builder: ClassVar[str] = "torch_sdpa"
@@ -408,8 +431,24 @@ class TorchSDPAImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: SDPAMetadata | PagedAttentionMetadata | CommonAttentionMetadata,
     ) -> torch.Tensor:
-        """Write the new keys and values, then attend every request as the step's plan says."""
+        """Write the new keys and values, then attend every request as the step's plan says; an encoder-only
+        step attends each request whole, both ways, without a cache."""
+        paged = metadata if isinstance(metadata, PagedAttentionMetadata) else None
+        common = paged.common if paged is not None else metadata
+        if isinstance(common, CommonAttentionMetadata) and not common.causal:
+            paged = as_paged(metadata)
+            # Another builder's metadata: planned here, for this layer.
+            runs = (
+                metadata.runs
+                if isinstance(metadata, EncoderOnlyMetadata)
+                else plan_runs(paged.query_starts, query.device)
+            )
+            return attend_bidirectional(
+                query, key, value, runs, paged.num_actual_tokens, self.layer.scale, _long_compute_dtype(query)
+            )
         plan = self._plan(metadata)
+        if self.layer.value_size is not None:
+            return self._forward_latent(query, key, kv_cache, plan, self.layer.value_size)
         if plan.kernel_attends_all:
             output = self._kernel_only(query, key, value, kv_cache, plan)
             if output is not None:
@@ -452,6 +491,62 @@ class TorchSDPAImpl(AttentionImpl):
                 if long_query.query_end - long_query.query_start > covered:
                     self._long(query, key, value, key_cache, value_cache, long_query, output)
         return output
+
+    def _forward_latent(
+        self, query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor, plan: SDPAPlan, size: int
+    ) -> torch.Tensor:
+        """A latent (MLA) layer: write each token's row, attend the short queries with the C++ kernel over the
+        latent cache as keys and values alike (then keep each output's first ``size`` features), the others
+        through SDPA over their request's gathered rows."""
+        metadata = plan.metadata
+        write_latent_rows(kv_cache, key, plan.slots)
+        output = torch.zeros(*query.shape[:-1], size, dtype=query.dtype, device=query.device)
+        kernel = None
+        queries = plan.kernel_queries
+        if queries is not None and kv_cache.dtype == query.dtype and query.dtype in KERNEL_DTYPES:
+            kernel = self.decode_kernel.get()
+        covered = 0
+        if kernel is not None and queries is not None:
+            query = query.contiguous() if query.stride(-1) != 1 else query
+            rows = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            kernel.paged_decode_attention(
+                query, kv_cache, kv_cache, *self._query_arguments(queries), rows, *_kernel_pool()
+            )
+            output[queries.rows] = rows[queries.rows, :, :size]
+            covered = KERNEL_MAX_QUERY_LEN
+        for request, query_len in enumerate(metadata.query_lens):
+            if query_len > covered:
+                start = metadata.query_starts[request]
+                self._latent_request(query, kv_cache, metadata, request, size, output[start : start + query_len])
+        return output
+
+    def _latent_request(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+        request: int,
+        size: int,
+        out: torch.Tensor,
+    ) -> None:
+        """One request's queries over its gathered latent rows (keys; their first ``size`` features the values)."""
+        start, end = metadata.query_starts[request], metadata.query_starts[request + 1]
+        context, seq_len = metadata.context_lens[request], metadata.seq_lens[request]
+        blocks = metadata.block_table[request, : -(-seq_len // metadata.block_size)].long()
+        rows = as_float(gather_blocks(kv_cache, blocks)[:seq_len], query.dtype).transpose(0, 1)  # [1, keys, row]
+        compute = _long_compute_dtype(query)
+        queries = query[start:end].transpose(0, 1).to(compute)  # [heads, tokens, row]
+        positions = context + torch.arange(end - start, device=query.device)
+        mask = torch.arange(seq_len, device=query.device) <= positions[:, None]
+        attended = F.scaled_dot_product_attention(
+            queries,
+            rows.to(compute),
+            rows[..., :size].to(compute),
+            attn_mask=mask,
+            scale=self.layer.scale,
+            enable_gqa=True,
+        )
+        out.copy_(attended.transpose(0, 1))
 
     def _kernel_only(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: SDPAPlan

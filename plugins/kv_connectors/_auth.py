@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, SecretStr
 
-from patchbay.worker.model.model_loader import cache_dir
+from patchbay.toolkit.paths import cache_dir
 
 KEY_FILE_NAME = "kv-connector.key"
 

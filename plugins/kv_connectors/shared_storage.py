@@ -39,7 +39,7 @@ from patchbay.interfaces import KVConnectorCapabilities
 from patchbay.plugins.kv_connectors._auth import AuthOptions, private_directory
 from patchbay.plugins.kv_connectors._base import BlockStore, StoreConnector
 from patchbay.plugins.kv_connectors._blocks import BlockDecodeError
-from patchbay.worker.model.model_loader import cache_dir
+from patchbay.toolkit.paths import cache_dir
 
 
 class SharedStorageOptions(AuthOptions):

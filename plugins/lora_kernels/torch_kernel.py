@@ -7,8 +7,10 @@ shrink, ``index_add_`` for expand).  Rows without an adapter cost nothing.
 
 ``add_lora`` stacks the step's active slots instead when several are active
 or most rows have an adapter: one product of every row with all active A's,
-each row's columns of the other slots zeroed (and its own scaled) by a mask,
-then one product with the active B's side by side, added to the output.
+each row's columns of the other slots set to zero (selected, not multiplied
+by zero: a slot whose product overflows to inf, or NaN, must not reach the
+other rows, since ``inf × 0`` is NaN) and its own scaled, then one product
+with the active B's side by side, added to the output.
 That computes the extra columns of the other slots, but in two products per
 linear instead of six operations per slot: on a CPU a step's hundreds of
 small per-slot products cost more than the few extra columns. The stacked B
@@ -38,8 +40,9 @@ class TorchLoRAKernel(LoRAKernel):
         super().__init__(options)
         self._stacked_b: dict[int, tuple[int, tuple[int, ...], torch.Tensor]] = {}
         """``id(lora_b)`` -> (its version, the slots stacked, ``[out, slots x rank]``)."""
-        self._mask: tuple[LoRAMapping, tuple[int, int, torch.dtype], torch.Tensor] | None = None
-        """The last step's mapping, (scalings' version, stacked rank, dtype) and row mask ``[rows, slots x rank]``."""
+        self._mask: tuple[LoRAMapping, tuple[int, int, torch.dtype], torch.Tensor, torch.Tensor] | None = None
+        """The last step's mapping, (scalings' version, stacked rank, dtype), and its row masks ``[rows, slots x
+        rank]``: which columns are the row's own slot's (bool), and their scale (zero elsewhere)."""
 
     def add_lora(
         self,
@@ -59,7 +62,8 @@ class TorchLoRAKernel(LoRAKernel):
             return
         slots = torch.tensor(active, device=lora_a.device)
         stacked_a = lora_a.index_select(0, slots).flatten(0, 1)  # [slots x rank, in]
-        h = (x @ stacked_a.T).mul_(self._row_mask(mapping, scalings, lora_a.shape[1], x.dtype))
+        own, scale = self._row_masks(mapping, scalings, lora_a.shape[1], x.dtype)
+        h = torch.where(own, x @ stacked_a.T, 0).mul_(scale)
         output.addmm_(h.to(output.dtype), self._stacked(lora_b, active).T)
 
     def _stacked(self, lora_b: torch.Tensor, active: tuple[int, ...]) -> torch.Tensor:
@@ -71,20 +75,24 @@ class TorchLoRAKernel(LoRAKernel):
         self._stacked_b[id(lora_b)] = (lora_b._version, active, stacked)
         return stacked
 
-    def _row_mask(self, mapping: LoRAMapping, scalings: torch.Tensor, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    def _row_masks(
+        self, mapping: LoRAMapping, scalings: torch.Tensor, rank: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         key = (scalings._version, rank, dtype)
         if self._mask is not None and self._mask[0] is mapping and self._mask[1] == key:
-            return self._mask[2]
+            return self._mask[2], self._mask[3]
         active = mapping.active_slots
         position = torch.full((int(scalings.shape[0]) + 1,), -1, dtype=torch.int64, device=scalings.device)
         position[torch.tensor(active, device=scalings.device)] = torch.arange(len(active), device=scalings.device)
         # A row's place among the active slots (its slot -1, no adapter, maps to the last entry: -1).
         row_position = position[mapping.slots.to(scalings.device)]
-        mask = torch.zeros(mapping.num_rows, len(active), dtype=torch.float32, device=scalings.device)
+        scale = torch.zeros(mapping.num_rows, len(active), dtype=torch.float32, device=scalings.device)
+        own = torch.zeros(mapping.num_rows, len(active), dtype=torch.bool, device=scalings.device)
         rows = torch.nonzero(row_position >= 0, as_tuple=True)[0]
-        mask[rows, row_position[rows]] = scalings[mapping.slots[rows]]
-        built = mask.repeat_interleave(rank, dim=1).to(dtype)
-        self._mask = (mapping, key, built)
+        scale[rows, row_position[rows]] = scalings[mapping.slots[rows]]
+        own[rows, row_position[rows]] = True
+        built = own.repeat_interleave(rank, dim=1), scale.repeat_interleave(rank, dim=1).to(dtype)
+        self._mask = (mapping, key, *built)
         return built
 
     def shrink(

@@ -28,7 +28,7 @@ class ThinkReasoningParser(ReasoningParser):
     ``starts_in_reasoning``).
     """
 
-    contract_version = "1.1"
+    contract_version = "1.2"
 
     Options = ThinkOptions
     options: ThinkOptions  # an instance of Options: plugin_options() validated it

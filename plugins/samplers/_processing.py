@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from patchbay.interfaces import SamplingMetadata
-from patchbay.worker.cpu.fused_ops import inverse_cdf_rows
+from patchbay.toolkit.fused_ops import inverse_cdf_rows
 
 NEG_INF = float("-inf")
 
@@ -76,7 +76,7 @@ def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator
 
     Inverse transform sampling: one uniform ``u`` per row, and the row's first
     token whose cumulative probability exceeds ``u`` times the row's total
-    (:func:`~patchbay.worker.cpu.fused_ops.inverse_cdf_rows`); a token of
+    (:func:`~patchbay.toolkit.fused_ops.inverse_cdf_rows`); a token of
     probability 0 is never drawn.  Rows listed in ``generators`` draw their
     ``u`` from their own generator only, so their tokens depend on nothing
     else in the batch; the other rows share one batched draw from the default

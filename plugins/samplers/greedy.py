@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from patchbay.interfaces import Sampler, SamplerCapabilities, SamplerOutput, SamplingMetadata
-from patchbay.worker.cpu.fused_ops import argmax_rows
+from patchbay.toolkit.fused_ops import argmax_rows
 
 
 class GreedySampler(Sampler):

@@ -14,7 +14,7 @@ from patchbay.interfaces import (
     SpecDecodeMetadata,
 )
 from patchbay.plugins.samplers import _processing
-from patchbay.worker.cpu.fused_ops import argmax_rows, inverse_cdf_rows
+from patchbay.toolkit.fused_ops import argmax_rows, inverse_cdf_rows
 
 PADDING = -1
 

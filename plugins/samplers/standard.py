@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict
 
 from patchbay.interfaces import SAMPLING_PARAMS, Sampler, SamplerCapabilities, SamplerOutput, SamplingMetadata
 from patchbay.plugins.samplers import _processing
-from patchbay.worker.cpu.fused_ops import argmax_rows
+from patchbay.toolkit.fused_ops import argmax_rows
 
 
 class StandardOptions(BaseModel):

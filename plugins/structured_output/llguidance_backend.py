@@ -18,7 +18,7 @@ from patchbay.interfaces import (
 
 
 class LLGuidanceOptions(BaseModel):
-    """Options of ``structured_output: {backend: llguidance, options: {...}}``."""
+    """Options of ``structured_output: {name: llguidance, options: {...}}``."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -90,7 +90,9 @@ class LLGuidanceBackend(StructuredOutputBackend):
 
     Options: ClassVar[type[BaseModel]] = LLGuidanceOptions
     options: LLGuidanceOptions  # an instance of Options: plugin_options() validated it
-    capabilities: ClassVar[StructuredOutputCapabilities] = StructuredOutputCapabilities(canonical_forced_tokens=True)
+    capabilities: ClassVar[StructuredOutputCapabilities] = StructuredOutputCapabilities(
+        canonical_forced_tokens=True, json_whitespace=True
+    )
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -114,7 +116,12 @@ class LLGuidanceBackend(StructuredOutputBackend):
         llguidance = self._llguidance
         if params.kind in ("json_schema", "json_object"):
             schema = params.json_schema if params.json_schema is not None else {"type": "object"}
-            defaults = {"whitespace_flexible": self.options.any_whitespace, "lenient": self.options.lenient}
+            flexible = (
+                self.options.any_whitespace if params.json_whitespace is None else params.json_whitespace == "flexible"
+            )
+            defaults: dict[str, Any] = {"whitespace_flexible": flexible, "lenient": self.options.lenient}
+            if params.json_whitespace == "compact":
+                defaults.update(item_separator=",", key_separator=":")
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
         if params.kind == "regex":
             return llguidance.grammar_from("regex", params.regex)

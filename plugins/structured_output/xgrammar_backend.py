@@ -19,7 +19,7 @@ from patchbay.interfaces import (
 
 
 class XGrammarOptions(BaseModel):
-    """Options of ``structured_output: {backend: xgrammar, options: {...}}``."""
+    """Options of ``structured_output: {name: xgrammar, options: {...}}``."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -76,7 +76,7 @@ class XGrammarBackend(StructuredOutputBackend):
 
     Options: ClassVar[type[BaseModel]] = XGrammarOptions
     options: XGrammarOptions  # an instance of Options: plugin_options() validated it
-    capabilities: ClassVar[StructuredOutputCapabilities] = StructuredOutputCapabilities()
+    capabilities: ClassVar[StructuredOutputCapabilities] = StructuredOutputCapabilities(json_whitespace=True)
     known_gaps: ClassVar[Mapping[str, str]] = {
         "test_json_bounded_strings_refuse_raw_control_characters": (
             "xgrammar 0.2.9 compiles strings with maxLength/minLength to a character class "
@@ -109,11 +109,17 @@ class XGrammarBackend(StructuredOutputBackend):
         try:
             if params.kind in ("json_schema", "json_object"):
                 schema = params.json_schema if params.json_schema is not None else {"type": "object"}
+                if params.json_whitespace is None:
+                    spacing: dict[str, Any] = {"any_whitespace": options.any_whitespace}
+                elif params.json_whitespace == "compact":
+                    spacing = {"any_whitespace": False, "separators": (",", ":")}
+                else:
+                    spacing = {"any_whitespace": True}
                 return compiler.compile_json_schema(
                     json.dumps(schema),
-                    any_whitespace=options.any_whitespace,
                     strict_mode=options.strict_mode,
-                    max_whitespace_cnt=options.max_whitespace_cnt,
+                    max_whitespace_cnt=options.max_whitespace_cnt if spacing["any_whitespace"] else None,
+                    **spacing,
                 )
             if params.kind == "regex":
                 assert params.regex is not None  # the kind is the field that is set

@@ -24,7 +24,7 @@ class HermesToolParser(ToolParser):
     is whole; a call whose JSON is malformed stays in the content, tags and all.
     """
 
-    contract_version = "1.1"
+    contract_version = "1.2"
 
     def parse(self, text: str) -> ParsedToolCalls:
         content: list[str] = []

@@ -54,7 +54,7 @@ class Llama3JsonToolParser(ToolParser):
     call is held back and told whole when the output ends.
     """
 
-    contract_version = "1.1"
+    contract_version = "1.2"
 
     capabilities = ToolParserCapabilities(content_with_calls=False)
 

@@ -32,7 +32,7 @@ class MistralToolParser(ToolParser):
     output text, or the marker never reaches the parser.
     """
 
-    contract_version = "1.1"
+    contract_version = "1.2"
 
     def parse(self, text: str) -> ParsedToolCalls:
         start = text.find(MARKER)

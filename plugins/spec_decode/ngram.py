@@ -33,9 +33,9 @@ SUFFIX_PADDING = -2
 
 
 class NgramOptions(BaseModel):
-    """Options of ``speculative: {method: ngram, options: {...}}``.
+    """Options of ``spec_decode: {name: ngram, options: {...}}``.
 
-    The number of drafts per step is the run's ``speculative.num_speculative_tokens``.
+    The number of drafts per step is the run's ``spec_decode.num_speculative_tokens``.
     """
 
     model_config = ConfigDict(extra="forbid")

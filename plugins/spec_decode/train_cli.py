@@ -11,7 +11,7 @@ generations is printed and recorded in the output's ``config.json``.
 EAGLE-3 also needs the outputs of the target layers it reads: one
 teacher-forced pass over the corpus computes them (for ``--aux-sequences``
 training sequences and the held-out ones; cached too).  Use
-the result with ``speculative: {method: medusa, options: {path: DIR}}``
+the result with ``spec_decode: {name: medusa, options: {path: DIR}}``
 (``path: auto`` finds the default output directory).
 """
 
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     module, config, report = train(args, model, train_set, held_out, log)
 
-    from patchbay.plugins.drafters.heads import default_drafter_dir, model_id, save_drafter, target_identity
+    from patchbay.plugins.spec_decode.heads import default_drafter_dir, model_id, save_drafter, target_identity
 
     out = args.out or default_drafter_dir(model_id(model), args.kind)
     config["target"] = target_identity(model)
@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"before training: {report.before.describe()}")
     print(f"after training:  {report.after.describe()}")
     print(f"saved to {out}")
-    print("use it with: speculative: " + json.dumps({"method": args.kind, "options": {"path": str(out)}}))
+    print("use it with: spec_decode: " + json.dumps({"name": args.kind, "options": {"path": str(out)}}))
     return 0
 
 
@@ -149,7 +149,7 @@ def load_target(model_path: str) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from patchbay.worker.model.model_loader import resolve_model_dir
+    from patchbay.toolkit.model_files import resolve_model_dir
 
     model_dir = resolve_model_dir(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -159,7 +159,7 @@ def load_target(model_path: str) -> tuple[Any, Any]:
 
 def corpus_path(args: argparse.Namespace, model: Any) -> Path:
     """``--corpus``, or the cached corpus of these generation settings next to the model's drafters."""
-    from patchbay.plugins.drafters.heads import default_drafter_dir, model_id
+    from patchbay.plugins.spec_decode.heads import default_drafter_dir, model_id
 
     return args.corpus or default_drafter_dir(model_id(model), "corpus").with_name(
         f"corpus-{args.sequences}x{args.max_new_tokens}-t{args.temperature:g}-s{args.seed}.pt"
@@ -168,7 +168,7 @@ def corpus_path(args: argparse.Namespace, model: Any) -> Path:
 
 def corpus_for(args: argparse.Namespace, model: Any, tokenizer: Any, log: Any) -> Any:
     """Load the cached corpus for these generation settings, or generate (and cache) it."""
-    from patchbay.plugins.drafters.train import Corpus, build_prompts, generate_corpus
+    from patchbay.plugins.spec_decode.train import Corpus, build_prompts, generate_corpus
 
     path = corpus_path(args, model)
     if path.is_file() and not args.regenerate:
@@ -198,8 +198,8 @@ def with_aux(
 ) -> tuple[Any, Any]:
     """(train, held-out) with the aux layers' outputs: ``--aux-sequences`` training sequences, all held-out ones."""
     from patchbay.interfaces.drafter import resolve_aux_layers
-    from patchbay.plugins.drafters.heads import default_aux_layers, text_config
-    from patchbay.plugins.drafters.train import Corpus, add_aux_hidden_states
+    from patchbay.plugins.spec_decode.heads import default_aux_layers, text_config
+    from patchbay.plugins.spec_decode.train import Corpus, add_aux_hidden_states
 
     num_layers = text_config(model).num_hidden_layers
     layers = (
@@ -235,8 +235,8 @@ def with_aux(
 
 def train(args: argparse.Namespace, model: Any, train_set: Any, held_out: Any, log: Any) -> tuple[Any, dict, Any]:
     """Train the chosen drafter; returns (module, config without target/training, report)."""
-    from patchbay.plugins.drafters.heads import Eagle3DraftModel, EagleDraftModel, MedusaHeads, target_parts
-    from patchbay.plugins.drafters.train import draft_token_map, train_eagle, train_medusa
+    from patchbay.plugins.spec_decode.heads import Eagle3DraftModel, EagleDraftModel, MedusaHeads, target_parts
+    from patchbay.plugins.spec_decode.train import draft_token_map, train_eagle, train_medusa
 
     parts = target_parts(model)
     seconds = args.minutes * 60

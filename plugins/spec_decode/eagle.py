@@ -6,7 +6,7 @@ state ("feature") at ``p``; one decoder layer predicts the feature at
 ``p + 1``, which the target's lm head turns into a draft token and which
 is fed back, with that token, to draft the next one.  Drafts come from the
 draft vocabulary the layer was trained with (see
-:class:`~patchbay.plugins.drafters.heads.DraftVocab`).
+:class:`~patchbay.plugins.spec_decode.heads.DraftVocab`).
 
 After each target step the drafter
 
@@ -56,7 +56,7 @@ from patchbay.interfaces import (
     DraftProposals,
     DraftStep,
 )
-from patchbay.plugins.drafters.heads import (
+from patchbay.plugins.spec_decode.heads import (
     EagleDraftModel,
     Rotary,
     TargetParts,

@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, PositiveInt
 
 from patchbay.interfaces import DraftBatch, Drafter, DrafterCapabilities, DrafterContext, DraftProposals
-from patchbay.plugins.drafters.heads import (
+from patchbay.plugins.spec_decode.heads import (
     MedusaHeads,
     load_state,
     load_trained,

@@ -5,11 +5,11 @@ final hidden state, with the outputs of three of its layers: the runner
 captures them during the target's own forward pass (see
 :meth:`~patchbay.interfaces.Drafter.aux_hidden_state_layers`), and an fc
 projects their concatenation ``[num_tokens, 3 * hidden]`` to hidden size
-(:class:`~patchbay.plugins.drafters.heads.Eagle3DraftModel`).  The
+(:class:`~patchbay.plugins.spec_decode.heads.Eagle3DraftModel`).  The
 drafting steps after the cache-filling pass feed back the draft layer's own
 output instead, as EAGLE-3 does.
 
-Why a subclass of :class:`~patchbay.plugins.drafters.eagle.EagleDrafter`
+Why a subclass of :class:`~patchbay.plugins.spec_decode.eagle.EagleDrafter`
 rather than a ``variant`` option: everything but that input projection, the
 paged KV cache and scratch blocks, the shifted cache fill, the drafting
 loop, is EAGLE-1's and stays in one place; the two kinds of weights stay
@@ -30,8 +30,8 @@ from pydantic import BaseModel
 
 from patchbay.interfaces import DrafterCapabilities, DraftStep
 from patchbay.interfaces.drafter import resolve_aux_layers
-from patchbay.plugins.drafters.eagle import EagleDrafter, EagleOptions
-from patchbay.plugins.drafters.heads import Eagle3DraftModel, TargetParts, default_aux_layers, text_config
+from patchbay.plugins.spec_decode.eagle import EagleDrafter, EagleOptions
+from patchbay.plugins.spec_decode.heads import Eagle3DraftModel, TargetParts, default_aux_layers, text_config
 
 KIND = "eagle3"
 

@@ -110,7 +110,7 @@ def model_id(model: PreTrainedModel) -> str:
 
 def default_drafter_dir(target_model_id: str, kind: str) -> Path:
     """``~/.cache/patchbay/drafters/<model-id>/<kind>`` (``$PATCHBAY_CACHE_DIR`` replaces ``~/.cache/patchbay``)."""
-    from patchbay.worker.model.model_loader import cache_dir
+    from patchbay.toolkit.paths import cache_dir
 
     return cache_dir() / "drafters" / target_model_id / kind
 

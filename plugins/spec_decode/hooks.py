@@ -7,21 +7,21 @@ from patchbay import hookimpl
 def register_drafters(register):
     register(
         "ngram",
-        "patchbay.plugins.drafters.ngram:NgramDrafter",
+        "patchbay.plugins.spec_decode.ngram:NgramDrafter",
         description="prompt lookup: proposes what followed the latest earlier occurrence of the last n-gram",
     )
     register(
         "medusa",
-        "patchbay.plugins.drafters.medusa:MedusaDrafter",
+        "patchbay.plugins.spec_decode.medusa:MedusaDrafter",
         description="Medusa heads over the target's last hidden state",
     )
     register(
         "eagle",
-        "patchbay.plugins.drafters.eagle:EagleDrafter",
+        "patchbay.plugins.spec_decode.eagle:EagleDrafter",
         description="EAGLE draft model: one decoder layer over token embeddings and target hidden states",
     )
     register(
         "eagle3",
-        "patchbay.plugins.drafters.eagle3:Eagle3Drafter",
+        "patchbay.plugins.spec_decode.eagle3:Eagle3Drafter",
         description="EAGLE-3 draft model: the eagle layer over an fc of a low, a middle and a high target layer",
     )

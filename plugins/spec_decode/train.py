@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from patchbay.plugins.drafters.heads import (
+from patchbay.plugins.spec_decode.heads import (
     DraftVocab,
     Eagle3DraftModel,
     EagleDraftModel,
@@ -126,9 +126,8 @@ CODE_INSTRUCTIONS = (
 def source_files() -> list[Path]:
     """patchbay's own Python sources (the core and the built-in plugins)."""
     import patchbay
-    import patchbay.plugins
 
-    roots = {Path(patchbay.__file__).parent, Path(patchbay.plugins.__file__).parent}
+    roots = {Path(patchbay.__file__).parent, Path(__file__).resolve().parents[1]}  # the core, then the plugins
     return sorted(path for root in roots for path in root.rglob("*.py"))
 
 
@@ -350,13 +349,13 @@ def add_aux_hidden_states(
 
     One teacher-forced pass over each sequence's tokens (right-padded
     batches; causal attention keeps padding out of the real rows), with the
-    runner's own hooks (:class:`~patchbay.worker.model.hf_model.AuxHiddenStates`), so
+    runner's own hooks (:class:`~patchbay.toolkit.hidden_states.AuxHiddenStates`), so
     training reads what inference will.
     """
-    from patchbay.worker.model.hf_model import AuxHiddenStates
+    from patchbay.toolkit.hidden_states import AuxHiddenStates
 
     decoder = model.base_model
-    capture = AuxHiddenStates(model, layers)
+    capture = AuxHiddenStates.of_transformers_model(model, layers)
     aux: list[torch.Tensor] = []
     started = time.perf_counter()
     for start in range(0, len(corpus), batch_size):
@@ -652,7 +651,7 @@ class EagleBatch:
     """``[B, T + num_steps, hidden]``: the target's final hidden states (the features the output regresses to)."""
     target_inputs: torch.Tensor
     """``[B, T, width]``: what the cache-filling pass reads per row, ``hidden`` (EAGLE-1) or the aux layers'
-    outputs (EAGLE-3), before :meth:`~patchbay.plugins.drafters.heads.EagleDraftModel.target_features`."""
+    outputs (EAGLE-3), before :meth:`~patchbay.plugins.spec_decode.heads.EagleDraftModel.target_features`."""
     next_token_ids: torch.Tensor
     """int64 ``[B, T + num_steps]``, -100 where padded."""
     lengths: torch.Tensor
