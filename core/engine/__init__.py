@@ -15,15 +15,17 @@ if TYPE_CHECKING:
     from patchbay.engine.builder import measure_machine_defaults
     from patchbay.engine.detokenizer import IncrementalDetokenizer, StreamingText
     from patchbay.engine.engine import Engine, KVConnectorStalledError
+    from patchbay.engine.kv_event_publisher import offset_port
     from patchbay.engine.multimodal_inputs import MultiModalInputError, ProcessedImages
     from patchbay.engine.outputs import Completion, RequestMetrics, RequestOutput
     from patchbay.engine.prompts import Prompt, encode_prompt
     from patchbay.engine.ranks import run_launched_rank
     from patchbay.engine.report import EngineReport, EngineStats
     from patchbay.engine.step_failures import EngineDeadError
+    from patchbay.scheduling.structured_output import GrammarCompileBusy
     from patchbay.worker.lora.catalog import AdapterExistsError, AdapterInUseError, UnknownAdapterError
     from patchbay.worker.lora.peft_adapter import LoRAAdapterError
-    from patchbay.worker.model.model_loader import ModelLoadError
+    from patchbay.toolkit.model_files import ModelLoadError
 
 __all__ = [
     "AdapterExistsError",
@@ -36,6 +38,7 @@ __all__ = [
     "EngineReport",
     "EngineSnapshot",
     "EngineStats",
+    "GrammarCompileBusy",
     "IncrementalDetokenizer",
     "KVConnectorStalledError",
     "LoRAAdapterError",
@@ -51,6 +54,7 @@ __all__ = [
     "check_num_sequences",
     "encode_prompt",
     "measure_machine_defaults",
+    "offset_port",
     "run_launched_rank",
 ]
 _ASYNC = "patchbay.engine.async_llm"
@@ -59,7 +63,7 @@ _MODULE_OF = {
     "KVConnectorStalledError": "patchbay.engine.engine",
     "EngineReport": "patchbay.engine.report",
     "EngineStats": "patchbay.engine.report",
-    "ModelLoadError": "patchbay.worker.model.model_loader",
+    "ModelLoadError": "patchbay.toolkit.model_files",
     "MultiModalInputError": "patchbay.engine.multimodal_inputs",
     "ProcessedImages": "patchbay.engine.multimodal_inputs",
     "measure_machine_defaults": "patchbay.engine.builder",
@@ -73,11 +77,13 @@ _MODULE_OF = {
     "Prompt": "patchbay.engine.prompts",
     "encode_prompt": "patchbay.engine.prompts",
     "run_launched_rank": "patchbay.engine.ranks",
+    "offset_port": "patchbay.engine.kv_event_publisher",
     "check_num_sequences": "patchbay.engine.admission",
     "AdapterExistsError": "patchbay.worker.lora.catalog",
     "AdapterInUseError": "patchbay.worker.lora.catalog",
     "UnknownAdapterError": "patchbay.worker.lora.catalog",
     "LoRAAdapterError": "patchbay.worker.lora.peft_adapter",
+    "GrammarCompileBusy": "patchbay.scheduling.structured_output",
 }
 """Where each public name lives when it is not in :mod:`patchbay.engine.outputs`."""
 

@@ -33,6 +33,7 @@ from patchbay.engine.multimodal_inputs import ProcessedImages
 from patchbay.engine.detokenizer import StreamingText
 from patchbay.engine.outputs import RequestOutput
 from patchbay.engine.prompts import Prompt, encode_prompt
+from patchbay.interfaces import PoolingParams
 from patchbay.sampling_params import SamplingParams
 from patchbay.engine.step_failures import EngineDeadError  # one error for a dead engine, whichever front end
 
@@ -135,10 +136,6 @@ class AsyncLLM:
         """The engine thread runs and has not failed."""
         return self._thread.is_alive() and self.error is None
 
-    @property
-    def num_sequences_in_flight(self) -> int:
-        return self._num_sequences
-
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """Prompt text (if any) and token ids, as :meth:`patchbay.LLM.encode` gives them."""
         return encode_prompt(self.tokenizer, prompt)
@@ -195,6 +192,34 @@ class AsyncLLM:
                 yield delta
         finally:
             stream.close()
+
+    async def pool(
+        self,
+        prompt_token_ids: list[int],
+        params: PoolingParams | None = None,
+        *,
+        prompt: str | None = None,
+        request_id: str | None = None,
+        token_type_ids: list[int] | None = None,
+    ) -> RequestOutput:
+        """Add a request to a pooling engine and wait for its output (``output.pooled``: the pooler's vector).
+
+        Invalid requests raise ``ValueError`` (from :meth:`Engine.add_pooling_request`, naming the request);
+        a cancelled wait aborts the request.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), [StreamingText(self.tokenizer, [])], [0], [False])
+        await self._call(
+            lambda: self._add_pooling(request_id, prompt_token_ids, params, prompt, token_type_ids, stream)
+        )
+        deltas = RequestStream(self, request_id, stream.queue)
+        try:
+            async for delta in deltas:
+                if delta.output is not None:
+                    return delta.output
+        finally:
+            deltas.close()
+        raise EngineDeadError(f"request {request_id!r} ended without an output")
 
     async def abort(self, request_id: str) -> None:
         """Abort a request: its blocks are freed before the next step, and its stream ends with a last delta
@@ -260,6 +285,21 @@ class AsyncLLM:
         )
         self._streams[request_id] = stream
         self._num_sequences += params.n
+
+    def _add_pooling(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams | None,
+        prompt: str | None,
+        token_type_ids: list[int] | None,
+        stream: _Stream,
+    ) -> None:
+        self.engine.add_pooling_request(
+            prompt_token_ids, params, prompt=prompt, request_id=request_id, token_type_ids=token_type_ids
+        )
+        self._streams[request_id] = stream
+        self._num_sequences += 1
 
     def _abort(self, request_id: str) -> None:
         # The stream stays: the next step returns the aborted request, and its last delta ends the stream.

@@ -27,7 +27,9 @@ from typing import Any
 from patchbay.contract.registry import PluginError, Registry, registry_for
 from patchbay.contract.settings import Settings
 from patchbay.engine.admission import check_request
-from patchbay.engine.builder import build_engine_parts, pipeline_depth
+from patchbay.engine.builder import build_engine_parts
+from patchbay.engine.kv_event_publisher import kv_event_publisher
+from patchbay.engine.parts import pipeline_depth
 from patchbay.engine.multimodal_inputs import ImageInputs, MultiModalInputError, ProcessedImages, request_images
 from patchbay.engine.output_processor import OutputProcessor
 from patchbay.engine.outputs import RequestOutput
@@ -35,16 +37,17 @@ from patchbay.engine.ranks import parallel_settings
 from patchbay.engine.report import EngineReport, EngineStats
 from patchbay.engine.step_failures import EngineDeadError, describe_failure, fail_requests, replay_alone
 from patchbay.engine.structured_output import check_constraint
-from patchbay.interfaces import Sampler, SamplerConfig
+from patchbay.engine.pooling import POOLING_SAMPLING, PoolingRun
+from patchbay.interfaces import PoolingParams, Sampler, SamplerConfig
 from patchbay.sampling_params import SamplingParams
-from patchbay.scheduling.kv_cache_spec import cache_dtype
+from patchbay.scheduling.kv_cache_spec import cache_dtype, kv_bytes_per_token
 from patchbay.scheduling.multimodal import ImageFeature
-from patchbay.scheduling.request import Request
+from patchbay.scheduling.request import PoolingRequest, Request
 from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from patchbay.worker.lora.catalog import AdapterInUseError
 from patchbay.worker.lora.manager import LoRAManager
 from patchbay.worker.lora.peft_adapter import LoRAAdapterError
-from patchbay.worker.cpu.heap import release_kept_blocks
+from patchbay.worker.cpu.caching_allocator import release_kept_blocks
 from patchbay.worker.model_runner import StepStage
 
 logger = logging.getLogger(__name__)
@@ -88,6 +91,8 @@ class Engine:
         self.limits = parts.limits
         self.lora = parts.lora
         """The LoRA adapter slots (``None``: no ``lora:`` section, so requests naming an adapter are refused)."""
+        self.pooling: PoolingRun | None = parts.pooling
+        """A pooling engine's task and limits (``None``: the engine generates)."""
         self.sampler: Sampler = self.runner.sampler
         self.spec_stats = self.runner.spec_stats
         self.stats = EngineStats()
@@ -107,6 +112,8 @@ class Engine:
             self.model_dir, vision.family if vision is not None else None, self.model.shape.architecture
         )
         """A vision-language model's image processing (``None``: the model takes text only)."""
+        self.kv_event_publisher = kv_event_publisher(settings, self.groups)
+        """Publishes each step's KV-cache events (``None``: ``kv_events.enable_kv_cache_events`` is off)."""
         self._ids = itertools.count()
         eos = self.model.shape.eos_token_ids
         self._eos_token_id = eos[0] if eos else None
@@ -134,9 +141,11 @@ class Engine:
             single_thread_max_tokens=self.single_thread_max_tokens,
             fused_modules=self.fused_modules,
             kv_connector=copy.copy(self.scheduler.kv_connector_stats) if self.kv_connector is not None else None,
-            speculative=copy.deepcopy(self.spec_stats),
+            spec_decode=copy.deepcopy(self.spec_stats),
             grammars=copy.deepcopy(self.grammars.stats),
             encoder_cache=copy.copy(self.scheduler.encoder_cache.stats) if self.image_inputs is not None else None,
+            architecture=self.model.served_by,
+            kv_bytes_per_token=kv_bytes_per_token(self.groups),
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -186,6 +195,86 @@ class Engine:
                 features=features,
             )
         return request_id
+
+    def add_pooling_request(
+        self,
+        prompt_token_ids: list[int],
+        params: PoolingParams | None = None,
+        *,
+        prompt: str | None = None,
+        request_id: str | None = None,
+        token_type_ids: list[int] | None = None,
+    ) -> str:
+        """Queue a request of a pooling engine; returns its id.  Its output's ``pooled`` is the pooler's vector
+        (an embedding, class probabilities or a score: the engine's ``pooling.task``).
+
+        ``token_type_ids`` gives each prompt token's segment (a BERT cross-encoder's query and document).
+        Invalid requests raise ``ValueError`` naming the request.
+        """
+        self._require_alive()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if self.output_processor.in_use(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params if params is not None else PoolingParams()
+        self.check_pooling_request(request_id, prompt_token_ids, params, token_type_ids)
+        assert self.pooling is not None  # checked above
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            POOLING_SAMPLING,
+            block_size=self.settings.cache.block_size,
+            pooling=PoolingRequest(
+                params,
+                # A model without token-type embeddings (a decoder) takes none: its checked types are all 0.
+                tuple(token_type_ids) if token_type_ids is not None and self.pooling.type_vocab_size else None,
+                self.pooling.whole_prompt,
+            ),
+        )
+        self.scheduler.add_request(request)
+        self.output_processor.add_sequence(request_id, prompt, prompt_token_ids, POOLING_SAMPLING, request.arrival_time)
+        self.stats.num_prompt_tokens += len(prompt_token_ids)
+        return request_id
+
+    def check_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        token_type_ids: list[int] | None = None,
+    ) -> None:
+        """Raise ``ValueError`` naming the request if it cannot be pooled here (the engine generates, the prompt
+        is empty or over ``model.max_model_len``, ``dimensions`` or token types the model does not have)."""
+        run = self.pooling
+        if run is None:
+            raise ValueError(
+                f"request {request_id!r} asks for a pooled vector, but this engine generates; an engine pools with "
+                "a pooling: section in its settings"
+            )
+        check_request(request_id, prompt_token_ids, POOLING_SAMPLING, self.limits)
+        if params.dimensions is not None:
+            if run.task != "embed":
+                raise ValueError(
+                    f"request {request_id!r}: dimensions applies to embeddings; this engine's task is {run.task}"
+                )
+            if params.dimensions > run.hidden_size:
+                raise ValueError(
+                    f"request {request_id!r}: dimensions={params.dimensions} exceeds the model's "
+                    f"{run.hidden_size} embedding features"
+                )
+        if token_type_ids is None:
+            return
+        if len(token_type_ids) != len(prompt_token_ids):
+            raise ValueError(
+                f"request {request_id!r}: {len(token_type_ids)} token types for a prompt of "
+                f"{len(prompt_token_ids)} tokens"
+            )
+        limit = run.type_vocab_size or 1
+        outside = [value for value in token_type_ids if isinstance(value, bool) or not 0 <= value < limit]
+        if outside:
+            raise ValueError(
+                f"request {request_id!r}: token types must be integers in 0..{limit - 1} for this model; "
+                f"got {outside[:5]}"
+            )
 
     def process_images(
         self, request_id: str, prompt_token_ids: list[int], multi_modal_data: dict[str, Any]
@@ -280,6 +369,11 @@ class Engine:
         """
         if not isinstance(request_id, str):
             raise ValueError(f"a request id must be a string, got {type(request_id).__name__} {request_id!r}")
+        if self.pooling is not None:
+            raise ValueError(
+                f"request {request_id!r} asks to generate, but this engine pools (its settings' pooling: section, "
+                f"task {self.pooling.task}); generation needs an engine without it"
+            )
         check_request(request_id, prompt_token_ids, params, self.limits)
         self._check_sampling(request_id, params)
         self._check_lora(request_id, params)
@@ -375,6 +469,10 @@ class Engine:
         """
         if self._close_ranks is not None:
             self._close_ranks()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.kv_cache_manager.take_events())
+            self.kv_event_publisher.close()
+            self.kv_event_publisher = None
         release_kept_blocks()
 
     @property
@@ -393,15 +491,16 @@ class Engine:
         """The run's plugin objects by ``KIND:NAME``, to name the one an exception came from."""
         settings = self.settings
         runner = self.runner
-        builder_name = settings.attention.metadata_builder or type(runner.backend).metadata_builder
+        chosen_builder = settings.attention.metadata_builder
+        builder_name = chosen_builder.name if chosen_builder is not None else type(runner.backend).metadata_builder
         plugins: dict[str, list[Any]] = {
             f"sampler:{settings.sampler.name}": [self.sampler],
             f"attention:{self.backend_name}": [runner.backend, *(b.impl for b in runner._bindings.values())],
             f"attention_metadata_builder:{builder_name}": list(runner.builders),
         }
-        if settings.speculative is not None:
-            plugins[f"drafter:{settings.speculative.method}"] = [runner.drafter]
-            plugins[f"sampler:{settings.speculative.rejection_sampler}"] = [runner.rejection_sampler]
+        if settings.spec_decode is not None:
+            plugins[f"drafter:{settings.spec_decode.name}"] = [runner.drafter]
+            plugins[f"sampler:{settings.spec_decode.rejection_sampler.name}"] = [runner.rejection_sampler]
         if settings.kv_connector is not None and self.kv_connector is not None:
             plugins[f"kv_connector:{settings.kv_connector.name}"] = [
                 self.kv_connector,
@@ -422,7 +521,10 @@ class Engine:
         """
         self._require_alive()
         try:
-            return self._pipelined_step() if self.settings.runtime.pipeline_parallel_size > 1 else self._step()
+            finished = self._pipelined_step() if self.settings.runtime.pipeline_parallel_size > 1 else self._step()
+            if self.kv_event_publisher is not None:
+                self.kv_event_publisher.publish(self.kv_cache_manager.take_events())
+            return finished
         except BaseException as exc:
             self._dead = describe_failure(exc, self._plugins()) if not isinstance(exc, EngineDeadError) else str(exc)
             logger.error("engine stopped: %s", self._dead)
@@ -557,7 +659,7 @@ class Engine:
             return "pipeline stages run different batches at once"
         if self.kv_connector is not None:
             return "the ranks join their KV transfer reports in a collective"
-        if settings.speculative is not None:
+        if settings.spec_decode is not None:
             return "a drafter may run collectives after sampling"
         if self.runner.stage < StepStage.SAMPLING:
             return "it raised before the step's collectives, where the other ranks wait"
@@ -610,7 +712,8 @@ class Engine:
         batch), ``prepare`` (inputs and attention metadata), ``encoder`` (a
         vision-language model's image encoding), ``forward`` (the
         model, logits included), ``sample``, ``output`` (recording samples),
-        ``draft`` (speculative proposals, when a drafter runs), ``structure`` (filling and
+        ``draft`` (speculative proposals, when a drafter runs), ``pool`` (a pooling engine's pooler, in place of
+        ``sample`` and ``output``), ``structure`` (filling and
         applying grammar bitmasks and advancing matchers, when constrained requests run), then
         ``finish`` (the scheduler's update from the output, stop checks and
         request outputs).  With tensor parallelism, ``all_reduce`` follows

@@ -23,7 +23,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from patchbay.worker.model.model_loader import cache_dir
+from patchbay.toolkit.paths import cache_dir
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 MEMO_FILE_NAME = "weights-fingerprints.json"

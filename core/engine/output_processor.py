@@ -11,6 +11,7 @@ sequences have finished.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,7 +122,13 @@ class OutputProcessor:
         return list(failed)
 
     def record_step_details(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
-        """Count each sequence's drafted and accepted tokens, and keep the prompt logprobs computed in the step."""
+        """Count each sequence's drafted and accepted tokens, keep the prompt logprobs computed in the step, and
+        note when each new sequence was first scheduled."""
+        now = time.monotonic()
+        for new in scheduler_output.scheduled_new_reqs:
+            scheduled = self.sequences.get(new.req_id)
+            if scheduled is not None and scheduled.metrics.first_scheduled_time is None:
+                scheduled.metrics.first_scheduled_time = now
         sampled_by_id = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
         for sequence_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             output = self.sequences.get(sequence_id)
@@ -151,6 +158,8 @@ class OutputProcessor:
                 applied.num_generated_tokens += len(update.new_token_ids)
                 if output.sampling_params.logprobs is not None:
                     output.logprobs = (output.logprobs or []) + [logprobs_by_id.get(update.request_id)]
+            if update.pooled is not None:
+                output.pooled = update.pooled.tolist()
             if update.finish_reason is None and output.sampling_params.stop:
                 stop = self._stop_string(output, len(update.new_token_ids))
                 if stop is not None:

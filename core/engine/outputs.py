@@ -16,6 +16,8 @@ class RequestMetrics:
 
     arrival_time: float
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    """When a step first ran part of the request (its prompt's first chunk)."""
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -36,6 +38,32 @@ class RequestMetrics:
     @property
     def e2e_latency(self) -> float | None:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to the first step that ran it."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduled to first token."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """First token to finish."""
+        if self.first_token_time is None or self.finish_time is None:
+            return None
+        return self.finish_time - self.first_token_time
+
+    @property
+    def inference_time(self) -> float | None:
+        """First scheduled to finish."""
+        if self.first_scheduled_time is None or self.finish_time is None:
+            return None
+        return self.finish_time - self.first_scheduled_time
 
     def as_dict(self) -> dict[str, Any]:
         itl = self.inter_token_latencies
@@ -99,6 +127,8 @@ class RequestOutput:
     completions: list[Completion] = field(default_factory=list)
     error: str | None = None
     """Why the request failed, when ``finish_reason`` is ``"error"`` (what raised, naming the plugin if one did)."""
+    pooled: list[float] | None = None
+    """A pooling request's vector: its embedding, class probabilities or score (``None``: a generation)."""
 
     @property
     def finished(self) -> bool:
@@ -123,6 +153,8 @@ class RequestOutput:
         }
         if self.error is not None:
             result["error"] = self.error
+        if self.pooled is not None:
+            result["pooled"] = self.pooled
         if self.logprobs is not None:
             result["logprobs"] = [_logprobs_dict(entry) for entry in self.logprobs]
         if self.prompt_logprobs is not None:
@@ -147,6 +179,9 @@ def merge_completions(request_id: str, sequences: list[RequestOutput]) -> Reques
             (s.metrics.first_token_time for s in sequences if s.metrics.first_token_time), default=None
         ),
         finish_time=max((s.metrics.finish_time for s in sequences if s.metrics.finish_time), default=None),
+        first_scheduled_time=min(
+            (s.metrics.first_scheduled_time for s in sequences if s.metrics.first_scheduled_time), default=None
+        ),
         token_times=sorted(t for s in sequences for t in s.metrics.token_times),
         num_cached_tokens=first.metrics.num_cached_tokens,
         num_draft_tokens=sum(s.metrics.num_draft_tokens for s in sequences),

@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -415,14 +414,3 @@ def run_launched_rank(settings: Settings) -> int | None:
         print(f"patchbay: error: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-def __getattr__(name: str) -> Any:
-    if name == "TensorParallelRanks":  # its name until it ran pipeline stages too
-        warnings.warn(
-            "patchbay.engine.ranks.TensorParallelRanks is deprecated: it is ParallelRanks",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return ParallelRanks
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

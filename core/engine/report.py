@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from patchbay.scheduling.encoder_cache_manager import EncoderCacheStats
 from patchbay.scheduling.scheduler import KVConnectorStats
 from patchbay.scheduling.structured_output import CompileStats
-from patchbay.worker.cpu.fused_ops import FusedModules
+from patchbay.worker.cpu.fused_modules import FusedModules
 from patchbay.worker.spec_decode import SpecDecodeStats
 from patchbay.worker.cpu.tuning import LinearPaths
 
@@ -38,7 +38,7 @@ class EngineReport:
     step_timings: dict[str, float]
     """Seconds per step phase since the last reset, in step order (``Engine.step_timings``)."""
     attention_backend: str
-    """The attention backend running (``attention.backend`` resolved)."""
+    """The attention backend running (``attention.name`` resolved)."""
     dtype: str
     kv_cache_dtype: str
     """The KV cache's dtype: the model's, or ``int8`` (``cache.dtype``)."""
@@ -57,10 +57,14 @@ class EngineReport:
     fused_modules: FusedModules
     kv_connector: KVConnectorStats | None
     """What the KV connector did (``None``: the run has no ``kv_connector:``)."""
-    speculative: SpecDecodeStats
-    """Drafted and accepted tokens (all zero without ``speculative:``)."""
+    spec_decode: SpecDecodeStats
+    """Drafted and accepted tokens (all zero without ``spec_decode:``)."""
     grammars: CompileStats
     """Grammar compilations: how many, how long, failed, past ``structured_output.compile_timeout``."""
+    architecture: str = ""
+    """The architecture plugin that built the model (``model.architecture`` resolved)."""
+    kv_bytes_per_token: int = 0
+    """Bytes one token takes in every layer's KV cache on this rank (an MLA model's latent rows count once)."""
     encoder_cache: EncoderCacheStats | None = None
     """Images encoded and shared through the encoder cache (``None``: the model takes text only); the encoder's
     time is the ``encoder`` phase of :attr:`step_timings`."""

@@ -164,6 +164,7 @@ def replay_alone(
                 logprobs.append(output.logprobs[row] if output.logprobs else None)
                 draft_token_ids.append(output.draft_token_ids[row] if output.draft_token_ids else [])
             merged.prompt_logprobs.update(output.prompt_logprobs)
+            merged.pooled.update(output.pooled)
     if not any(logprobs):
         merged.logprobs = None
     if not any(draft_token_ids):

@@ -23,15 +23,15 @@ def grammar_compilations(
     vocab_size: int,
     stop_token_ids: Sequence[int],
 ) -> GrammarCompilations:
-    """The compile service of ``structured_output.backend``; the backend itself is built on the first constraint.
+    """The compile service of ``structured_output.name``; the backend itself is built on the first constraint.
 
     Its name, options and capabilities are checked now, so a bad section
     fails the run at start, not at the first constrained request.
     """
     section = settings.structured_output
-    backend_class: type[StructuredOutputBackend] = registry.resolve("structured_output", section.backend)  # type: ignore[assignment]
-    config = StructuredOutputConfig(device=device, dtype=dtype, needs_rollback=settings.speculative is not None)
-    require_serves(backend_class, f"structured_output:{section.backend}", "structured_output.backend", [config])
+    backend_class: type[StructuredOutputBackend] = registry.resolve("structured_output", section.name)  # type: ignore[assignment]
+    config = StructuredOutputConfig(device=device, dtype=dtype, needs_rollback=settings.spec_decode is not None)
+    require_serves(backend_class, f"structured_output:{section.name}", "structured_output.name", [config])
     options = plugin_options(backend_class, section.options, where="structured_output.options")
 
     def build() -> StructuredOutputBackend:
@@ -39,10 +39,12 @@ def grammar_compilations(
 
     return GrammarCompilations(
         build,
-        section.backend,
+        section.name,
         constraint_kinds=backend_class.capabilities.constraint_kinds,
         cache_bytes=section.cache_bytes,
         compile_timeout=section.compile_timeout,
+        max_workers=section.compile_workers,
+        max_queued=section.max_queued_compiles,
     )
 
 

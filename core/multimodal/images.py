@@ -3,7 +3,10 @@
 :func:`load_image` takes a file path, encoded bytes, a ``PIL.Image.Image``, a
 numpy array or a URL (:func:`load_image_url`: ``data:``, ``file://`` under
 ``multimodal.allowed_local_media_path``, ``http(s)://`` when
-``multimodal.allow_remote_urls`` is on) and returns an RGB image.  Each
+``multimodal.allow_remote_urls`` is on) and returns an RGB image.  A
+``file://`` file is opened without a check-then-open race (each component
+from the folder before it; links walked inside the folder only) and must be
+a regular file: a FIFO or device is refused, not waited on.  Each
 failure raises :class:`ImageInputError` naming the part at fault (``where``)
 and what is wrong with it: corrupt or truncated data, a format that is not
 an image, more pixels than ``multimodal.max_image_pixels`` (read from the
@@ -21,13 +24,22 @@ import urllib.parse
 import urllib.request
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from patchbay.contract.settings import MultimodalSettings
+from patchbay.toolkit.local_files import (
+    LeadsOutside,
+    LocalFileError,
+    open_regular_file,
+    open_under,
+    read_capped,
+    relative_parts,
+)
 
 ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 """The encodings decoded; Pillow's other readers (EPS, PDF, ICNS ...) are never reached by untrusted bytes."""
@@ -77,12 +89,7 @@ def load_image(source: Any, *, limits: MultimodalSettings, where: str) -> Image.
     if isinstance(source, str) and _scheme(source) in ("data", "file", "http", "https"):
         return load_image_url(source, limits=limits, where=where)
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        try:
-            data = _read_capped(path, limits, where)
-        except OSError as exc:
-            raise ImageInputError(where, f"cannot read image file {str(path)!r}: {exc.strerror or exc}") from None
-        return decode_image(data, limits=limits, where=where)
+        return decode_image(_read_capped(Path(source), limits, where), limits=limits, where=where)
     raise ImageInputError(
         where,
         "an image is a file path, bytes, a PIL image, a numpy array or a data:/file:// URL; "
@@ -92,21 +99,65 @@ def load_image(source: Any, *, limits: MultimodalSettings, where: str) -> Image.
 
 def load_image_url(url: str, *, limits: MultimodalSettings, where: str) -> Image.Image:
     """An RGB image from a ``data:``, ``file://`` or (if allowed) ``http(s)://`` URL."""
+    return decode_image(_url_bytes(url, limits, where), limits=limits, where=where)
+
+
+def _url_bytes(url: str, limits: MultimodalSettings, where: str) -> bytes:
     if not isinstance(url, str):
         raise ImageInputError(where, f"an image URL is a string, got {type(url).__name__}")
     scheme = _scheme(url)
     if scheme == "data":
-        return decode_image(_data_url_bytes(url, limits, where), limits=limits, where=where)
+        return _data_url_bytes(url, limits, where)
     if scheme == "file":
-        return decode_image(_local_file_bytes(url, limits, where), limits=limits, where=where)
+        return _local_file_bytes(url, limits, where)
     if scheme in ("http", "https"):
-        return decode_image(_remote_bytes(url, limits, where), limits=limits, where=where)
+        return _remote_bytes(url, limits, where)
     shown = url if len(url) <= 40 else url[:40] + "..."
     raise ImageInputError(where, f"{shown!r} is not a data:, file:// or http(s):// URL")
 
 
+@dataclass(frozen=True)
+class EncodedImage:
+    """An image's encoded bytes, read and its header checked, not decoded yet."""
+
+    data: bytes
+    width: int
+    height: int
+    where: str
+
+    @property
+    def decoded_bytes(self) -> int:
+        """What decoding it holds: four bytes a pixel (RGBA, the widest mode it passes through)."""
+        return 4 * self.width * self.height
+
+
+def read_encoded_url(url: str, *, limits: MultimodalSettings, where: str) -> EncodedImage:
+    """A URL's image bytes (as :func:`load_image_url` reads them) with its size from the header, not decoded: what
+    decoding it will hold is known before it is decoded."""
+    data = _url_bytes(url, limits, where)
+    image = _open_checked(data, limits, where)
+    return EncodedImage(data, image.width, image.height, where)
+
+
+def decode_encoded(image: EncodedImage, *, limits: MultimodalSettings) -> Image.Image:
+    """:func:`read_encoded_url`'s image decoded whole into an RGB image."""
+    return decode_image(image.data, limits=limits, where=image.where)
+
+
 def decode_image(data: bytes, *, limits: MultimodalSettings, where: str) -> Image.Image:
     """Encoded image bytes decoded whole into an RGB image, the pixel count checked from the header first."""
+    image = _open_checked(data, limits, where)
+    try:
+        image.load()  # Pillow reads lazily: decode now so truncated or corrupt data fails here, not in the engine
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is corrupt or truncated data
+        raise ImageInputError(
+            where, f"corrupt or truncated {image.format} image ({type(exc).__name__}: {exc})"
+        ) from None
+    return _as_rgb(image)
+
+
+def _open_checked(data: bytes, limits: MultimodalSettings, where: str) -> Image.Image:
+    """``data`` opened lazily (header read, nothing decoded), its size and pixel count checked."""
     if not data:
         raise ImageInputError(where, "the image data is empty")
     if len(data) > limits.max_image_bytes:
@@ -128,13 +179,7 @@ def decode_image(data: bytes, *, limits: MultimodalSettings, where: str) -> Imag
     except Exception as exc:  # noqa: BLE001 - a malformed header is the input's fault, whatever the reader raises
         raise ImageInputError(where, f"corrupt image data ({type(exc).__name__}: {exc})") from None
     _check_pixels(image.width, image.height, limits, where)
-    try:
-        image.load()  # Pillow reads lazily: decode now so truncated or corrupt data fails here, not in the engine
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is corrupt or truncated data
-        raise ImageInputError(
-            where, f"corrupt or truncated {image.format} image ({type(exc).__name__}: {exc})"
-        ) from None
-    return _as_rgb(image)
+    return image
 
 
 def _scheme(text: str) -> str:
@@ -215,6 +260,8 @@ def _data_url_bytes(url: str, limits: MultimodalSettings, where: str) -> bytes:
 
 
 def _local_file_bytes(url: str, limits: MultimodalSettings, where: str) -> bytes:
+    """The bytes of a ``file://`` URL's file under ``multimodal.allowed_local_media_path``, opened safely
+    (:func:`patchbay.local_files.open_under`); errors name the URL's path only, never the folder's."""
     allowed = limits.allowed_local_media_path
     if allowed is None:
         raise ImageInputError(
@@ -223,28 +270,39 @@ def _local_file_bytes(url: str, limits: MultimodalSettings, where: str) -> bytes
     parsed = urllib.parse.urlparse(url)
     if parsed.netloc not in ("", "localhost"):
         raise ImageInputError(where, f"a file:// URL names a file on this machine, not on {parsed.netloc!r}")
-    path = Path(urllib.parse.unquote(parsed.path))
+    text = urllib.parse.unquote(parsed.path)
+    if "\0" in text:
+        raise ImageInputError(where, "a file:// URL's path must not hold a NUL character")
+    path = PurePosixPath(text)
     if not path.is_absolute():
         raise ImageInputError(where, "a file:// URL needs an absolute path (file:///folder/image.png)")
-    root = allowed.resolve()
+    root = Path(os.path.abspath(allowed))
+    spellings = [root, root.resolve()]
+    parts = relative_parts(path, spellings)
+    if parts is None:  # decided from the text alone: nothing is looked up, so nothing is said about the disk
+        raise ImageInputError(where, f"{text!r} is outside multimodal.allowed_local_media_path; it is not read")
     try:
-        real = path.resolve(strict=True)  # follows every symlink, so a link out of the folder lands outside it
-    except (OSError, RuntimeError):
-        raise ImageInputError(where, f"no image file at {str(path)!r}") from None
-    if not real.is_relative_to(root):
+        data = read_capped(open_under(root, parts, roots=spellings), limits.max_image_bytes)
+    except LeadsOutside as exc:
         raise ImageInputError(
-            where, f"{str(path)!r} is outside multimodal.allowed_local_media_path ({root}); it is not read"
-        )
-    try:
-        return _read_capped(real, limits, where)
-    except OSError as exc:
-        raise ImageInputError(where, f"cannot read image file {str(path)!r}: {exc.strerror or exc}") from None
+            where, f"{text!r} is outside multimodal.allowed_local_media_path ({exc}); it is not read"
+        ) from None
+    except FileNotFoundError:
+        raise ImageInputError(where, f"no image file at {text!r}") from None
+    except LocalFileError as exc:
+        raise ImageInputError(where, f"cannot read image file {text!r}: {exc}") from None
+    if data is None:
+        raise ImageInputError(where, f"{text!r} is over {limits.max_image_bytes} bytes (multimodal.max_image_bytes)")
+    return data
 
 
 def _read_capped(path: Path, limits: MultimodalSettings, where: str) -> bytes:
-    with open(path, "rb") as file:
-        data = file.read(limits.max_image_bytes + 1)
-    if len(data) > limits.max_image_bytes:
+    """A plain path's bytes (a path the caller gave, links followed; a FIFO or device is refused, not waited on)."""
+    try:
+        data = read_capped(open_regular_file(path), limits.max_image_bytes)
+    except LocalFileError as exc:
+        raise ImageInputError(where, f"cannot read image file {str(path)!r}: {exc}") from None
+    if data is None:
         raise ImageInputError(
             where, f"{str(path)!r} is over {limits.max_image_bytes} bytes (multimodal.max_image_bytes)"
         )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from patchbay.scheduling.kv_events import KVEventLog
+
 
 class KVCacheBlock:
     """One block's bookkeeping: reference count, cached hash and links of the free list."""
@@ -93,9 +95,18 @@ class BlockPool:
     A block is in use while its reference count is positive.  A freed block
     goes to the tail of the free list but keeps its hash: a prefix-cache hit
     revives it (:meth:`touch`), and allocation evicts it (drops the hash).
+    With an ``event_log``, every block entering or leaving the prefix cache is
+    recorded there under ``group_idx`` (KV-cache events for outside indexes).
     """
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        *,
+        event_log: KVEventLog | None = None,
+        group_idx: int = 0,
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (block 0 is reserved), got num_blocks={num_blocks}")
         self.num_blocks = num_blocks
@@ -105,6 +116,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
         """Hash of a full block to the one block holding it (in use or free)."""
+        self.event_log = event_log
+        self.group_idx = group_idx
         self.highest_handed_out = 0
         """The highest block id ever allocated: never-used blocks leave the free list first, in id order (freed
         ones join its tail), so every block above this one has never held anything."""
@@ -157,16 +170,27 @@ class BlockPool:
                 self.free_queue.append(block)
 
     def cache_full_blocks(
-        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], start: int, end: int
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[bytes],
+        start: int,
+        end: int,
+        *,
+        token_ids: Sequence[int] = (),
+        lora_name: str | None = None,
     ) -> None:
         """Register ``blocks[start:end]`` under ``block_hashes[start:end]`` in the prefix cache.
 
         Blocks already cached (prefix hits) and null blocks are skipped.  When
         another block already holds the same hash (two requests computed the
-        same tokens side by side), the newer block stays uncached.
+        same tokens side by side), the newer block stays uncached.  With an
+        event log, each run of newly cached blocks is one ``BlockStored``; it
+        needs the request's ``token_ids`` (all of them, from position 0) and
+        its ``lora_name``.
         """
         if not self.enable_prefix_caching:
             return
+        newly_cached: list[int] = []
         for index in range(start, end):
             block = blocks[index]
             if block.is_null or block.block_hash is not None:
@@ -176,6 +200,9 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self.cached_blocks[block_hash] = block
+            newly_cached.append(index)
+        if self.event_log is not None and newly_cached:
+            self._record_stored(newly_cached, block_hashes, token_ids, lora_name)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash.  Safe while requests run: their blocks stay theirs, just unshared."""
@@ -188,4 +215,28 @@ class BlockPool:
             return
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
+            if self.event_log is not None:
+                self.event_log.block_removed(self.group_idx, block.block_hash)
         block.block_hash = None
+
+    def _record_stored(
+        self, indexes: list[int], block_hashes: Sequence[bytes], token_ids: Sequence[int], lora_name: str | None
+    ) -> None:
+        """One ``BlockStored`` per run of consecutive block indexes: ``[3, 4, 7]`` -> blocks 3-4, then block 7."""
+        assert self.event_log is not None
+        size = self.event_log.block_size
+        runs: list[list[int]] = []
+        for index in indexes:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.event_log.block_stored(
+                self.group_idx,
+                [block_hashes[index] for index in run],
+                block_hashes[first - 1] if first > 0 else None,
+                token_ids[first * size : (last + 1) * size],
+                lora_name,
+            )

@@ -88,10 +88,6 @@ class EncoderCacheManager:
         """Whether the image's output is cached but no request needs it (it may be evicted for room)."""
         return feature.content_hash in self._released
 
-    def can_allocate(self, feature: ImageFeature) -> bool:
-        """Whether a new entry for ``feature`` fits, evicting released entries if need be."""
-        return feature.length <= self.num_reclaimable_tokens
-
     def use(self, request_id: str, index: int, feature: ImageFeature) -> None:
         """Record that image ``index`` of ``request_id`` needs ``feature``'s entry: a cached one (taken back from
         the released ones if there), or a new one, evicting released entries for its room."""

@@ -7,10 +7,12 @@ import hashlib
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from patchbay.interfaces import PoolingParams
 from patchbay.sampling_params import SamplingParams
 from patchbay.scheduling.multimodal import ImageFeature
 
@@ -62,6 +64,19 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra
     return digest.digest()
 
 
+@dataclass(frozen=True)
+class PoolingRequest:
+    """What makes a request a pooling one: it runs its prompt and finishes with the pooler's vector, sampling
+    nothing."""
+
+    params: PoolingParams
+    token_type_ids: tuple[int, ...] | None = None
+    """Each prompt token's segment (a BERT cross-encoder's query and document); ``None``: all 0."""
+    whole_prompt: bool = False
+    """The pooler reads positions other than the last: the prompt runs from its first token, never from a
+    prefix-cache hit."""
+
+
 class Request:
     """A request: prompt, sampling parameters, generated tokens and scheduling state.
 
@@ -84,6 +99,7 @@ class Request:
         block_size: int = 16,
         cache_salt: str | bytes | None = None,
         mm_features: Sequence[ImageFeature] = (),
+        pooling: PoolingRequest | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"request {request_id!r}: block_size must be positive, got {block_size}")
@@ -98,6 +114,10 @@ class Request:
         if lora is not None:  # an adapter's KV differs from the base model's: its blocks never match another's
             self.cache_salt += b"\0lora:" + lora.encode()
 
+        self.pooling = pooling
+        """Set for a pooling request (an engine with a ``pooling:`` section), ``None`` for a generating one."""
+        self.pooled: Any = None
+        """The pooler's vector, once the prompt has run (a pooling request only)."""
         self.mm_features: list[ImageFeature] = sorted(mm_features, key=lambda feature: feature.offset)
         """The prompt's images, by placeholder offset."""
         self.output_token_ids: list[int] = []
@@ -140,16 +160,29 @@ class Request:
         return self.status.is_finished
 
     @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position must run (prompt logprobs, or a pooler reading more than the last): no
+        prefix-cache hit and no KV loaded from elsewhere may stand in for any of it."""
+        return self.sampling_params.prompt_logprobs is not None or (
+            self.pooling is not None and self.pooling.whole_prompt
+        )
+
+    @property
     def finish_reason(self) -> str | None:
         """``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` once finished, else ``None``."""
         return _FINISH_REASONS.get(self.status)
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append generated tokens and hash any block they complete."""
-        new = [token_ids] if isinstance(token_ids, int) else list(token_ids)
-        self.output_token_ids.extend(new)
-        self.all_token_ids.extend(new)
-        self._update_block_hashes()
+        if isinstance(token_ids, int):  # a decode's one token, every step of every request
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            new = list(token_ids)
+            self.output_token_ids.extend(new)
+            self.all_token_ids.extend(new)
+        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.block_size:
+            self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
         size = self.block_size

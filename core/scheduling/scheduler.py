@@ -75,6 +75,8 @@ class RequestUpdate:
     """The stop token id that finished the request (``None`` for EOS and length)."""
     num_cached_tokens: int = 0
     """Prompt tokens served by the prefix cache (for metrics)."""
+    pooled: Any = None
+    """A pooling request's vector, in the update that finishes it."""
 
 
 @dataclass
@@ -332,7 +334,8 @@ class Scheduler:
             new_block_ids = self._allocate_or_preempt(request, num_new, preempted)
             if new_block_ids is None:
                 break  # the request preempted itself: every one after it is gone too
-            encoder_budget -= self._commit_encoder_inputs(request, plan, encoder_inputs)
+            if plan:
+                encoder_budget -= self._commit_encoder_inputs(request, plan, encoder_inputs)
             # Drafts are the last scheduled tokens; the budget may cut some off.
             num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
             if num_drafts > 0:
@@ -434,6 +437,11 @@ class Scheduler:
             request.num_computed_tokens += num_scheduled - num_rejected
             if request.mm_features:
                 self._release_consumed_images(request)
+            if request.pooling is not None:
+                update = self._pooling_update(request, runner_output)
+                if update is not None:
+                    updates.append(update)
+                continue
             if request.num_computed_tokens < request.num_tokens:
                 sampled = []  # a partial prefill samples nothing; a runner that did anyway is ignored
 
@@ -449,17 +457,30 @@ class Scheduler:
                 self._finish(request, request.status)
             elif self.num_speculative_tokens and runner_output.draft_token_ids and row is not None:
                 request.spec_token_ids = list(runner_output.draft_token_ids[row][: self.num_speculative_tokens])
-            if new_token_ids or request.is_finished:
+            finished = request.is_finished
+            if new_token_ids or finished:
                 updates.append(
                     RequestUpdate(
                         request_id,
                         new_token_ids,
-                        request.finish_reason,
+                        request.finish_reason if finished else None,
                         request.stop_reason,
                         max(request.num_cached_tokens, 0),
                     )
                 )
         return updates
+
+    def _pooling_update(self, request: Request, runner_output: ModelRunnerOutput) -> RequestUpdate | None:
+        """A pooling request whose prompt has all run finishes with the runner's vector (``None``: it runs on)."""
+        if request.num_computed_tokens < request.num_tokens:
+            return None
+        self.running.remove(request)
+        pooled = runner_output.pooled.get(request.request_id)
+        if pooled is None:
+            return self._fail(request, "its prompt ran to the end but the runner pooled nothing for it", report=False)
+        request.pooled = pooled
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return RequestUpdate(request.request_id, [], "stop", None, max(request.num_cached_tokens, 0), pooled=pooled)
 
     # -- helpers -----------------------------------------------------------
 
@@ -582,6 +603,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             grammar=request.grammar,
             mm_features=request.mm_features,
+            pooling=request.pooling,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -734,8 +756,8 @@ class Scheduler:
         """Tokens past the local prefix-cache hit the connector can supply, and whether it loads them asynchronously."""
         if self.kv_connector is None or self.kv_connector_role == "producer":
             return 0, False
-        if request.sampling_params.prompt_logprobs is not None:
-            return 0, False  # prompt logprobs need every prompt position computed
+        if request.computes_whole_prompt:
+            return 0, False  # prompt logprobs and some poolers need every prompt position computed
         num_external, load_async = self.kv_connector.get_num_new_matched_tokens(request, num_local)
         # Never the whole request: its last token is computed for its logits.
         num_external = max(0, min(num_external, request.num_tokens - 1 - num_local))

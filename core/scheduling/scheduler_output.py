@@ -36,6 +36,8 @@ class NewRequestData:
     """The compiled structured-output grammar of a constrained request (``None``: unconstrained)."""
     mm_features: list[Any] = field(default_factory=list)
     """The prompt's images (:class:`patchbay.scheduling.multimodal.ImageFeature`, by placeholder offset)."""
+    pooling: Any = None
+    """A pooling request's :class:`patchbay.scheduling.request.PoolingRequest` (``None``: it generates)."""
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -134,6 +136,8 @@ class ModelRunnerOutput:
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     """Blocks a KV connector failed to load; the scheduler recomputes them."""
+    pooled: dict[str, Any] = field(default_factory=dict)
+    """Pooling requests whose prompt finished this step: the pooler's vector (float32, on the CPU), by request."""
     failed: dict[str, str] = field(default_factory=dict)
     """Requests that failed alone this step (a grammar backend error, say), with the message.
 

@@ -8,15 +8,19 @@ constraint share one compilation.  The backend itself is built on first use,
 so runs without constrained requests never pay for its tokenizer tables.
 
 A compile cannot be interrupted (backends compile in native code), so each
-one runs on a thread of its own, at most ``max_workers`` at once.  One still
-running after ``compile_timeout`` seconds fails its requests with
-:class:`GrammarCompileTimeout` and stops counting against the workers: the
-next constraint starts at once on a new thread while the runaway one
-finishes in the background and its result is dropped.  At most
-``max_runaway`` such threads are left running; past that, new compiles wait
-for one of them to end, so a flood of huge grammars cannot take every core.
-A constraint that timed out is remembered and fails at once when it comes
-back, without compiling again.
+one runs on a thread of its own, at most ``max_workers`` at once plus one
+kept for small constraints (:data:`SMALL_CONSTRAINT_CHARS`): a short
+``choice`` never waits behind huge schemas.  Queued constraints start
+smallest first; at most ``max_queued`` wait, one more fails at once with
+:class:`GrammarCompileBusy`.  Each compile has a deadline from the moment
+it is submitted, queueing included: past ``compile_timeout`` its requests
+fail (:class:`GrammarCompileBusy` if it never started,
+:class:`GrammarCompileTimeout` if it ran too long).  A compile that runs too
+long finishes in the background and its result is dropped; a large one
+keeps its worker until then, so at most ``max_workers`` large compiles ever
+hold memory at once, and at most ``max_runaway`` small ones run past their
+time.  A constraint that timed out is remembered and fails at once when it
+comes back, without compiling again.
 
 Compiled grammars are kept, least recently used first out, while their
 estimated sizes (the backend's :meth:`~StructuredOutputBackend.grammar_size_bytes`)
@@ -26,10 +30,12 @@ add up to at most ``cache_bytes``.
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
+import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +45,7 @@ from patchbay.interfaces.structured_output import CONSTRAINT_KINDS
 
 logger = logging.getLogger(__name__)
 
-GrammarKey = tuple[str, str]
+GrammarKey = tuple[str, ...]
 
 SLOW_COMPILE_SECONDS = 1.0
 """A compile at least this long is logged as a warning and named in the run summary."""
@@ -48,8 +54,18 @@ TIMED_OUT_KEPT = 1024
 """Constraints remembered as timed out (their keys only), so they fail at once when sent again."""
 
 
+SMALL_CONSTRAINT_CHARS = 16 << 10
+"""A constraint whose text (its cache key) is at most this long is small: it may use the worker kept for small
+ones, and it never holds a worker past its deadline."""
+
+
 class GrammarCompileTimeout(TimeoutError):
     """A constraint whose compile ran past ``structured_output.compile_timeout``."""
+
+
+class GrammarCompileBusy(RuntimeError):
+    """A constraint not compiled because the compile workers are busy: too many queued, or its deadline passed
+    while it waited (retrying later may succeed)."""
 
 
 @dataclass
@@ -82,6 +98,21 @@ class _Entry:
     size: int = 0
 
 
+@dataclass(order=True)
+class _Queued:
+    """A constraint waiting for a worker, ordered smallest first (then first come)."""
+
+    size: int
+    order: int
+    params: StructuredOutputParams = field(compare=False)
+    future: concurrent.futures.Future[Any] = field(compare=False)
+    timer: threading.Timer | None = field(compare=False, default=None)
+
+    @property
+    def small(self) -> bool:
+        return self.size <= SMALL_CONSTRAINT_CHARS
+
+
 def _reusable(future: concurrent.futures.Future[Any]) -> bool:
     """Whether a cached compilation serves a new request: still running, or done with a grammar."""
     if not future.done():
@@ -100,8 +131,9 @@ class GrammarCompilations:
         constraint_kinds: tuple[str, ...] = CONSTRAINT_KINDS,
         cache_bytes: int = 1 << 30,
         compile_timeout: float | None = None,
-        max_workers: int = 1,
+        max_workers: int = 2,
         max_runaway: int = 2,
+        max_queued: int = 64,
     ) -> None:
         self.backend_name = backend_name
         self.constraint_kinds = constraint_kinds
@@ -114,14 +146,19 @@ class GrammarCompilations:
         self._cache_bytes = cache_bytes
         self._max_workers = max_workers
         self._max_runaway = max_runaway
+        self._max_queued = max_queued
         self._lock = threading.RLock()
         self._entries: OrderedDict[GrammarKey, _Entry] = OrderedDict()
         self._timed_out: OrderedDict[GrammarKey, str] = OrderedDict()
-        self._queue: deque[tuple[StructuredOutputParams, concurrent.futures.Future[Any]]] = deque()
+        self._queue: list[_Queued] = []
+        """A heap: the smallest constraint first."""
+        self._order = itertools.count()
         self._num_running = 0
         """Compiles running within their time (they hold a worker)."""
+        self._num_large_threads = 0
+        """Threads compiling a large constraint, within their time or past it (a large one keeps its worker)."""
         self._num_runaway = 0
-        """Compiles past their timeout whose threads still run (their results will be dropped)."""
+        """Small compiles past their timeout whose threads still run (their results will be dropped)."""
         self._closed = False
         self.stats = CompileStats()
 
@@ -150,48 +187,62 @@ class GrammarCompilations:
                 self._timed_out.move_to_end(key)
                 future.set_exception(GrammarCompileTimeout(timed_out))
                 return future
+            if len(self._queue) >= self._max_queued:
+                future.set_exception(
+                    GrammarCompileBusy(
+                        f"{len(self._queue)} constraints are waiting to compile "
+                        "(structured_output.max_queued_compiles); retry later"
+                    )
+                )
+                return future
             self._entries[key] = _Entry(future)
-            self._queue.append((params, future))
+            queued = _Queued(len(key[1]), next(self._order), params, future)
+            if self.compile_timeout is not None:  # the deadline runs from now: waiting in the queue counts
+                queued.timer = threading.Timer(self.compile_timeout, self._expire, (queued,))
+                queued.timer.daemon = True
+                queued.timer.start()
+            heapq.heappush(self._queue, queued)
             self._start_queued()
             return future
 
+    def _can_start(self, small: bool) -> bool:
+        """Whether a constraint may start now (lock held): a small one on any free worker, the one kept for small
+        ones included; a large one on the ``max_workers`` others, counting large ones still running late."""
+        if self._closed:
+            return False
+        if small:  # runaway threads bound every compile thread, the kept worker's too
+            return (
+                self._num_running < self._max_workers + 1
+                and self._num_running + self._num_runaway < self._max_workers + self._max_runaway
+            )
+        return self._num_running < self._max_workers and self._num_large_threads < self._max_workers
+
     def _start_queued(self) -> None:
-        """Start queued compiles while a worker is free and the runaway threads leave room (lock held)."""
-        while (
-            self._queue
-            and not self._closed
-            and self._num_running < self._max_workers
-            and self._num_running + self._num_runaway < self._max_workers + self._max_runaway
-        ):
-            params, future = self._queue.popleft()
-            if not future.set_running_or_notify_cancel():
+        """Start queued compiles, smallest first, while :meth:`_can_start` allows (lock held)."""
+        while self._queue and self._can_start(self._queue[0].small):
+            queued = heapq.heappop(self._queue)
+            if not queued.future.set_running_or_notify_cancel():
                 continue
             self._num_running += 1
-            timer = None
-            if self.compile_timeout is not None:
-                timer = threading.Timer(self.compile_timeout, self._expire, (params, future))
-                timer.daemon = True
-            thread = threading.Thread(
-                target=self._run, args=(params, future, timer), name="patchbay-grammar", daemon=True
-            )
+            if not queued.small:
+                self._num_large_threads += 1
+            thread = threading.Thread(target=self._run, args=(queued,), name="patchbay-grammar", daemon=True)
             thread.start()
-            if timer is not None:
-                timer.start()
 
-    def _run(
-        self, params: StructuredOutputParams, future: concurrent.futures.Future[Any], timer: threading.Timer | None
-    ) -> None:
+    def _run(self, queued: _Queued) -> None:
+        params, future = queued.params, queued.future
         started = time.perf_counter()
         grammar: Any = None
         error: BaseException | None = None
+        size = 0
         try:
             grammar = self.backend.compile(params)
             size = max(0, int(self.backend.grammar_size_bytes(grammar, params)))
         except Exception as exc:  # noqa: BLE001 - handed to the requests waiting on it
             error = exc
         seconds = time.perf_counter() - started
-        if timer is not None:
-            timer.cancel()
+        if queued.timer is not None:
+            queued.timer.cancel()
         if seconds >= self.stats.slow_compile_seconds:
             logger.warning(
                 "structured_output backend %r took %.1f s to compile %s (steps with only constrained requests "
@@ -201,8 +252,11 @@ class GrammarCompilations:
                 params.field_path,
             )
         with self._lock:
+            if not queued.small:
+                self._num_large_threads -= 1
             if future.done():  # timed out: its requests failed already, the result is dropped
-                self._num_runaway -= 1
+                if queued.small:
+                    self._num_runaway -= 1
             else:
                 self._num_running -= 1
                 if error is not None:
@@ -216,19 +270,32 @@ class GrammarCompilations:
                     self._store(params.key, future, size)
             self._start_queued()
 
-    def _expire(self, params: StructuredOutputParams, future: concurrent.futures.Future[Any]) -> None:
-        """The timer of a compile past ``compile_timeout``: fail its requests and free its worker."""
+    def _expire(self, queued: _Queued) -> None:
+        """The deadline of a constraint ``compile_timeout`` seconds after it was submitted: fail its requests; a
+        queued one leaves the queue, a running one frees its worker (a large one only when its thread ends)."""
+        params, future = queued.params, queued.future
         with self._lock:
             if future.done():
+                return
+            key = params.key
+            if queued in self._queue:
+                self._queue.remove(queued)
+                heapq.heapify(self._queue)
+                message = (
+                    f"waited longer than structured_output.compile_timeout={self.compile_timeout:g} s for a compile "
+                    f"worker ({self._num_running} compiling, {len(self._queue)} waiting); retry later"
+                )
+                self._forget(key, future)
+                future.set_exception(GrammarCompileBusy(message))
                 return
             message = (
                 f"compiling took longer than structured_output.compile_timeout={self.compile_timeout:g} s; "
                 "simplify the constraint (fewer choices, a smaller schema)"
             )
             self._num_running -= 1
-            self._num_runaway += 1
+            if queued.small:
+                self._num_runaway += 1
             self.stats.num_timed_out += 1
-            key = params.key
             self._timed_out[key] = message
             while len(self._timed_out) > TIMED_OUT_KEPT:
                 self._timed_out.popitem(last=False)
@@ -276,5 +343,7 @@ class GrammarCompilations:
         with self._lock:
             self._closed = True
             while self._queue:
-                _, future = self._queue.popleft()
-                future.cancel()
+                queued = heapq.heappop(self._queue)
+                if queued.timer is not None:
+                    queued.timer.cancel()
+                queued.future.cancel()

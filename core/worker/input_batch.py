@@ -21,9 +21,7 @@ from patchbay.worker.sampling_state import SamplingState
 class InputBatch:
     """Token ids, counts, block tables and sampling parameters of the running requests."""
 
-    def __init__(
-        self, *, max_num_reqs: int, max_model_len: int, block_sizes: list[int], device: torch.device | None = None
-    ) -> None:
+    def __init__(self, *, max_num_reqs: int, max_model_len: int, block_sizes: list[int], device: torch.device) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.req_ids: list[str | None] = [None] * max_num_reqs
@@ -39,7 +37,7 @@ class InputBatch:
         ]
         self.sampling_params: list[Any] = [None] * max_num_reqs
         self.sampling = SamplingState(max_num_reqs)
-        self.device = device or torch.device("cpu")
+        self.device = device
         self._row_arrays = [self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, *self.sampling.arrays]
         self.num_rows = 0
         """Rows in use, holes included; equals ``num_reqs`` after :meth:`condense`."""

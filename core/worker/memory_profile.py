@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from patchbay.interfaces import AttentionImpl
-from patchbay.worker.cpu.heap import release_kept_blocks
-from patchbay.worker.model.forward_context import ForwardContext, LayerBinding, forward_context
+from patchbay.worker.cpu.caching_allocator import release_kept_blocks
+from patchbay.toolkit.forward_context import ForwardContext, LayerBinding, forward_context
 from patchbay.worker.model.hf_model import HFCausalLM
 
 _STATUS = Path("/proc/self/status")
@@ -45,8 +45,9 @@ def step_activation_bytes(
     """Peak bytes one step of ``num_tokens`` tokens and ``num_rows`` sampled rows adds to what is allocated now.
 
     ``sample`` (the run's sampler, warmed up on the step's logits) runs inside the measure too.
+    ``num_rows`` 0: a pooling model's step, which computes no logits.
     """
-    num_rows = max(1, min(num_rows, num_tokens))
+    num_rows = max(1, min(num_rows, num_tokens)) if num_rows else 0
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device)
     bindings = {
@@ -56,11 +57,13 @@ def step_activation_bytes(
     with _PeakMeter(device) as meter:
         with forward_context(ForwardContext(bindings, [None])):
             hidden_states = model.hidden_states(input_ids, positions)
-        logits = model.logits(hidden_states[-num_rows:])
-        torch.softmax(logits, dim=-1)
-        if sample is not None:
-            sample(logits)
-        del hidden_states, logits
+        if num_rows:  # a pooling model samples nothing: no logits
+            logits = model.logits(hidden_states[-num_rows:])
+            torch.softmax(logits, dim=-1)
+            if sample is not None:
+                sample(logits)
+            del logits
+        del hidden_states
     return meter.peak
 
 
@@ -75,7 +78,8 @@ class _AttentionOutput(AttentionImpl):
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: object
     ) -> torch.Tensor:
-        return torch.zeros_like(query)
+        # A latent (MLA) layer's output has its value's size, not its query's.
+        return query.new_zeros(*query.shape[:-1], value.shape[-1])
 
 
 class _PeakMeter:

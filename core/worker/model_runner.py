@@ -46,13 +46,15 @@ from patchbay.interfaces.drafter import resolve_aux_layers
 from patchbay.scheduling.kv_cache_spec import KVCacheGroup
 from patchbay.scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from patchbay.scheduling.structured_output import GrammarCompilations
-from patchbay.worker.model.forward_context import ForwardContext, LayerBinding, forward_context
-from patchbay.worker.model.hf_model import AuxHiddenStates, HFCausalLM, torch_dtype
+from patchbay.toolkit.forward_context import ForwardContext, LayerBinding, forward_context
+from patchbay.toolkit.hidden_states import AuxHiddenStates
+from patchbay.worker.model.hf_model import HFCausalLM, torch_dtype
 from patchbay.worker.input_batch import InputBatch
 from patchbay.worker.parallel.kv_transfers import RankTransferReports, TransferReport
 from patchbay.worker.logprobs import Logprobs, PromptLogprobs
 from patchbay.worker.lora.manager import LoRAManager
 from patchbay.worker.multimodal.step_images import StepImages
+from patchbay.worker.pooling import StepPooling
 from patchbay.worker.spec_decode import (
     LogitsLayout,
     SpecDecodeStats,
@@ -147,8 +149,13 @@ class ModelRunner:
         single_thread_max_tokens: int = 0,
         samples: bool = True,
         lora: LoRAManager | None = None,
+        pooling: StepPooling | None = None,
     ) -> None:
         self.model = model
+        self.pooling = pooling
+        """A pooling runner's pooler and kept hidden states (``None``: the runner samples)."""
+        self.causal: bool = getattr(model, "causal", True)
+        """Whether the model attends causally; an encoder-only one keeps no KV cache and runs prompts whole."""
         self.samples = samples
         self.lora = lora
         """The LoRA adapter slots (``None``: a run without a ``lora:`` section)."""
@@ -192,8 +199,8 @@ class ModelRunner:
         # Scratch index vector, sliced each step instead of allocated.
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len) + 1, dtype=np.int32)
         self.timings: dict[str, float] = defaultdict(float)
-        """Seconds spent per phase since creation: update, prepare, encoder (images), forward, structure, sample,
-        output."""
+        """Seconds spent per phase since creation: update, prepare, encoder (images), forward, pool (a pooling
+        runner's pooler), structure, sample, output."""
         self.num_steps = 0
         sampler_name = sampler_name or f"sampler {type(sampler).__module__}.{type(sampler).__qualname__}"
         self.constrained = ConstrainedDecoding(grammars, sampler_name) if grammars is not None else None
@@ -212,7 +219,10 @@ class ModelRunner:
         caches = {}
         for group in self.groups:
             spec = group.spec
-            shape = self.backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.row_size)
+            if spec.latent:  # MLA: one row per token, keys and values in it
+                shape = self.backend.latent_kv_cache_shape(num_blocks, spec.block_size, spec.row_size)
+            else:
+                shape = self.backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.row_size)
             for layer_name in group.layer_names:
                 caches[layer_name] = allocate(shape, dtype=torch_dtype(spec.dtype), device=self.device)
         # Blocks read before any step writes them must hold zeros, not stale bytes that may be NaN: masked
@@ -274,23 +284,26 @@ class ModelRunner:
         # One call over every layer's runs of consecutive blocks, not an index_fill_ per layer and part (two
         # fresh blocks of SmolLM2's 30 layers: 0.28 ms against 0.52).
         runs = _consecutive_runs(sorted(block_ids))
-        torch._foreach_zero_(
-            [
-                part[start:stop]
-                for layer_name in self.groups[group].layer_names
-                for part in self.backend.split_kv_cache(caches[layer_name])
-                for start, stop in runs
-            ]
-        )
+        latent = self.groups[group].spec.latent  # a latent cache is one tensor of blocks, no key/value halves
+        parts = [
+            part[start:stop]
+            for layer_name in self.groups[group].layer_names
+            for part in ((caches[layer_name],) if latent else self.backend.split_kv_cache(caches[layer_name]))
+            for start, stop in runs
+        ]
+        if parts:  # an encoder-only model's group has no layers: its blocks are only counted
+            torch._foreach_zero_(parts)
         self._unzeroed[group][block_ids] = False
 
     def _bind_layers(self) -> dict[int, LayerBinding]:
         group_of = {name: index for index, group in enumerate(self.groups) for name in group.layer_names}
+        # An encoder-only model's layers keep no cache: an empty tensor, and the (layerless) group 0's metadata.
+        no_cache = torch.empty(0, device=self.device)
         return {
             layer_idx: LayerBinding(
                 self.backend.make_impl(spec),
-                self.kv_caches[spec.layer_name],
-                group_of[spec.layer_name],
+                self.kv_caches.get(spec.layer_name, no_cache),
+                group_of.get(spec.layer_name, 0),
                 spec.layer_name,
             )
             for layer_idx, spec in self.model.layer_specs.items()
@@ -341,7 +354,10 @@ class ModelRunner:
             self.lora.begin_step([self.batch.sampling_params[row].lora for row in step.rows], step.num_scheduled)
         try:
             with forward_context(ForwardContext(self._bindings, step.group_metadata, connector)):
-                hidden_states = self.model.hidden_states(step.input_ids, positions, inputs_embeds)
+                if self.pooling is not None:
+                    hidden_states = self._pooling_forward(step)
+                else:
+                    hidden_states = self.model.hidden_states(step.input_ids, positions, inputs_embeds)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
@@ -359,6 +375,8 @@ class ModelRunner:
             self._lap("forward", clock)
             self.num_steps += 1
             return output
+        if self.pooling is not None:
+            return self._pool(step, hidden_states, self._lap("forward", clock))
         sample_rows = step.rows[step.complete]
         logits = None
         if len(sample_rows):
@@ -416,6 +434,30 @@ class ModelRunner:
             self._lap("draft", clock)
         self.num_steps += 1
         return output
+
+    def _pooling_forward(self, step: StepInputs) -> torch.Tensor:
+        """A pooling model's forward pass, with each token's type (a BERT pair's segments) where requests have them."""
+        assert self.pooling is not None
+        req_ids = [self.batch.req_ids[row] or "" for row in step.rows]
+        types = self.pooling.token_type_ids(req_ids, step.num_scheduled, step.positions.cpu().numpy())
+        if types is None:
+            return self.model.hidden_states(step.input_ids, step.positions)
+        model: Any = self.model  # a pooling model (HFPoolingModel) takes token types
+        return model.hidden_states(step.input_ids, step.positions, token_type_ids=self._to_device(types))
+
+    def _pool(self, step: StepInputs, hidden_states: torch.Tensor, clock: float) -> ModelRunnerOutput:
+        """A pooling step's end: the pooler's vectors of the requests whose prompt finished; nothing is sampled."""
+        assert self.pooling is not None
+        batch = self.batch
+        req_ids = [batch.req_ids[row] or "" for row in step.rows]
+        pooled = self.pooling.pool(
+            req_ids, step.seq_lens, step.num_scheduled, step.query_start_loc, step.complete, hidden_states
+        )
+        batch.num_computed_tokens[step.rows] = step.seq_lens
+        self.stage = StepStage.REPORTED
+        self._lap("pool", clock)
+        self.num_steps += 1
+        return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=[[] for _ in step.rows], pooled=pooled)
 
     @contextmanager
     def connector_paused(self) -> Iterator[None]:
@@ -539,6 +581,8 @@ class ModelRunner:
         for req_id in dropped:
             batch.remove_request(req_id)
             self.prompt_logprobs.forget(req_id)
+            if self.pooling is not None:
+                self.pooling.remove_request(req_id)
             if self.images is not None:
                 self.images.remove_request(req_id)
         for req_id in scheduler_output.finished_req_ids:
@@ -548,6 +592,8 @@ class ModelRunner:
                 self._zero_new_blocks(group, block_ids)
             batch.add_request(request)
             self.prompt_logprobs.forget(request.req_id)
+            if self.pooling is not None:
+                self.pooling.add_request(request.req_id, request.pooling)
             if self.images is not None:
                 self.images.add_request(request.req_id, len(request.prompt_token_ids), request.mm_features)
         if self.constrained is not None and scheduler_output.grammar_bitmasks is None:
@@ -629,6 +675,7 @@ class ModelRunner:
                 max_query_len=int(num_scheduled.max()),
                 max_seq_len=int(seq_lens.max()),
                 block_size=table.block_size,
+                causal=self.causal,
             )
             group_metadata.append(builder.build(common))
             commons.append(common)
@@ -714,8 +761,8 @@ class ModelRunner:
         layers = drafter.aux_hidden_state_layers() if drafter is not None else ()
         if not layers:
             return None
-        return AuxHiddenStates(
-            model, resolve_aux_layers(layers, model.shape.num_layers, drafter=type(drafter).__name__)
+        return model.capture_hidden_states(
+            resolve_aux_layers(layers, model.shape.num_layers, drafter=type(drafter).__name__)
         )
 
     def _propose_drafts(

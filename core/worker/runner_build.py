@@ -29,18 +29,26 @@ from patchbay.interfaces import (
     KVConnectorWorker,
     KVShard,
     RejectionSampler,
+    WeightFormatConfig,
 )
-from patchbay.scheduling.kv_cache_spec import KVCacheGroup, cache_dtype, group_layers
+from patchbay.scheduling.kv_cache_spec import KVCacheGroup, KVCacheSpec, cache_dtype, group_layers
 from patchbay.scheduling.structured_output import GrammarCompilations
 from patchbay.worker.cpu.fused_layer import use_fused_decoder_loops, use_fused_layers
-from patchbay.worker.cpu.fused_ops import FusedModules, use_fused_ops
+from patchbay.worker.cpu.fused_modules import FusedModules, use_fused_ops
 from patchbay.worker.cpu.fused_projections import fuse_shared_input_projections
+from patchbay.toolkit.model_files import ModelLoadError
+from patchbay.worker.model.architectures import load_architecture
+from patchbay.worker.model.checkpoints import checkpoint_in, choose_weight_format
+from patchbay.worker.model.experts import split_experts
 from patchbay.worker.model.hf_model import HFCausalLM, torch_dtype
+from patchbay.worker.model.pooling import HFPoolingModel
+from patchbay.worker.pooling import StepPooling
 from patchbay.worker.parallel.kv_transfers import RankTransferReports
 from patchbay.worker.lora.manager import LoRAManager, install_lora
+from patchbay.worker.lora.catalog import base_model_name
 from patchbay.worker.model_runner import ModelRunner
-from patchbay.worker.cpu.packed_linear import packing_supported, use_packed_linears
-from patchbay.worker.cpu.streaming_linear import tiles_unavailable
+from patchbay.worker.cpu.onednn import packing_supported, use_packed_linears
+from patchbay.toolkit.tiles import tiles_unavailable
 from patchbay.worker.parallel.pipeline_parallel import StageLink, samples_on, split_model, stage_layout
 from patchbay.worker.cpu.quantization import (
     INT8_MAX_ROWS,
@@ -68,14 +76,15 @@ class LoadedModel:
 def shards_vocabulary(settings: Settings, registry: Registry) -> bool:
     """Whether tensor-parallel ranks shard the vocabulary (embedding and LM head rows): not when the run's
     drafter copies the target's vocabulary-sized weights (``DrafterCapabilities.reads_vocabulary_weights``)."""
-    if settings.speculative is None:
+    if settings.spec_decode is None:
         return True
-    capabilities = registry.resolve("drafter", settings.speculative.method).capabilities
+    capabilities = registry.resolve("drafter", settings.spec_decode.name).capabilities
     return not cast(DrafterCapabilities, capabilities).reads_vocabulary_weights  # resolve() checked the kind
 
 
 def load_rank_model(
     settings: Settings,
+    registry: Registry,
     model_dir: Any,
     *,
     dtype: str,
@@ -87,17 +96,61 @@ def load_rank_model(
     link: StageLink | None = None,
     shard_vocabulary: bool = True,
 ) -> LoadedModel:
-    """Load the model, keep ``rank``'s shard when ``runtime.tensor_parallel_size`` > 1 and its stage's layers when
-    ``runtime.pipeline_parallel_size`` > 1 (rank ``r`` is shard ``r % tensor_parallel_size`` of stage
-    ``r // tensor_parallel_size``), then speed up its linears.
+    """Load the model through its architecture plugin (``model.architecture``), keep ``rank``'s shard when
+    ``runtime.tensor_parallel_size`` > 1 and its stage's layers when ``runtime.pipeline_parallel_size`` > 1
+    (rank ``r`` is shard ``r % tensor_parallel_size`` of stage ``r // tensor_parallel_size``), then speed up its
+    linears.
 
     ``all_reduce`` sums a tensor over the ranks and ``all_gather`` concatenates
     theirs (both needed when sharded: layers and vocabulary); ``link`` carries
     hidden states between the stages (needed when split).  ``shard_vocabulary``:
     :func:`shards_vocabulary` (else the embedding and LM head stay whole on every rank).
     """
-    model = HFCausalLM.load(model_dir, dtype=dtype, device=device)
     tensor_size = settings.runtime.tensor_parallel_size
+    checkpoint = checkpoint_in(model_dir)
+    chosen = choose_weight_format(
+        checkpoint,
+        settings.model.weight_format,
+        registry,
+        WeightFormatConfig(device=device.type, dtype=dtype, tensor_parallel_size=tensor_size),
+    )
+    # A format whose float linears the worker re-quantizes, over a float directory: transformers loads it.
+    scheme = (chosen[1].worker_scheme() if chosen is not None else None) or "none"
+    weight_format = chosen[1] if chosen is not None and not (scheme != "none" and not checkpoint.is_file) else None
+    if settings.pooling is not None:  # pooling models load as transformers' base models, not through the kind
+        if weight_format is not None:
+            raise ModelLoadError(
+                f"{checkpoint.path}: a pooling engine loads float weights through transformers; the "
+                f"{chosen[0] if chosen else ''} weight format serves generation only"
+            )
+        model: HFCausalLM = HFPoolingModel.load(model_dir, dtype=dtype, device=device)
+    else:
+        model = load_architecture(
+            registry,
+            settings.model.architecture,
+            model_dir,
+            dtype=dtype,
+            device=device,
+            tensor_parallel_size=tensor_size,
+            weight_format=weight_format,
+            checkpoint=checkpoint,
+        )
+    if device.type == "cpu" or tensor_size > 1:
+        # Experts as per-expert linears before anything else: ranks shard them, CPU linear paths pack or quantize
+        # them. A single GPU keeps transformers' grouped products.
+        split_experts(model.model)
+    if tensor_size > 1 and model.holds_packed_weights:
+        # PackedWeight.shard cuts blocks (the kit checks it), but the ranks' sharding slices float weights only.
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "<run>",
+                    "runtime.tensor_parallel_size",
+                    f"packed weights ({chosen[0] if chosen else 'a weight format'}) are not split over tensor-parallel "
+                    "ranks yet; run one rank, or load the weights as floats (gguf: options: {dequantize: true})",
+                )
+            ]
+        )
     if tensor_size > 1:
         assert all_reduce is not None and all_gather is not None, "a sharded model needs the ranks' collectives"
         shard_model(
@@ -120,9 +173,7 @@ def load_rank_model(
         # rotary and SiLU call each projection through its module, which LoRA then wraps; whole fused layers
         # would not, so they stay off.
         runtime = runtime.model_copy(update={"fuse_projections": False})
-    quantized, paths = speed_up_linears(
-        model, runtime, settings.model.quantization, device=device, dtype=dtype, tuning=tuning
-    )
+    quantized, paths = speed_up_linears(model, runtime, scheme, device=device, dtype=dtype, tuning=tuning)
     # After the linears: the fused MLP computes gate/up through the group those paths gave it.
     fused = use_fused_ops(model.model, device=device, dtype=dtype) if runtime.fused_ops else FusedModules()
     if fused.attentions and settings.lora is None:  # then whole layers, where their products are tiled
@@ -169,7 +220,15 @@ def rank_lora(
     slices = (
         shard_layout(model.model.config, tensor_size).projection_slices(rank % tensor_size) if tensor_size > 1 else None
     )
-    return install_lora(model, settings.lora, registry, device=device, dtype=torch_dtype(dtype), slices=slices)
+    return install_lora(
+        model,
+        settings.lora,
+        registry,
+        device=device,
+        dtype=torch_dtype(dtype),
+        slices=slices,
+        base_model=base_model_name(settings.model.path),
+    )
 
 
 def speed_up_linears(
@@ -181,7 +240,8 @@ def speed_up_linears(
     dtype: str,
     tuning: Tuning | None,
 ) -> tuple[int, LinearPaths]:
-    """Apply ``model.quantization``, ``runtime.fuse_projections`` and ``runtime.linear_kernel`` to the linears.
+    """Apply the worker's integer tiles (``scheme``), ``runtime.fuse_projections`` and ``runtime.linear_kernel`` to
+    the linears.
 
     Returns the number of quantized linears and the float paths applied.
     """
@@ -191,14 +251,14 @@ def speed_up_linears(
             raise ConfigError(
                 [
                     ConfigProblem(
-                        "<run>", "model.quantization", f"{quantization} runs on the CPU; this run is on {device}"
+                        "<run>", "model.weight_format", f"{quantization} runs on the CPU; this run is on {device}"
                     )
                 ]
             )
         reason = w8a8_tiles_unavailable() if quantization == "w8a8" else None
         if reason is not None:
             raise ConfigError(
-                [ConfigProblem("<run>", "model.quantization", f"w8a8 cannot run here: {reason} (use int8 or int4)")]
+                [ConfigProblem("<run>", "model.weight_format", f"w8a8 cannot run here: {reason} (use int8 or int4)")]
             )
         # Fused q/k/v and gate/up mean fewer, larger integer products: fuse for every step that runs them.
         if runtime.fuse_projections:
@@ -261,7 +321,7 @@ class RunnerSpec:
     """The choices rank 0 made that every rank's runner must share."""
 
     backend_name: str
-    """The attention backend (``attention.backend`` resolved when ``auto``)."""
+    """The attention backend (``attention.name`` resolved when ``auto``)."""
     num_blocks: int
     max_num_reqs: int
     max_model_len: int
@@ -299,12 +359,12 @@ def kv_connector_worker(
 def drafter_config(
     settings: Settings, model: HFCausalLM, *, device: torch.device, dtype: str, max_model_len: int
 ) -> DrafterConfig:
-    """What the ``speculative:`` drafter is asked to serve (and is built with)."""
-    assert settings.speculative is not None
+    """What the ``spec_decode:`` drafter is asked to serve (and is built with)."""
+    assert settings.spec_decode is not None
     return DrafterConfig(
         device=device.type,
         dtype=dtype,
-        num_speculative_tokens=settings.speculative.num_speculative_tokens,
+        num_speculative_tokens=settings.spec_decode.num_speculative_tokens,
         max_model_len=max_model_len,
         vocab_size=model.shape.vocab_size,
     )
@@ -317,14 +377,15 @@ def attention_parts(
     # resolve() checks that each class implements its kind's interface.
     backend_class = cast("type[AttentionBackend]", registry.resolve("attention", backend_name))
     backend = backend_class(plugin_options(backend_class, settings.attention.options, where="attention.options"))
-    builder_name = settings.attention.metadata_builder or backend_class.metadata_builder
+    chosen_builder = settings.attention.metadata_builder
+    builder_name = chosen_builder.name if chosen_builder is not None else backend_class.metadata_builder
     builders = [
         create(
             registry,
             "attention_metadata_builder",
             builder_name,
-            {},
-            "attention.metadata_builder",
+            chosen_builder.options if chosen_builder is not None else {},
+            "attention.metadata_builder.options",
             block_size=g.spec.block_size,
             sliding_window=g.spec.sliding_window,
             device=str(device),
@@ -354,16 +415,17 @@ def load_drafter(
     device: torch.device,
     dtype: str,
 ) -> Drafting:
-    """The ``speculative:`` drafter, loaded over ``model`` for a pool of ``num_blocks``, and its verifier."""
-    speculative = settings.speculative
-    assert speculative is not None
-    drafter_class = cast("type[Drafter]", registry.resolve("drafter", speculative.method))
+    """The ``spec_decode:`` drafter, loaded over ``model`` for a pool of ``num_blocks``, and its verifier."""
+    spec_decode = settings.spec_decode
+    assert spec_decode is not None
+    drafter_class = cast("type[Drafter]", registry.resolve("drafter", spec_decode.name))
     drafter = drafter_class(
-        plugin_options(drafter_class, speculative.options, where="speculative.options"),
+        plugin_options(drafter_class, spec_decode.options, where="spec_decode.options"),
         config=drafter_config(settings, model, device=device, dtype=dtype, max_model_len=max_model_len),
     )
     # A sampler of the verify role (rank 0 checked that it serves the run).
-    verifier_class = cast("type[RejectionSampler]", registry.resolve("sampler", speculative.rejection_sampler))
+    verifier_choice = spec_decode.rejection_sampler
+    verifier_class = cast("type[RejectionSampler]", registry.resolve("sampler", verifier_choice.name))
     drafter.load(
         DrafterContext(
             model=model.model,
@@ -375,7 +437,10 @@ def load_drafter(
             dtype=torch_dtype(dtype),
         )
     )
-    return Drafting(drafter, verifier_class(verifier_class.Options()))
+    verifier_options = plugin_options(
+        verifier_class, verifier_choice.options, where="spec_decode.rejection_sampler.options"
+    )
+    return Drafting(drafter, verifier_class(verifier_options))
 
 
 def build_runner(
@@ -392,6 +457,7 @@ def build_runner(
     rank: int = 0,
     lora: LoRAManager | None = None,
     drafting: Drafting | None = None,
+    pooling: StepPooling | None = None,
 ) -> ModelRunner:
     """The runner over ``model`` (``rank``'s part of it) with the plugins the settings name (already checked by
     rank 0); only the last pipeline stage's runners sample.
@@ -399,14 +465,15 @@ def build_runner(
     ``kv_reports``: with several ranks, how the connector's reports are joined with the other ranks'.
     ``drafting``: the drafter :func:`load_drafter` loaded before the pool was sized (its cache is resized to
     the pool here); ``None``: loaded here, for the pool's size, when the settings ask for one.
+    ``pooling``: a pooling run's pooler, which the runner calls instead of sampling.
     """
-    groups = group_layers(model.kv_cache_specs(settings.cache.block_size, cache_dtype(settings.cache.dtype, dtype)))
+    groups = kv_cache_groups(model, settings.cache.block_size, cache_dtype(settings.cache.dtype, dtype))
     backend, builders = attention_parts(settings, registry, spec.backend_name, groups, device)
     sampler = create(registry, "sampler", settings.sampler.name, settings.sampler.options, "sampler.options")
-    speculative = settings.speculative
+    spec_decode = settings.spec_decode
     if drafting is not None:
         drafting.drafter.resize_kv_cache(spec.num_blocks)
-    elif speculative is not None:
+    elif spec_decode is not None:
         drafting = load_drafter(
             model,
             settings,
@@ -433,14 +500,25 @@ def build_runner(
         device=device,
         eos_token_ids=model.shape.eos_token_ids,
         drafter=drafter,
-        drafter_name=f"drafter:{speculative.method}" if speculative else "",
+        drafter_name=f"drafter:{spec_decode.name}" if spec_decode else "",
         sampler_name=f"sampler:{settings.sampler.name}",
         rejection_sampler=verifier,
-        num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+        num_speculative_tokens=spec_decode.num_speculative_tokens if spec_decode else 0,
         kv_connector=kv_connector,
         kv_reports=kv_reports,
         grammars=grammars,
         single_thread_max_tokens=spec.single_thread_max_tokens,
         samples=samples_on(rank, settings.runtime.pipeline_parallel_size, settings.runtime.tensor_parallel_size),
         lora=lora,
+        pooling=pooling,
     )
+
+
+def kv_cache_groups(model: HFCausalLM, block_size: int, dtype: str) -> list[KVCacheGroup]:
+    """The KV-cache groups of ``model``'s layers; an encoder-only model, whose layers keep no cache, gets one group
+    of no layers: the scheduler still counts blocks per request, which no memory backs."""
+    groups = group_layers(model.kv_cache_specs(block_size, dtype))
+    if groups:
+        return groups
+    spec = next(iter(model.layer_specs.values()))
+    return [KVCacheGroup(KVCacheSpec(block_size, spec.num_kv_heads, spec.head_size, dtype))]

@@ -1,8 +1,8 @@
 """Llama-style decoder layers as two C++ calls around the attention backend, where every product is tiled.
 
 Once a layer's norms, attention and MLP run through the fused kernels
-(:mod:`patchbay.worker.cpu.fused_ops`) and its four products over tiled weights
-(:mod:`patchbay.worker.cpu.streaming_linear`), what is left of a decode step's
+(:mod:`patchbay.worker.cpu.fused_modules`) and its four products over tiled weights
+(:mod:`patchbay.toolkit.tiles`), what is left of a decode step's
 time outside the products is Python: transformers' module calls, patchbay's
 wrappers around each kernel, the views between them: about 80 us per layer
 on the development machine, a third of a one-request decode step.  This
@@ -13,13 +13,13 @@ Python between them:
 1. the input norm, the fused q/k/v product and the rotation of queries and
    keys (:func:`decoder_attention_inputs` in the extension);
 2. the attention, through the step's backend as every layer's
-   (:func:`patchbay.worker.model.forward_context.attend`);
+   (:func:`patchbay.toolkit.forward_context.attend`);
 3. the output projection and residual add, the post-attention norm, the fused
    gate/up product, SiLU-and-multiply, the down projection and residual add
    (each add rounds once, as the model's own torch adds).
 
 The norms, rotations, activations and adds between the products run on the
-products' helper threads (:func:`patchbay.worker.cpu.streaming_linear.chunk_runner`),
+products' helper threads (:func:`patchbay.toolkit.tiles.chunk_runner`),
 which are awake: over OpenMP, a torch add took ~55 us at 64 rows, most of it
 waking a sleeping thread (a 64-request bfloat16 decode step ran ~5% faster on
 the helpers).
@@ -45,11 +45,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchbay.worker.model.forward_context import attend
+from patchbay.toolkit.forward_context import attend
 from patchbay.worker.model.hf_model import LlamaStyleModule
-from patchbay.worker.cpu.fused_ops import FusedRMSNorm, FusedRopeAttention, FusedSiluMLP
-from patchbay.worker.cpu.packed_linear import PackedGroupProduct, PackedLinear
-from patchbay.worker.cpu.streaming_linear import TileLayout, chunk_runner, tiled_product_entry
+from patchbay.worker.cpu.fused_modules import FusedGatedMLP, FusedRMSNorm, FusedRopeAttention
+from patchbay.worker.cpu.onednn import PackedGroupProduct, PackedLinear
+from patchbay.toolkit.tiles import TileLayout, chunk_runner, tiled_product_entry
 
 
 @functools.cache
@@ -73,7 +73,7 @@ def _own_forward(module: nn.Module) -> Any:
     return vars(module).get("forward")
 
 
-def _tiled_group(fused: FusedRopeAttention | FusedSiluMLP) -> PackedGroupProduct | None:
+def _tiled_group(fused: FusedRopeAttention | FusedGatedMLP) -> PackedGroupProduct | None:
     """The fused module's projection group's product, if it multiplies by tiled weights."""
     product = getattr(fused.group, "product", None)
     return product if isinstance(product, PackedGroupProduct) and isinstance(product.layout, TileLayout) else None
@@ -95,7 +95,9 @@ def _parts(layer: LlamaStyleModule) -> tuple[Any, ...] | None:
         isinstance(norm_in, FusedRMSNorm)
         and isinstance(norm_post, FusedRMSNorm)
         and isinstance(attention, FusedRopeAttention)
-        and isinstance(mlp, FusedSiluMLP)
+        and attention.kind == "llama"  # the C++ layer has no per-head norms nor one q/k/v product of its own
+        and isinstance(mlp, FusedGatedMLP)
+        and mlp.activation == "silu"  # the C++ layer's MLP is SiLU's
     ):
         return None
     qkv, gate_up = _tiled_group(attention), _tiled_group(mlp)
@@ -268,7 +270,7 @@ def use_fused_decoder_loops(model: nn.Module) -> int:
 def use_fused_layers(model: nn.Module) -> int:
     """Give every qualifying decoder layer of ``model`` a :class:`FusedDecoderLayer` forward; say how many.
 
-    Run after :func:`patchbay.worker.cpu.fused_ops.use_fused_ops` (it fuses the layers' modules this builds on).
+    Run after :func:`patchbay.worker.cpu.fused_modules.use_fused_ops` (it fuses the layers' modules this builds on).
     """
     count = 0
     for module in model.modules():

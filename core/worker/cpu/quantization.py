@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchbay.worker.cpu.fused_projections import Member, SharedInputProjections
-from patchbay.worker.cpu.streaming_linear import (
+from patchbay.toolkit.tiles import (
     TiledWeight,
     TileLayout,
-    load_streaming_linear,
+    load_tile_kernels,
     note_tiles_in_use,
     tile,
     tiles_unavailable,
@@ -111,7 +111,7 @@ class IntegerLinear:
         self.slices = [self.quantize(linear.weight[start : start + size]) for start in range(0, out_features, size)]
         self.float_forward: Callable[[torch.Tensor], torch.Tensor] = functools.partial(_float_product, linear)
         """The product for steps above ``max_rows`` rows: ``F.linear`` with the float weight, unless another
-        float path (oneDNN packing, :mod:`patchbay.worker.cpu.packed_linear`) replaced it."""
+        float path (oneDNN packing, :mod:`patchbay.worker.cpu.onednn`) replaced it."""
 
     def quantize(self, weight: torch.Tensor) -> Any:
         """The integer form of ``weight`` (some output rows of the linear's weight)."""
@@ -166,7 +166,7 @@ class Int8Linear(IntegerLinear):
 
 
 class TiledInt8Linear(Int8Linear):
-    """int8 weights in output tiles, multiplied by patchbay's tiled kernel (:mod:`patchbay.worker.cpu.streaming_linear`)
+    """int8 weights in output tiles, multiplied by patchbay's tiled kernel (:mod:`patchbay.toolkit.tiles`)
     on all the threads there were at load: the weights widen to float32 in registers, so a decode step reads one
     byte per weight and keeps both cores busy, where torch's int8 kernel runs on one."""
 
@@ -174,12 +174,12 @@ class TiledInt8Linear(Int8Linear):
 
     def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         quantized, scales = quantize_int8(weight)
-        lanes = load_streaming_linear().float32_lanes()
+        lanes = load_tile_kernels().float32_lanes()
         return tile(quantized, lanes), F.pad(scales.float(), (0, -len(scales) % lanes))
 
     def multiply(self, flat: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tiles, scales = quantized
-        return load_streaming_linear().tiled_int8_linear(flat, tiles, scales, self.linear.out_features, self.threads)
+        return load_tile_kernels().tiled_int8_linear(flat, tiles, scales, self.linear.out_features, self.threads)
 
 
 def int4_tiles_unavailable() -> str | None:
@@ -187,7 +187,7 @@ def int4_tiles_unavailable() -> str | None:
     reason = tiles_unavailable(torch.float32)
     if reason is not None:
         return reason
-    if not load_streaming_linear().int4_block_bytes():
+    if not load_tile_kernels().int4_block_bytes():
         return "int4 tiles need AVX2 with FMA and F16C"
     return None
 
@@ -271,7 +271,7 @@ def w8a8_tiles_unavailable() -> str | None:
     reason = tiles_unavailable(torch.float32)
     if reason is not None:
         return reason
-    if not load_streaming_linear().w8a8_lanes():
+    if not load_tile_kernels().w8a8_lanes():
         return "W8A8 tiles need AVX512-VNNI and AVX512-BW (this CPU lacks them; int8 weights alone run here)"
     return None
 
@@ -279,7 +279,7 @@ def w8a8_tiles_unavailable() -> str | None:
 def w8a8_amx_available() -> bool:
     """Whether W8A8 tiles can run through AMX here: the kernels were built for a CPU with AMX-INT8 and Linux
     lets this process use its tile registers."""
-    return w8a8_tiles_unavailable() is None and bool(load_streaming_linear().w8a8_amx_supported())
+    return w8a8_tiles_unavailable() is None and bool(load_tile_kernels().w8a8_amx_supported())
 
 
 def use_w8a8_amx_from(rows: int) -> int:
@@ -287,7 +287,7 @@ def use_w8a8_amx_from(rows: int) -> int:
     :func:`w8a8_amx_available`; returns the row count that held before.  AMX reads the tiles as they lie and
     sums the same bytes exactly, so its outputs equal VNNI's; it multiplies 16 rows at a time, so it pays once
     a product has enough rows.  Process-wide; the tuning measures from how many rows."""
-    return int(load_streaming_linear().use_w8a8_amx_from(rows))
+    return int(load_tile_kernels().use_w8a8_amx_from(rows))
 
 
 def rounds_activations_to_int8(scheme: str) -> bool:

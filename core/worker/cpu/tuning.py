@@ -12,20 +12,21 @@ a few row counts, :data:`TUNING_ROUNDS` times over, the fastest kept — decide:
   bfloat16 with ``avx512_bf16`` or ``amx_bf16``; float16 with ``avx512_fp16``
   or ``amx_fp16``): the fastest over the row counts, which must beat float32
   by :data:`MIN_GAIN` to be chosen;
-- up to how many rows float32 linears run row-split (:mod:`patchbay.worker.cpu.cpu_linear`);
+- up to how many rows float32 linears run row-split (:mod:`patchbay.worker.cpu.row_split`);
 - up to how many rows q/k/v and gate/up run as one product (:mod:`patchbay.worker.cpu.fused_projections`);
 - for each native dtype, whether its linears run over weights packed once into oneDNN's layout
-  (:mod:`patchbay.worker.cpu.packed_linear`), fused projections whole, instead of the paths above;
+  (:mod:`patchbay.worker.cpu.onednn`), fused projections whole, instead of the paths above;
 - for each native dtype, whether they run over weights in patchbay's output tiles
-  (:mod:`patchbay.worker.cpu.streaming_linear`) instead, where that beats the best path above (geometric mean over
+  (:mod:`patchbay.toolkit.tiles`) instead, where that beats the best path above (geometric mean over
   the row counts: the tiles win few-row products by streaming weights on every core, oneDNN may win many-row
   products where only its kernels use the CPU's matrix units);
-- for bfloat16 tiles, which kernel multiplies them (:data:`patchbay.worker.cpu.streaming_linear.BFLOAT16_KERNELS`):
+- for bfloat16 tiles, which kernel multiplies them (:data:`patchbay.toolkit.tiles.BFLOAT16_KERNELS`):
   the pair dot product, or float32 FMA on weights widened in registers, whichever is faster over the row counts
   (an Intel Xeon without AMX issues the pair product at half its FMA rate, AMD Zen 4 the other way round), and
   where the FMA kernel wins, up to how many rows the pair product still runs (it streams a row's weights in
   fewer instructions); and where the CPU has AMX, from how many rows its tile product takes over;
-- where the CPU has AMX-INT8, from how many rows W8A8 products (``model.quantization: w8a8``) run through it;
+- where the CPU has AMX-INT8, from how many rows W8A8 products (``model.weight_format: w8a8`` with
+  ``products: tiles``) run through it;
 - for each native dtype, up to how many rows a step runs on one thread: OpenMP threads that sleep between
   parallel regions (``OMP_WAIT_POLICY=PASSIVE``, see ``patchbay/__init__.py``) cost a wake-up per product,
   more than a second core gains on a product bound by memory bandwidth.  Tiled products keep their own
@@ -33,9 +34,13 @@ a few row counts, :data:`TUNING_ROUNDS` times over, the fastest kept — decide:
   tiled the limit is :data:`STREAMED_MAX_ROWS` by rule: only the small ops around the products go to one thread.
 
 The result is cached per CPU model, CPU flags, torch version, thread count
-and model shape in patchbay's cache directory. The choice (:func:`choose`) is
-a pure function of the CPU's flags and the measured times, so it can be
-checked for any CPU. Attention paths are not tuned here.
+and model shape in patchbay's cache directory, unless it was measured under
+noise (:mod:`patchbay.worker.cpu.tuning_noise`: a reference kernel timed beside
+every case, the time the threads waited for a core, rounds that disagree):
+such a tuning is *provisional*, used by this process only and measured again
+at the next start. The choice (:func:`choose`) is a pure function of the CPU's
+flags and the measured times, so it can be checked for any CPU. Attention
+paths are not tuned here.
 """
 
 from __future__ import annotations
@@ -46,7 +51,6 @@ import json
 import logging
 import math
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -57,10 +61,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patchbay.worker.cpu.cpu_linear import DEFAULT_MAX_ROWS, row_split_linear, use_row_split_linears
+from patchbay.toolkit.cpu import CpuInfo
+from patchbay.worker.cpu.row_split import DEFAULT_MAX_ROWS, row_split_linear, use_row_split_linears
 from patchbay.worker.cpu.fused_projections import FUSE_MAX_ROWS, fuse_shared_input_projections
 from patchbay.worker.cpu.quantization import W8A8TileLayout, use_w8a8_amx_from, w8a8_amx_available
-from patchbay.worker.cpu.packed_linear import (
+from patchbay.worker.cpu.tuning_noise import (
+    RECHECK_SAMPLES,
+    ROUNDS_AGREE,
+    Clock,
+    NoiseCheck,
+    WallClock,
+    assess,
+    measured_under_load,
+)
+from patchbay.worker.cpu.onednn import (
     ONEDNN,
     OneDnnLayout,
     pack,
@@ -68,7 +82,7 @@ from patchbay.worker.cpu.packed_linear import (
     packing_supported,
     use_packed_linears,
 )
-from patchbay.worker.cpu.streaming_linear import (
+from patchbay.toolkit.tiles import (
     BFLOAT16_KERNELS,
     TileLayout,
     TiledWeight,
@@ -92,42 +106,10 @@ TUNING_ROUNDS = 2
 shared machine a neighbour's burst that slowed one path's turn alone decided the choice, and stayed cached (a
 2-core Xeon kept oneDNN for bfloat16 instead of its AMX tiles and ran at half speed until the cache was cleared)."""
 MAX_TUNING_ROUNDS = 4
-"""Rounds that disagree by more than :data:`ROUNDS_AGREE` are followed by another, up to this many."""
-ROUNDS_AGREE = 1.15
-"""Two rounds agree where their times differ by at most this factor (geometric mean over every path and bucket)."""
-TUNING_FORMAT = 10
+"""Rounds that disagree by more than :data:`ROUNDS_AGREE` are followed by another, up to this many; the last two
+still disagreeing make the tuning provisional."""
+TUNING_FORMAT = 11
 """Bumped whenever what is measured or chosen changes, so cached results from older rules are measured again."""
-
-NATIVE_DTYPE_FLAGS = {
-    "bfloat16": ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"),
-    "float16": ("avx512_fp16", "amx_fp16", "fphp"),
-}
-"""CPU flags (x86 and Arm, as /proc/cpuinfo spells them) that mean a dtype's products run natively."""
-
-
-@dataclass(frozen=True)
-class CpuInfo:
-    """What identifies a CPU for tuning: its model name and instruction-set flags."""
-
-    model_name: str
-    flags: frozenset[str]
-
-    @classmethod
-    def read(cls, cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuInfo:
-        """This machine's CPU, from ``/proc/cpuinfo`` where there is one (x86 and Arm spell the fields apart)."""
-        fields: dict[str, str] = {}
-        try:
-            for line in cpuinfo.read_text().splitlines():
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-        except OSError:
-            pass
-        name = fields.get("model name") or fields.get("cpu model") or platform.processor() or platform.machine()
-        return cls(name, frozenset((fields.get("flags") or fields.get("Features") or "").split()))
-
-    def native_dtypes(self) -> tuple[str, ...]:
-        """Dtypes whose products this CPU computes natively, float32 first."""
-        return ("float32", *(dtype for dtype, needed in NATIVE_DTYPE_FLAGS.items() if self.flags & set(needed)))
 
 
 @dataclass(frozen=True)
@@ -223,14 +205,27 @@ class Tuning:
     measurements: dict[str, dict[str, float]]
     """Seconds per layer, by path (``float32``, ``bfloat16``, ``row_split``, ``fused``, ``packed_<dtype>``) and rows."""
     bfloat16_kernel: str = "pairs"
-    """The kernel bfloat16 tiles run (:data:`patchbay.worker.cpu.streaming_linear.BFLOAT16_KERNELS`)."""
+    """The kernel bfloat16 tiles run (:data:`patchbay.toolkit.tiles.BFLOAT16_KERNELS`)."""
     bfloat16_pairs_max_rows: int = 0
     """Under the ``fma`` kernel, products of up to this many rows run ``pairs`` all the same; 0: none."""
     bfloat16_amx_from_rows: int = 0
     """bfloat16 tile products of at least this many rows run through AMX's tile product; 0: never."""
     w8a8_amx_from_rows: int = 0
     """W8A8 products of at least this many rows run through AMX's byte product; 0: never."""
+    noise: NoiseCheck | None = None
+    """What the noise check said while this was measured (``None``: not checked, a fake's measurements)."""
     cached: bool = False
+
+    @property
+    def provisional(self) -> bool:
+        """Measured under noise: this process uses it, nothing caches it, the next start measures again."""
+        return self.noise is not None and self.noise.provisional
+
+    @classmethod
+    def from_json(cls, text: str) -> Tuning:
+        """A cached tuning (as :func:`tune` saves it), marked ``cached``."""
+        fields = json.loads(text)
+        return cls(**{**fields, "noise": NoiseCheck.from_dict(fields.get("noise")), "cached": True})
 
     def describe(self) -> str:
         """One line for the run summary and the bench."""
@@ -250,6 +245,15 @@ class Tuning:
             f"one thread for steps up to {self.single_thread_max_tokens.get(self.dtype, 0)} tokens; "
             f"{self.cpu}, {self.threads} threads, torch {self.torch_version}"
             f"{' (cached)' if self.cached else ''}"
+            f"{self._provisional_note()}"
+        )
+
+    def _provisional_note(self) -> str:
+        if self.noise is None or not self.noise.provisional:
+            return ""
+        return (
+            f"; PROVISIONAL, measured on a busy machine ({'; '.join(self.noise.reasons)}): "
+            "used by this run only, measured again at the next start"
         )
 
     def _bfloat16_kernels(self) -> str:
@@ -396,14 +400,22 @@ def _wins_from(path: dict[int, float], baseline: dict[int, float]) -> int:
     return min(start, math.ceil(below + (start - below) * deficit / (deficit + surplus)))
 
 
-def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_seconds: float = 1.5) -> Measurements:
-    """Time one decoder layer's linears with each path at each of :data:`ROW_BUCKETS` rows (random weights).
+def measure(
+    shapes: LayerShapes,
+    dtypes: tuple[str, ...],
+    threads: int,
+    budget_seconds: float = 1.5,
+    clock: Clock | None = None,
+) -> Measurements:
+    """Time one decoder layer's linears with each path at each of :data:`ROW_BUCKETS` rows (random weights), each
+    case beside a run of ``clock``'s reference kernel (default: a :class:`WallClock` on ``threads``).
 
     Few-row products stream their weights from memory in a real model (every layer's weights are read once
     per step), so up to :data:`STREAMED_MAX_ROWS` rows the layer is timed as one of enough copies to overflow
     the CPU's last-level cache (no more copies than the model has layers); one layer whose weights stay cached
     would flatter whichever path reads them most often.
     """
+    clock = clock if clock is not None else WallClock(threads)
     packable = [dtype for dtype in dtypes if packing_supported(getattr(torch, dtype))]
     tileable = [dtype for dtype in dtypes if tiles_unavailable(getattr(torch, dtype)) is None]
     streamed_buckets = sum(1 for rows in ROW_BUCKETS if rows <= STREAMED_MAX_ROWS)
@@ -416,14 +428,17 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
     measured = Measurements()
 
     def per_layer(
-        product,
-        layers: list[list[torch.Tensor]],  # noqa: ANN001 - a product
+        path: str,
+        product,  # noqa: ANN001 - a product
+        layers: list[list[Any]],
         max_rows: int = ROW_BUCKETS[-1],
     ) -> dict[int, float]:
         timed = {}
         for rows in (bucket for bucket in ROW_BUCKETS if bucket <= max_rows):
             used = layers if rows <= STREAMED_MAX_ROWS else layers[:1]
             timed[rows] = _time(
+                clock,
+                f"{path}/{rows}",
                 lambda x, used=used: [product(x[w.shape[1]], w) for layer in used for w in layer],
                 rows,
                 used[0],
@@ -433,18 +448,20 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
 
     for dtype in dtypes:
         layers = _layers(shapes, getattr(torch, dtype))
-        measured.by_dtype[dtype] = per_layer(F.linear, layers)
+        measured.by_dtype[dtype] = per_layer(dtype, F.linear, layers)
         product: Callable[..., torch.Tensor] = F.linear
         weights: list[list[Any]] = layers  # plain, packed or tiled weights, as product takes them
         if dtype in packable:
             product = lambda x, p: packed_linear(x, p, None)  # noqa: E731
             weights = [[pack(weight) for weight in _fused(layer)] for layer in layers]
-            measured.packed[dtype] = per_layer(product, weights)
+            measured.packed[dtype] = per_layer(f"packed_{dtype}", product, weights)
         if threads > 1:
             previous = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                measured.single_thread[dtype] = per_layer(product, weights, max_rows=STREAMED_MAX_ROWS)
+                measured.single_thread[dtype] = per_layer(
+                    f"one_thread_{dtype}", product, weights, max_rows=STREAMED_MAX_ROWS
+                )
             finally:
                 torch.set_num_threads(previous)
         if dtype in tileable:
@@ -454,47 +471,71 @@ def measure(shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_s
             if dtype == "bfloat16":
                 previous_amx = use_bfloat16_amx_from(0)
                 try:
-                    measured.bfloat16_kernels = _per_bfloat16_kernel(
-                        functools.partial(per_layer, tiled_product, weights)
-                    )
+
+                    def timed_kernel(
+                        kernel: str, product: Any = tiled_product, weights: Any = weights
+                    ) -> dict[int, float]:
+                        return per_layer(f"tiled_bfloat16_{kernel}", product, weights)
+
+                    measured.bfloat16_kernels = _per_bfloat16_kernel(timed_kernel)
                     if amx:
                         use_bfloat16_amx_from(1)
-                        measured.bfloat16_amx = per_layer(tiled_product, weights)
+                        measured.bfloat16_amx = per_layer("tiled_bfloat16_amx", tiled_product, weights)
                 finally:
                     use_bfloat16_amx_from(previous_amx)
             else:
-                measured.tiled[dtype] = per_layer(tiled_product, weights)
+                measured.tiled[dtype] = per_layer(f"tiled_{dtype}", tiled_product, weights)
     if w8a8_amx:
         tiles = W8A8TileLayout(threads)
         weights = [[tiles.pack(weight) for weight in _fused(layer)] for layer in _layers(shapes, torch.bfloat16)]
         previous_amx = use_w8a8_amx_from(0)
         try:
-            measured.w8a8 = per_layer(functools.partial(_tiled_product, tiles), weights)
+            measured.w8a8 = per_layer("w8a8", functools.partial(_tiled_product, tiles), weights)
             use_w8a8_amx_from(1)
-            measured.w8a8_amx = per_layer(functools.partial(_tiled_product, tiles), weights)
+            measured.w8a8_amx = per_layer("w8a8_amx", functools.partial(_tiled_product, tiles), weights)
         finally:
             use_w8a8_amx_from(previous_amx)
     layers = _layers(shapes, torch.float32)
-    measured.row_split = per_layer(lambda x, w: row_split_linear(x, w, None, threads, max_rows=1 << 30), layers)
-    measured.fused = per_layer(F.linear, [_fused(layer) for layer in layers])
+    measured.row_split = per_layer(
+        "row_split", lambda x, w: row_split_linear(x, w, None, threads, max_rows=1 << 30), layers
+    )
+    measured.fused = per_layer("fused", F.linear, [_fused(layer) for layer in layers])
     return measured
 
 
+@dataclass
+class Rounds:
+    """Rounds of :func:`measure`, combined: each path's fastest time at each bucket over all of them."""
+
+    measurements: Measurements
+    count: int
+    spread: float
+    """How far the last two rounds are apart (:func:`_disagreement`); over :data:`ROUNDS_AGREE`: they never
+    agreed."""
+
+
 def measure_in_rounds(
-    shapes: LayerShapes, dtypes: tuple[str, ...], threads: int, budget_seconds: float = 1.5
-) -> Measurements:
+    shapes: LayerShapes,
+    dtypes: tuple[str, ...],
+    threads: int,
+    budget_seconds: float = 1.5,
+    clock: Clock | None = None,
+) -> Rounds:
     """:func:`measure` :data:`TUNING_ROUNDS` times, and again while the last two rounds disagree (up to
-    :data:`MAX_TUNING_ROUNDS`); each path's fastest time at each bucket over all rounds."""
-    rounds = [measure(shapes, dtypes, threads, budget_seconds) for _ in range(TUNING_ROUNDS)]
-    while len(rounds) < MAX_TUNING_ROUNDS and (spread := _disagreement(rounds[-2], rounds[-1])) > ROUNDS_AGREE:
+    :data:`MAX_TUNING_ROUNDS`), every round on the same ``clock``; each path's fastest time at each bucket over
+    all rounds."""
+    clock = clock if clock is not None else WallClock(threads)
+    rounds = [measure(shapes, dtypes, threads, budget_seconds, clock) for _ in range(TUNING_ROUNDS)]
+    while (spread := _disagreement(rounds[-2], rounds[-1])) > ROUNDS_AGREE and len(rounds) < MAX_TUNING_ROUNDS:
         logger.info(
             "tuning rounds %d and %d differ by %.2fx (a busy machine?): measuring again",
             len(rounds) - 1,
             len(rounds),
             spread,
         )
-        rounds.append(measure(shapes, dtypes, threads, budget_seconds))
-    return Measurements(**{name: _fastest([getattr(r, name) for r in rounds]) for name in _MEASURED_PATHS})
+        rounds.append(measure(shapes, dtypes, threads, budget_seconds, clock))
+    combined = Measurements(**{name: _fastest([getattr(r, name) for r in rounds]) for name in _MEASURED_PATHS})
+    return Rounds(combined, len(rounds), spread)
 
 
 _MEASURED_PATHS = tuple(Measurements.__dataclass_fields__)
@@ -530,11 +571,11 @@ def _tiled_product(tiles: TileLayout, x: torch.Tensor, weight: TiledWeight) -> t
     return tiles.product(x, weight, None)
 
 
-def _per_bfloat16_kernel(timed: Callable[[], dict[int, float]]) -> dict[str, dict[int, float]]:
-    """``timed()`` once with each bfloat16 tile kernel; the kernel that ran before runs again afterwards."""
+def _per_bfloat16_kernel(timed: Callable[[str], dict[int, float]]) -> dict[str, dict[int, float]]:
+    """``timed(kernel)`` with each bfloat16 tile kernel running; the kernel that ran before runs again afterwards."""
     previous = use_bfloat16_kernel(BFLOAT16_KERNELS[0])
     try:
-        return {kernel: (use_bfloat16_kernel(kernel), timed())[1] for kernel in BFLOAT16_KERNELS}
+        return {kernel: (use_bfloat16_kernel(kernel), timed(kernel))[1] for kernel in BFLOAT16_KERNELS}
     finally:
         use_bfloat16_kernel(previous)
 
@@ -577,19 +618,20 @@ def _last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
-def _time(run, rows: int, weights: list[torch.Tensor], budget: float) -> float:  # noqa: ANN001 - a closure
-    """Median seconds of ``run(inputs)``, inputs of ``rows`` rows for each input width, within ``budget``."""
+def _time(
+    clock: Clock,
+    case: str,
+    run,  # noqa: ANN001 - a closure
+    rows: int,
+    weights: list[Any],
+    budget: float,
+) -> float:
+    """``clock``'s seconds for ``run(inputs)``, inputs of ``rows`` rows for each input width, right after a run of
+    its reference kernel (the noise check's witness of the load at that moment)."""
     dtype = weights[0].dtype
     inputs = {width: torch.randn(rows, width).to(dtype) for width in {w.shape[1] for w in weights}}
-    with torch.inference_mode():
-        run(inputs)  # warm-up: first-call allocations and packing
-        samples: list[float] = []
-        deadline = time.perf_counter() + budget
-        while len(samples) < 3 or (time.perf_counter() < deadline and len(samples) < 50):
-            started = time.perf_counter()
-            run(inputs)
-            samples.append(time.perf_counter() - started)
-    return sorted(samples)[len(samples) // 2]
+    clock.reference()
+    return clock.time(case, lambda: run(inputs), budget)
 
 
 def apply_linear_paths(
@@ -648,7 +690,7 @@ class LinearPaths:
     row_split: int = 0
     packed: int = 0
     layout: str = "oneDNN blocks"
-    """The layout the packed linears run over (:class:`patchbay.worker.cpu.packed_linear.WeightLayout`)."""
+    """The layout the packed linears run over (:class:`patchbay.worker.cpu.onednn.WeightLayout`)."""
 
 
 def cache_key(cpu: CpuInfo, shapes: LayerShapes, threads: int) -> str:
@@ -659,9 +701,23 @@ def cache_key(cpu: CpuInfo, shapes: LayerShapes, threads: int) -> str:
 
 def tuning_path(key: str) -> Path:
     """Where the result for ``key`` is cached."""
-    from patchbay.worker.model.model_loader import cache_dir
+    from patchbay.toolkit.paths import cache_dir
 
     return cache_dir() / "tuning" / f"{key}.json"
+
+
+def reference_record_path(cpu: CpuInfo, threads: int) -> Path:
+    """Where the fastest time of the noise check's reference kernel on this machine is kept (whatever the model)."""
+    from patchbay.toolkit.paths import cache_dir
+    from patchbay.worker.cpu.tuning_noise import REFERENCE_SHAPE
+
+    text = json.dumps([cpu.model_name, sorted(cpu.flags), torch.__version__, threads, REFERENCE_SHAPE])
+    return cache_dir() / "tuning" / f"reference-{hashlib.sha256(text.encode()).hexdigest()[:20]}.json"
+
+
+_PROVISIONAL: dict[Path, Tuning] = {}
+"""Provisional tunings this process measured, by the path their cached form would have: later engines of the same
+process (this run) use them instead of measuring again; nothing else sees them."""
 
 
 def tune(
@@ -672,30 +728,89 @@ def tune(
     fresh: bool = False,
     budget_seconds: float = 1.5,
 ) -> Tuning:
-    """The tuning for this machine and these shapes: cached, or measured now (and cached) when absent or ``fresh``."""
+    """The tuning for this machine and these shapes: cached, or measured now when absent, ``fresh``, or cached from
+    a machine clearly slower than this one is now (measured under load the noise check missed).
+
+    A tuning measured under noise is provisional (:mod:`patchbay.worker.cpu.tuning_noise`): returned, kept for
+    this process, never cached, so the next start measures again; a quiet one is cached and replaces a
+    provisional one this process kept."""
     cpu = cpu or CpuInfo.read()
     threads = threads or torch.get_num_threads()
     path = tuning_path(cache_key(cpu, shapes, threads))
+    clock = WallClock(threads)
     if not fresh:
-        try:
-            return Tuning(**{**json.loads(path.read_text()), "cached": True})
-        except (OSError, ValueError, TypeError):
-            pass  # absent or unreadable: measure again
+        if path in _PROVISIONAL:
+            return _PROVISIONAL[path]
+        cached = _read_cached(path)
+        if cached is not None:
+            then = cached.noise.reference_seconds if cached.noise is not None else None
+            if not measured_under_load(then, now := clock.fastest_reference(RECHECK_SAMPLES)):
+                return cached
+            logger.info(
+                "the cached CPU tuning was measured while the machine ran %.2fx slower than now (a neighbour the "
+                "noise check missed): measuring again",
+                (then or 0) / now,
+            )
     started = time.perf_counter()
-    result = choose(cpu, measure_in_rounds(shapes, cpu.native_dtypes(), threads, budget_seconds), threads)
-    logger.info("tuned for this machine in %.1f s: %s", time.perf_counter() - started, result.describe())
+    record_path = reference_record_path(cpu, threads)
+    record = _read_record(record_path)
+    rounds = measure_in_rounds(shapes, cpu.native_dtypes(), threads, budget_seconds, clock)
+    result = choose(cpu, rounds.measurements, threads)
+    result.noise = assess(rounds.count, rounds.spread, clock.reference_times(), clock.cpu_wait(), record)
+    if result.noise.reference_seconds is not None and (record is None or result.noise.reference_seconds < record):
+        try:
+            _write_json(record_path, {"seconds": result.noise.reference_seconds})
+        except OSError as exc:  # the tuning's own save says so, once, where it matters
+            logger.debug("could not keep the reference kernel's time in %s: %s", record_path, exc)
+    seconds = time.perf_counter() - started
+    if result.provisional:
+        logger.warning("tuned for this machine in %.1f s, not cached: %s", seconds, result.describe())
+        _PROVISIONAL[path] = result
+        return result
+    logger.info("tuned for this machine in %.1f s: %s", seconds, result.describe())
+    _PROVISIONAL.pop(path, None)
     _save(result, path)
     return result
+
+
+def _read_cached(path: Path) -> Tuning | None:
+    """The tuning cached at ``path``; ``None`` where absent or unreadable (it is measured again)."""
+    try:
+        return Tuning.from_json(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _read_record(path: Path) -> float | None:
+    """The fastest reference time kept at ``path``; ``None`` where there is none (or it is unreadable)."""
+    try:
+        seconds = json.loads(path.read_text())["seconds"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return float(seconds) if isinstance(seconds, int | float) and seconds > 0 else None
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` whole (a staging file renamed into place); an ``OSError`` reaches the caller and
+    leaves no staging file behind."""
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging.write_text(json.dumps(data, indent=1))
+        staging.replace(path)
+    except OSError:
+        try:
+            staging.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
 
 
 def _save(result: Tuning, path: Path) -> None:
     """Cache ``result`` at ``path``; a cache folder that cannot take it (full disk, read-only) is warned about
     once, naming the folder: the run goes on with the tuning it measured, and the next start measures again."""
-    staging = path.with_suffix(f".{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging.write_text(json.dumps({k: v for k, v in asdict(result).items() if k != "cached"}, indent=1))
-        staging.replace(path)
+        _write_json(path, {k: v for k, v in asdict(result).items() if k != "cached"})
     except OSError as exc:
         logger.warning(
             "could not save the CPU tuning in %s (%s); this run uses it unsaved, the next start measures again "
@@ -703,7 +818,3 @@ def _save(result: Tuning, path: Path) -> None:
             path.parent,
             exc.strerror or exc,
         )
-        try:
-            staging.unlink(missing_ok=True)
-        except OSError:
-            pass

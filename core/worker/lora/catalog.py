@@ -8,11 +8,16 @@ loading one more evicts the least recently used that is not pinned.
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+import torch
+
+from patchbay.contract.settings import DEFAULT_MODEL
 from patchbay.interfaces import LoRAResolveError, LoRAResolver
 from patchbay.worker.lora.peft_adapter import LinearShape, LoRAAdapter, LoRAAdapterError, load_adapter
 
@@ -46,7 +51,11 @@ class AdapterCatalog:
         capacity: int,
         resolver: LoRAResolver | None = None,
         resolver_name: str | None = None,
+        base_model: str | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
+        self.dtype = dtype
+        """The run's dtype: an adapter with a weight beyond its range is refused."""
         self.paths = {name: Path(path) for name, path in adapters.items()}
         self.num_layers = num_layers
         self.shapes = dict(shapes)
@@ -54,17 +63,28 @@ class AdapterCatalog:
         self.capacity = capacity
         self.resolver = resolver
         self.resolver_name = resolver_name or (type(resolver).__name__ if resolver is not None else None)
+        self.base_model = base_model
+        """The served model as resolvers are told it (``None``: unknown)."""
+        self._resolver_takes_base_model = resolver is not None and _takes_base_model(resolver, self.resolver_name)
         self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
 
     @classmethod
     def from_settings(
-        cls, section: LoRASettings, registry: Registry, *, num_layers: int, shapes: Mapping[str, LinearShape]
+        cls,
+        section: LoRASettings,
+        registry: Registry,
+        *,
+        num_layers: int,
+        shapes: Mapping[str, LinearShape],
+        base_model: str | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> AdapterCatalog:
-        """The catalog of a run's ``lora:`` section; the resolver plugin, if any, is built here."""
+        """The catalog of a run's ``lora:`` section; the resolver plugin, if any, is built here and told
+        ``base_model`` (see :func:`base_model_name`) with every name it resolves."""
         resolver = None
         if section.resolver is not None:
-            resolver_class = cast("type[LoRAResolver]", registry.resolve("lora_resolver", section.resolver))
-            options = resolver_class.Options.model_validate(dict(section.resolver_options))
+            resolver_class = cast("type[LoRAResolver]", registry.resolve("lora_resolver", section.resolver.name))
+            options = resolver_class.Options.model_validate(dict(section.resolver.options))
             resolver = resolver_class(options)
         return cls(
             adapters=section.adapters,
@@ -73,7 +93,9 @@ class AdapterCatalog:
             max_lora_rank=section.max_lora_rank,
             capacity=section.cpu_capacity,
             resolver=resolver,
-            resolver_name=f"lora_resolver:{section.resolver}" if section.resolver else None,
+            resolver_name=f"lora_resolver:{section.resolver.name}" if section.resolver else None,
+            base_model=base_model,
+            dtype=dtype,
         )
 
     def path_of(self, name: str) -> Path:
@@ -82,7 +104,10 @@ class AdapterCatalog:
             return self.paths[name]
         if self.resolver is not None:
             try:
-                found = self.resolver.resolve(name)
+                if self._resolver_takes_base_model:
+                    found = self.resolver.resolve(name, base_model=self.base_model)
+                else:
+                    found = self.resolver.resolve(name)
             except LoRAResolveError as exc:
                 raise LoRAAdapterError(
                     f"LoRA adapter {name!r}: {self.resolver_name} could not provide it: {exc}"
@@ -107,11 +132,19 @@ class AdapterCatalog:
         if adapter is not None:
             self._loaded.move_to_end(name)
             return adapter
-        adapter = load_adapter(
-            name, self.path_of(name), num_layers=self.num_layers, shapes=self.shapes, max_lora_rank=self.max_lora_rank
-        )
+        adapter = self._read(name, self.path_of(name))
         self._keep(adapter, pinned=pinned)
         return adapter
+
+    def _read(self, name: str, path: Path) -> LoRAAdapter:
+        return load_adapter(
+            name,
+            path,
+            num_layers=self.num_layers,
+            shapes=self.shapes,
+            max_lora_rank=self.max_lora_rank,
+            dtype=self.dtype,
+        )
 
     def _keep(self, adapter: LoRAAdapter, *, pinned: Iterable[str]) -> None:
         """Hold ``adapter`` loaded, evicting the least recently used ones not in ``pinned`` beyond capacity."""
@@ -131,9 +164,7 @@ class AdapterCatalog:
         """
         if name in self.paths or name in self._loaded:
             raise AdapterExistsError(f"LoRA adapter {name!r} is already loaded; unload it first to replace it")
-        adapter = load_adapter(
-            name, Path(path), num_layers=self.num_layers, shapes=self.shapes, max_lora_rank=self.max_lora_rank
-        )
+        adapter = self._read(name, Path(path))
         self.paths[name] = Path(path)
         self._keep(adapter, pinned=())
         return adapter
@@ -151,3 +182,37 @@ class AdapterCatalog:
     def loaded_names(self) -> list[str]:
         """Loaded adapters, least recently used first."""
         return list(self._loaded)
+
+
+BUNDLED_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The Hugging Face id of the bundled model (``model.path: default``), as adapters trained on it name it."""
+
+
+def base_model_name(model_path: str) -> str | None:
+    """What resolvers are told of the served model: ``model.path`` as written, the bundled model's Hugging Face id
+    for ``default``, and ``None`` for a GGUF file, whose name (a quantization tag, a renamed copy) says too
+    little to compare with the base model an adapter names."""
+    if model_path == DEFAULT_MODEL:
+        return BUNDLED_BASE_MODEL
+    if model_path.lower().endswith(".gguf"):
+        return None
+    return model_path
+
+
+def _takes_base_model(resolver: LoRAResolver, who: str | None) -> bool:
+    """Whether ``resolver.resolve`` accepts ``base_model`` (contract 1.2); a 1.1 resolver is called without it,
+    with a deprecation warning naming it."""
+    try:
+        parameters = inspect.signature(resolver.resolve).parameters
+    except (TypeError, ValueError):
+        return True
+    if "base_model" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return True
+    warnings.warn(
+        f"{who}: resolve() takes no base_model (the lora_resolver contract 1.1 form); it is called without it, "
+        "so it cannot refuse adapters made for another base model. Accept resolve(name, *, base_model=None) "
+        "and declare contract_version = '1.2'",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return False

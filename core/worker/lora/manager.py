@@ -5,6 +5,11 @@
 every request in the step; the manager puts each adapter in a slot (loading
 it through the catalog and evicting the least recently used slot no row of
 this step uses), then builds the step's mapping in one vectorised pass.
+
+A slot is matched by the adapter's identity (its fingerprint), not its name
+alone: when the catalog's adapter of a name is no longer the one a slot
+holds (a runtime load under a name the resolver served, an edited folder
+read again), the slot is written again before any row uses it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class LoRAManager:
         self.linears = linears
         self.max_loras = max_loras
         self.slot_names: list[str | None] = [None] * max_loras
+        self.slot_fingerprints: list[str | None] = [None] * max_loras
+        """The identity of the adapter each slot holds (``None``: empty)."""
         self._recency: list[int] = []
         """Slots, least recently used first."""
 
@@ -57,7 +64,7 @@ class LoRAManager:
         self.catalog.remove(name)
         if name in self.slot_names:
             slot = self.slot_names.index(name)
-            self.slot_names[slot] = None
+            self.slot_names[slot] = self.slot_fingerprints[slot] = None
             if slot in self._recency:
                 self._recency.remove(slot)
 
@@ -82,15 +89,18 @@ class LoRAManager:
         self.step.mapping = None
 
     def _slot_for(self, name: str, step_names: Sequence[str]) -> int:
+        adapter = self.catalog.get(name, pinned=step_names)
         if name in self.slot_names:
             slot = self.slot_names.index(name)
+            if self.slot_fingerprints[slot] != adapter.fingerprint:  # the name now means other weights or config
+                self._load(slot, adapter)
         else:
             free = [slot for slot, held in enumerate(self.slot_names) if held is None]
             if free:
                 slot = free[0]
             else:
                 slot = next(s for s in self._recency if self.slot_names[s] not in step_names)
-            self._load(slot, self.catalog.get(name, pinned=step_names))
+            self._load(slot, adapter)
         if slot in self._recency:
             self._recency.remove(slot)
         self._recency.append(slot)
@@ -105,6 +115,7 @@ class LoRAManager:
                 linear.set_slot(slot, pair[0].to(linear.lora_a.dtype), pair[1].to(linear.lora_b.dtype))
         self.step.scalings[slot] = adapter.scaling
         self.slot_names[slot] = adapter.name
+        self.slot_fingerprints[slot] = adapter.fingerprint
 
 
 def install_lora(
@@ -115,6 +126,7 @@ def install_lora(
     device: torch.device,
     dtype: torch.dtype,
     slices: Mapping[str, ProjectionSlice] | None = None,
+    base_model: str | None = None,
 ) -> LoRAManager:
     """Wrap ``model``'s (an ``HFCausalLM``) target linears and return the manager of its adapter slots.
 
@@ -122,9 +134,10 @@ def install_lora(
     (``ShardLayout.projection_slices``; ``None`` on one rank). Forward hooks
     of a wrapped linear (a rank's sum of partial outputs) move to its wrapper,
     so they see the adapted output.  The listed adapters are each read and
-    checked now, so a bad one fails the run at start, naming it.
+    checked now, so a bad one fails the run at start, naming it.  The
+    resolver, if any, is told ``base_model`` with each name it resolves.
     """
-    kernel_class = cast("type[LoRAKernel]", registry.resolve("lora_kernel", section.kernel))
+    kernel_class = cast("type[LoRAKernel]", registry.resolve("lora_kernel", section.kernel.name))
     reasons = kernel_class.validate(
         LoRAKernelConfig(
             device=device.type,
@@ -138,17 +151,19 @@ def install_lora(
             [
                 ConfigProblem(
                     "<run>",
-                    "lora.kernel",
-                    f"lora_kernel:{section.kernel} cannot serve this run: {'; '.join(reasons)}",
-                    plugin=f"lora_kernel:{section.kernel}",
+                    "lora.kernel.name",
+                    f"lora_kernel:{section.kernel.name} cannot serve this run: {'; '.join(reasons)}",
+                    plugin=f"lora_kernel:{section.kernel.name}",
                 )
             ]
         )
-    kernel = kernel_class(plugin_options(kernel_class, section.kernel_options, where="lora.kernel_options"))
+    kernel = kernel_class(plugin_options(kernel_class, section.kernel.options, where="lora.kernel.options"))
     config = model.model.config  # type: ignore[attr-defined]
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     num_layers, shapes = base_model_shapes(text_config)
-    catalog = AdapterCatalog.from_settings(section, registry, num_layers=num_layers, shapes=shapes)
+    catalog = AdapterCatalog.from_settings(
+        section, registry, num_layers=num_layers, shapes=shapes, base_model=base_model, dtype=dtype
+    )
     step = LoRAStep(kernel=kernel, scalings=torch.zeros(section.max_loras, dtype=torch.float32, device=device))
     layers = getattr(model._decoder, "layers", None)  # type: ignore[attr-defined]
     if not isinstance(layers, nn.ModuleList) or len(layers) != num_layers:

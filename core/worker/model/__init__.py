@@ -1,1 +1,1 @@
-"""Finding, loading and wrapping models, and the forward context through which their attention reaches patchbay."""
+"""Loading models through their architecture plugin and wrapping them for the runner; MoE experts."""

@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
-from patchbay.interfaces import AttentionLayerSpec
+from patchbay.interfaces import AttentionLayerSpec, Checkpoint, WeightFormat
 from patchbay.scheduling.kv_cache_spec import KVCacheSpec
-from patchbay.worker.model.forward_context import attend
-from patchbay.worker.model.model_loader import ModelLoadError
+from patchbay.toolkit.forward_context import attend
+from patchbay.worker.model.packed_weights import build_empty_model, fill_weights, packed_weight_of, parameter_slots
+from patchbay.toolkit.hidden_states import AuxHiddenStates
+from patchbay.toolkit.model_files import ModelLoadError
+from patchbay.toolkit.transformers_layers import architecture_name, attention_layer_specs, text_config
 from patchbay.worker.model.vision import VisionEncoder, is_vision_language
 
 if TYPE_CHECKING:
@@ -98,72 +100,48 @@ class HFCausalLM:
         """The image encoder of a vision-language model (``None``: the model takes text only)."""
         self.layers_elsewhere: frozenset[int] = frozenset()
         """Decoder layers another pipeline stage runs (set when the model is split into stages)."""
+        self.served_by = ""
+        """The architecture plugin that built the model (``""``: loaded by :meth:`load`, outside a run)."""
         self._decoder = model.model.language_model if vision is not None else model.base_model
         self._embed_tokens = model.get_input_embeddings()
         self._lm_head = model.get_output_embeddings()
         self._final_soft_cap = getattr(model.config, "final_logit_softcapping", None)
+        self.logits_scale = 1.0
+        """Multiplies the LM head's output (the architecture plugin's ``ArchitectureModel.logits_scale``)."""
 
     @classmethod
     def load(cls, model_dir: Path, *, dtype: str, device: torch.device) -> HFCausalLM:
-        """Load ``model_dir`` with patchbay attention; unsupported architectures raise :class:`ModelLoadError`."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        """Load ``model_dir`` as the generic path does (transformers' classes, attention through patchbay); an
+        architecture that path cannot run raises :class:`ModelLoadError`.  A run loads through its architecture
+        plugin instead (:func:`patchbay.worker.model.architectures.load_architecture`)."""
+        from transformers import AutoConfig
 
-        register_attention_function()
         config = AutoConfig.from_pretrained(model_dir)
-        architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
-        if getattr(config, "is_encoder_decoder", False):
-            raise ModelLoadError(
-                f"{architecture}: encoder-decoder models are not supported; patchbay runs decoder-only LMs"
-            )
-        if is_vision_language(config):
-            return cls._load_vision_language(model_dir, config, architecture, dtype=dtype, device=device)
-        model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
-        if model_class is None:
-            raise ModelLoadError(
-                f"{architecture} ({config.model_type}) is not a causal language model transformers knows"
-            )
-        if not getattr(model_class, "_supports_attention_backend", False):
-            raise ModelLoadError(
-                f"{architecture} does not support transformers' AttentionInterface, so its attention "
-                "cannot be routed to patchbay's paged KV cache"
-            )
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch_dtype(dtype), attn_implementation=ATTN_IMPLEMENTATION
-        )
-        model.to(device).eval()  # type: ignore[arg-type]  # transformers' typing of its wrapped to() misses self
-        return cls(model, *_specs_and_shape(model, model_dir, config, architecture))
+        architecture = architecture_name(config)
+        model = load_transformers_model(model_dir, config, architecture, dtype=dtype, device=device)
+        return cls.from_module(model, attention_layer_specs(model, architecture), model_dir, architecture)
 
     @classmethod
-    def _load_vision_language(
-        cls, model_dir: Path, config: Any, architecture: str, *, dtype: str, device: torch.device
+    def from_module(
+        cls, model: Any, layer_specs: dict[int, AttentionLayerSpec], model_dir: Path, architecture: str
     ) -> HFCausalLM:
-        """A vision-language model: its language model attends through patchbay, its vision tower through
-        transformers' own attention (sdpa), outside the paged cache."""
-        from transformers import AutoModelForImageTextToText
+        """Wrap a loaded transformers-shaped ``model`` (an architecture plugin's) with its layer specs; a
+        vision-language model's image encoder comes with it."""
+        config = model.config
+        vision = VisionEncoder(model, architecture) if is_vision_language(config) else None
+        return cls(model, layer_specs, _shape(model_dir, config, architecture, len(layer_specs)), vision=vision)
 
-        model_class = AutoModelForImageTextToText._model_mapping.get(type(config), None)
-        if model_class is None:
-            raise ModelLoadError(
-                f"{architecture} ({config.model_type}) has a vision tower but is no image-text-to-text model "
-                "transformers knows"
-            )
-        if not getattr(model_class, "_supports_attention_backend", False):
-            raise ModelLoadError(
-                f"{architecture} does not support transformers' AttentionInterface, so its attention "
-                "cannot be routed to patchbay's paged KV cache"
-            )
-        attention = {"text_config": ATTN_IMPLEMENTATION, "vision_config": "sdpa", "": "sdpa"}
-        model = AutoModelForImageTextToText.from_pretrained(
-            model_dir, dtype=torch_dtype(dtype), attn_implementation=attention
-        )
-        model.to(device).eval()  # type: ignore[arg-type]  # transformers' typing of its wrapped to() misses self
-        vision = VisionEncoder(model, architecture)
-        return cls(model, *_specs_and_shape(model, model_dir, config, architecture), vision=vision)
+    @property
+    def holds_packed_weights(self) -> bool:
+        """Whether a weight format holds some of the model's weights packed (its own products multiply by them)."""
+        return any(packed_weight_of(module) is not None for module in self.model.modules())
 
     def kv_cache_specs(self, block_size: int, dtype: str) -> dict[str, KVCacheSpec]:
         """Each attention layer's KV-cache spec, by layer name (in layer order)."""
         return {
-            spec.layer_name: KVCacheSpec(block_size, spec.num_kv_heads, spec.head_size, dtype, spec.sliding_window)
+            spec.layer_name: KVCacheSpec(
+                block_size, spec.num_kv_heads, spec.head_size, dtype, spec.sliding_window, latent=spec.latent
+            )
             for _, spec in sorted(self.layer_specs.items())
         }
 
@@ -191,135 +169,98 @@ class HFCausalLM:
         """The language model's input embeddings ``[num_tokens, hidden]`` of ``input_ids``."""
         return self._embed_tokens(input_ids)
 
+    def capture_hidden_states(self, layers: Sequence[int]) -> AuxHiddenStates:
+        """Keep the outputs of decoder ``layers`` from each forward pass (see
+        :class:`~patchbay.toolkit.hidden_states.AuxHiddenStates`); layers of other pipeline stages are an error."""
+        return AuxHiddenStates(
+            self._decoder,
+            self.shape.num_layers,
+            layers,
+            held_elsewhere=self.layers_elsewhere,
+            name=type(self.model).__name__,
+        )
+
     @torch.inference_mode()
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` of the given hidden states (with the vocabulary sharded over
         tensor-parallel ranks, the LM head's hook gathers every rank's slice: call it on all ranks alike)."""
         logits = self._lm_head(hidden_states).float()
+        if self.logits_scale != 1.0:
+            logits = logits * self.logits_scale
         if self._final_soft_cap:
             logits = torch.tanh(logits / self._final_soft_cap) * self._final_soft_cap
         return logits
 
 
-class AuxHiddenStates:
-    """Keeps the outputs of chosen decoder layers from each forward pass, through forward hooks.
+def load_transformers_model(
+    model_dir: Path,
+    config: Any,
+    architecture: str,
+    *,
+    dtype: str,
+    device: torch.device,
+    attention: str = "patchbay",
+    weight_format: WeightFormat | None = None,
+    checkpoint: Checkpoint | None = None,
+) -> PreTrainedModel:
+    """``model_dir``'s model through transformers' own classes, in ``dtype`` on ``device``, in eval mode: a causal
+    LM, or a vision-language model (its language model attending through ``attention``, its vision tower through
+    sdpa).  ``attention="patchbay"`` routes attention to patchbay's backends and refuses a class that does not
+    take transformers' AttentionInterface; another implementation (``"eager"``) loads any class, for an
+    architecture plugin that replaces the attention forwards itself.  Unsupported models raise
+    :class:`ModelLoadError`.  With a ``weight_format``, the modules are built empty and the format fills them from
+    ``checkpoint`` (linear weights packed where it packs them, :mod:`patchbay.worker.model.packed_weights`)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    For drafters reading intermediate layers (EAGLE-3): the hooks copy
-    nothing and run no extra pass; they keep a reference to each chosen
-    layer's output of the latest forward until the next forward replaces
-    it.  Registered only when a drafter asks, so a run without one pays
-    nothing.  Layer ``i``'s output is transformers'
-    ``output_hidden_states[i + 1]``, except for the last layer, whose entry
-    there has been through the final norm and whose output here has not.
-    """
-
-    def __init__(self, model: HFCausalLM | PreTrainedModel, layers: Sequence[int]) -> None:
-        """Hook decoder layers ``layers`` (indices in ``[0, num_layers)``, repeats allowed) of ``model``.
-
-        ``model`` is an :class:`HFCausalLM` or a plain transformers causal LM (the drafter trainer's).
-        """
-        decoder = model._decoder if isinstance(model, HFCausalLM) else model.base_model
-        num_layers = (
-            model.shape.num_layers
-            if isinstance(model, HFCausalLM)
-            else getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelLoadError(
+            f"{architecture}: encoder-decoder models are not supported; patchbay runs decoder-only LMs"
         )
-        decoder_layers = getattr(decoder, "layers", None)
-        if not isinstance(decoder_layers, nn.ModuleList) or len(decoder_layers) != num_layers:
+    if attention == ATTN_IMPLEMENTATION:
+        register_attention_function()
+    vision_language = is_vision_language(config)
+    auto_class: Any = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
+    model_class = auto_class._model_mapping.get(type(config), None)
+    if model_class is None:
+        what = "image-text-to-text model" if vision_language else "causal language model"
+        raise ModelLoadError(f"{architecture} ({config.model_type}) is not a {what} transformers knows")
+    if attention == ATTN_IMPLEMENTATION and not getattr(model_class, "_supports_attention_backend", False):
+        raise ModelLoadError(
+            f"{architecture} does not support transformers' AttentionInterface, so its attention "
+            "cannot be routed to patchbay's paged KV cache"
+        )
+    implementation: Any = (
+        {"text_config": attention, "vision_config": "sdpa", "": "sdpa"} if vision_language else attention
+    )
+    if weight_format is not None:
+        if vision_language:
             raise ModelLoadError(
-                f"{type(model).__name__}: its decoder has no `layers` list of {num_layers} "
-                "layers, so their hidden states cannot be captured"
+                f"{architecture}: a vision-language model loads through transformers, not a weight format"
             )
-        held_elsewhere = model.layers_elsewhere if isinstance(model, HFCausalLM) else frozenset()
-        elsewhere = sorted(held_elsewhere.intersection(layers))
-        if elsewhere:
-            raise ModelLoadError(
-                f"decoder layers {elsewhere} run on other pipeline stages, so their hidden states "
-                "cannot be captured here (runtime.pipeline_parallel_size)"
-            )
-        self.layers = tuple(layers)
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._handles = [
-            decoder_layers[index].register_forward_hook(self._keeper(index)) for index in sorted(set(self.layers))
-        ]
-
-    def _keeper(self, index: int) -> Any:
-        def keep(module: nn.Module, args: Any, output: Any) -> None:
-            self._outputs[index] = output[0] if isinstance(output, tuple) else output
-
-        return keep
-
-    def latest(self) -> list[torch.Tensor]:
-        """The chosen layers' outputs of the latest forward of one flattened step, ``[num_tokens, hidden]`` each,
-        in :attr:`layers` order."""
-        return [output[0] for output in self.latest_batched()]
-
-    def latest_batched(self) -> list[torch.Tensor]:
-        """As :meth:`latest`, keeping the batch dimension: ``[batch, tokens, hidden]`` each."""
-        missing = [index for index in self.layers if index not in self._outputs]
-        if missing:
-            raise RuntimeError(f"no output captured yet for decoder layers {missing}: no forward pass has run")
-        return [self._outputs[index] for index in self.layers]
-
-    def remove(self) -> None:
-        """Unhook the layers and drop the kept outputs."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._outputs = [], {}
+        source = checkpoint if checkpoint is not None else Checkpoint(model_dir, config.to_dict())
+        model = build_empty_model(config, dtype=torch_dtype(dtype), attn_implementation=implementation)
+        slots = parameter_slots(model)
+        tensors = weight_format.load(source, slots, dtype=dtype)
+        fill_weights(model, tensors, slots, dtype=torch_dtype(dtype), source=str(source.path))
+        return model
+    model = auto_class.from_pretrained(model_dir, dtype=torch_dtype(dtype), attn_implementation=implementation)
+    model.to(device).eval()
+    return model
 
 
-def _specs_and_shape(
-    model: PreTrainedModel, model_dir: Path, config: Any, architecture: str
-) -> tuple[dict[int, AttentionLayerSpec], ModelShape]:
+def _shape(model_dir: Path, config: Any, architecture: str, num_layers: int) -> ModelShape:
     from transformers import GenerationConfig
 
-    layer_specs = _attention_layers(model, architecture)
     eos = _eos_token_ids(model_dir, config, GenerationConfig)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    shape = ModelShape(
+    language = text_config(config)
+    return ModelShape(
         architecture=architecture,
-        num_layers=len(layer_specs),
-        vocab_size=text_config.vocab_size,
-        hidden_size=text_config.hidden_size,
-        max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
+        num_layers=num_layers,
+        vocab_size=language.vocab_size,
+        hidden_size=language.hidden_size,
+        max_position_embeddings=getattr(language, "max_position_embeddings", None),
         eos_token_ids=eos,
     )
-    return layer_specs, shape
-
-
-def _attention_layers(model: PreTrainedModel, architecture: str) -> dict[int, AttentionLayerSpec]:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    head_size = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    layer_types = getattr(config, "layer_types", None)
-    soft_cap = getattr(config, "attn_logit_softcapping", None)
-    specs: dict[int, AttentionLayerSpec] = {}
-    for name, module in model.named_modules():
-        layer_idx = getattr(module, "layer_idx", None)
-        if layer_idx is None or not hasattr(module, "scaling") or layer_idx in specs:
-            continue
-        window = getattr(module, "sliding_window", None)
-        if window is None and not hasattr(module, "sliding_window"):
-            if layer_types is not None:
-                window = config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
-            elif getattr(config, "use_sliding_window", True):
-                window = getattr(config, "sliding_window", None)
-        specs[layer_idx] = AttentionLayerSpec(
-            layer_name=name,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_size=head_size,
-            scale=float(module.scaling),
-            sliding_window=window,
-            logits_soft_cap=soft_cap,
-        )
-    if len(specs) != config.num_hidden_layers:
-        raise ModelLoadError(
-            f"{architecture}: found {len(specs)} attention layers with a layer_idx, expected "
-            f"{config.num_hidden_layers}; its attention modules do not follow transformers' conventions"
-        )
-    return specs
 
 
 def _eos_token_ids(model_dir: Path, config: Any, generation_config_class: Any) -> tuple[int, ...]:

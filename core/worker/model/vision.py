@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from patchbay.worker.model.model_loader import ModelLoadError
+from patchbay.toolkit.model_files import ModelLoadError
 
 SUPPORTED_FAMILIES = ("qwen2_vl", "llava")
 """``model_type`` of the vision-language models patchbay runs."""

@@ -187,11 +187,6 @@ class RankGroup:
         except RuntimeError as exc:
             raise CollectiveError(f"a send from rank {self.rank} failed: {exc}") from exc
 
-    def flush_sends(self) -> None:
-        """Wait until every send started has completed."""
-        while self._pending_sends:
-            self._wait_for_oldest_send()
-
     def recv(self, tensor: torch.Tensor, from_rank: int, tag: int = HIDDEN_STATES_TAG) -> None:
         """Fill ``tensor`` (of the sent shape and dtype) with what ``from_rank`` sends."""
         assert self._group is not None, "the rank left the group"

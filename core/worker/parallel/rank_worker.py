@@ -47,8 +47,8 @@ from patchbay.contract.registry import registry_for
 from patchbay.contract.settings import Settings
 from patchbay.worker.parallel import distributed
 from patchbay.worker.parallel.distributed import RankSetup
-from patchbay.worker.cpu.heap import set_up_heap
-from patchbay.worker.model.model_loader import resolve_model_dir
+from patchbay.worker.cpu.caching_allocator import set_up_heap
+from patchbay.worker.model.checkpoints import run_model_dir
 from patchbay.worker.parallel.kv_transfers import RankTransferReports
 from patchbay.worker.parallel.pipeline_parallel import last_stage_rank
 from patchbay.worker.runner_build import (
@@ -112,6 +112,7 @@ def run_rank(
         registry = registry_for(settings.plugins)
         loaded = load_rank_model(
             settings,
+            registry,
             model_dir or setup.model_dir,
             dtype=setup.dtype,
             device=device,
@@ -168,7 +169,7 @@ def run_torchrun_rank(settings: Settings, launch: TorchrunLaunch) -> None:
     logging.basicConfig(
         level=logging.WARNING, format=f"patchbay rank {launch.rank}: %(levelname)s %(name)s: %(message)s"
     )
-    model_dir = resolve_model_dir(settings.model.path)
+    model_dir = run_model_dir(settings, registry_for(settings.plugins))
     store = rendezvous_store(settings, launch)
     with connect_to_rank_0(store, launch.rank) as connection:
         run_rank(connection, launch.rank, local_rank=launch.local_rank, model_dir=model_dir, store=store)

@@ -8,7 +8,10 @@ rank's slice of the intermediate features, and ``o_proj`` and ``down_proj``
 keep the matching input columns; a forward hook on each of those two sums
 their partial outputs over the ranks (one all-reduce each, two per layer).
 transformers' attention reshapes with ``-1`` heads, so the narrower
-projections need nothing else.
+projections need nothing else.  Fused layouts (Phi-3's ``qkv_proj`` and
+``gate_up_proj``, GPT-NeoX's ``query_key_value``) keep the same rows of each
+part (:mod:`patchbay.worker.parallel.layer_shards`); which architectures may be
+sharded is what their architecture plugin declares.
 
 The vocabulary is sharded too (:func:`shard_vocab`): each rank keeps rows
 ``[start, stop)`` of the input embedding and of the LM head, the vocabulary
@@ -34,14 +37,20 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from patchbay.contract.settings import ConfigError, ConfigProblem
-from patchbay.worker.model.hf_model import HFCausalLM, LlamaStyleModule
-
-SHARDABLE_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
-"""transformers ``model_type`` values whose decoder layers have the projections sharded here."""
+from patchbay.worker.model.hf_model import HFCausalLM
+from patchbay.worker.parallel.layer_shards import (
+    HeadCounts,
+    UnshardableLayer,
+    attention_shards,
+    keep_columns,
+    keep_rows,
+    mlp_shards,
+    moe_shards,
+    narrow_attention_module,
+)
 
 KEY = "runtime.tensor_parallel_size"
 
@@ -91,6 +100,12 @@ class ShardLayout:
         ranks_per_kv_head = self.world_size // self.num_kv_heads
         return rank // ranks_per_kv_head, rank // ranks_per_kv_head + 1
 
+    def head_counts(self, rank: int) -> HeadCounts:
+        """This rank's query and KV heads, as the layer planner reads them."""
+        head_start, head_stop = self.head_range(rank)
+        kv_start, kv_stop = self.kv_head_range(rank)
+        return HeadCounts(head_start, head_stop - head_start, kv_start, kv_stop - kv_start, self.head_size)
+
     def feature_range(self, rank: int) -> tuple[int, int]:
         """This rank's intermediate MLP features, ``[start, stop)``."""
         share = self.intermediate_size // self.world_size
@@ -132,11 +147,6 @@ def shard_layout(config: Any, world_size: int) -> ShardLayout:
         config.intermediate_size,
     )
     problems = []
-    if config.model_type not in SHARDABLE_MODEL_TYPES:
-        problems.append(
-            f"{architecture} ({config.model_type}) cannot be sharded; tensor parallelism supports "
-            f"{', '.join(sorted(SHARDABLE_MODEL_TYPES))} models"
-        )
     if num_heads % world_size:
         problems.append(f"{architecture} has {num_heads} attention heads, not divisible by {world_size} ranks")
     if num_kv_heads % world_size and world_size % num_kv_heads:
@@ -217,20 +227,39 @@ def shard_model(
         raise ConfigError(
             [ConfigProblem("<run>", KEY, f"{model.shape.architecture}: its decoder has no `layers` list")]
         )
-    slices = layout.projection_slices(rank)
     reduce_hook = _reducer(all_reduce)
-    layer: LlamaStyleModule
-    for layer in layers:
-        for name, part in slices.items():
-            block = layer.self_attn if hasattr(layer.self_attn, name) else layer.mlp
-            linear = getattr(block, name)
-            if part.keeps == "outputs":
-                _keep_outputs(linear, part.start, part.stop)
+    counts = layout.head_counts(rank)
+    for index, layer in enumerate(layers):
+        reduced_modules: list[nn.Module] = []
+        try:
+            attention = _attention_of(layer)
+            shards = attention_shards(attention, counts, layout.num_heads, layout.num_kv_heads)
+            mlp: Any = layer.mlp  # a dense MLP, or a MoE block with experts
+            if hasattr(mlp, "experts"):
+                moe, reduced_modules = moe_shards(mlp, rank, layout.world_size)
+                shards += moe
             else:
-                _keep_inputs(linear, part.start, part.stop, keep_bias=rank == 0)
-                linear.register_forward_hook(reduce_hook)
+                start, stop = layout.feature_range(rank)
+                shards += mlp_shards(mlp, start, stop - start, layout.intermediate_size)
+        except UnshardableLayer as exc:
+            problem = f"{model.shape.architecture}: decoder layer {index} cannot be sharded: {exc}"
+            raise ConfigError([ConfigProblem("<run>", KEY, problem)]) from None
+        for shard in shards:
+            if shard.keeps == "outputs":
+                keep_rows(shard.linear, shard.index)
+            else:
+                keep_columns(shard.linear, shard.index, keep_bias=rank == 0)
+                if shard.reduced:
+                    shard.linear.register_forward_hook(reduce_hook)
+        for module in reduced_modules:
+            module.register_forward_hook(reduce_hook)
+        narrow_attention_module(attention, counts)
     model.layer_specs = {
-        index: dataclasses.replace(spec, num_heads=layout.heads_per_rank, num_kv_heads=layout.kv_heads_per_rank)
+        index: dataclasses.replace(
+            spec,
+            num_heads=layout.heads_per_rank,
+            num_kv_heads=1 if spec.latent else layout.kv_heads_per_rank,  # MLA's one latent row is every head's
+        )
         for index, spec in model.layer_specs.items()
     }
     if shard_vocabulary:
@@ -294,7 +323,8 @@ class VocabParallelLookup:
     """The forward of an ``nn.Embedding`` that holds one :class:`VocabShard`: whole-vocabulary embeddings.
 
     Ids ``[3, 700]`` with rank 0 holding 0-511 and rank 1 512-1000: rank 0 looks up local rows ``[3, 0]`` and
-    zeroes the second, rank 1 looks up ``[0, 188]`` and zeroes the first; the all-reduce adds the two.
+    zeroes the second, rank 1 looks up ``[0, 188]`` and zeroes the first; the all-reduce adds the two.  The lookup
+    is the embedding class's own ``forward``, so a subclass's scaling (Gemma's ``sqrt(hidden_size)``) applies.
     """
 
     def __init__(self, embedding: nn.Embedding, shard: VocabShard, all_reduce: AllReduce) -> None:
@@ -305,7 +335,7 @@ class VocabParallelLookup:
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         local_ids = input - self.shard.start
         elsewhere = (local_ids < 0) | (local_ids >= self.shard.stop - self.shard.start)
-        rows = F.embedding(local_ids.masked_fill(elsewhere, 0), self.embedding.weight)
+        rows = type(self.embedding).forward(self.embedding, local_ids.masked_fill(elsewhere, 0))
         rows = rows.masked_fill(elsewhere.unsqueeze(-1), 0.0)
         self.all_reduce(rows)
         return rows
@@ -319,27 +349,18 @@ def _gatherer(all_gather: AllGather, vocab_size: int) -> Callable[[nn.Module, An
     return gather_logits
 
 
+def _attention_of(layer: nn.Module) -> nn.Module:
+    """A decoder layer's attention module (``self_attn``, or GPT-NeoX's ``attention``)."""
+    for name in ("self_attn", "attention"):
+        module = getattr(layer, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    raise UnshardableLayer(f"{type(layer).__name__} has no self_attn (nor attention) module")
+
+
 def _reducer(all_reduce: AllReduce) -> Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]:
     def reduce_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         all_reduce(output)
         return output
 
     return reduce_output
-
-
-def _keep_outputs(linear: nn.Linear, start: int, stop: int) -> None:
-    """Column parallel: keep output features ``[start, stop)``."""
-    with torch.no_grad():
-        linear.weight = nn.Parameter(linear.weight[start:stop].clone(), requires_grad=False)
-        if linear.bias is not None:
-            linear.bias = nn.Parameter(linear.bias[start:stop].clone(), requires_grad=False)
-    linear.out_features = stop - start
-
-
-def _keep_inputs(linear: nn.Linear, start: int, stop: int, *, keep_bias: bool) -> None:
-    """Row parallel: keep input features ``[start, stop)``; the bias is added once, by the rank that keeps it."""
-    with torch.no_grad():
-        linear.weight = nn.Parameter(linear.weight[:, start:stop].clone(), requires_grad=False)
-        if linear.bias is not None and not keep_bias:
-            linear.bias = None  # type: ignore[assignment]  # torch's stubs miss that a Linear's bias may be None
-    linear.in_features = stop - start

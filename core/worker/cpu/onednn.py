@@ -1,7 +1,7 @@
 """Linear layers whose weights are packed once, at load, into the layout their product reads fastest.
 
 Two layouts (:class:`WeightLayout`) exist: oneDNN's blocked layout (:data:`ONEDNN`, below) and patchbay's output
-tiles (:mod:`patchbay.worker.cpu.streaming_linear`); the machine's tuning chooses between them per dtype.
+tiles (:mod:`patchbay.toolkit.tiles`); the machine's tuning chooses between them per dtype.
 
 ``F.linear`` on CPU hands each product to oneDNN (bfloat16) or MKL (float32)
 with the weight in PyTorch's plain row-major layout, and oneDNN reorders the

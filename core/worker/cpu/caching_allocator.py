@@ -37,7 +37,9 @@ import logging
 import os
 from typing import Any
 
-from patchbay.worker.cpu.native_build import CSRC, BackgroundBuild, NativeExtension, build_at_install, build_unavailable
+from pathlib import Path
+
+from patchbay.toolkit.native_build import BackgroundBuild, NativeExtension, build_at_install, build_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,9 @@ KEPT_BYTES_LIMIT = 512 << 20
 LARGEST_KEPT_BLOCK = 64 << 20
 """Larger blocks (weights, a layer's KV pool, a long prefill's logits) come from the C library and go back to it."""
 
-EXTENSION = NativeExtension("patchbay_host_allocator", (CSRC / "host_allocator.cpp",))
+SOURCE = Path(__file__).resolve().parent / "csrc" / "host_allocator.cpp"
+"""The allocator's C++ (the worker's own, not a toolkit kernel)."""
+EXTENSION = NativeExtension("patchbay_host_allocator", (SOURCE,))
 
 
 @functools.cache
