@@ -1,0 +1,1 @@
+"""Built-in architectures: transformers' classes (the default), MLA (DeepSeek), StableLM."""
