@@ -7,12 +7,15 @@ Three jobs, in a request's order:
    leaves the model free and reads its answer with the run's tool parser;
    ``required`` and a named function constrain decoding with a JSON schema
    built from the tools' parameters (the run's structured-output backend
-   enforces it), so the answer is the calls' JSON itself.
+   enforces it, as compact JSON unless ``chat.compact_tool_calls`` is off),
+   so the answer is the calls' JSON itself.
 2. :func:`template_messages` checks the conversation (each ``tool`` message
    answers a call an earlier assistant message made) and
    :func:`render_chat` renders it and the tools with the chat template.
 3. :class:`AnswerReader` splits the answer, whole or streamed, into
-   reasoning, content and calls, with the same result either way.
+   reasoning, content and calls, with the same result either way.  An
+   enforced answer cut short (``max_tokens``) keeps the calls it completed;
+   the cut one is dropped, never passed off as content.
 
 Bad input raises :class:`ChatRequestError` naming the field at fault.
 """
@@ -64,28 +67,76 @@ class ToolPlan:
         """Calls come from a JSON-schema constraint, not from a parser."""
         return self.mode in ("required", "named")
 
-    def constraint(self) -> dict[str, Any] | None:
-        """The ``structured_output`` constraint that enforces the calls (``None`` unless enforced)."""
+    def constraint(self, *, compact: bool = True) -> dict[str, Any] | None:
+        """The ``structured_output`` constraint that enforces the calls (``None`` unless enforced); ``compact``
+        asks the backend for JSON without whitespace outside strings, so no ``max_tokens`` go on indentation."""
         if self.mode == "named":
-            return {"json_schema": self.functions[self.named]}  # type: ignore[index]
-        if self.mode == "required":
-            return {"json_schema": calls_schema(self.functions, parallel=self.parallel)}
-        return None
+            constraint: dict[str, Any] = {"json_schema": self.functions[self.named]}  # type: ignore[index]
+        elif self.mode == "required":
+            constraint = {"json_schema": calls_schema(self.functions, parallel=self.parallel)}
+        else:
+            return None
+        if compact:
+            constraint["json_whitespace"] = "compact"
+        return constraint
 
-    def enforced_calls(self, text: str) -> list[ToolCall] | None:
-        """The calls of an enforced answer (the constraint's JSON); ``None`` if the answer is not whole JSON."""
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            return None
+    def enforced_calls(self, text: str) -> EnforcedCalls:
+        """The calls of an enforced answer (the constraint's JSON), the whole answer or the start of one cut
+        short: every call it completed, and whether the JSON itself is complete."""
         if self.mode == "named":
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                return EnforcedCalls((), complete=False)
             if not isinstance(value, dict):
-                return None
-            return [ToolCall(self.named, json.dumps(value, ensure_ascii=False))]  # type: ignore[arg-type]
-        calls = [tool_call_of(item) for item in value] if isinstance(value, list) else [None]
-        if not calls or any(call is None for call in calls):
-            return None
-        return calls  # type: ignore[return-value]
+                return EnforcedCalls((), complete=False)
+            return EnforcedCalls((ToolCall(self.named, json.dumps(value, ensure_ascii=False)),), complete=True)  # type: ignore[arg-type]
+        return _calls_of_array(text)
+
+
+@dataclass(frozen=True)
+class EnforcedCalls:
+    """What an enforced answer holds: the calls it completed, and whether its JSON ended (not cut short)."""
+
+    calls: tuple[ToolCall, ...]
+    complete: bool
+
+
+_JSON = json.JSONDecoder()
+
+
+def _calls_of_array(text: str) -> EnforcedCalls:
+    """The complete calls of a JSON array of calls that may be cut short: ``[{"name":"a","arguments":{}},{"na``
+    holds one complete call."""
+    calls: list[ToolCall] = []
+    at = _skip_space(text, 0)
+    if not text.startswith("[", at):
+        return EnforcedCalls((), complete=False)
+    at = _skip_space(text, at + 1)
+    if text.startswith("]", at):
+        return EnforcedCalls((), complete=not text[at + 1 :].strip())
+    while True:
+        try:
+            item, at = _JSON.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return EnforcedCalls(tuple(calls), complete=False)  # cut inside this item
+        call = tool_call_of(item)
+        if call is None:
+            return EnforcedCalls(tuple(calls), complete=False)
+        calls.append(call)
+        at = _skip_space(text, at)
+        if text.startswith(",", at):
+            at = _skip_space(text, at + 1)
+        elif text.startswith("]", at):
+            return EnforcedCalls(tuple(calls), complete=not text[at + 1 :].strip())
+        else:
+            return EnforcedCalls(tuple(calls), complete=False)
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
 
 
 def calls_schema(functions: dict[str, dict[str, Any]], *, parallel: bool) -> dict[str, Any]:
@@ -324,8 +375,7 @@ class AnswerReader:
             reasoning, text = split.reasoning, split.content
         calls: Sequence[ToolCall] = ()
         if self.plan.enforced:
-            calls = self.plan.enforced_calls(text) or ()
-            content = "" if calls else text
+            calls, content = self.plan.enforced_calls(text).calls, ""  # the answer is the calls' JSON, never content
         elif self.tool_parser is not None:
             parsed = self.tool_parser.parse(text)
             content, calls = parsed.content, parsed.tool_calls
@@ -357,6 +407,8 @@ class AnswerStream:
         )
         self._calls: ToolCallStream | None = reader.tool_parser.stream() if reader.tool_parser is not None else None
         self._enforced_text: list[str] = []
+        self._enforced_sent = 0
+        """Enforced calls streamed so far (each whole, as soon as the JSON completes it)."""
         self._held_space = ""
         self._sent_content = False
         self._ids: dict[int, str] = {}
@@ -376,13 +428,14 @@ class AnswerStream:
         content = ""
         if self._plan.enforced:
             self._enforced_text.append(text)
-            if final:
-                whole = "".join(self._enforced_text)
-                calls = self._plan.enforced_calls(whole)
-                if calls is None:
-                    content = whole
-                else:
-                    pieces = [self._piece(index, call.name, call.arguments) for index, call in enumerate(calls)]
+            if text or final:
+                calls = self._plan.enforced_calls("".join(self._enforced_text)).calls
+                pieces = [
+                    self._piece(index, call.name, call.arguments)
+                    for index, call in enumerate(calls)
+                    if index >= self._enforced_sent
+                ]
+                self._enforced_sent = len(calls)
         elif self._calls is not None:
             fed = self._calls.feed(text)
             content = fed.content
@@ -449,19 +502,22 @@ class ChatParsers:
         self.template = chat_template_of(section.template, bundled_model=bundled_model)
         self._built: dict[tuple[str, str], Any] = {}
         self.tool_parser: ToolParser = self._build(
-            "tool_parser", section.tool_parser, section.tool_parser_options, "chat.tool_parser"
+            "tool_parser", section.tool_parser.name, section.tool_parser.options, "chat.tool_parser"
         )
         self.reasoning_parser: ReasoningParser | None = None
         if section.reasoning_parser is not None:
             self.reasoning_parser = self._build(
-                "reasoning_parser", section.reasoning_parser, section.reasoning_parser_options, "chat.reasoning_parser"
+                "reasoning_parser",
+                section.reasoning_parser.name,
+                section.reasoning_parser.options,
+                "chat.reasoning_parser",
             )
 
     def _build(self, kind: str, name: str, options: dict[str, Any], where: str) -> Any:
         key = (kind, name)
         if key not in self._built:
             implementation = self._registry.resolve(kind, name)
-            self._built[key] = implementation(plugin_options(implementation, options, where=f"{where}_options"))
+            self._built[key] = implementation(plugin_options(implementation, options, where=f"{where}.options"))
         return self._built[key]
 
     def for_request(

@@ -1,4 +1,4 @@
-"""The ``patchbay`` command line: plugins, config, check, run, tune, serve and bench."""
+"""The ``patchbay`` command line: plugins, config, check, run, tune, serve, chat, models and bench."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from patchbay.contract.registry import (
 from patchbay.contract.settings import ConfigError, dump_settings, load_settings
 from patchbay.contract.versions import CONTRACT_VERSIONS, declared_version
 from patchbay.engine import ModelLoadError
+from patchbay.entrypoints.cli_flags import add_flags, flag_sources, model_argument
 from patchbay.entrypoints.result_file import ResultsNotWritten
 
 
@@ -63,6 +64,15 @@ def _describe(registration: Registration) -> dict[str, Any]:
     return row
 
 
+def _served(capabilities: dict[str, Any]) -> str:
+    """An architecture plugin's Hugging Face architectures, as ``patchbay plugins`` lists them."""
+    names = ", ".join(capabilities["architectures"]) or "none by name"
+    any_other = capabilities["other_transformers_architectures"]
+    other = "; and any other transformers decoder it can route" if any_other else ""
+    sharded = ", ".join(capabilities["tensor_parallel"]) or "none"
+    return f"serves: {names}{other} (tensor-parallel: {sharded})"
+
+
 def _plugins_report(registry: Registry, kind: str | None) -> dict[str, Any]:
     """What ``patchbay plugins --json`` prints: implementations, load failures, what the policy kept out, conflicts."""
     return {
@@ -96,6 +106,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"  {row['name']:<16} {row['distribution']}{version}  contract {contract}  [{status}]")
         if row["description"]:
             print(f"  {'':<16} {row['description']}")
+        if row["kind"] == "architecture" and row["capabilities"]:
+            print(f"  {'':<16} {_served(row['capabilities'])}")
         if not args.verbose:
             continue
         if "metadata_builder" in row:
@@ -116,8 +128,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace, path: str) -> Any:
-    settings = load_settings(path, overrides=args.set or [], registry=registry_for)
+def _load(args: argparse.Namespace, path: str | None, flags: list[Any] | None = None) -> Any:
+    """The settings of ``path``, the environment, typed ``flags`` and ``--set``, plugins checked; load failures
+    are warned about."""
+    settings = load_settings(path, overrides=args.set or [], flags=flags or [], registry=registry_for)
     _warn_about_failures(registry_for(settings.plugins))
     return settings
 
@@ -136,10 +150,52 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _options_after_the_reference(pytest_args: list[str]) -> tuple[str | None, list[str]]:
+    """``--options JSON`` (or ``--options=JSON``) written after ``KIND:NAME``, and the arguments left for pytest
+    (which has no such flag)."""
+    for index, word in enumerate(pytest_args):
+        if word == "--options" and index + 1 < len(pytest_args):
+            return pytest_args[index + 1], pytest_args[:index] + pytest_args[index + 2 :]
+        if word.startswith("--options="):
+            return word.partition("=")[2], pytest_args[:index] + pytest_args[index + 1 :]
+    return None, pytest_args
+
+
+def _check_options(args: argparse.Namespace, kind: str) -> dict[str, Any] | None:
+    """The ``--options`` JSON object of ``patchbay check``, or ``None``; a usage error names what is wrong."""
+    from patchbay.testing import SUITES
+
+    later, args.pytest_args = _options_after_the_reference(args.pytest_args)
+    if later is not None:
+        if args.options is not None:
+            raise CheckUsageError("--options is given twice, before and after KIND:NAME")
+        args.options = later
+    if args.options is None:
+        return None
+    try:
+        options = json.loads(args.options)
+    except json.JSONDecodeError as exc:
+        raise CheckUsageError(f"--options is not JSON ({exc}): {args.options!r}") from None
+    if not isinstance(options, dict):
+        raise CheckUsageError(f"--options must be a JSON object of the plugin's options, got {args.options!r}")
+    if not SUITES[kind].takes_options:
+        raise CheckUsageError(f"the {kind} suite builds plugins with their default options; --options does not apply")
+    return options
+
+
+class CheckUsageError(ValueError):
+    """``patchbay check`` was given options it cannot use."""
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     import pytest
 
     kind, name = parse_reference(args.reference)
+    try:
+        options = _check_options(args, kind.name)
+    except CheckUsageError as exc:
+        print(f"patchbay: error: {exc}", file=sys.stderr)
+        return 2
     registry = default_registry()
     _warn_about_failures(registry)
     registration = registry.get(kind.name, name)  # fail early, with the available names
@@ -154,12 +210,15 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 1
     with tempfile.TemporaryDirectory(prefix="patchbay-check-") as tmp:
         test_file = Path(tmp) / f"test_{kind.name}_{name.replace('-', '_')}.py"
+        options_text = "None" if options is None else f"json.loads({json.dumps(options)!r})"
         test_file.write_text(
-            f"from patchbay.testing import suite_for\nTestConformance = suite_for({kind.name!r}, {name!r})\n"
+            "import json\n\nfrom patchbay.testing import suite_for\n\n"
+            f"TestConformance = suite_for({kind.name!r}, {name!r}, options={options_text})\n"
         )
         (Path(tmp) / "pytest.ini").write_text("[pytest]\n")
         mode = " (strict: a skipped behavioural check fails)" if args.strict else ""
-        print(f"conformance suite for {kind.name}:{name}{mode}")
+        given = f" with options {json.dumps(options)}" if options is not None else ""
+        print(f"conformance suite for {kind.name}:{name}{given}{mode}")
         strict = ["--patchbay-strict"] if args.strict else []
         code = pytest.main(
             [
@@ -193,7 +252,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from patchbay.engine import run_launched_rank
     from patchbay.entrypoints.run_command import run_from_settings
 
-    settings = _load(args, args.config)
+    settings = _load(args, args.config, flag_sources(args))
     # Under torchrun, ranks other than 0 serve rank 0's steps instead of running the job.
     status = run_launched_rank(settings)
     return status if status is not None else run_from_settings(settings, config_path=args.config)
@@ -202,10 +261,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from patchbay.engine import measure_machine_defaults
 
+    from patchbay.contract.registry import registry_for
+
     settings = load_settings(args.config, overrides=args.set or [])
-    tuning = measure_machine_defaults(settings, fresh=not args.if_missing)
+    tuning = measure_machine_defaults(settings, registry_for(settings.plugins), fresh=not args.if_missing)
+    if tuning.provisional:  # on stderr too: `make` sends the table to /dev/null
+        print(
+            "patchbay tune: measured on a busy machine, so nothing was cached: the next start measures again "
+            f"({'; '.join(tuning.noise.reasons if tuning.noise else [])})",
+            file=sys.stderr,
+        )
     if args.json:
-        print(json.dumps(dataclasses.asdict(tuning), indent=2))
+        print(json.dumps({**dataclasses.asdict(tuning), "provisional": tuning.provisional}, indent=2))
         return 0
     print(
         f"cpu: {tuning.cpu}; native dtypes: {', '.join(tuning.native_dtypes)}; {tuning.threads} threads, "
@@ -221,7 +288,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
             + "".join(f"{seconds[rows] * 1e3:>12.3f}" if rows in seconds else f"{'-':>12}" for rows in buckets)
         )
     print(f"chosen: {tuning.describe()}")
-    print("(cached for this CPU, torch and model shape; runs with model.dtype, runtime.linear_kernel auto use it)")
+    if tuning.noise is not None and tuning.noise.reference_seconds is not None:
+        cpu_wait = "unknown" if tuning.noise.cpu_wait is None else f"{100 * tuning.noise.cpu_wait:.0f}%"
+        print(
+            f"noise check: {tuning.noise.rounds} rounds, {tuning.noise.rounds_spread:.2f}x apart; reference kernel "
+            f"{tuning.noise.reference_seconds * 1e3:.3f} ms, spread {tuning.noise.reference_spread:.2f}x; threads "
+            f"waiting for a core {cpu_wait}"
+        )
+    if not tuning.provisional:
+        print("(cached for this CPU, torch and model shape; runs with model.dtype, runtime.linear_kernel auto use it)")
     return 0
 
 
@@ -229,9 +304,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from patchbay.engine import run_launched_rank
     from patchbay.entrypoints.serve.command import serve_from_settings
 
-    settings = load_settings(args.config, overrides=args.set or [], registry=registry_for)
+    settings = _load_for_model(args)
+    if settings.runtime.data_parallel_size > 1:  # replicas behind a router (docs/fleet.md)
+        from patchbay.entrypoints.serve.fleet.command import serve_fleet, sources_as_overrides
+
+        config, model = model_argument(args.model, args.config)
+        overrides = [*sources_as_overrides([*model, *flag_sources(args)]), *(args.set or [])]
+        return serve_fleet(settings, config, overrides)
     status = run_launched_rank(settings)  # as in cmd_run: only rank 0 serves
     return status if status is not None else serve_from_settings(settings)
+
+
+def _load_for_model(args: argparse.Namespace) -> Any:
+    """The settings of ``serve`` and ``chat``: ``MODEL`` or ``--config``, the environment, the typed flags and
+    ``--set``."""
+    config, model = model_argument(args.model, args.config)
+    return _load(args, config, [*model, *flag_sources(args)])
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from patchbay.entrypoints.interactive_chat import ChatOptions, chat_in_terminal
+
+    options = ChatOptions(system=args.system, max_tokens=args.max_tokens, temperature=args.temperature)
+    return chat_in_terminal(_load_for_model(args), options)
+
+
+def cmd_models_path(args: argparse.Namespace) -> int:
+    from patchbay.toolkit.model_files import resolve_model_dir
+
+    print(resolve_model_dir(args.model))
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -248,6 +350,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="patchbay", description="An LLM inference runner built of plugins.")
+    parser.add_argument("--version", action="version", version=f"patchbay {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     plugins = sub.add_parser("plugins", help="list every installed plugin, its origin and capabilities")
@@ -286,15 +389,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the checks of a plugin that is unavailable here (its behavioural checks skip)",
     )
     check.add_argument(
+        "--options",
+        metavar="JSON",
+        help="the plugin's options as a JSON object, before or after KIND:NAME (default: the kind's "
+        "PATCHBAY_TEST_<KIND>_OPTIONS, else each suite's own; the parser suites also run every combination of the "
+        "finite-valued options left out)",
+    )
+    check.add_argument(
         "pytest_args",
         nargs=argparse.REMAINDER,
-        help="extra pytest arguments (everything after KIND:NAME; give --strict and --allow-unavailable before it)",
+        help="extra pytest arguments (everything after KIND:NAME; give --strict, --allow-unavailable and --options "
+        "before it)",
     )
     check.set_defaults(handler=cmd_check)
 
     run = sub.add_parser("run", help="run the job a YAML file describes")
     run.add_argument("config")
     run.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a setting")
+    add_flags(run, "run")
     run.set_defaults(handler=cmd_run)
 
     tune = sub.add_parser("tune", help="measure this CPU's fastest dtype and linear paths for a model, and cache them")
@@ -309,10 +421,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.set_defaults(handler=cmd_tune)
 
-    serve = sub.add_parser("serve", help="serve the model of a YAML file over an OpenAI-compatible HTTP API")
-    serve.add_argument("config")
-    serve.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a setting")
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (or the model of --config) over an OpenAI-compatible HTTP API until SIGTERM.",
+    )
+    _add_model_arguments(serve)
+    add_flags(serve, "serve")
     serve.set_defaults(handler=cmd_serve)
+
+    chat = sub.add_parser(
+        "chat",
+        help="chat with a model in the terminal, answers streamed",
+        description="Chat with MODEL in the terminal. /clear starts over, /exit (or Ctrl-D) leaves, Ctrl-C stops "
+        "an answer.",
+    )
+    _add_model_arguments(chat)
+    chat.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
+    chat.add_argument("--max-tokens", type=int, metavar="N", help="most tokens per answer (default: the context)")
+    chat.add_argument("--temperature", type=float, default=0.7, metavar="X", help="sampling temperature (0: greedy)")
+    add_flags(chat, "chat")
+    chat.set_defaults(handler=cmd_chat)
+
+    models = sub.add_parser("models", help="where models live")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    path = models_sub.add_parser(
+        "path",
+        help="print the Hugging Face folder a model loads from (a .gguf file is converted once first)",
+    )
+    path.add_argument("model", nargs="?", default="default", metavar="MODEL", help="default, a directory or a .gguf")
+    path.set_defaults(handler=cmd_models_path)
 
     bench = sub.add_parser(
         "bench", help="benchmark patchbay against transformers on fixed workloads, with the roofline"
@@ -320,6 +458,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     bench.set_defaults(handler=cmd_bench)
     return parser
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL",
+        help="a Hugging Face model directory, a .gguf file or 'default' (the bundled SmolLM2-135M-Instruct; the "
+        "default unless --config names another); a settings .yaml file here is read as --config",
+    )
+    parser.add_argument("--config", metavar="FILE", help="a settings YAML file (the flags override it)")
+    parser.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override any setting")
+
+
+def _version() -> str:
+    import patchbay
+
+    return patchbay.__version__
 
 
 def main(argv: list[str] | None = None) -> int:

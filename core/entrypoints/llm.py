@@ -21,7 +21,16 @@ from patchbay.entrypoints.chat import (
     template_messages,
 )
 from patchbay.entrypoints.chat_images import load_chat_images, refuse_images_for_text_model, split_image_parts
-from patchbay.interfaces import StructuredOutputParams
+from patchbay.entrypoints.pooling import (
+    PoolingInput,
+    PoolingOutput,
+    cosine_scores,
+    pool,
+    score_pairs,
+    tokenize_input,
+    tokenize_pair,
+)
+from patchbay.interfaces import PoolingParams, StructuredOutputParams
 from patchbay.sampling_params import SamplingParams
 
 
@@ -129,6 +138,77 @@ class LLM:
             raise
         return [result for result in results if result is not None]
 
+    def pool(
+        self,
+        inputs: PoolingInput | Sequence[PoolingInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[PoolingOutput]:
+        """The pooler's vector of every input, in input order, whatever the engine's task (``pooling:`` section).
+
+        An input is a text (tokenized with the model's special tokens, as sentence-transformers does), a list
+        of token ids, or ``{"prompt_token_ids": [...], "token_type_ids": [...]}``.  An input that cannot run
+        (too long for the model, say) raises ``ValueError`` naming it before any runs.
+        """
+        items: list[Any] = [inputs] if isinstance(inputs, (str, dict)) or _is_token_ids(inputs) else list(inputs)
+        prompts = [tokenize_input(self.tokenizer, item, f"input {index}") for index, item in enumerate(items)]
+        return pool(self.engine, prompts, pooling_params, request_ids)
+
+    def embed(
+        self,
+        inputs: PoolingInput | Sequence[PoolingInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[PoolingOutput]:
+        """Each input's embedding (``output.embedding``): an engine whose pooler's task is ``embed``."""
+        self._require_task("embed", "embed")
+        return self.pool(inputs, pooling_params)
+
+    def classify(
+        self,
+        inputs: PoolingInput | Sequence[PoolingInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[PoolingOutput]:
+        """Each input's class probabilities (``output.probs``): an engine whose pooler's task is ``classify``."""
+        self._require_task("classify", "classify")
+        return self.pool(inputs, pooling_params)
+
+    def score(
+        self,
+        first: str | Sequence[str],
+        second: str | Sequence[str],
+        pooling_params: PoolingParams | None = None,
+    ) -> list[PoolingOutput]:
+        """The relevance of each (first, second) pair (``output.score``): one text against each of a list, or two
+        lists pair by pair.  A cross-encoder (task ``score``) reads each pair whole, as
+        sentence-transformers' ``CrossEncoder.predict``; an embedding model's score is the cosine similarity
+        of the two embeddings."""
+        pairs = score_pairs(first, second)
+        task = self._require_task("score", "embed", "score")
+        if task == "score":
+            prompts = [tokenize_pair(self.tokenizer, a, b, f"pair {index}") for index, (a, b) in enumerate(pairs)]
+            return pool(self.engine, prompts, pooling_params)
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        embeddings = self.pool(texts, pooling_params)
+        where = {text: index for index, text in enumerate(texts)}
+        return cosine_scores(
+            [(where[a], where[b]) for a, b in pairs], embeddings, [str(index) for index in range(len(pairs))]
+        )
+
+    def _require_task(self, method: str, *tasks: str) -> str:
+        """The engine's pooling task, when it is one of ``tasks``; else ``ValueError`` saying what runs it."""
+        run = self.engine.pooling
+        if run is None:
+            raise ValueError(
+                f"LLM.{method} needs a pooling engine (a pooling: section in the settings); this one generates"
+            )
+        if run.task not in tasks:
+            raise ValueError(
+                f"LLM.{method} needs a pooler for {' or '.join(tasks)}; this engine's pooler:{run.pooler_name} "
+                f"serves {run.task}"
+            )
+        return run.task
+
     def _images_loaded(self, prompt: Prompt) -> Prompt:
         """``prompt`` with each image of its ``multi_modal_data`` decoded and checked (``multimodal:`` limits)."""
         if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
@@ -191,10 +271,17 @@ class LLM:
                 plan, lambda schema: grammars.submit(StructuredOutputParams(json_schema=schema)).result()
             )
             params = SamplingParams.model_validate(
-                {**params.model_dump(exclude_unset=True), "structured_output": plan.constraint()}
+                {
+                    **params.model_dump(exclude_unset=True),
+                    "structured_output": plan.constraint(compact=self.settings.chat.compact_tool_calls),
+                }
             )
         (output,) = self.generate(prompt, params)
         return AnswerReader(plan, *parsers).read(output.completions[0].text)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(item, int) for item in value)
 
 
 def _yaml_scalar(value: Any) -> str:

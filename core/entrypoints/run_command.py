@@ -42,6 +42,20 @@ def read_requests(settings: Settings, config_path: str | None) -> list[tuple[str
 
 def read_job(settings: Settings, config_path: str | None) -> list[JobRequest]:
     """:func:`read_requests` with where each request was written, to name it in later errors."""
+    requests = []
+    seen: set[str] = set()
+    for where, default_id, item in job_items(settings, config_path):
+        request_id, prompt, params = _parse_item(item, where, default_id, settings)
+        if request_id in seen:
+            raise ConfigError([ConfigProblem(where, "id", f"duplicate request id {request_id!r}")])
+        seen.add(request_id)
+        requests.append(JobRequest(request_id, prompt, params, where))
+    return requests
+
+
+def job_items(settings: Settings, config_path: str | None) -> list[tuple[str, str, Any]]:
+    """The job's raw items as ``(where, default id, item)``: ``inputs.prompts``, then ``inputs.file``'s lines;
+    errors name the file and line."""
     config_label = config_path or "<settings>"
     items: list[tuple[str, str, Any]] = []  # (where, default id, raw item)
     for index, item in enumerate(settings.inputs.prompts):
@@ -70,15 +84,7 @@ def read_job(settings: Settings, config_path: str | None) -> list[JobRequest]:
             items.append((f"{path}:{number}", f"{path.stem}-{number}", item))
     if not items:
         raise ConfigError([ConfigProblem(config_label, "inputs", "no requests: set inputs.prompts or inputs.file")])
-    requests = []
-    seen: set[str] = set()
-    for where, default_id, item in items:
-        request_id, prompt, params = _parse_item(item, where, default_id, settings)
-        if request_id in seen:
-            raise ConfigError([ConfigProblem(where, "id", f"duplicate request id {request_id!r}")])
-        seen.add(request_id)
-        requests.append(JobRequest(request_id, prompt, params, where))
-    return requests
+    return items
 
 
 def _parse_item(item: Any, where: str, default_id: str, settings: Settings) -> tuple[str, Any, SamplingParams]:
@@ -168,6 +174,8 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Engine) -> s
         f"inter-token latency: {_percentiles(itl)}",
         f"engine:              {report.stats.num_steps} steps, {report.stats.num_preemptions} preemptions, "
         f"attention {report.attention_backend}, {report.dtype} on {report.device}, KV cache {report.kv_cache_dtype}",
+        f"model:               architecture plugin {report.architecture}, {report.kv_bytes_per_token} KV bytes "
+        "per token",
         f"step time:           {breakdown}",
     ]
     if report.machine_defaults is not None:
@@ -211,7 +219,7 @@ def summarise(outputs: list[RequestOutput], elapsed: float, engine: Engine) -> s
             f"encoder cache:       {images.misses} images encoded ({images.encoded_tokens} tokens, "
             f"{report.step_timings.get('encoder', 0.0):.3f} s), {images.hits} served from the cache"
         )
-    spec = report.speculative
+    spec = report.spec_decode
     if spec.num_draft_tokens:
         per_position = ", ".join(f"{rate:.2f}" for rate in spec.acceptance_rate_per_position)
         lines.append(
@@ -312,13 +320,18 @@ def run_from_settings(settings: Settings, *, config_path: str | None = None, str
     Every request is checked (against the model too) before results are
     written; results then go to a temporary file renamed over
     ``outputs.path`` at the end, also when the job stops early (Ctrl-C,
-    SIGTERM, an engine error): then a last line records the error.
+    SIGTERM, an engine error): then a last line records the error, and a
+    complete earlier result file is kept (see :mod:`.result_file`).
     """
     from tqdm import tqdm
 
     from patchbay.entrypoints.llm import LLM
 
     stream = stream or sys.stdout
+    if settings.pooling is not None:
+        from patchbay.entrypoints.pooling_job import run_pooling_job
+
+        return run_pooling_job(settings, config_path=config_path, stream=stream)
     requests = read_job(settings, config_path)
     output_path = settings.outputs.path
     if output_path is not None:
@@ -360,7 +373,8 @@ def run_from_settings(settings: Settings, *, config_path: str | None = None, str
         return 1
     except _Terminated:
         error = "terminated by SIGTERM"
-        print(f"patchbay: {error}" + (f"; finished results kept in {output_path}" if results else ""), file=sys.stderr)
+        kept = results.destination(stopped=True) if results is not None else None
+        print(f"patchbay: {error}" + (f"; finished results kept in {kept}" if kept else ""), file=sys.stderr)
         return 128 + signal.SIGTERM
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,1 +1,1 @@
-"""``patchbay serve``: an OpenAI-compatible HTTP server on the engine (FastAPI + uvicorn)."""
+"""``patchbay serve``: the OpenAI-compatible HTTP server."""

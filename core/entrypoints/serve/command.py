@@ -1,5 +1,11 @@
 """``patchbay serve CONFIG``: load the engine, serve it over HTTP until SIGTERM or Ctrl-C, shut down gracefully.
 
+The port is bound first (a taken one fails before the model loads) but
+listens only once the model is up, so until then a client's connection is
+refused, never accepted and then reset; SIGTERM and SIGINT are handled from
+that moment on, and one that arrives while the model loads stops the start
+cleanly (exit status 0).
+
 On SIGTERM uvicorn stops accepting connections and waits up to
 ``server.shutdown_grace_period`` seconds for responses in flight; then the
 engine aborts what is left (clients see an ``abort`` finish, see
@@ -11,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
 import sys
+import threading
 from collections.abc import AsyncIterator
 from typing import TextIO
 
@@ -24,8 +32,9 @@ from patchbay.engine import AsyncLLM
 logger = logging.getLogger(__name__)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (port 0: any free port); errors name the address."""
+def bind(host: str, port: int, *, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: any free port), listening unless ``listen`` is false (then
+    connections are refused until :func:`start_listening`); errors name the address."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -34,9 +43,15 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ValueError(f"server: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    if listen:
+        start_listening(sock)
+    return sock
+
+
+def start_listening(sock: socket.socket) -> None:
+    """Accept connections on the bound ``sock`` from now on."""
     sock.listen(2048)
     sock.set_inheritable(True)
-    return sock
 
 
 def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Server
@@ -47,13 +62,15 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
     from patchbay.entrypoints.serve.connections import protocol_with_header_deadline
     from patchbay.entrypoints.serve.limits import with_limits
     from patchbay.entrypoints.serve.shutdown import FORCE_AFTER, GracefulServer
+    from patchbay.entrypoints.serve.stats_log import stats_logging
 
     app = build_app(llm, settings)
     grace = settings.server.shutdown_grace_period
 
     @contextlib.asynccontextmanager
     async def lifespan(_app) -> AsyncIterator[None]:  # noqa: ANN001
-        yield
+        async with stats_logging(llm, settings.server.stats_interval):
+            yield
         app.state.patchbay.accepting = False
         await llm.shutdown(grace_period=0.0)  # uvicorn already waited the grace period for responses in flight
 
@@ -69,7 +86,7 @@ def make_server(llm: AsyncLLM, settings: Settings):  # noqa: ANN201 - uvicorn.Se
         timeout_graceful_shutdown=grace + FORCE_AFTER,  # type: ignore[arg-type]
         timeout_keep_alive=server.idle_timeout,  # type: ignore[arg-type]
         lifespan="on",
-        http=protocol_with_header_deadline(server.header_timeout, server.idle_timeout),
+        http=protocol_with_header_deadline(server.header_timeout, server.idle_timeout, server.min_body_rate),
     )
     return GracefulServer(config, llm=llm, state=app.state.patchbay, grace_period=grace)
 
@@ -88,24 +105,75 @@ async def _serve_until_signal(server, sock: socket.socket) -> None:  # noqa: ANN
     await server.serve(sockets=[sock])
 
 
+def log_like_uvicorn() -> None:
+    """Send patchbay's own log lines (the stats line, the KV cache's size, warnings) to stderr in uvicorn's format
+    (``INFO:     engine: ...``), next to its access log."""
+    from uvicorn.logging import DefaultFormatter
+
+    root = logging.getLogger("patchbay")
+    if any(isinstance(handler.formatter, DefaultFormatter) for handler in root.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+class _StoppedWhileStarting(BaseException):
+    """SIGTERM or SIGINT before the server took its first connection (a BaseException, as KeyboardInterrupt is,
+    so no ``except Exception`` on the loading path turns it into a load failure)."""
+
+
+def _stop_starting(signum: int, frame: object) -> None:
+    raise _StoppedWhileStarting(signal.Signals(signum).name)
+
+
 def serve_from_settings(settings: Settings, *, stream: TextIO = sys.stdout) -> int:
     """Run the server ``settings`` describe until SIGTERM/SIGINT; the exit status of ``patchbay serve``."""
-    sock = bind(settings.server.host, settings.server.port)
-    llm = AsyncLLM(settings)
-    server = make_server(llm, settings)
-    host, port = sock.getsockname()[:2]
-    from patchbay.entrypoints.serve.app import model_name_of
+    from patchbay.entrypoints.serve.state import model_name_of
 
+    log_like_uvicorn()
+    sock = bind(settings.server.host, settings.server.port, listen=False)
+    host, port = sock.getsockname()[:2]
+    handled = threading.current_thread() is threading.main_thread()
+    if handled:  # until the event loop takes them over (_serve_until_signal)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, _stop_starting)
     print(
-        f"patchbay serve: {model_name_of(settings)} on http://{host}:{port}/v1 (metrics at /metrics)",
-        file=stream,
+        f"patchbay serve: loading {model_name_of(settings)} (port {port} listens once it is loaded)",
+        file=sys.stderr,
         flush=True,
     )
+    llm: AsyncLLM | None = None
     try:
+        llm = AsyncLLM(settings)
+        server = make_server(llm, settings)
+        # The model, torch and the libraries are the heap from now on: left out of the collector's full passes,
+        # which hold the GIL for as long as they walk it (a large request's passes stalled /health by a second).
+        gc.freeze()
+        start_listening(sock)
+        print(
+            f"patchbay serve: {model_name_of(settings)} on http://{host}:{port}/v1 (metrics at /metrics)",
+            file=stream,
+            flush=True,
+        )
         asyncio.run(_serve_until_signal(server, sock))
+    except _StoppedWhileStarting as stopped:
+        if handled:  # a second signal while the engine is released ends the process at once
+            _default_signal_handlers()
+        print(f"patchbay serve: {stopped} while starting; stopped before serving", file=stream, flush=True)
+        return 0
     finally:
         sock.close()
-        if llm.alive:  # a start-up failure before the lifespan ran
+        if llm is not None and llm.alive:  # a start-up failure, or a signal, before the lifespan ran
             asyncio.run(llm.shutdown())
+        if handled:
+            _default_signal_handlers()
     print("patchbay serve: stopped", file=stream, flush=True)
     return 0
+
+
+def _default_signal_handlers() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -9,10 +9,15 @@ starting with ``#`` are skipped) and is refused when others may read it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
+from collections.abc import Callable
+
+from fastapi import Request
 
 from patchbay.contract.settings import ConfigError, ConfigProblem, ServerSettings
+from patchbay.entrypoints.serve.protocol import APIError
 
 
 def _problem(message: str) -> ConfigError:
@@ -40,3 +45,28 @@ def accepted_api_keys(server: ServerSettings) -> set[str]:
     if not from_file:
         raise _problem(f"{path} holds no key (one key per line)")
     return keys | from_file
+
+
+def api_key_check(server: ServerSettings) -> Callable[[Request], None]:
+    """A route dependency refusing (401) a request without an accepted ``Authorization: Bearer`` key; the keys are
+    read now, so a bad ``server.api_key_file`` fails the start."""
+    api_keys = accepted_api_keys(server)
+
+    def check_api_key(request: Request) -> None:
+        if not api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or key.strip() not in api_keys:
+            raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key")
+
+    return check_api_key
+
+
+def caller_of(request: Request) -> str:
+    """Who is calling, for what is kept per API key: a digest of the ``Authorization`` bearer key (``""``
+    without one; on a keyless server every caller is the same)."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return ""
+    return hashlib.sha256(key.strip().encode("utf-8", "surrogatepass")).hexdigest()

@@ -2,7 +2,8 @@
 
 Gauges and counters are read at scrape time from the engine's latest
 :class:`EngineSnapshot` (taken by the engine thread after each step);
-latency histograms are observed as each request finishes.
+latency histograms are observed as each request finishes.  The same
+registry serves vLLM's names (``vllm:*``, :mod:`patchbay.entrypoints.serve.vllm_metrics`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from patchbay.engine import AsyncLLM, RequestOutput
+from patchbay.entrypoints.serve.vllm_metrics import VllmMetrics
 
 PREFIX = "patchbay"
 LATENCY_BUCKETS = (
@@ -160,6 +162,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         llm.add_finish_listener(self.observe)
+        self.vllm = VllmMetrics(self.registry, llm, llm.settings, model_name)
 
     def observe(self, output: RequestOutput) -> None:
         """Record a finished request (called in the engine thread)."""

@@ -1,7 +1,8 @@
 """The OpenAI request bodies patchbay serves, their translation to :class:`SamplingParams`, and its errors.
 
-Fields OpenAI defines are declared; any other field must be a patchbay
-sampling parameter (``top_k``, ``min_p``, ``repetition_penalty``,
+Fields OpenAI defines are declared, or accepted and dropped where patchbay
+has no use for them (:mod:`.unused_fields`); any other field must be a
+patchbay sampling parameter (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``bad_words``,
 ``allowed_token_ids``, ``prompt_logprobs`` ...), as vLLM accepts them, and an
 unknown one is a 400 naming it.
@@ -9,10 +10,11 @@ unknown one is a 400 naming it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, StrictInt, ValidationError
 
+from patchbay.entrypoints.serve.unused_fields import CHAT, COMPLETIONS, UnusableFieldValue, drop_unused_fields
 from patchbay.sampling_params import SamplingParams
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -71,6 +73,46 @@ def _encodable(text: str, where: str = "") -> str:
     return text
 
 
+def lone_surrogate(value: Any, path: str = "") -> tuple[str, int] | None:
+    """The field (``tools.0.function.description``) and character index of the first string in ``value`` (nested
+    lists, objects and their keys, pydantic models) that holds a lone surrogate; ``None`` if every string is valid
+    Unicode.  JSON's ``"\\ud800"`` escape is the only way such text arrives, and no tokenizer can take it."""
+    pending: list[tuple[str, Any]] = [(path, value)]
+    while pending:
+        where, item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return where, exc.start
+        elif isinstance(item, BaseModel):
+            fields = {name: getattr(item, name) for name in type(item).model_fields}
+            pending.extend(_children(where, {**fields, **(item.model_extra or {})}))
+        elif isinstance(item, dict):
+            pending.extend(_children(where, item))
+            pending.extend((where, key) for key in item if isinstance(key, str))
+        elif isinstance(item, (list, tuple)):
+            pending.extend((f"{where}.{index}" if where else str(index), inner) for index, inner in enumerate(item))
+    return None
+
+
+def _children(where: str, items: dict[Any, Any]) -> list[tuple[str, Any]]:
+    return [(f"{where}.{key}" if where else str(key), inner) for key, inner in items.items()]
+
+
+def check_unicode(body: Any) -> None:
+    """Refuse (400 naming the field) a request body holding a lone surrogate anywhere: tools, content parts,
+    instructions, extra fields; see :func:`lone_surrogate`."""
+    found = lone_surrogate(body)
+    if found is not None:
+        field, index = found
+        raise APIError(
+            400,
+            f"{field or 'body'}: holds a lone surrogate at character {index}; send valid Unicode text",
+            param=field or None,
+        )
+
+
 def _checked_texts_and_ids(value: Any) -> Any:
     """``value`` (a text, or a list of texts, of token ids or of lists of token ids) with every text valid Unicode
     and every token id a JSON integer: ``true`` or ``"5"`` is refused, not read as token 1 or 5."""
@@ -115,12 +157,16 @@ class StreamOptions(BaseModel):
 
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
+    include_obfuscation: StrictBool | None = None
+    """Accepted and ignored: OpenAI pads its stream events against side channels; patchbay's carry no padding."""
 
 
 class _GenerationRequest(BaseModel):
     """Fields common to completions and chat completions."""
 
     model_config = ConfigDict(extra="allow")
+    endpoint: ClassVar[str]
+    """The endpoint's name in :mod:`.unused_fields`' tables."""
 
     model: str | None = None
     n: StrictInt = Field(default=1, ge=1)
@@ -135,6 +181,27 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, Number] | None = None
     user: str | None = None
     """Accepted and ignored (OpenAI uses it for abuse monitoring)."""
+    skip_special_tokens: StrictBool = True
+    """vLLM's; patchbay's text always leaves special tokens out. vLLM's router adds this and the fields below to
+    every body it forwards, at the values patchbay has; any other value is a 400 naming the field."""
+    no_stop_trim: StrictBool = False
+    return_hidden_states: StrictBool = False
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's disaggregated-prefill handshake, which its router sends to prefill and decode workers. Accepted and
+    not needed: patchbay's KV connectors find a prompt's blocks by their hashes (docs/fleet.md)."""
+
+    ROUTER_FIELDS: ClassVar[dict[str, bool]] = {
+        "skip_special_tokens": True,
+        "no_stop_trim": False,
+        "return_hidden_states": False,
+    }
+    """Fields vLLM's router adds, with the one value patchbay serves."""
+
+    def check_router_fields(self) -> None:
+        """A 400 naming a field vLLM's router may send that is set to a behaviour patchbay does not have."""
+        for name, served in self.ROUTER_FIELDS.items():
+            if getattr(self, name) != served:
+                raise APIError(400, f"{name}: only {str(served).lower()} is supported by patchbay", param=name)
 
     def sampling_fields(self) -> dict[str, Any]:
         """The sampling parameters this request sets, by :class:`SamplingParams` name."""
@@ -148,8 +215,17 @@ class _GenerationRequest(BaseModel):
                 fields["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
             except ValueError:
                 raise APIError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
-        fields.update(self.model_extra or {})
+        fields.update(extra_sampling_fields(self.model_extra, self.endpoint))
         return fields
+
+
+def extra_sampling_fields(extra: dict[str, Any] | None, endpoint: str) -> dict[str, Any]:
+    """A request's undeclared fields less the OpenAI ones patchbay does not use (:mod:`.unused_fields`): its
+    patchbay sampling parameters; a 400 for an OpenAI field at a value patchbay cannot honour."""
+    try:
+        return drop_unused_fields(extra, endpoint)
+    except UnusableFieldValue as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
 
 
 def sampling_params(fields: dict[str, Any], *, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
@@ -164,6 +240,7 @@ def sampling_params(fields: dict[str, Any], *, max_tokens: int | None, default_m
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``."""
 
+    endpoint = COMPLETIONS
     prompt: Prompt
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
@@ -183,6 +260,7 @@ class CompletionRequest(_GenerationRequest):
         return list(prompt)
 
     def check_supported(self) -> None:
+        self.check_router_fields()
         for name, unsupported in (
             ("echo", self.echo),
             ("suffix", self.suffix is not None),
@@ -228,6 +306,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
+    endpoint = CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
@@ -242,8 +321,23 @@ class ChatCompletionRequest(_GenerationRequest):
     """patchbay's: the reasoning parser for this request instead of ``chat.reasoning_parser``."""
     response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    include_reasoning: StrictBool = True
+    separate_reasoning: StrictBool = True
+    stream_reasoning: StrictBool = True
+    """The last four are SGLang's and vLLM's router sends them (see ``skip_special_tokens``): patchbay's chat
+    answers carry ``reasoning_content`` apart from ``content``, streamed, whenever a reasoning parser is set."""
+
+    ROUTER_FIELDS: ClassVar[dict[str, bool]] = {
+        **_GenerationRequest.ROUTER_FIELDS,
+        "continue_final_message": False,
+        "include_reasoning": True,
+        "separate_reasoning": True,
+        "stream_reasoning": True,
+    }
 
     def check_supported(self) -> None:
+        self.check_router_fields()
         self.structured_output()  # a malformed response_format is a 400 before anything runs
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")

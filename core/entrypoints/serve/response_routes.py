@@ -11,47 +11,62 @@ tool choice and answer reading are chat.py's (:func:`plan_tools`,
 answer comes back as output items (``message``, ``function_call``,
 ``reasoning``), whole or as the API's stream events.
 
-Answers are kept for ``previous_response_id`` in a bounded in-memory store
-(``server.stored_responses``, least recently used dropped first) unless the
-request says ``store: false``.
+Answers are kept for ``previous_response_id`` in an in-memory store per API
+key, bounded in count and bytes (``server.stored_responses``,
+``server.stored_response_bytes``, least recently used dropped first), unless
+the request says ``store: false``; only the key that made a response reads or
+continues it.  The input is read off the event loop: a body of hundreds of
+thousands of items must not stall other clients.
 """
 
 from __future__ import annotations
 
 import asyncio
-
 import json
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from patchbay.engine import RequestOutput
 from patchbay.entrypoints.chat import (
     AnswerReader,
     ChatAnswer,
     ChatRequestError,
+    ToolPlan,
     plan_tools,
     template_messages,
 )
-from patchbay.entrypoints.chat_images import refuse_images_for_text_model, split_image_parts
-from patchbay.entrypoints.serve.app import (
-    ResponseFormat,
-    ServerState,
-    _check_model,
-    _enforce_tool_choice,
-    _prepare,
-    _Prepared,
-    _render_with_images,
-    _respond,
+from patchbay.entrypoints.chat_images import ImagePart, refuse_images_for_text_model, split_image_parts
+from patchbay.entrypoints.serve.answering import ResponseFormat, respond
+from patchbay.entrypoints.serve.keys import caller_of
+from patchbay.entrypoints.serve.prompts import (
+    PreparedPrompt,
+    RenderedChat,
+    enforce_tool_choice,
+    prepare_chat,
+    render_with_images,
 )
-from patchbay.entrypoints.serve.protocol import OPENAI_DEFAULT_TEMPERATURE, APIError, Number
+from patchbay.entrypoints.serve.json_body import read_json_body
+from patchbay.entrypoints.serve.protocol import (
+    OPENAI_DEFAULT_TEMPERATURE,
+    APIError,
+    Number,
+    check_unicode,
+    extra_sampling_fields,
+)
+from patchbay.entrypoints.serve.state import ServerState
+from patchbay.entrypoints.serve.unused_fields import RESPONSES
 from patchbay.multimodal.images import ImageInputError
+
+
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+"""OpenAI's bounds on a response's ``metadata`` (it is echoed and stored with the response)."""
 
 
 class ResponsesRequest(BaseModel):
@@ -73,19 +88,35 @@ class ResponsesRequest(BaseModel):
     stream: StrictBool = False
     store: StrictBool = True
     metadata: dict[str, str] | None = None
+    """OpenAI's limits: at most 16 pairs, keys of at most 64 characters, values of at most 512."""
     include: list[str] | None = None
     """Accepted; patchbay has no extra output to include."""
-    truncation: Literal["disabled"] | None = None
-    """Only ``disabled``: a conversation too long for the model is a 400, never cut."""
+    truncation: Literal["disabled", "auto"] | None = None
+    """Either: a conversation too long for the model is a 400, never cut (so ``auto`` answers as ``disabled``
+    does whenever the conversation fits)."""
     user: str | None = None
     """Accepted and ignored (OpenAI uses it for abuse monitoring)."""
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_METADATA_PAIRS:
+            raise ValueError(f"at most {MAX_METADATA_PAIRS} pairs, got {len(value)}")
+        for key, item in value.items():
+            if len(key) > MAX_METADATA_KEY or len(item) > MAX_METADATA_VALUE:
+                raise ValueError(
+                    f"key {key[:20]!r}: keys hold at most {MAX_METADATA_KEY} characters, values {MAX_METADATA_VALUE}"
+                )
+        return value
 
     def sampling_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"temperature": OPENAI_DEFAULT_TEMPERATURE}
         for name in ("temperature", "top_p"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
-        fields.update(self.model_extra or {})
+        fields.update(extra_sampling_fields(self.model_extra, RESPONSES))
         constraint = self.structured_output()
         if constraint is not None:
             fields["structured_output"] = constraint
@@ -211,7 +242,7 @@ def _message_content(content: Any, where: str) -> str | list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     for number, part in enumerate(content):
         at = f"{where}.{number}"
-        if part.get("type") == "input_image":
+        if isinstance(part, dict) and part.get("type") == "input_image":
             parts.append({"type": "image_url", "image_url": {"url": _image_url_of(part, at)}, IMAGE_ORIGIN: at})
         else:
             parts.append({"type": "text", "text": _part_text(part, at)})
@@ -279,33 +310,61 @@ def answer_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class StoredResponses:
-    """The last ``capacity`` responses and their conversations, least recently used dropped first."""
+    """Each API key's last responses and their conversations, least recently used dropped first.
 
-    def __init__(self, capacity: int) -> None:
+    A key's store holds at most ``capacity`` responses and ``max_bytes`` bytes (their JSON size); one key's
+    flood drops only its own, and only the key that made a response reads or continues it.
+    """
+
+    def __init__(self, capacity: int, max_bytes: int) -> None:
         self.capacity = capacity
-        self._kept: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+        self.max_bytes = max_bytes
+        self._owners: dict[str, OwnerResponses] = {}
 
-    def keep(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        """Keep ``response`` and the whole conversation it ends (its answer included)."""
-        if self.capacity == 0:
+    def for_owner(self, owner: str) -> OwnerResponses:
+        """The store of the API key ``owner`` names (:func:`~patchbay.entrypoints.serve.keys.caller_of`)."""
+        if owner not in self._owners:
+            self._owners[owner] = OwnerResponses(self.capacity, self.max_bytes)
+        return self._owners[owner]
+
+    def get(self, owner: str, response_id: str, param: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """``owner``'s response ``response_id`` and its conversation; a 404 naming ``param`` if ``owner`` has none
+        of that id (made by another key, never stored, or dropped: the answer does not say which)."""
+        return self.for_owner(owner).get(response_id, param)
+
+
+class OwnerResponses:
+    """One API key's stored responses: at most ``capacity`` of them and ``max_bytes`` bytes."""
+
+    def __init__(self, capacity: int, max_bytes: int) -> None:
+        self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._kept: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], int]] = OrderedDict()
+
+    def keep(self, response: dict[str, Any], conversation: list[dict[str, Any]], num_bytes: int) -> None:
+        """Keep ``response`` and the whole conversation it ends (its answer included), ``num_bytes`` in all;
+        one larger than the whole store is not kept."""
+        if self.capacity == 0 or num_bytes > self.max_bytes:
             return
-        self._kept[response["id"]] = (response, conversation)
-        self._kept.move_to_end(response["id"])
-        while len(self._kept) > self.capacity:
-            self._kept.popitem(last=False)
+        self._kept[response["id"]] = (response, conversation, num_bytes)
+        self.num_bytes += num_bytes
+        while len(self._kept) > self.capacity or self.num_bytes > self.max_bytes:
+            self.num_bytes -= self._kept.popitem(last=False)[1][2]
 
     def get(self, response_id: str, param: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The response and conversation of ``response_id``; a 404 naming ``param`` if it is not kept."""
         if response_id not in self._kept:
             raise APIError(
                 404,
-                f"{param}: no stored response {response_id!r} (it was never stored, was made with "
-                f"store: false, or was dropped; this server keeps {self.capacity})",
+                f"{param}: no stored response {response_id!r} for this API key (it was never stored, was made "
+                f"with store: false or by another key, or was dropped; this server keeps {self.capacity} per key)",
                 param=param,
                 code="response_not_found",
             )
         self._kept.move_to_end(response_id)
-        return self._kept[response_id]
+        response, conversation, _ = self._kept[response_id]
+        return response, conversation
 
 
 # -- the answer's shapes ------------------------------------------------------------------------------------
@@ -363,13 +422,14 @@ class ResponsesFormat(ResponseFormat):
         state: ServerState,
         reader: AnswerReader,
         body: ResponsesRequest,
-        conversation: list[dict[str, Any]],
-        store: StoredResponses,
+        read: _Conversation,
+        store: OwnerResponses,
     ) -> None:
         super().__init__(state)
         self.reader = reader
         self.body = body
-        self.conversation = conversation
+        self.conversation = read.conversation
+        self.stored_bytes = read.stored_bytes
         self.store = store
         self.created_at = int(time.time())
         self._stream = reader.stream()
@@ -385,7 +445,7 @@ class ResponsesFormat(ResponseFormat):
         output: list[dict[str, Any]],
         status: str,
         outputs: RequestOutput | None,
-        prepared: list[_Prepared],
+        prepared: list[PreparedPrompt],
         finish: str | None,
     ) -> dict[str, Any]:
         body = self.body
@@ -428,10 +488,14 @@ class ResponsesFormat(ResponseFormat):
 
     def _finished(self, response: dict[str, Any]) -> dict[str, Any]:
         if self.body.store:
-            self.store.keep(response, [*self.conversation, *answer_messages(response["output"])])
+            output = response["output"]
+            num_bytes = self.stored_bytes + len(json.dumps(output, ensure_ascii=False))
+            self.store.keep(response, [*self.conversation, *answer_messages(output)], num_bytes)
         return response
 
-    def response(self, response_id: str, prepared: list[_Prepared], outputs: list[RequestOutput]) -> dict[str, Any]:
+    def response(
+        self, response_id: str, prepared: list[PreparedPrompt], outputs: list[RequestOutput]
+    ) -> dict[str, Any]:
         (output,) = outputs
         completion = output.completions[0]
         items = output_items(self.reader.read(completion.text))
@@ -445,7 +509,7 @@ class ResponsesFormat(ResponseFormat):
         self._sequence += 1
         return {"type": kind, "sequence_number": self._sequence - 1, **fields}
 
-    def first_chunks(self, response_id: str, prepared: list[_Prepared]) -> list[dict[str, Any]]:
+    def first_chunks(self, response_id: str, prepared: list[PreparedPrompt]) -> list[dict[str, Any]]:
         started = self.response_object(response_id, [], "in_progress", None, prepared, None)
         return [
             self._event("response.created", response=started),
@@ -457,7 +521,12 @@ class ResponsesFormat(ResponseFormat):
         return [self._event("response.output_item.added", output_index=len(self._items) - 1, item=item)]
 
     def chunks(
-        self, response_id: str, prepared: list[_Prepared], prompt_index: int, choice: Any, output: RequestOutput | None
+        self,
+        response_id: str,
+        prepared: list[PreparedPrompt],
+        prompt_index: int,
+        choice: Any,
+        output: RequestOutput | None,
     ) -> list[dict[str, Any]]:
         delta = self._stream.feed(choice.text)
         events = self._delta_events(delta.reasoning, delta.content, delta.tool_calls)
@@ -558,55 +627,85 @@ class ResponsesFormat(ResponseFormat):
 # -- the routes ---------------------------------------------------------------------------------------------
 
 
-def add_responses_routes(app: FastAPI, state: ServerState, dependencies: list[Any]) -> None:
-    """Serve ``POST /v1/responses`` and ``GET /v1/responses/{id}`` on ``app``."""
-    store = StoredResponses(state.settings.server.stored_responses)
+@dataclass
+class _Conversation:
+    """A Responses request read as a chat: what the template renders, the images, the tools and their plan."""
+
+    conversation: list[dict[str, Any]]
+    """The stored conversation it continues, then its ``input`` (without ``instructions``): what is kept."""
+    messages: list[dict[str, Any]]
+    image_parts: list[ImagePart]
+    tools: list[dict[str, Any]] | None
+    plan: ToolPlan
+    stored_bytes: int
+    """The request's size as kept (conversation, tools, instructions, metadata), JSON-encoded."""
+
+
+def _read_conversation(body: ResponsesRequest, previous: list[dict[str, Any]]) -> _Conversation:
+    """Check and read a request whose ``input`` may hold hundreds of thousands of items: it runs off the event
+    loop.  Raises :class:`ChatRequestError` (or :class:`APIError`) naming the field at fault."""
+    check_unicode(body)
+    known_calls = {call["id"] for message in previous for call in message.get("tool_calls") or ()}
+    conversation = [*previous, *input_messages(body.input, known_calls)]
+    if not conversation:
+        raise ChatRequestError("input", "must not be empty")
+    tools = chat_tools(body.tools)
+    plan = plan_tools(tools, chat_tool_choice(body.tool_choice), body.parallel_tool_calls)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    messages, image_parts = split_image_parts(template_messages([*system, *conversation]))
+    image_parts = [
+        replace(part, where=origin) for part, origin in zip(image_parts, image_origins(conversation), strict=True)
+    ]
+    kept = [conversation, body.tools, body.instructions, body.metadata, body.text, body.tool_choice]
+    stored_bytes = len(json.dumps(kept, ensure_ascii=False, default=str))
+    return _Conversation(conversation, messages, image_parts, tools, plan, stored_bytes)
+
+
+def response_router(state: ServerState, dependencies: list[Any]) -> APIRouter:
+    """The routes of the Responses API over ``state`` (each behind ``dependencies``: the API key)."""
+    router = APIRouter(dependencies=dependencies)
+    server = state.settings.server
+    store = StoredResponses(server.stored_responses, server.stored_response_bytes)
     llm = state.llm
 
-    @app.post("/v1/responses", dependencies=dependencies)
-    async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        adapter = _check_model(state, body.model)
-        conversation: list[dict[str, Any]] = []
+    @router.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        body = await read_json_body(request, ResponsesRequest)
+        adapter = state.adapter_for(body.model)
+        owner = caller_of(request)
+        previous: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            conversation = list(store.get(body.previous_response_id, "previous_response_id")[1])
-        known_calls = {call["id"] for message in conversation for call in message.get("tool_calls") or ()}
+            previous = store.get(owner, body.previous_response_id, "previous_response_id")[1]
+        rendered: RenderedChat | None = None
         try:
-            conversation += input_messages(body.input, known_calls)
-            if not conversation:
-                raise ChatRequestError("input", "must not be empty")
-            tools = chat_tools(body.tools)
-            plan = plan_tools(tools, chat_tool_choice(body.tool_choice), body.parallel_tool_calls)
-            tool_parser, reasoning_parser = state.chat.for_request(None, None)
-            system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-            messages, image_parts = split_image_parts(template_messages([*system, *conversation]))
-            image_parts = [
-                replace(part, where=origin)
-                for part, origin in zip(image_parts, image_origins(conversation), strict=True)
-            ]
-            if image_parts and llm.engine.image_inputs is None:
-                refuse_images_for_text_model(image_parts, state.model_name)
-            # Rendering and image decoding run off the event loop, as for chat completions.
-            text, token_ids, processed = await asyncio.to_thread(
-                _render_with_images, state, messages, tools, image_parts, "input"
-            )
-            fields = {**body.sampling_fields(), "lora": adapter}
-            await _enforce_tool_choice(state, plan, fields, "text.format")
-        except ChatRequestError as exc:
-            param = responses_param(exc.param)
-            message = str(exc).replace(exc.param, param, 1)
-            raise APIError(400, message, param=param) from None
-        except ImageInputError as exc:
-            raise APIError(400, str(exc), param=exc.where) from None
-        num_prompt_tokens = processed.num_prompt_tokens if processed is not None else None
-        prepared = [_prepare(state, text, token_ids, fields, body.max_output_tokens, "input", num_prompt_tokens)]
-        prepared[0].multi_modal_data = processed
-        if prepared[0].params.n != 1:
-            raise APIError(400, "n: the Responses API answers with one output", param="n")
-        response_format = ResponsesFormat(
-            state, AnswerReader(plan, tool_parser, reasoning_parser), body, conversation, store
-        )
-        return await _respond(state, request, body.stream, None, prepared, response_format)
+            try:
+                read = await asyncio.to_thread(_read_conversation, body, previous)
+                tool_parser, reasoning_parser = state.chat.for_request(None, None)
+                if read.image_parts and llm.engine.image_inputs is None:
+                    refuse_images_for_text_model(read.image_parts, state.model_name)
+                # Off the event loop, as for chat completions.
+                rendered = await render_with_images(state, read.messages, read.tools, read.image_parts, "input")
+                fields = {**body.sampling_fields(), "lora": adapter}
+                await enforce_tool_choice(state, read.plan, fields, "text.format")
+            except ChatRequestError as exc:
+                param = responses_param(exc.param)
+                message = str(exc).replace(exc.param, param, 1)
+                raise APIError(400, message, param=param) from None
+            except ImageInputError as exc:
+                raise APIError(400, str(exc), param=exc.where) from None
+            prepared = [prepare_chat(state, rendered, fields, body.max_output_tokens, "input")]
+            if prepared[0].params.n != 1:
+                raise APIError(400, "n: the Responses API answers with one output", param="n")
+            reader = AnswerReader(read.plan, tool_parser, reasoning_parser)
+            response_format = ResponsesFormat(state, reader, body, read, store.for_owner(owner))
+            return await respond(state, request, body.stream, None, prepared, response_format)
+        except BaseException:
+            if rendered is not None:
+                rendered.release()
+            raise
 
-    @app.get("/v1/responses/{response_id}", dependencies=dependencies)
-    async def get_response(response_id: str) -> dict[str, Any]:
-        return store.get(response_id, "response_id")[0]
+    @router.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return store.get(caller_of(request), response_id, "response_id")[0]
+
+    return router

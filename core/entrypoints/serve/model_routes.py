@@ -1,6 +1,9 @@
-"""Runtime LoRA updates: vLLM's ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``.
+"""The models API: ``GET /v1/models`` and vLLM's runtime loading and unloading of LoRA adapters.
 
-Both are off unless ``lora.allow_runtime_updates`` is set (they answer 404
+``/v1/models`` lists the base model and its LoRA adapters; runtime updates are
+vLLM's ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``.
+
+The updates are off unless ``lora.allow_runtime_updates`` is set (they answer 404
 saying so) and sit behind the API key.  Each change runs in the engine
 thread between steps, so no step sees half an adapter.  Unloading an adapter
 that unfinished requests use is refused with 409 (the client retries once
@@ -11,17 +14,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
-from fastapi.params import Depends
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from patchbay.engine import AdapterExistsError, AdapterInUseError, LoRAAdapterError, UnknownAdapterError
 from patchbay.entrypoints.serve.protocol import APIError
+from patchbay.entrypoints.serve.state import ServerState
 
 if TYPE_CHECKING:
     from patchbay.engine import Engine
-    from patchbay.entrypoints.serve.app import ServerState
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -40,10 +42,23 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
-def add_lora_routes(app: FastAPI, state: ServerState, authorized: list[Depends]) -> None:
-    """Register the two routes on ``app``."""
+def model_router(state: ServerState, dependencies: list[Any]) -> APIRouter:
+    """The routes of the models API over ``state`` (each behind ``dependencies``: the API key)."""
+    router = APIRouter(dependencies=dependencies)
 
-    @app.post("/v1/load_lora_adapter", dependencies=authorized)
+    @router.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        base = {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "patchbay",
+            "max_model_len": state.llm.max_model_len,
+        }
+        adapters = [{**base, "id": name, "parent": state.model_name, "root": name} for name in state.adapter_names()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @router.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> JSONResponse:
         _check_enabled(state)
         name = body.lora_name
@@ -56,7 +71,7 @@ def add_lora_routes(app: FastAPI, state: ServerState, authorized: list[Depends])
         await _change(state, load, name)
         return JSONResponse({"status": "loaded", "lora_name": name}, status_code=200)
 
-    @app.post("/v1/unload_lora_adapter", dependencies=authorized)
+    @router.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> JSONResponse:
         _check_enabled(state)
         name = body.lora_name
@@ -66,6 +81,8 @@ def add_lora_routes(app: FastAPI, state: ServerState, authorized: list[Depends])
 
         await _change(state, unload, name)
         return JSONResponse({"status": "unloaded", "lora_name": name}, status_code=200)
+
+    return router
 
 
 def _check_enabled(state: ServerState) -> None:

@@ -1,0 +1,1 @@
+"""``patchbay serve`` past one engine: data-parallel replicas on their own cores behind vLLM's router, supervised."""
