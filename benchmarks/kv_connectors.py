@@ -78,7 +78,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from patchbay.worker.model.model_loader import resolve_model_dir
+    from patchbay.toolkit.model_files import resolve_model_dir
 
     prompts = make_prompts(
         AutoTokenizer.from_pretrained(resolve_model_dir("default")), args.prefix_tokens, args.num_requests

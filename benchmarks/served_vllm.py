@@ -38,7 +38,7 @@ from pathlib import Path
 from patchbay.bench.machine import describe_machine
 from patchbay.bench.peers import DEFAULT_PYTHON, peer_environment, vllm_environment
 from patchbay.interfaces.int8_kv import CACHE_DTYPES
-from patchbay.worker.model.model_loader import resolve_model_dir
+from patchbay.toolkit.model_files import resolve_model_dir
 
 SERVED_NAME = "smollm2"
 METRICS = {"output_throughput": "output tok/s", "median_ttft_ms": "median TTFT ms", "median_tpot_ms": "median TPOT ms"}
@@ -120,12 +120,18 @@ def patchbay_servers(dtype: str, quantizations: list[str], kv_cache_dtypes: list
     return servers
 
 
+WEIGHT_FORMATS = {"none": "{name: gguf, options: {dequantize: true}}"}
+"""``model.weight_format`` of each ``--quantization``: ``none`` is the bundled GGUF file's weights as floats, as vLLM
+reads them; the others name a weight format (``gguf``: the file's own blocks)."""
+
+
 def patchbay_config(folder: Path, dtype: str, quantization: str, cache: str, port: int, max_num_seqs: int) -> Path:
     """A ``patchbay serve`` file for the bundled model at ``dtype``, ``quantization`` and KV-cache dtype ``cache``
     on ``port``."""
     path = folder / f"serve-{quantization}-{cache}.yaml"
     path.write_text(
-        f"model:\n  path: default\n  dtype: {dtype}\n  quantization: {quantization}\n"
+        f"model:\n  path: default\n  dtype: {dtype}\n"
+        f"  weight_format: {WEIGHT_FORMATS.get(quantization, quantization)}\n"
         f"cache:\n  dtype: {cache}\n"
         f"scheduler:\n  max_num_seqs: {max_num_seqs}\n"
         f"server:\n  port: {port}\n  served_model_name: {SERVED_NAME}\n"

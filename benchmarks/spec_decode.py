@@ -37,8 +37,8 @@ def run(method: str, args: argparse.Namespace, prompts: list[dict]) -> dict:
         path = getattr(args, f"{method}_path", None)
         if path:
             options["path"] = path
-        overrides["speculative"] = {
-            "method": method,
+        overrides["spec_decode"] = {
+            "name": method,
             "num_speculative_tokens": args.num_speculative_tokens,
             "options": options,
         }

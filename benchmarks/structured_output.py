@@ -99,7 +99,7 @@ def main() -> None:
     prompts = [{"messages": [{"role": "user", "content": text}]} for text, _ in picked]
     results = []
     for backend in args.backends:
-        llm = patchbay.LLM(runtime__threads=args.threads, structured_output__backend=backend)
+        llm = patchbay.LLM(runtime__threads=args.threads, structured_output__name=backend)
         compiled = compile_times(llm)
         llm.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
         constrained_params = [SamplingParams(max_tokens=args.max_tokens, structured_output=c) for _, c in picked]

@@ -3,8 +3,10 @@
 Rows of an axis carry ``axis`` (``model size``, ``context``, ``concurrency``)
 and ``axis_point`` (``1b``, ``2048``, ``64``); :func:`axis_table` lays them out
 one line per point and patchbay engine, each peer's figures beside patchbay's
-with the ratio, and the KV-cache memory each engine had (patchbay's pool from
-its engine, vLLM's ``VLLM_CPU_KVCACHE_SPACE``).  Rows of the neighbour run
+with the ratio, the KV-cache memory each engine had (patchbay's pool from
+its engine, vLLM's ``VLLM_CPU_KVCACHE_SPACE``) and the most patchbay's requests
+held at once, and patchbay's decode steps against the bytes they must read
+(:mod:`patchbay.bench.steps`).  Rows of the neighbour run
 carry ``neighbour`` (``quiet`` or ``busy``); :func:`neighbour_table` gives each
 engine's throughput both ways and the ratio.
 """
@@ -36,6 +38,12 @@ class AxisLine:
     tokens_per_s: float
     kv_cache_bytes: int | None
     peers: list[PeerFigures] = field(default_factory=list)
+    kv_used_bytes: int | None = None
+    """The KV blocks the run's requests held at their peak, in bytes."""
+    decode_ms_per_step: float | None = None
+    decode_bandwidth_fraction: float | None = None
+    """Its decode steps' bytes (weights, and every context token's K and V) at the measured bandwidth, over the
+    time they took."""
 
 
 def axis_table(rows: list[dict[str, Any]], axis: str) -> list[AxisLine]:
@@ -64,6 +72,9 @@ def axis_table(rows: list[dict[str, Any]], axis: str) -> list[AxisLine]:
                         )
                         for peer in peers
                     ],
+                    row.get("kv_used_bytes"),
+                    row.get("decode_ms_per_step"),
+                    row.get("decode_bandwidth_fraction"),
                 )
             )
     return lines
@@ -79,10 +90,20 @@ def print_axis_tables(rows: list[dict[str, Any]], stream: TextIO) -> None:
         lines = axis_table(rows, axis)
         if not lines:
             continue
-        print(f"\n{axis} axis (generated tokens/s; KV: the KV-cache memory each engine had)", file=stream)
+        print(
+            f"\n{axis} axis (generated tokens/s; KV: the KV-cache memory each engine had, and patchbay's requests "
+            "held at their peak; decode: patchbay's decode steps, and the bytes they must read at the measured "
+            "bandwidth over their time)",
+            file=stream,
+        )
         for line in lines:
             cells = [f"{axis} {line.point:<8}", f"{line.engine:<36} {line.tokens_per_s:>9.1f} tok/s"]
-            cells.append(f"KV {_bytes(line.kv_cache_bytes)}")
+            cells.append(f"KV {_bytes(line.kv_cache_bytes)}, used {_bytes(line.kv_used_bytes)}")
+            if line.decode_ms_per_step is not None and line.decode_bandwidth_fraction is not None:
+                cells.append(
+                    f"decode {line.decode_ms_per_step:.1f} ms/step, {100 * line.decode_bandwidth_fraction:.0f}% of "
+                    "bandwidth"
+                )
             for peer in line.peers:
                 cells.append(
                     f"{peer.engine} {peer.tokens_per_s:.1f} tok/s, KV {_bytes(peer.kv_cache_bytes)}, x {peer.ratio:.2f}"

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-CHECKPOINT_FORMAT = "v1"
-"""Part of each directory's name: bumped when the shapes or the way they are built change."""
-MAX_POSITIONS = 16384
-"""``max_position_embeddings`` of every checkpoint: the context axis's 8,192-token prompts fit with room to spare."""
+CHECKPOINT_FORMAT = "v2"
+"""Part of each directory's name: bumped when the shapes or the way they are built change (v2: 65,536 positions)."""
+MAX_POSITIONS = 65536
+"""``max_position_embeddings`` of every checkpoint: the context axis's 32,768-token prompts fit with their outputs."""
 MEMORY_HEADROOM = 2.5
 """Free memory a build needs, in multiples of the model's bytes (the model, and ``save_pretrained``'s copies)."""
 
@@ -114,7 +114,7 @@ def random_checkpoint(shape: LlamaShape, store: Path, seed: int = 0, *, tokenize
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if tokenizer_dir is None:
-        from patchbay.worker.model.model_loader import bundled_gguf, convert_gguf
+        from patchbay.toolkit.model_files import bundled_gguf, convert_gguf
 
         tokenizer_dir = convert_gguf(bundled_gguf())
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -147,7 +147,7 @@ def random_checkpoint(shape: LlamaShape, store: Path, seed: int = 0, *, tokenize
 
 def checkpoint_store() -> Path:
     """Where the checkpoints are kept: ``bench-checkpoints/`` in patchbay's cache directory."""
-    from patchbay.worker.model.model_loader import cache_dir
+    from patchbay.toolkit.paths import cache_dir
 
     return cache_dir() / "bench-checkpoints"
 

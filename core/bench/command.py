@@ -37,13 +37,19 @@ from patchbay.bench.peers import (
 from patchbay.bench.report import append_json_lines, print_table, write_plot
 from patchbay.bench.roofline import ModelCost, Roofline, bits_per_weight
 from patchbay.bench.serve_load import add_serve_arguments, serve_bench
+from patchbay.worker.model.checkpoints import checkpoint_of
+from patchbay.worker.model.packed_weights import held_weight_bytes
+from patchbay.bench.steps import decode_bandwidth
 from patchbay.interfaces.int8_kv import CACHE_DTYPES
 
 PEERS = ("generate", "continuous")
 OPTIONAL_PEERS = ("vllm", "llamacpp")
 """Peers in their own interpreters, run only when asked for (``--peers ... vllm llamacpp``)."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8", "w8a8", "int4")
+QUANTIZATIONS = ("int8", "w8a8", "int4", "gguf")
+"""``--quantization`` values: the re-quantizing weight formats, and ``gguf``, a GGUF file's own blocks."""
+FLOAT_GGUF = {"name": "gguf", "options": {"dequantize": True}}
+"""The weight format of the bench's float engines on a GGUF file: its weights dequantized, as vLLM reads them."""
 WORKLOAD_CHOICES = (*wl.WORKLOADS, "all", "serve")
 RANDOM_MODEL_PREFIX = "random-"
 """``--model random-1b``: the model-size axis's checkpoint of that size (:data:`patchbay.bench.checkpoints.SIZES`)."""
@@ -69,7 +75,7 @@ class BenchOptions:
     dtypes: list[str] = field(default_factory=list)
     """patchbay's ``model.dtype`` for each patchbay engine; empty: the settings' default."""
     quantizations: list[str] = field(default_factory=list)
-    """One more patchbay engine per ``model.quantization`` scheme, at the machine's tuned dtype (``auto``)."""
+    """One more patchbay engine per re-quantizing ``model.weight_format``, at the machine's tuned dtype (``auto``)."""
     kv_cache_dtypes: list[str] = field(default_factory=list)
     """One more patchbay engine per ``cache.dtype`` (``int8``): at the first engine's dtype, and with each of
     ``quantizations``."""
@@ -212,7 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         default=[],
         dest="quantizations",
-        help="one more patchbay engine per weight quantization, at model.dtype auto",
+        help="one more patchbay engine per re-quantizing weight format (model.weight_format), at model.dtype auto",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -243,7 +249,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_PYTHON["llamacpp"],
         help="the interpreter that has llama-cpp-python (default: %(default)s)",
     )
-    parser.add_argument("--gguf", type=Path, help="the GGUF file llama.cpp runs (default: the bundled model's)")
+    parser.add_argument(
+        "--gguf",
+        type=Path,
+        help="the GGUF file llama.cpp runs (default: --model where it is one, else the bundled model's)",
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--spec-method", default="ngram", help="drafter of the spec workload")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
@@ -318,6 +328,10 @@ class Bench:
             "scheduler__max_num_seqs": max([*options.concurrency, 64]),
             "scheduler__max_num_batched_tokens": options.max_num_batched_tokens,
         }
+        if checkpoint_of(model).path.suffix == ".gguf":
+            overrides["model__weight_format"] = (
+                FLOAT_GGUF  # float rows are float weights; --quantization gguf runs blocks
+            )
         if options.threads is not None:
             overrides["runtime__threads"] = options.threads
         if options.tensor_parallel_size != 1:
@@ -349,13 +363,13 @@ class Bench:
                 cache_overrides = {} if cache == "auto" else {"cache__dtype": cache}
                 quantized = PatchbayEngine(
                     f"patchbay ({scheme})",
-                    **{**overrides, "model__dtype": "auto", "model__quantization": scheme, **cache_overrides},
+                    **{**overrides, "model__dtype": "auto", "model__weight_format": scheme, **cache_overrides},
                 )
                 kv_label = "" if cache == "auto" else f", {cache} KV"
                 quantized.name = f"patchbay ({quantized.llm.engine.dtype}, {scheme}{kv_label})"
                 self.patchbays.append(quantized)
         engine = self.patchbay.llm.engine
-        self.model_dir = str(engine.model_dir)
+        self.model_dir = str(_float_model_dir(engine))
         self.roofline = Roofline(_whole_model_cost(engine), machine)
         self.tokenizer = self.patchbay.llm.tokenizer
         self._peers: dict[str, Any] = {}
@@ -421,10 +435,10 @@ class Bench:
 
     def _vllm_spec(self, dtype: str, engine: PatchbayEngine | None = None) -> PeerSpec:
         """vLLM on the model of ``engine`` (default: the bench's patchbay engine) at ``dtype``."""
-        from patchbay.worker.model.model_loader import cache_dir
+        from patchbay.toolkit.paths import cache_dir
 
         engine = engine or self.patchbay
-        model_dir = str(engine.llm.engine.model_dir)
+        model_dir = str(_float_model_dir(engine.llm.engine))
         python = check_interpreter("vllm", self.options.vllm_python)
         model = standard_checkpoint(Path(model_dir), cache_dir() / "peer-checkpoints")
         if str(model) != model_dir:
@@ -443,10 +457,12 @@ class Bench:
     def _llamacpp_spec(self) -> PeerSpec:
         python = check_interpreter("llamacpp", self.options.llamacpp_python)
         gguf = self.options.gguf
+        if gguf is None and self.options.model.endswith(".gguf"):
+            gguf = Path(self.options.model)  # the very file patchbay runs
         if gguf is None:
             if self.options.model != "default":
                 raise PeerUnavailable(f"no GGUF file for --model {self.options.model}: give --gguf FILE")
-            from patchbay.worker.model.model_loader import bundled_gguf
+            from patchbay.toolkit.model_files import bundled_gguf
 
             gguf = bundled_gguf()
         if not gguf.is_file():
@@ -517,7 +533,7 @@ class Bench:
         """The model-size axis: the throughput workload (first concurrency) on the random checkpoint of each
         size, patchbay at the first engine's settings and vLLM at its dtype (the transformers peers would need
         float32 copies of the larger models: left out).  Both engines' ``max_model_len`` is the workload's
-        longest request: the checkpoints allow 16,384 positions, and a 3B model's pool in the memory left
+        longest request: the checkpoints allow 65,536 positions, and a 3B model's pool in the memory left
         beside its weights need not hold a request that long."""
         from transformers import AutoTokenizer
 
@@ -580,7 +596,7 @@ class Bench:
         drafting = PatchbayEngine(
             f"patchbay + {method}",
             **self.overrides,
-            speculative={"method": method, "num_speculative_tokens": self.options.num_speculative_tokens},
+            spec_decode={"name": method, "num_speculative_tokens": self.options.num_speculative_tokens},
         )
         try:
             self._compare(
@@ -590,9 +606,10 @@ class Bench:
             drafting.close()
 
     def _run_quality(self, corpus: list[int]) -> None:
-        """Perplexity of each patchbay engine on the held text, scored in steps of at most 16 tokens, so that
-        paths that only serve few-row steps (integer weights) are the ones measured; and each engine's greedy
-        agreement with patchbay in float32 (loaded for it when no float32 engine runs)."""
+        """Perplexity of each engine on the held text and its greedy agreement with patchbay's float32 reference
+        (loaded for it when no float32 engine runs; for a GGUF file, its weights dequantized, as transformers
+        reads them).  patchbay scores in steps of at most 16 tokens, so that paths that only serve few-row steps
+        (integer weights) are the ones measured; llama.cpp, on the same GGUF file, scores each window at once."""
         text_ids = self.tokenizer.encode(quality.held_text())
         prompts = quality.agreement_prompts(text_ids)
         references = self._float32_greedy(prompts)
@@ -607,33 +624,50 @@ class Bench:
                 scheduler.max_num_batched_tokens = budget
             seconds = time.perf_counter() - started
             agreement = quality.greedy_agreement(quality.greedy_tokens(engine.llm, prompts), references)
-            self.rows.append(
-                {
-                    "workload": "quality",
-                    "label": "perplexity on held text",
-                    "engine": engine.name,
-                    "perplexity": value,
-                    "greedy_agreement_with_float32": agreement,
-                    "seconds": seconds,
-                    "dtype": engine.llm.engine.dtype,
-                    "quantization": engine.llm.engine.settings.model.quantization,
-                    "kv_cache_dtype": engine.llm.engine.settings.cache.dtype,
-                }
-            )
+            settings = engine.llm.engine.settings
+            self._quality_row(engine.name, value, agreement, seconds, engine.llm.engine.dtype, settings)
+        if "llamacpp" in self.options.peers and self._start_optional_peer("llamacpp"):
+            peer = self._peers["llamacpp"]
+            self.say(f"quality (perplexity on {len(text_ids)} tokens of held text): {peer.name} ...")
+            started = time.perf_counter()
+            value = peer.perplexity(quality.scoring_windows(text_ids))
+            seconds = time.perf_counter() - started
+            asked = [wl.BenchRequest(prompt, quality.AGREEMENT_OUTPUT_TOKENS) for prompt in prompts]
+            tokens = peer.run(wl.Workload("quality", asked, concurrency=1, label="greedy agreement")).token_ids
+            self._quality_row(peer.name, value, quality.greedy_agreement(tokens, references), seconds, "gguf", None)
+
+    def _quality_row(
+        self, name: str, value: float, agreement: float, seconds: float, dtype: str, settings: Any | None
+    ) -> None:
+        self.rows.append(
+            {
+                "workload": "quality",
+                "label": "perplexity on held text",
+                "engine": name,
+                "perplexity": value,
+                "greedy_agreement_with_float32": agreement,
+                "seconds": seconds,
+                "dtype": dtype,
+                "weight_format": settings.model.weight_format.name if settings is not None else "gguf",
+                "kv_cache_dtype": settings.cache.dtype if settings is not None else "f16",
+            }
+        )
 
     def _float32_greedy(self, prompts: list[list[int]]) -> list[list[int]]:
-        """patchbay's float32 greedy tokens for ``prompts``: from the float32 engine if one runs, else from
-        one loaded for this and closed."""
+        """patchbay's float32 greedy tokens for ``prompts``: from the float32 engine on float weights if one runs,
+        else from one loaded for this and closed."""
         for engine in self.patchbays:
             settings = engine.llm.engine.settings
             if (
                 engine.llm.engine.dtype == "float32"
-                and settings.model.quantization == "none"
+                and not engine.llm.engine.model.holds_packed_weights
+                and engine.llm.engine.quantized_linears == 0
                 and settings.cache.dtype == "auto"
             ):
                 return quality.greedy_tokens(engine.llm, prompts)
         self.say("quality: loading patchbay in float32 for the greedy-agreement reference ...")
-        reference = PatchbayEngine("patchbay (float32 reference)", **{**self.overrides, "model__dtype": "float32"})
+        overrides = {**self.overrides, "model__dtype": "float32"}
+        reference = PatchbayEngine("patchbay (float32 reference)", **overrides)
         try:
             return quality.greedy_tokens(reference.llm, prompts)
         finally:
@@ -676,7 +710,10 @@ class Bench:
         every token reads); ``None`` where unknown."""
         if isinstance(engine, PatchbayEngine):
             ours = engine.llm.engine
-            return self.roofline.cost.weight_bytes(bits_per_weight(ours.dtype, ours.settings.model.quantization))
+            if ours.model.holds_packed_weights:
+                return float(held_weight_bytes(ours.model.model))
+            scheme = ours.settings.model.weight_format.name if ours.quantized_linears else None
+            return self.roofline.cost.weight_bytes(bits_per_weight(ours.dtype, scheme))
         if isinstance(engine, SubprocessPeer) and engine.spec.backend == "llamacpp":
             return float(Path(engine.spec.model).stat().st_size)
         dtype = run.details.get("dtype")
@@ -718,8 +755,23 @@ class Bench:
             # The least work is the workload's, less the prompt tokens patchbay's prefix cache found reusable.
             cached = next(iter(references.values())).details.get("cached_prompt_tokens", 0)
             floor = roofline.compute_seconds_floor(workload, cached)
-            self._add(workload, run, compute_ceiling_fraction=floor / run.seconds, **agreement, **tags)
+            figures = self._decode_figures(engine, run, roofline) if isinstance(engine, PatchbayEngine) else {}
+            self._add(workload, run, compute_ceiling_fraction=floor / run.seconds, **agreement, **figures, **tags)
         self._ratios(workload.name, key="generated_tokens_per_s")
+
+    def _decode_figures(self, engine: PatchbayEngine, run: EngineRun, roofline: Roofline) -> dict[str, float]:
+        """The run's decode steps against the bytes they must read (the weights at the engine's storage, the K and
+        V of every context token): figures for the row, none where no step only decoded."""
+        ours = engine.llm.engine
+        if ours.settings.runtime.world_size != 1:  # rank 0 holds a share of the KV heads: no whole-step figure
+            return {}
+        weight_bytes = self._weight_bytes(engine, run)
+        if weight_bytes is None:
+            return {}
+        decode = decode_bandwidth(
+            run.steps, engine.kv_token_bytes(), weight_bytes, roofline.machine.read_bandwidth_gb_s
+        )
+        return decode.as_dict() if decode is not None else {}
 
     def _run_engine(self, engine: Any, workload: wl.Workload) -> EngineRun | None:
         """The engine's run; ``None`` (and the reason kept) when a peer in its own interpreter fails on it."""
@@ -810,6 +862,16 @@ class Bench:
                 )
                 if (value := ratio(row, llama)) is not None:
                     row["x_llamacpp"] = value
+
+
+def _float_model_dir(engine: Any) -> Path:
+    """A float model directory of ``engine``'s model for the peers that read one: its own, or, for a single-file
+    checkpoint (a GGUF file), the float conversion :func:`patchbay.toolkit.model_files.resolve_model_dir` makes."""
+    from patchbay.toolkit.model_files import resolve_model_dir
+
+    if checkpoint_of(engine.settings.model.path).is_file:
+        return resolve_model_dir(engine.settings.model.path)
+    return Path(engine.model_dir)
 
 
 def _whole_model_cost(engine: Any) -> ModelCost:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from patchbay.bench.steps import StepRecord, StepRecorder, peak_blocks
 from patchbay.bench.workloads import Workload
 
 
@@ -25,6 +26,8 @@ class EngineRun:
     step_breakdown: dict[str, float] = field(default_factory=dict)
     """patchbay only: seconds per step phase (see ``Engine.step_timings``)."""
     details: dict[str, Any] = field(default_factory=dict)
+    steps: list[StepRecord] = field(default_factory=list)
+    """patchbay only: each step of the run (:class:`patchbay.bench.steps.StepRecorder`)."""
 
 
 class PatchbayEngine:
@@ -49,9 +52,16 @@ class PatchbayEngine:
 
     def kv_cache_bytes(self) -> int:
         """The bytes of the engine's KV pool: its blocks times every layer's page of a block."""
-        engine = self.llm.engine
-        per_block = sum(len(group.layer_names) * group.spec.page_size_bytes for group in engine.groups)
-        return engine.num_blocks * per_block
+        return self.llm.engine.num_blocks * self.kv_block_bytes()
+
+    def kv_block_bytes(self) -> int:
+        """The bytes of one KV block: every layer's page of it."""
+        return sum(len(group.layer_names) * group.spec.page_size_bytes for group in self.llm.engine.groups)
+
+    def kv_token_bytes(self) -> float:
+        """The bytes one token's K and V take, all layers."""
+        block_size = min(group.spec.block_size for group in self.llm.engine.groups)
+        return self.kv_block_bytes() / block_size
 
     def _blocks_to_zero(self, workload: Workload) -> int:
         """How many of the pool's first blocks to zero before the run is timed (rank 0's; other ranks zero theirs
@@ -69,24 +79,32 @@ class PatchbayEngine:
         engine.reset_step_timings()
         engine.runner.zero_first_blocks(self._blocks_to_zero(workload))
         drafted_before = self.llm.spec_stats.num_draft_tokens
-        start = time.perf_counter()
-        outputs = self.llm.generate(
-            [r.prompt_token_ids for r in workload.requests], [self._params(r.max_tokens) for r in workload.requests]
-        )
-        seconds = time.perf_counter() - start
+        with StepRecorder(engine) as steps:
+            start = time.perf_counter()
+            outputs = self.llm.generate(
+                [r.prompt_token_ids for r in workload.requests],
+                [self._params(r.max_tokens) for r in workload.requests],
+            )
+            seconds = time.perf_counter() - start
         ttft = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
         details: dict[str, Any] = {
             "dtype": engine.dtype,
-            "quantization": engine.settings.model.quantization,
+            "weight_format": engine.settings.model.weight_format.name,
             "kv_cache_dtype": engine.settings.cache.dtype,
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
             "cached_prompt_tokens": sum(o.metrics.num_cached_tokens for o in outputs),
             "kv_cache_bytes": self.kv_cache_bytes(),
+            "kv_used_bytes": peak_blocks(steps.records) * self.kv_block_bytes(),
             "max_model_len": engine.max_model_len,
         }
+        if engine.tuning is not None:
+            details["tuning"] = engine.tuning.describe()
+            details["tuning_provisional"] = engine.tuning.provisional
         if self.llm.spec_stats.num_draft_tokens > drafted_before:
             details["spec"] = self.llm.spec_stats.as_dict()
-        return EngineRun(self.name, seconds, [list(o.token_ids) for o in outputs], engine.step_timings(), details)
+        return EngineRun(
+            self.name, seconds, [list(o.token_ids) for o in outputs], engine.step_timings(), details, steps.records
+        )
 
 
 class TransformersGenerate:

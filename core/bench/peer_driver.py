@@ -21,7 +21,11 @@ most ``c`` requests in flight, and answers::
     {"token_ids": [[...], ...], "seconds": wall time, "ttft_s": [seconds per request]}
 
 where ``seconds`` spans the whole workload (the load is not in it) and each
-``ttft_s`` runs from the workload's start to that request's first token.  A
+``ttft_s`` runs from the workload's start to that request's first token.
+A peer that scores text (llama.cpp) also takes ``{"score": [[token ids], ...]}``
+and answers ``{"nll": [summed negative log-likelihood per window], "scored":
+[tokens scored per window]}``: every token after each window's first,
+teacher-forced from the window's start.  A
 request that fails answers ``{"error": "..."}``; the driver stays up.  It
 exits at the end of its standard input.
 
@@ -146,6 +150,9 @@ class LlamaCppBackend:
 
         self.version = llama_cpp.__version__
         threads = config.get("threads") or os.cpu_count() or 1
+        self.model_path, self.threads = config["model"], threads
+        self.scorer: Any = None
+        """A second context over the same file that keeps every position's logits (made on the first score)."""
         self.engine_name = f"llama.cpp (llama-cpp-python {self.version}, {os.path.basename(config['model'])})"
         self.llm = llama_cpp.Llama(
             model_path=config["model"],
@@ -183,6 +190,36 @@ class LlamaCppBackend:
             results.append(produced)
         return results
 
+    def score(self, windows: list[list[int]]) -> dict[str, list[Any]]:
+        """Teacher-forced negative log-likelihood of each window's tokens after its first."""
+        import llama_cpp
+        import numpy as np
+
+        longest = max(len(window) for window in windows)
+        if self.scorer is None or self.scorer.n_ctx() < longest:
+            # A second context over the same mapped file, keeping every position's logits (the generating one
+            # keeps only the last, as a server would).
+            self.scorer = llama_cpp.Llama(
+                model_path=self.model_path,
+                n_ctx=longest,
+                n_batch=longest,
+                n_threads=self.threads,
+                n_threads_batch=self.threads,
+                logits_all=True,
+                verbose=False,
+            )
+        losses, counts = [], []
+        for window in windows:
+            self.scorer.reset()
+            self.scorer.eval(window)
+            logits = np.asarray(self.scorer.scores[: len(window) - 1], dtype=np.float64)
+            peak = logits.max(axis=1, keepdims=True)
+            log_norm = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
+            chosen = logits[np.arange(len(window) - 1), window[1:]]
+            losses.append(float((log_norm - chosen).sum()))
+            counts.append(len(window) - 1)
+        return {"nll": losses, "scored": counts}
+
 
 class PeerBackend(Protocol):
     """What the driver needs of a peer engine."""
@@ -207,6 +244,11 @@ BACKENDS: dict[str, Callable[[dict[str, Any]], PeerBackend]] = {"vllm": VllmBack
 
 
 def _run(backend: PeerBackend, request: dict[str, Any]) -> dict[str, Any]:
+    if "score" in request:
+        score = getattr(backend, "score", None)
+        if score is None:
+            raise ValueError(f"{backend.engine_name} does not score text")
+        return dict(score(request["score"]))
     prompts, max_tokens = request["prompts"], request["max_tokens"]
     ttft: list[float | None] = [None] * len(prompts)
     start = time.perf_counter()

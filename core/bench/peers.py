@@ -10,6 +10,7 @@ missing, the model refused) is skipped with the reason, never an error.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -112,14 +113,8 @@ class SubprocessPeer:
             except ProcessLookupError:
                 pass  # it has just exited; _receive or close says so
 
-    def run(self, workload: Workload) -> EngineRun:
-        request = {
-            "prompts": [r.prompt_token_ids for r in workload.requests],
-            "max_tokens": [r.max_tokens for r in workload.requests],
-            "concurrency": workload.concurrency,
-        }
-        if any(r.lora is not None for r in workload.requests):
-            request["loras"] = [r.lora for r in workload.requests]
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Send one request line to the resumed driver and read its answer (the peer paused again after)."""
         assert self._process.stdin is not None
         self._signal(signal.SIGCONT)
         try:
@@ -129,6 +124,24 @@ class SubprocessPeer:
             pass  # the driver died; _receive says why
         reply = self._receive()
         self._signal(signal.SIGSTOP)
+        return reply
+
+    def perplexity(self, windows: list[list[int]]) -> float:
+        """The peer's perplexity over ``windows``, each scored from its own start (as the bench scores)."""
+        reply = self._ask({"score": windows})
+        if "error" in reply:
+            raise RuntimeError(f"{self.name} could not score the held text: {reply['error']}")
+        return math.exp(sum(reply["nll"]) / sum(reply["scored"]))
+
+    def run(self, workload: Workload) -> EngineRun:
+        request: dict[str, Any] = {
+            "prompts": [r.prompt_token_ids for r in workload.requests],
+            "max_tokens": [r.max_tokens for r in workload.requests],
+            "concurrency": workload.concurrency,
+        }
+        if any(r.lora is not None for r in workload.requests):
+            request["loras"] = [r.lora for r in workload.requests]
+        reply = self._ask(request)
         if "error" in reply:
             raise RuntimeError(f"{self.name} failed on {workload.name} ({workload.label}): {reply['error']}")
         ttft = [t for t in reply["ttft_s"] if t is not None]

@@ -34,12 +34,22 @@ def held_text() -> str:
     return "\n\n".join(text for text in docstrings if text)
 
 
-def perplexity(llm: Any, token_ids: list[int], window: int = WINDOW_TOKENS, max_windows: int = 16) -> float:
+MAX_WINDOWS = 16
+
+
+def scoring_windows(
+    token_ids: list[int], window: int = WINDOW_TOKENS, max_windows: int = MAX_WINDOWS
+) -> list[list[int]]:
+    """The first ``max_windows`` windows of ``window`` tokens of ``token_ids`` (a last one-token window dropped)."""
+    windows = [token_ids[start : start + window] for start in range(0, len(token_ids), window)][:max_windows]
+    return [w for w in windows if len(w) > 1]
+
+
+def perplexity(llm: Any, token_ids: list[int], window: int = WINDOW_TOKENS, max_windows: int = MAX_WINDOWS) -> float:
     """Perplexity of ``llm`` (a :class:`patchbay.LLM`) on ``token_ids``, scored in windows of ``window`` tokens."""
     from patchbay.sampling_params import SamplingParams
 
-    windows = [token_ids[start : start + window] for start in range(0, len(token_ids), window)][:max_windows]
-    windows = [w for w in windows if len(w) > 1]
+    windows = scoring_windows(token_ids, window, max_windows)
     outputs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0))
     total, count = 0.0, 0
     for output, prompt in zip(outputs, windows, strict=True):

@@ -68,6 +68,13 @@ def print_table(
             )
     for name, reason in (skipped or {}).items():
         print(f"skipped {name}: {reason}", file=stream)
+    provisional = dict.fromkeys(row["engine"] for row in rows if row.get("tuning_provisional"))
+    if provisional:
+        print(
+            f"warning: {', '.join(provisional)} ran a PROVISIONAL CPU tuning (measured on a busy machine, not the "
+            "quiet machine's choice of paths): measure again when the machine is quiet",
+            file=stream,
+        )
     for row in rows:
         breakdown = row.get("step_breakdown_s") or {}
         total = sum(breakdown.values())

@@ -351,7 +351,7 @@ def serve_bench(args: argparse.Namespace, stream: TextIO = sys.stdout) -> int:
     """Entry of ``patchbay bench serve``."""
     from transformers import AutoTokenizer
 
-    from patchbay.worker.model.model_loader import resolve_model_dir
+    from patchbay.toolkit.model_files import resolve_model_dir
 
     max_num_seqs = max(args.concurrency)
     # No prefix cache: every rate sends the same requests, and a later run must not find an earlier one's prompts.
