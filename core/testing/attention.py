@@ -196,7 +196,7 @@ def make_batch(
     """Random inputs for ``case``: shape and block table depend on the case only, the values also on ``layer``."""
     import torch
 
-    from patchbay.worker.int8_kv_rows import dequantize_rows, quantize_rows
+    from patchbay.toolkit.int8_kv import dequantize_rows, quantize_rows
 
     dtype = getattr(torch, case.dtype)
     seq_lens = [computed + new for computed, new in zip(case.num_computed, case.num_new, strict=True)]
@@ -248,7 +248,7 @@ def make_batch(
 
 def _cache_rows(rows: torch.Tensor, case: AttentionCase) -> torch.Tensor:
     """Keys or values as the case's cache stores them."""
-    from patchbay.worker.int8_kv_rows import quantize_rows
+    from patchbay.toolkit.int8_kv import quantize_rows
 
     return quantize_rows(rows) if case.cache_dtype == "int8" else rows
 
@@ -335,7 +335,7 @@ def _same_int8_rows(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     a float32 step (a kernel's fused arithmetic may round a tie or the scale's division otherwise)."""
     import torch
 
-    from patchbay.worker.int8_kv_rows import row_scales
+    from patchbay.toolkit.int8_kv import row_scales
 
     got_scale, want_scale = row_scales(got), row_scales(want)
     same_scale = torch.isclose(got_scale, want_scale, rtol=1e-6, atol=0.0)
@@ -430,6 +430,69 @@ def check_attention(
         with _one_thread():
             _check_cache(backend_class, batch, case)
             _check_output(output, batch, case, layer)
+
+
+ENCODER_ONLY_LENGTHS = (5, 1, 17, 33, 9)
+"""Prompts of the encoder-only case: a single token, under, across and over two 16-token blocks."""
+
+
+def check_encoder_only(
+    backend_class: type[AttentionBackend],
+    builder_class: type[AttentionMetadataBuilder],
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    lengths: Sequence[int] = ENCODER_ONLY_LENGTHS,
+) -> None:
+    """An encoder-only step (``causal`` ``False``, an empty ``kv_cache``, padding rows after the prompts) through
+    a backend: each query must attend every key of its own prompt, both ways, as the float64 oracle does."""
+    import dataclasses
+
+    import torch
+
+    case = AttentionCase(num_computed=(0,) * len(lengths), num_new=tuple(lengths), num_heads=6, num_kv_heads=2)
+    layer = case.layer()
+    generator = torch.Generator().manual_seed(case.seed)
+    num_tokens = sum(lengths)
+    torch_dtype = getattr(torch, dtype)
+    query, key, value = (
+        torch.randn(num_tokens + case.num_padding, heads, case.head_size, generator=generator).to(torch_dtype)
+        for heads in (case.num_heads, case.num_kv_heads, case.num_kv_heads)
+    )
+    for tensor in (query, key, value):
+        tensor[num_tokens:] = PADDING_SCALE
+    block_table = make_block_table(
+        lengths, case.block_size, sum(-(-n // case.block_size) for n in lengths) + 1, generator
+    )
+    common = dataclasses.replace(
+        build_common_metadata(case.num_computed, lengths, block_table, case.block_size, device), causal=False
+    )
+    metadata = builder_class(block_size=case.block_size, device=device).build(common)
+    output = (
+        backend_class()
+        .make_impl(layer)
+        .forward(
+            query.to(device),
+            key.to(device),
+            value.to(device),
+            torch.empty(0, dtype=torch_dtype, device=device),
+            metadata,
+        )
+    )
+    assert tuple(output.shape) == tuple(query.shape), f"encoder-only output shape {tuple(output.shape)}"
+    start = 0
+    for index, length in enumerate(lengths):
+        rows = slice(start, start + length)
+        # Every key visible: the oracle's queries all sit after the whole prompt.
+        expected = dense_attention(query[rows], key[rows], value[rows], length, layer)
+        got = output[rows].cpu().double()
+        tolerance = TOLERANCES[dtype]
+        assert torch.allclose(got, expected, rtol=tolerance["rtol"], atol=tolerance["atol"]), (
+            f"encoder-only step, {dtype}: prompt {index} ({length} tokens) differs from bidirectional attention "
+            f"over its own keys by {float((got - expected).abs().max()):.3g} (a causal mask, or keys of another "
+            "prompt or of the padding rows, attended)"
+        )
+        start += length
 
 
 def device_unavailable_reason(device: str) -> str | None:
@@ -617,6 +680,14 @@ class AttentionBackendSuite(AttentionBackendBaseSuite):
         )
         self.run_case(backend_class, builder_class, case)
 
+    def test_encoder_only(self, backend_class, builder_class, dtype: str) -> None:
+        """Bidirectional attention over each prompt's own keys, without a KV cache (BERT, XLM-R)."""
+        case = self.base_case(backend_class.capabilities, dtype=dtype)
+        reasons = backend_class.validate(dataclasses.replace(case.config(self.device), encoder_only=True))
+        if reasons:
+            skip_not_declared("; ".join(reasons))
+        check_encoder_only(backend_class, builder_class, dtype=dtype, device=self.device)
+
     def test_logits_soft_cap(self, backend_class, builder_class) -> None:
         case = self.base_case(backend_class.capabilities, logits_soft_cap=2.0)
         self.run_case(backend_class, builder_class, case)
@@ -788,10 +859,8 @@ def run_backend_in_engine(
     if reason:
         pytest.skip(reason)
     workload = end_to_end.changing_batch_workload()
-    expected, _ = end_to_end.run_greedy(
-        registry, workload, {"attention__backend": "reference", "runtime__device": device}
-    )
-    settings = {"attention__backend": name, "runtime__device": device, **end_to_end.CHANGING_BATCH_SETTINGS}
+    expected, _ = end_to_end.run_greedy(registry, workload, {"attention__name": "reference", "runtime__device": device})
+    settings = {"attention__name": name, "runtime__device": device, **end_to_end.CHANGING_BATCH_SETTINGS}
     if metadata_builder is not None:
         settings["attention__metadata_builder"] = metadata_builder
     try:

@@ -572,9 +572,9 @@ def end_to_end_unavailable_reason(registry: Registry | None = None) -> str | Non
         return f"the bundled model package {BUNDLED_MODEL_PACKAGE!r} is not installed"
     if registry is None:
         return None
-    from patchbay.contract.settings import Settings, SpeculativeSettings
+    from patchbay.contract.settings import Settings, SpecDecodeSettings
 
-    needed = [("sampler", Settings().sampler.name), ("sampler", SpeculativeSettings(method="any").rejection_sampler)]
+    needed = [("sampler", Settings().sampler.name), ("sampler", SpecDecodeSettings(name="any").rejection_sampler.name)]
     missing = [f"{kind}:{name}" for kind, name in needed if name not in registry.names(kind)]
     if not registry.names("attention"):
         missing.append("an attention backend")
@@ -598,22 +598,24 @@ def check_end_to_end(
 
     Runs the bundled SmolLM2 through :class:`patchbay.LLM` twice (``ignore_eos``,
     ``max_tokens`` tokens per prompt); ``settings`` adds keyword overrides
-    (``{"scheduler__chunked_prefill": True}``) to both runs.  Both run in float32 unless ``settings`` says
-    otherwise: verification scores ``k + 1`` rows where plain decoding scores one, and in bfloat16 products of
-    different row counts round differently, which can flip a near-tie of greedy decoding with any drafter.
+    (``{"scheduler__chunked_prefill": True}``) to both runs.  Both run in float32 on the bundled model's float
+    weights (its GGUF file's float conversion) unless ``settings`` says otherwise: verification scores ``k + 1``
+    rows where plain decoding scores one, and bfloat16 products, or a GGUF file's blocks (which round activations
+    to int8 per row), group rows differently, which can flip a near-tie of greedy decoding with any drafter.
     """
     import patchbay
     from patchbay.sampling_params import SamplingParams
+    from patchbay.toolkit.model_files import resolve_model_dir
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    extra = {"model__dtype": "float32", **(settings or {})}
-    speculative = {"method": method, "num_speculative_tokens": num_speculative_tokens, "options": dict(options or {})}
+    extra = {"model__dtype": "float32", "model__path": str(resolve_model_dir("default")), **(settings or {})}
+    spec_decode = {"name": method, "num_speculative_tokens": num_speculative_tokens, "options": dict(options or {})}
 
     baseline = patchbay.LLM(registry=registry, runtime__threads=threads, **extra)
     expected = [output.token_ids for output in baseline.generate(list(prompts), params)]
     del baseline
 
-    llm = patchbay.LLM(registry=registry, runtime__threads=threads, speculative=speculative, **extra)
+    llm = patchbay.LLM(registry=registry, runtime__threads=threads, spec_decode=spec_decode, **extra)
     got = [output.token_ids for output in llm.generate(list(prompts), params)]
     for index, (want, have) in enumerate(zip(expected, got, strict=True)):
         if want != have:
@@ -644,8 +646,6 @@ class DrafterSuite(DrafterBaseSuite):
 
     device: ClassVar[str] = "cpu"
     """Device tensors in the batch (and the context's target) are built on."""
-    plugin_options: ClassVar[dict[str, Any]] = {}
-    """The plugin's options (validated by its ``Options`` model)."""
     vocab_size: ClassVar[int] = VOCAB_SIZE
     """Token ids in the batches are drawn from ``[0, vocab_size)``; drafts must stay inside it."""
     hidden_size: ClassVar[int] = 64
@@ -694,10 +694,10 @@ class DrafterSuite(DrafterBaseSuite):
     ) -> Callable[[int], Drafter]:
         """A factory of loaded drafters, by ``num_speculative_tokens``."""
         try:
-            options = drafter_class.Options.model_validate(self.plugin_options)
+            options = drafter_class.Options.model_validate(self.given_options() or {})
         except ValidationError as exc:
             pytest.skip(
-                f"{drafter_class.__name__}.Options rejects plugin_options {self.plugin_options!r} "
+                f"{drafter_class.__name__}.Options rejects options {self.given_options()!r} "
                 f"(set plugin_options on the suite): {exc}"
             )
         context: list[DrafterContext] = []
@@ -844,7 +844,7 @@ class DrafterSuite(DrafterBaseSuite):
             pytest.skip("the end-to-end run selects the drafter by its registered name; set plugin_name")
         check_end_to_end(
             self.plugin_name,
-            self.plugin_options,
+            self.given_options() or {},
             registry=patchbay_registry,
             num_speculative_tokens=self.num_speculative_tokens,
             settings=self.end_to_end_settings,

@@ -16,7 +16,7 @@ import functools
 import importlib.util
 import random
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ CHANGING_BATCH_SETTINGS: dict[str, Any] = {
 """Requests join as others finish, prompts prefill in chunks, and the small cache forces preemptions."""
 
 BASE_SETTINGS: dict[str, Any] = {
-    "attention__backend": "reference",  # the oracle-like built-in; runs of other kinds compare against it
+    "attention__name": "reference",  # the oracle-like built-in; runs of other kinds compare against it
     "runtime__threads": 1,
     "runtime__device": "cpu",
     # Plain torch linears: no per-machine tuning to measure, the same arithmetic in every run of a comparison.
@@ -76,6 +76,12 @@ def tiny_model_dir() -> Path:
     Its directory name holds a digest of its shape and of the transformers
     version, so a change of either builds a new one.
     """
+    return cached_model_dir("tiny-llama", TINY_MODEL, _build_tiny_model)
+
+
+def cached_model_dir(prefix: str, shape: Any, build: Callable[[Path], None]) -> Path:
+    """``build(directory)``'s model, built once under the model cache as ``PREFIX-DIGEST`` and reused; the digest
+    covers ``shape`` (JSON) and the transformers version."""
     import hashlib
     import json
     import os
@@ -83,16 +89,16 @@ def tiny_model_dir() -> Path:
 
     import transformers
 
-    from patchbay.worker.model.model_loader import cache_dir
+    from patchbay.toolkit.paths import cache_dir
 
-    digest = hashlib.sha256(json.dumps([TINY_MODEL, transformers.__version__], sort_keys=True).encode()).hexdigest()
-    directory = cache_dir() / "conformance" / f"tiny-llama-{digest[:12]}"
+    digest = hashlib.sha256(json.dumps([shape, transformers.__version__], sort_keys=True).encode()).hexdigest()
+    directory = cache_dir() / "conformance" / f"{prefix}-{digest[:12]}"
     if (directory / "config.json").is_file():
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=directory.parent))
     try:
-        _build_tiny_model(staging)
+        build(staging)
         os.replace(staging, directory)  # atomic: a concurrent builder's directory wins, ours is dropped
     except OSError:
         if not (directory / "config.json").is_file():
@@ -106,7 +112,7 @@ def _build_tiny_model(directory: Path) -> None:
     import torch
     import transformers
 
-    from patchbay.worker.model.model_loader import bundled_gguf, convert_gguf
+    from patchbay.toolkit.model_files import bundled_gguf, convert_gguf
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(convert_gguf(bundled_gguf()))
     config = transformers.LlamaConfig(

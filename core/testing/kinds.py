@@ -23,6 +23,8 @@ from patchbay.interfaces import (
     SamplerCapabilities,
     SamplerConfig,
     ServingConfig,
+    WeightFormatCapabilities,
+    WeightFormatConfig,
 )
 from patchbay.testing.suite import PluginSuite, _replace
 
@@ -30,6 +32,7 @@ from patchbay.testing.suite import PluginSuite, _replace
 class AttentionBackendBaseSuite(PluginSuite[AttentionCapabilities]):
     kind: ClassVar[str] = "attention"
     capabilities_class: ClassVar[type[Capabilities]] = AttentionCapabilities
+    takes_options: ClassVar[bool] = False
 
     def supported_config(self, capabilities: AttentionCapabilities) -> AttentionConfig:
         head_size = capabilities.head_sizes[0] if capabilities.head_sizes else 64
@@ -61,6 +64,7 @@ class AttentionBackendBaseSuite(PluginSuite[AttentionCapabilities]):
 
 class MetadataBuilderBaseSuite(PluginSuite[Capabilities]):
     kind: ClassVar[str] = "attention_metadata_builder"
+    takes_options: ClassVar[bool] = False
 
 
 class SamplerBaseSuite(PluginSuite[SamplerCapabilities]):
@@ -133,6 +137,20 @@ class LoRAKernelBaseSuite(PluginSuite):
         if capabilities.max_lora_rank is not None:
             base = self.supported_config(capabilities)
             found.append(("rank", _replace(base, max_lora_rank=capabilities.max_lora_rank + 1)))
+        return found
+
+
+class WeightFormatBaseSuite(PluginSuite[WeightFormatCapabilities]):
+    kind: ClassVar[str] = "weight_format"
+    capabilities_class: ClassVar[type[Capabilities]] = WeightFormatCapabilities
+
+    def supported_config(self, capabilities: WeightFormatCapabilities) -> WeightFormatConfig:
+        return WeightFormatConfig(device=capabilities.devices[0], dtype=capabilities.dtypes[0])
+
+    def unsupported_configs(self, capabilities: WeightFormatCapabilities) -> list[tuple[str, ServingConfig]]:
+        found = super().unsupported_configs(capabilities)
+        if not capabilities.shards:
+            found.append(("tensor parallelism", _replace(self.supported_config(capabilities), tensor_parallel_size=2)))
         return found
 
 

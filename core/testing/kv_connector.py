@@ -46,8 +46,6 @@ block as a load error and leave it untouched.
 from __future__ import annotations
 
 import copy
-import json
-import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -60,7 +58,7 @@ from patchbay.interfaces import KVConnector, KVConnectorConfig, KVConnectorMetad
 from patchbay.interfaces.kv_connector import KVConnectorRole
 from patchbay.scheduling.request import hash_block_tokens
 from patchbay.testing.kinds import KVConnectorBaseSuite
-from patchbay.testing.suite import skip_not_declared
+from patchbay.testing.suite import options_env, skip_not_declared
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +66,7 @@ if TYPE_CHECKING:
 FAULTS = ("missing", "truncated", "corrupted", "other_model", "other_layout", "forged")
 """What :meth:`KVConnectorSuite.corrupt_entry` is asked to do to a stored entry."""
 
-OPTIONS_ENV = "PATCHBAY_TEST_KV_CONNECTOR_OPTIONS"
+OPTIONS_ENV = options_env("kv_connector")
 
 STORE_MODES = ("defaults", "temp-dir")
 """Every test runs with the connector's default options, and with ``path`` in a temporary directory if it has one."""
@@ -227,7 +225,7 @@ class KVConnectorSuite(KVConnectorBaseSuite):
     @pytest.fixture
     def connector_options(self, plugin_class: type[KVConnector], tmp_path, store_mode: str) -> dict[str, Any]:
         """Options (a YAML section as a dict) every connector instance of a test gets, per :data:`STORE_MODES`."""
-        options = json.loads(os.environ.get(OPTIONS_ENV) or "{}")
+        options = self.given_options() or {}
         if store_mode == "temp-dir":
             if "path" not in plugin_class.Options.model_fields:
                 skip_not_declared("the connector has no 'path' option: its defaults are its only store")

@@ -19,14 +19,18 @@ must be left bit for bit as the base product wrote them.
 The resolver suite writes a folder of small PEFT adapters and passes it to
 the resolver through :meth:`LoRAResolverSuite.resolver_options` (by default
 ``{"root": FOLDER}``; ``PATCHBAY_TEST_LORA_RESOLVER_OPTIONS`` may hold JSON
-options in which ``{adapters}`` stands for the folder).  Kernel options for
-``patchbay check`` come from ``PATCHBAY_TEST_LORA_KERNEL_OPTIONS`` (JSON).
+options in which ``{adapters}`` stands for the folder).  Besides names that
+leave the store, it links folders and files out of it (to a sibling whose
+name starts with the store's too), adds an adapter after a miss, replaces one
+in place, and tells the resolver the base model with an adapter made for
+another.  Kernel options for ``patchbay check`` come from
+``PATCHBAY_TEST_LORA_KERNEL_OPTIONS`` (JSON).
 """
 
 from __future__ import annotations
 
 import json
-import os
+import shutil
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -34,10 +38,10 @@ import pytest
 
 from patchbay.interfaces import NO_ADAPTER, LoRAKernel, LoRAResolveError, LoRAResolver
 from patchbay.testing.kinds import LoRAKernelBaseSuite, LoRAResolverBaseSuite
-from patchbay.testing.suite import skip_not_declared
+from patchbay.testing.suite import options_env, skip_not_declared
 
-KERNEL_OPTIONS_ENV = "PATCHBAY_TEST_LORA_KERNEL_OPTIONS"
-RESOLVER_OPTIONS_ENV = "PATCHBAY_TEST_LORA_RESOLVER_OPTIONS"
+KERNEL_OPTIONS_ENV = options_env("lora_kernel")
+RESOLVER_OPTIONS_ENV = options_env("lora_resolver")
 SEED = 20250525
 
 TARGET_SHAPES = {"q_proj": (64, 64), "k_proj": (64, 16), "down_proj": (96, 64)}
@@ -120,7 +124,7 @@ class LoRAKernelSuite(LoRAKernelBaseSuite):
     @pytest.fixture
     def kernel_options(self) -> dict[str, Any]:
         """The kernel's options (``PATCHBAY_TEST_LORA_KERNEL_OPTIONS``, JSON; default none)."""
-        return json.loads(os.environ.get(KERNEL_OPTIONS_ENV, "{}"))
+        return self.given_options() or {}
 
     @pytest.fixture
     def kernel(self, available: type[LoRAKernel], kernel_options: dict[str, Any]) -> LoRAKernel:
@@ -249,6 +253,27 @@ class LoRAKernelSuite(LoRAKernelBaseSuite):
         case.b_in[1] = float("nan")
         self._check_add_lora(kernel, case, "float32")  # the oracle reads only the slots rows use
 
+    @pytest.mark.parametrize("poison", ["nan", "overflow"])
+    def test_a_non_finite_slot_reaches_only_its_own_rows(self, kernel: LoRAKernel, poison: str) -> None:
+        """A slot rows use whose product is NaN or overflows to inf spoils those rows alone: every other row
+        (another adapter's, or none) matches the oracle, as it would in a step without that slot (issue 57:
+        a mask that multiplies by zero turns ``inf`` and NaN into NaN for every row of the step)."""
+        import torch
+
+        dtype = self._dtype(kernel, "float32")
+        max_rank = self._max_rank(kernel)
+        slots = [0, 1, NO_ADAPTER, 1, 0, 2, NO_ADAPTER, 1]
+        case = self._case(SEED + 13, dtype, slots=slots, ranks=[max_rank, max_rank, 1], max_rank=max_rank)
+        if poison == "nan":
+            case.a_in[1, 0, 0] = float("nan")
+        else:  # finite weights whose product with any row overflows float32
+            case.a_in[1, 0] = torch.finfo(torch.float32).max
+        output = case.base_output()
+        kernel.add_lora(output, case.x_in, case.a_in, case.b_in, case.scalings_in, case.mapping)
+        others = (case.slots != 1).nonzero(as_tuple=True)[0]
+        assert torch.isfinite(output[others]).all(), "a non-finite slot reached rows of other slots"
+        torch.testing.assert_close(output[others].double(), case.oracle()[others], atol=1e-4, rtol=1e-4)
+
     def test_slots_rewritten_in_place_are_read_afresh(self, kernel: LoRAKernel) -> None:
         """The runner reloads a slot by overwriting its A, B and scale in place: a kernel keeping anything derived
         from them (stacked or packed weights, scaled masks) must notice, even under the same mapping."""
@@ -284,28 +309,38 @@ class LoRAKernelSuite(LoRAKernelBaseSuite):
 
 
 class LoRAResolverSuite(LoRAResolverBaseSuite):
-    """Checks of an adapter resolver over a folder of small PEFT adapters the suite writes."""
+    """Checks of an adapter resolver over a folder of small PEFT adapters the suite writes and then changes."""
 
     ADAPTERS: ClassVar[dict[str, int]] = {"alpha": 2, "beta-2": 4}
     """The kit's adapters, name: rank."""
+    BASE_MODEL: ClassVar[str] = "kit-org/tiny-base"
+    """The base model the kit's adapters name, and the one the resolver is told."""
 
     def resolver_options(self, folder: Path) -> dict[str, Any]:
-        """Options that make the resolver serve the adapters in ``folder`` (override for another kind of store)."""
-        raw = os.environ.get(RESOLVER_OPTIONS_ENV)
-        if raw is None:
+        """Options that make the resolver serve the adapters in ``folder`` (override for another kind of store):
+        ``{"root": FOLDER}``, or the options given to the kit with ``{adapters}`` standing for the folder."""
+        given = self.given_options()
+        if given is None:
             return {"root": str(folder)}
-        return json.loads(raw.replace("{adapters}", str(folder)))
+        escaped = json.dumps(str(folder))[1:-1]
+        return json.loads(json.dumps(given).replace("{adapters}", escaped))
 
     @pytest.fixture
     def adapter_folder(self, tmp_path: Path) -> Path:
+        """The store the suite writes (:meth:`write_store`)."""
+        return self.write_store(tmp_path)
+
+    def write_store(self, tmp_path: Path) -> Path:
+        """``tmp_path/adapters``, the store; beside it ``outside/secret`` and, in a folder whose name starts with
+        the store's, ``adapters-evil/secret``: adapters no name may reach."""
         folder = tmp_path / "adapters"
-        folder.mkdir()
+        folder.mkdir(parents=True)
         for name, rank in self.ADAPTERS.items():
-            write_tiny_peft_adapter(folder / name, rank=rank)
+            write_tiny_peft_adapter(folder / name, rank=rank, base_model=self.BASE_MODEL)
         (folder / "not-an-adapter").mkdir()
         (folder / "stray.txt").write_text("not an adapter\n")
-        (tmp_path / "outside").mkdir()
-        write_tiny_peft_adapter(tmp_path / "outside" / "secret", rank=2)
+        for outside in ("outside", "adapters-evil"):
+            write_tiny_peft_adapter(tmp_path / outside / "secret", rank=2, base_model=self.BASE_MODEL)
         return folder
 
     @pytest.fixture
@@ -325,16 +360,112 @@ class LoRAResolverSuite(LoRAResolverBaseSuite):
         assert resolver.resolve("no-such-adapter") is None
 
     @pytest.mark.parametrize(
-        "name", ["../outside/secret", "/etc", "", ".", "..", "alpha/..", "alpha/../../outside/secret"]
+        "name",
+        [
+            "../outside/secret",
+            "../adapters-evil/secret",
+            "/etc",
+            "",
+            ".",
+            "..",
+            "alpha/..",
+            "alpha/../../outside/secret",
+        ],
     )
     def test_a_name_never_reaches_outside_the_store(
         self, resolver: LoRAResolver, name: str, adapter_folder: Path
     ) -> None:
+        self._assert_not_served(resolver, name, "a name that leaves the store")
+
+    @pytest.mark.parametrize("target", ["outside", "adapters-evil"])
+    def test_a_folder_linked_out_of_the_store_never_resolves(
+        self, resolver: LoRAResolver, adapter_folder: Path, target: str
+    ) -> None:
+        """A link in the store to a folder outside it (``adapters-evil`` shares the store's name as a prefix, which
+        a containment test on path strings lets through)."""
+        _link(adapter_folder / "linked", adapter_folder.parent / target / "secret")
+        self._assert_not_served(resolver, "linked", f"a folder that links to {target}/secret, outside the store")
+
+    @pytest.mark.parametrize("which", ["adapter_config.json", "adapter_model.safetensors", "both"])
+    def test_files_linked_out_of_the_store_never_resolve(
+        self, resolver: LoRAResolver, adapter_folder: Path, which: str
+    ) -> None:
+        """An adapter folder inside the store whose files are links to an adapter's files outside it."""
+        secret = adapter_folder.parent / "adapters-evil" / "secret"
+        folder = adapter_folder / "files-linked"
+        folder.mkdir()
+        for file in ("adapter_config.json", "adapter_model.safetensors"):
+            if which in (file, "both"):
+                _link(folder / file, secret / file)
+            else:
+                (folder / file).write_bytes((secret / file).read_bytes())
+        self._assert_not_served(resolver, "files-linked", f"a folder whose {which} links outside the store")
+
+    def test_an_adapter_added_after_a_miss_is_found(self, resolver: LoRAResolver, adapter_folder: Path) -> None:
+        """A name unknown at first exists once its folder is written: a miss is never remembered."""
+        assert resolver.resolve("late") is None
+        if resolver.capabilities.can_list:
+            assert "late" not in resolver.available()
+        write_tiny_peft_adapter(adapter_folder / "late", rank=3, base_model=self.BASE_MODEL)
+        found = resolver.resolve("late")
+        assert found is not None, (
+            "an adapter written after a first resolve('late') returned None is still not found: a resolver must "
+            "not remember misses (the operator adds adapters while the server runs)"
+        )
+        assert json.loads((Path(found) / "adapter_config.json").read_text())["r"] == 3
+        if resolver.capabilities.can_list:
+            assert "late" in resolver.available(), "available() does not list an adapter added after it was called"
+
+    def test_an_adapter_replaced_in_place_resolves_to_its_new_files(
+        self, resolver: LoRAResolver, adapter_folder: Path
+    ) -> None:
+        """The store's folder rewritten with other weights: the next resolve gives the new files (the runner
+        re-reads them the next time it loads the adapter), never a copy kept from before."""
+        name = next(iter(self.ADAPTERS))
+        first = resolver.resolve(name)
+        assert first is not None
+        json.loads((Path(first) / "adapter_config.json").read_text())  # read, as the runner does
+        shutil.rmtree(adapter_folder / name)
+        write_tiny_peft_adapter(adapter_folder / name, rank=8, base_model=self.BASE_MODEL, seed=99)
+        found = resolver.resolve(name)
+        assert found is not None, f"{name!r} no longer resolves after its folder was rewritten"
+        config = json.loads((Path(found) / "adapter_config.json").read_text())
+        weights = (Path(found) / "adapter_model.safetensors").read_bytes()
+        new_weights = (adapter_folder / name / "adapter_model.safetensors").read_bytes()
+        assert config["r"] == 8 and weights == new_weights, (
+            f"{name!r} was replaced in place (rank 8, new weights), but resolve() gave {found} holding rank "
+            f"{config['r']}{'' if weights == new_weights else ' and other weights'}: a resolver that caches or "
+            "copies adapters must check that its copy is current"
+        )
+
+    def test_an_adapter_for_another_base_model_is_refused_when_told_the_base_model(
+        self, resolver: LoRAResolver, adapter_folder: Path
+    ) -> None:
+        """``resolve(name, base_model=...)``: an adapter whose config names another base model is refused, with
+        both names; the kit's own adapters (made for the base model told) resolve."""
+        write_tiny_peft_adapter(adapter_folder / "foreign", rank=2, base_model="kit-org/another-model")
+        name = next(iter(self.ADAPTERS))
         try:
-            found = resolver.resolve(name)
-        except LoRAResolveError:
+            found = resolver.resolve(name, base_model=self.BASE_MODEL)
+        except TypeError as exc:
+            pytest.fail(f"resolve() must take base_model (lora_resolver contract 1.2): {exc}")
+        assert found is not None, f"{name!r}, an adapter for {self.BASE_MODEL!r}, did not resolve when told that base"
+        assert resolver.resolve("foreign") is not None, "an adapter must resolve when no base model is told"
+        if not resolver.capabilities.checks_base_model:
+            skip_not_declared("the resolver declares it cannot tell which base model an adapter is for")
+        try:
+            refused = resolver.resolve("foreign", base_model=self.BASE_MODEL)
+        except LoRAResolveError as exc:
+            message = str(exc)
+            assert "another-model" in message and "tiny-base" in message, (
+                f"the refusal must name the adapter's base model and the run's: {message!r}"
+            )
             return
-        assert found is None, f"{name!r} resolved to {found}"
+        pytest.fail(
+            f"resolve('foreign', base_model={self.BASE_MODEL!r}) gave {refused}, but its adapter_config.json names "
+            "base model 'kit-org/another-model': raise LoRAResolveError naming both (or declare "
+            "checks_base_model=False)"
+        )
 
     def test_a_directory_without_an_adapter_config_is_not_an_adapter(self, resolver: LoRAResolver) -> None:
         try:
@@ -355,9 +486,32 @@ class LoRAResolverSuite(LoRAResolverBaseSuite):
         name = next(iter(self.ADAPTERS))
         assert resolver.resolve(name) == resolver.resolve(name)
 
+    def _assert_not_served(self, resolver: LoRAResolver, name: str, what: str) -> None:
+        try:
+            found = resolver.resolve(name)
+        except LoRAResolveError:
+            found = None
+        assert found is None, f"{name!r}, {what}, resolved to {found}; it must give None or raise LoRAResolveError"
+        if resolver.capabilities.can_list:
+            assert name not in resolver.available(), f"available() lists {name!r}, {what}"
+
+
+def _link(link: Path, target: Path) -> None:
+    try:
+        link.symlink_to(target, target_is_directory=target.is_dir())
+    except (OSError, NotImplementedError) as exc:
+        skip_not_declared(f"this file system cannot make symbolic links ({exc})")
+
 
 def write_tiny_peft_adapter(
-    path: Path, *, rank: int, hidden: int = 8, layers: int = 1, targets: tuple[str, ...] = ("q_proj", "v_proj")
+    path: Path,
+    *,
+    rank: int,
+    hidden: int = 8,
+    layers: int = 1,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    base_model: str = "tiny",
+    seed: int | None = None,
 ) -> None:
     """Write a small adapter in PEFT's format (config and safetensors) for a Llama-shaped model of ``hidden`` width.
 
@@ -378,10 +532,10 @@ def write_tiny_peft_adapter(
         "use_rslora": False,
         "modules_to_save": None,
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": "tiny",
+        "base_model_name_or_path": base_model,
     }
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    generator = torch.Generator().manual_seed(rank)
+    generator = torch.Generator().manual_seed(rank if seed is None else seed)
     tensors = {}
     for layer in range(layers):
         for target in targets:

@@ -1044,8 +1044,6 @@ class SamplerSuite(SamplerBaseSuite):
 
     device: ClassVar[str] = "cpu"
     """Device the inputs are built on."""
-    plugin_options: ClassVar[dict[str, Any]] = {}
-    """The plugin's options (validated by its ``Options`` model)."""
     logprobs_mode: ClassVar[str | None] = None
     """The mode returned logprobs are checked in; ``None``: the capabilities' ``logprobs_mode``."""
 
@@ -1053,11 +1051,11 @@ class SamplerSuite(SamplerBaseSuite):
     def sampler(self, available: type[SamplerBase]) -> SamplerBase:
         """An instance of the plugin under test, with :attr:`plugin_options`."""
         try:
-            options = available.Options.model_validate(self.plugin_options)
+            options = available.Options.model_validate(self.given_options() or {})
         except ValidationError as exc:
             # test_options_have_defaults reports the plugin's fault; the numeric tests cannot run without options.
             pytest.skip(
-                f"{available.__name__}.Options rejects plugin_options {self.plugin_options!r}; "
+                f"{available.__name__}.Options rejects options {self.given_options()!r}; "
                 f"set plugin_options on the suite: {exc}"
             )
         return available(options)

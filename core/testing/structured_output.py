@@ -19,7 +19,9 @@ byte-level BPE of 49,152 tokens) and walks matchers token by token:
 - JSON schemas: valid instances (checked with ``jsonschema``), tokenized,
   must be accepted token by token with the stop token allowed exactly where the
   text so far is itself a valid instance; invalid ones must be refused; random
-  walks through the bitmask that end must parse and validate;
+  walks through the bitmask that end must parse and validate; a backend that
+  declares ``json_whitespace`` allows no whitespace outside strings for
+  ``json_whitespace: compact``;
 - rollback restores the bitmask and the accepting state of every earlier
   step; a rejected token changes nothing, even one whose first bytes fit;
   rows are written whole and alone; matchers of one grammar never share
@@ -54,9 +56,9 @@ from patchbay.interfaces import (
     StructuredOutputParams,
 )
 from patchbay.interfaces import token_bytes as interface_token_bytes
-from patchbay.testing.suite import PluginSuite, _replace, skip_not_declared
+from patchbay.testing.suite import PluginSuite, _replace, options_env, skip_not_declared
 
-OPTIONS_ENV = "PATCHBAY_TEST_STRUCTURED_OUTPUT_OPTIONS"
+OPTIONS_ENV = options_env("structured_output")
 COMPILE_BOUND_ENV = "PATCHBAY_TEST_STRUCTURED_OUTPUT_COMPILE_BOUND"
 SEED = 20241201
 
@@ -130,7 +132,7 @@ INVALID_INSTANCES = (
 def bundled_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from patchbay.worker.model.model_loader import resolve_model_dir
+    from patchbay.toolkit.model_files import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir("default"))
 
@@ -143,6 +145,24 @@ def token_bytes(vocab_size: int) -> tuple[bytes | None, ...]:
     the project's tests.
     """
     return tuple(interface_token_bytes(bundled_tokenizer(), vocab_size))
+
+
+def _whitespace_outside_strings(text: str) -> bool:
+    """Whether JSON ``text`` has a whitespace character outside its strings."""
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char.isspace():
+            return True
+    return False
 
 
 def allowed_tokens(bitmask: np.ndarray, row: int, vocab_size: int) -> np.ndarray:
@@ -258,7 +278,7 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
     @pytest.fixture
     def backend_options(self) -> dict[str, Any]:
         """Options the backend is built with (override, or set ``PATCHBAY_TEST_STRUCTURED_OUTPUT_OPTIONS``)."""
-        return json.loads(os.environ.get(OPTIONS_ENV, "{}"))
+        return self.given_options() or {}
 
     def build(
         self, plugin_class: type[StructuredOutputBackend], options: dict[str, Any], vocab_size: int | None = None
@@ -552,6 +572,42 @@ class StructuredOutputSuite(PluginSuite[StructuredOutputCapabilities]):
 
     def test_json_bounded_strings_refuse_raw_control_characters(self, backend: StructuredOutputBackend) -> None:
         self._assert_string_refuses_control_characters(backend, {"type": "string", "maxLength": 8})
+
+    def test_json_whitespace_is_honoured_where_declared(self, backend: StructuredOutputBackend) -> None:
+        """``json_whitespace: compact`` allows no whitespace outside strings: no token that starts with one after
+        ``{``, and walks through the bitmask that end hold none; ``flexible`` allows it."""
+        if not backend.capabilities.json_whitespace:
+            skip_not_declared("the backend does not declare json_whitespace")
+        schema = SCHEMAS[1]
+        vocabulary = token_bytes(backend.vocab_size)
+        brace = bundled_tokenizer().encode("{", add_special_tokens=False)
+
+        def spacing_after_brace(whitespace: str) -> list[int]:
+            matcher = self.matcher_for(backend, json_schema=schema, json_whitespace=whitespace)
+            assert matcher.accept_tokens(brace) == len(brace)
+            allowed = allowed_tokens(self.fill(backend, matcher), 0, backend.vocab_size).tolist()
+            return [token for token in allowed if (vocabulary[token] or b"x")[:1].isspace()]
+
+        spacing = spacing_after_brace("compact")
+        assert not spacing, f"compact JSON allowed tokens that start with whitespace after '{{': {spacing[:8]}"
+        assert spacing_after_brace("flexible"), "flexible JSON allowed no whitespace after '{'"
+        stop = backend.stop_token_ids[0]
+        rng = random.Random(SEED)
+        ended = 0
+        for _ in range(4):
+            matcher = self.matcher_for(backend, json_schema=schema, json_whitespace="compact")
+            text = b""
+            for _ in range(400):
+                allowed = allowed_tokens(self.fill(backend, matcher), 0, backend.vocab_size).tolist()
+                if stop in allowed:
+                    assert not _whitespace_outside_strings(text.decode()), f"compact JSON with whitespace: {text!r}"
+                    ended += 1
+                    break
+                short = [t for t in allowed if len(vocabulary[t] or b"") <= 2]
+                token = rng.choice(short or allowed)
+                assert matcher.accept_tokens([token]) == 1
+                text += vocabulary[token] or b""
+        assert ended, "no random walk through the compact JSON grammar reached its end in 400 tokens"
 
     def test_json_object_accepts_any_object_only(self, backend: StructuredOutputBackend) -> None:
         schema = {"type": "object"}

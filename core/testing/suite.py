@@ -25,6 +25,7 @@ cannot be built) means a behaviour went unchecked, and strict mode
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -56,6 +57,12 @@ CapabilitiesT = TypeVar("CapabilitiesT", bound=Capabilities)
 """The capabilities class of the kind a suite checks."""
 
 
+def options_env(kind: str) -> str:
+    """The environment variable holding the options (a JSON object) the kit tests ``kind``'s plugins with:
+    ``PATCHBAY_TEST_<KIND>_OPTIONS``, e.g. ``PATCHBAY_TEST_TOOL_PARSER_OPTIONS``."""
+    return f"PATCHBAY_TEST_{kind.upper()}_OPTIONS"
+
+
 class PluginSuite(Generic[CapabilitiesT]):
     """Checks every plugin must pass, whatever its kind: registration hygiene, options, capabilities."""
 
@@ -66,6 +73,28 @@ class PluginSuite(Generic[CapabilitiesT]):
     known_gaps: ClassVar[dict[str, str]] = {}
     """Test name -> reason, for tests this implementation is known to fail."""
     capabilities_class: ClassVar[type[Capabilities]] = Capabilities
+    plugin_options: ClassVar[dict[str, Any] | None] = None
+    """Options the plugin is tested with; unset, those in ``PATCHBAY_TEST_<KIND>_OPTIONS`` (JSON), else each
+    suite's default (``patchbay check --options JSON`` sets this)."""
+    takes_options: ClassVar[bool] = True
+    """Whether the suite builds the plugin with :meth:`given_options` (the attention suites use the defaults)."""
+
+    def given_options(self) -> dict[str, Any] | None:
+        """The options a run fixes: :attr:`plugin_options`, else the kind's ``PATCHBAY_TEST_<KIND>_OPTIONS``,
+        else ``None`` (the suite's default)."""
+        if self.plugin_options:
+            return dict(self.plugin_options)
+        variable = options_env(self.kind)
+        raw = os.environ.get(variable)
+        if not raw:
+            return None
+        try:
+            options = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            pytest.fail(f"{variable} is not JSON ({exc}): {raw!r}")
+        if not isinstance(options, dict):
+            pytest.fail(f"{variable} must hold a JSON object of options, got {raw!r}")
+        return options
 
     # -- fixtures an implementer may override -----------------------------------------------
 
