@@ -8,18 +8,19 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
+from repo_paths import DISTRIBUTIONS
+from processes import pip_install_into, run_patchbay
+
 if TYPE_CHECKING:
     from shared_engines import SharedEngines
 
-TESTS_DIR = Path(__file__).resolve().parent
 
 # `model.dtype: auto` is the fastest dtype this machine's CPU computes natively (measured), which differs
 # from one machine to the next; parity with transformers is checked in float32, so the suite pins it.
@@ -40,70 +41,15 @@ os.environ.setdefault("PYTEST_PATCHBAY_SESSION", uuid.uuid4().hex)
 # ------------------------------------------------------------------------------------------------
 # Third-party plugin packages and the `patchbay` command line
 #
-# tests/example_plugin, tests/broken_plugin and tests/duplicate_plugin are real distributions with
+# tests/distributions/{example,broken,duplicate}_plugin are real distributions with
 # their own pyproject.toml.  `plugin_site` pip-installs them into a temporary directory (never into
 # the venv); a process started with PYTHONPATH=<site> sees their `patchbay` entry points exactly
 # as it would after `pip install patchbay-example-plugin`.
 # ------------------------------------------------------------------------------------------------
 
-PLUGIN_PACKAGES = (TESTS_DIR / "example_plugin", TESTS_DIR / "broken_plugin", TESTS_DIR / "duplicate_plugin")
+PLUGIN_PACKAGES = tuple(DISTRIBUTIONS / name for name in ("example_plugin", "broken_plugin", "duplicate_plugin"))
 DENY_BROKEN_AND_DUPLICATE = "patchbay-broken-plugin,patchbay-duplicate-plugin"
 """PATCHBAY_PLUGINS__DENY value that leaves the built-ins and the example plugin: a clean registry."""
-
-
-def pip_install_into(target: Path, packages: Iterable[Path]) -> None:
-    """``pip install --no-deps --no-build-isolation --target target packages...`` with this interpreter, offline."""
-    env = clean_env(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--no-deps",
-        "--no-build-isolation",
-        "--target",
-        str(target),
-        *(str(package) for package in packages),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-
-
-def clean_env(site: Path | None = None, **overrides: str) -> dict[str, str]:
-    """This process's environment without PATCHBAY_* settings and PYTHONPATH, plus ``overrides``.
-
-    With ``site``, PYTHONPATH points at it so its distributions' entry points are discovered.
-    """
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PATCHBAY_") and key != "PYTHONPATH"}
-    if site is not None:
-        env["PYTHONPATH"] = str(site)
-    env.update(overrides)
-    return env
-
-
-def patchbay_command() -> list[str]:
-    """The installed ``patchbay`` console script next to this interpreter.
-
-    Where there is none, ``python -m patchbay.entrypoints.cli``.
-    """
-    script = Path(sys.executable).with_name("patchbay")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "patchbay.entrypoints.cli"]
-
-
-def run_patchbay(
-    *args: str, site: Path | None, env: Mapping[str, str] | None = None, cwd: Path | None = None, timeout: float = 300
-) -> subprocess.CompletedProcess[str]:
-    """Run ``patchbay ARGS...`` in a subprocess that sees the distributions installed in ``site``."""
-    return subprocess.run(
-        [*patchbay_command(), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=clean_env(site, **dict(env or {})),
-        cwd=cwd,
-    )
 
 
 @pytest.fixture(scope="session")
@@ -151,7 +97,7 @@ def own_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     An engine built with an empty cache compiles the C++ kernels and measures the CPU again: a minute or
     more per test, for what the test does not look at.
     """
-    from patchbay.worker.model.model_loader import cache_dir
+    from patchbay.toolkit.paths import cache_dir
 
     shared = cache_dir()
     own = tmp_path / "cache"
@@ -164,7 +110,7 @@ def own_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------
-# Tiny random-weight models (see tests/tiny_models.py)
+# Tiny random-weight models (see tests/support/tiny_models.py)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -193,7 +139,7 @@ def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------
-# Engines shared by the tests that only read them (see tests/shared_engines.py for the rules)
+# Engines shared by the tests that only read them (see tests/support/shared_engines.py for the rules)
 #
 #     def test_x(shared_llm):                     @pytest.fixture(scope="module")
 #         llm = shared_llm(runtime__threads=2)    def llm(shared_engines):
@@ -220,3 +166,30 @@ def shared_llm(shared_engines: SharedEngines, request: pytest.FixtureRequest) ->
     """
     with shared_engines.loans(request.node.nodeid) as borrow:
         yield borrow
+
+
+# In-process engines on a GGUF file run its float conversion under `model.weight_format: auto` (the cached
+# safetensors copy transformers' GGUF reader makes, `toolkit.model_files.resolve_model_dir`): the suite compares
+# the engine's machinery (batching, chunking, preemption, drafters, caches) token for token, and a GGUF file's
+# own blocks round activations to int8 per row, so their greedy tokens may flip at near-ties as rows group
+# differently. The blocks run wherever a test names the gguf format (tests/plugins/weight_formats) and in every
+# subprocess (make run, patchbay serve).
+@pytest.fixture(scope="session", autouse=True)
+def _gguf_as_floats_under_auto() -> Iterator[None]:
+    from patchbay.engine import builder
+    from patchbay.toolkit.model_files import resolve_model_dir
+    from patchbay.worker.model import checkpoints
+
+    resolve = checkpoints.resolve_model
+
+    def floats_for_gguf(path, choice, registry, config):  # type: ignore[no-untyped-def]
+        resolved = resolve(path, choice, registry, config)
+        if choice.name != "auto" or resolved.weight_format_name != "gguf":
+            return resolved
+        directory = resolve_model_dir(path)
+        return checkpoints.ResolvedModel(checkpoints.checkpoint_of(str(directory)), directory, None, None)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoints, "resolve_model", floats_for_gguf)
+        patch.setattr(builder, "resolve_model", floats_for_gguf)
+        yield

@@ -25,7 +25,7 @@ PROMPT = list(range(100, 124))  # 6 full blocks of 4
 def llm(tiny_llama) -> patchbay.LLM:
     return patchbay.LLM(
         model__path=str(tiny_llama),
-        attention__backend="torch_sdpa",
+        attention__name="torch_sdpa",
         runtime__threads=2,
         model__max_model_len=64,
         cache__num_blocks=64,

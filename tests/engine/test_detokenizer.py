@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from patchbay.engine import IncrementalDetokenizer, StreamingText
-from patchbay.worker.model.model_loader import bundled_gguf, convert_gguf
+from patchbay.toolkit.model_files import bundled_gguf, convert_gguf
 
 TEXTS = [
     "Hello, world! The capital of France is Paris.",

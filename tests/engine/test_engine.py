@@ -16,7 +16,7 @@ from tiny_models import transformers_greedy
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama) -> patchbay.LLM:
-    return patchbay.LLM(model__path=str(tiny_llama), attention__backend="torch_sdpa", runtime__threads=2)
+    return patchbay.LLM(model__path=str(tiny_llama), attention__name="torch_sdpa", runtime__threads=2)
 
 
 def _prompts(count: int, seed: int = 3) -> list[list[int]]:
@@ -128,7 +128,7 @@ def test_an_empty_or_out_of_vocabulary_prompt_is_refused(llm):
 def test_rows_churning_through_a_small_batch_still_match_transformers(tiny_llama):
     llm = patchbay.LLM(
         model__path=str(tiny_llama),
-        attention__backend="torch_sdpa",
+        attention__name="torch_sdpa",
         scheduler__max_num_seqs=3,
         scheduler__max_num_batched_tokens=48,
         runtime__threads=2,
@@ -162,7 +162,7 @@ def test_a_builder_that_reorders_the_batch_changes_no_token(tiny_llama, llm):
     registry.add_plugin(ReversingBuilderPlugin(), name="reversing-test")
     reordered = patchbay.LLM(
         model__path=str(tiny_llama),
-        attention__backend="torch_sdpa",
+        attention__name="torch_sdpa",
         attention__metadata_builder="reversing",
         registry=registry,
     )
@@ -174,7 +174,7 @@ def test_a_builder_that_reorders_the_batch_changes_no_token(tiny_llama, llm):
 
 
 def test_bfloat16_runs_and_agrees_with_transformers_in_bfloat16(tiny_llama):
-    llm = patchbay.LLM(model__path=str(tiny_llama), model__dtype="bfloat16", attention__backend="torch_sdpa")
+    llm = patchbay.LLM(model__path=str(tiny_llama), model__dtype="bfloat16", attention__name="torch_sdpa")
     assert llm.engine.runner.kv_caches[next(iter(llm.engine.runner.kv_caches))].dtype == torch.bfloat16
     prompts = _prompts(6, seed=4)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))

@@ -79,7 +79,7 @@ def test_a_failing_request_fails_alone_with_a_kv_connector(tiny_llama, tmp_path,
     def llm(store: Path) -> patchbay.LLM:
         return patchbay.LLM(
             model__path=str(tiny_llama),
-            attention__backend="torch_sdpa",
+            attention__name="torch_sdpa",
             runtime__threads=2,
             model__max_model_len=64,
             cache__num_blocks=64,

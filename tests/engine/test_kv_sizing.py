@@ -119,7 +119,7 @@ def _llm_on_a_pool_of_nans(tiny_llama, monkeypatch) -> patchbay.LLM:
         lambda shape, *, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device),
     )
     return patchbay.LLM(
-        model__path=str(tiny_llama), attention__backend="torch_sdpa", attention__options={"decode_kernel": "sdpa"}
+        model__path=str(tiny_llama), attention__name="torch_sdpa", attention__options={"decode_kernel": "sdpa"}
     )
 
 
@@ -177,8 +177,8 @@ def test_a_drafters_own_cache_is_counted_per_block_of_the_pool(monkeypatch):
 def test_the_drafter_and_the_sampler_load_before_the_pool_is_sized(tiny_llama, monkeypatch):
     """Finding: drafter weights and EAGLE's cache were loaded after cache.memory auto sized the pool, and the
     sampler and rejection sampler never ran in the profiled step, so the pool took memory they then needed."""
-    from patchbay.engine import builder
-    from patchbay.plugins.drafters.eagle import EagleDrafter
+    from patchbay.engine import rank_zero
+    from patchbay.plugins.spec_decode.eagle import EagleDrafter
     from patchbay.plugins.samplers.rejection import StandardRejectionSampler
     from patchbay.plugins.samplers.standard import StandardSampler
 
@@ -203,14 +203,14 @@ def test_the_drafter_and_the_sampler_load_before_the_pool_is_sized(tiny_llama, m
         sizings.append(kwargs)
         return size(*args, **kwargs)
 
-    monkeypatch.setattr(builder, "size_kv_pool", size_kv_pool)
+    monkeypatch.setattr(rank_zero, "size_kv_pool", size_kv_pool)
     real = kv_sizing.memory_in_use
     monkeypatch.setattr(kv_sizing, "device_memory", lambda device: 2 * real(device) + GiB)
     llm = patchbay.LLM(
         model__path=str(tiny_llama),
         scheduler__max_num_batched_tokens=128,
-        speculative__method="eagle",
-        speculative__num_speculative_tokens=2,
+        spec_decode__name="eagle",
+        spec_decode__num_speculative_tokens=2,
         # Half of the faked memory, not the suite's 0.15: the profiled step's peak resident set varies with
         # what the process did before (338 MiB seen on a fresh clone), and this test is about order, not room.
         cache__memory_utilization=0.5,
@@ -236,4 +236,4 @@ def test_the_memory_check_counts_the_drafters_own_cache(tiny_llama, monkeypatch)
     settings = dict(model__path=str(tiny_llama), model__dtype="float32", cache__num_blocks=num_blocks)
     patchbay.LLM(**settings)  # the pool alone fits
     with pytest.raises(ConfigError, match=r"in the drafter's own cache"):
-        patchbay.LLM(**settings, speculative__method="eagle", speculative__num_speculative_tokens=2)
+        patchbay.LLM(**settings, spec_decode__name="eagle", spec_decode__num_speculative_tokens=2)

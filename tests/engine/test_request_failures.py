@@ -20,7 +20,7 @@ PROMPTS = [[11, 12, 13, 14], [21, 22, 23], [31, 32, 33, 34, 35]]
 def llm(tiny_llama) -> patchbay.LLM:
     return patchbay.LLM(
         model__path=str(tiny_llama),
-        attention__backend="torch_sdpa",
+        attention__name="torch_sdpa",
         runtime__threads=2,
         model__max_model_len=MAX_MODEL_LEN,
         cache__num_blocks=64,
@@ -191,7 +191,7 @@ def test_generate_leaves_no_request_behind_when_a_callback_raises(llm, clean_tok
 def test_an_error_in_shared_state_makes_the_engine_dead_for_every_later_call(tiny_llama, monkeypatch):
     llm = patchbay.LLM(
         model__path=str(tiny_llama),
-        attention__backend="torch_sdpa",
+        attention__name="torch_sdpa",
         runtime__threads=2,
         model__max_model_len=MAX_MODEL_LEN,
         cache__num_blocks=32,

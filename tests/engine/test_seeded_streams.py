@@ -21,7 +21,7 @@ SEEDED = [SamplingParams(max_tokens=24, temperature=1.0, seed=7 + i, ignore_eos=
 def _llm(tiny_llama, num_blocks: int) -> patchbay.LLM:
     return patchbay.LLM(
         model__path=str(tiny_llama),
-        attention__backend="torch_sdpa",
+        attention__name="torch_sdpa",
         runtime__threads=2,
         model__max_model_len=MAX_MODEL_LEN,
         cache__num_blocks=num_blocks,

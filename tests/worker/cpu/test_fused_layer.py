@@ -8,11 +8,12 @@ import torch
 import patchbay
 from patchbay.sampling_params import SamplingParams
 from patchbay.worker import runner_build
-from patchbay.worker.cpu import fused_layer, fused_ops
-from patchbay.worker.cpu.native_build import build_unavailable
-from patchbay.worker.cpu.streaming_linear import (
+from patchbay.toolkit import fused_ops
+from patchbay.worker.cpu import fused_layer
+from patchbay.toolkit.native_build import build_unavailable
+from patchbay.toolkit.tiles import (
     chunk_runner,
-    load_streaming_linear,
+    load_tile_kernels,
     note_tiles_in_use,
     tile,
     tiled_product_entry,
@@ -159,7 +160,7 @@ def test_the_ops_between_products_give_the_same_bits_on_the_helpers(dtype):
     helpers: the same bits as the standalone kernels and torch's adds, in the model's order."""
     if tiles_unavailable(dtype) is not None:
         pytest.skip(tiles_unavailable(dtype))
-    ops, linear = fused_ops.load_fused_ops(), load_streaming_linear()
+    ops, linear = fused_ops.load_fused_ops(), load_tile_kernels()
     note_tiles_in_use(2)
     helpers, entry = chunk_runner(), tiled_product_entry()
     assert helpers != 0

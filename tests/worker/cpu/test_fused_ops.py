@@ -1,4 +1,5 @@
-"""The C++ RMS-norm and SiLU-and-multiply kernels: against transformers' modules, and in the engine."""
+"""The C++ RMS-norm (Llama's and Gemma's) and gated-activation (SiLU, tanh GELU) kernels: against transformers'
+modules, and in the engine."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 import patchbay
 from patchbay.sampling_params import SamplingParams
-from patchbay.worker.cpu import fused_ops
+from patchbay.toolkit import fused_ops
+from patchbay.worker.cpu import fused_modules
 from patchbay.worker.cpu.fused_projections import fuse_shared_input_projections
-from patchbay.worker.cpu.native_build import build_unavailable
-from patchbay.worker.cpu.streaming_linear import TileLayout
-from patchbay.worker.cpu.tuning import CpuInfo
+from patchbay.toolkit.native_build import build_unavailable
+from patchbay.toolkit.tiles import TileLayout
+from patchbay.toolkit.cpu import CpuInfo
 from tiny_models import transformers_greedy
 
 pytestmark = pytest.mark.skipif(build_unavailable() is not None, reason=f"cannot build here: {build_unavailable()}")
@@ -51,17 +54,29 @@ class NotBuilt:
         return None
 
 
+NORMS = {
+    # Llama's weight multiplies the row rounded to the dtype; Gemma's 1 + weight multiplies it in float32.
+    "llama": (LlamaRMSNorm, fused_modules.FusedRMSNorm, 0.5),
+    "gemma": (GemmaRMSNorm, fused_modules.FusedGemmaRMSNorm, -0.5),
+}
+
+
 @VARIANTS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 is past the kernels' threading threshold
-def test_rms_norm_matches_transformers(dtype, rows, variant):
+@pytest.mark.parametrize("family", sorted(NORMS))
+def test_rms_norm_matches_transformers(family, dtype, rows, variant):
+    norm_class, fused_class, offset = NORMS[family]
     generator = torch.Generator().manual_seed(0)
-    norm = LlamaRMSNorm(580, eps=1e-5).to(dtype)  # 580: whole registers and a tail of plain loops
+    norm = norm_class(580, eps=1e-5).to(dtype)  # 580: whole registers and a tail of plain loops
     with torch.no_grad():
-        norm.weight.copy_(torch.rand(580, generator=generator) + 0.5)
+        norm.weight.copy_(torch.rand(580, generator=generator) + offset)
     hidden = (torch.randn(1, rows, 580, generator=generator) * 3).to(dtype)
     expected = norm(hidden)
-    norm.forward = fused_ops.FusedRMSNorm(norm, Built(variant))
+    assert fused_modules.use_fused_ops(norm, device=torch.device("cpu"), dtype=str(dtype)[6:], build=NotBuilt()) == (
+        fused_modules.FusedModules(norms=1)
+    )
+    norm.forward = fused_class(norm, Built(variant))
     with torch.inference_mode():
         got = norm(hidden)
     assert got.dtype == dtype and got.shape == expected.shape
@@ -74,27 +89,40 @@ def test_rms_norm_matches_transformers(dtype, rows, variant):
         torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
 
 
+ACTIVATIONS = {
+    # hidden_act -> (the kernels' name for it, torch's function)
+    "silu": ("silu", F.silu),
+    "gelu_pytorch_tanh": ("gelu_tanh", functools.partial(F.gelu, approximate="tanh")),  # Gemma's
+}
+
+
 @VARIANTS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_silu_mlp_matches_transformers(dtype, rows, variant):
-    config = LlamaConfig(hidden_size=64, intermediate_size=1540, num_attention_heads=4, hidden_act="silu")
+@pytest.mark.parametrize("hidden_act", sorted(ACTIVATIONS))
+def test_gated_mlp_matches_transformers(hidden_act, dtype, rows, variant):
+    activation, function = ACTIVATIONS[hidden_act]
+    config = LlamaConfig(hidden_size=64, intermediate_size=1540, num_attention_heads=4, hidden_act=hidden_act)
     torch.manual_seed(0)
     mlp = LlamaMLP(config).to(dtype).eval()
-    x = torch.randn(1, rows, 64).to(dtype)
+    assert fused_modules.llama_mlp_activation(mlp) == activation
+    x = (torch.randn(1, rows, 64) * 4).to(dtype)  # gates far into both tails of the activation
     with torch.inference_mode():
         expected = mlp(x)
         gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
         activated = torch.empty(1, rows, 1540, dtype=dtype)
-        Built(variant).ready().silu_and_mul(gate_up, activated)
+        getattr(Built(variant).ready(), fused_modules.GATED_ACTIVATIONS[activation])(gate_up, activated)
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        # The kernels' exp (and tanh, near +-1) are within an ulp or two of torch's: at most 1.2e-7 of |gate * up|
+        # (where tanh is one float from -1, torch's rounds to -1 and its product to 0).
         torch.testing.assert_close(
             activated,
-            F.silu(mlp.gate_proj(x)) * mlp.up_proj(x),
+            function(gate) * up,
             rtol=1e-5 if dtype == torch.float32 else 8e-3,
-            atol=1e-6,
+            atol=max(1e-6, 1.2e-7 * (gate.float() * up.float()).abs().max().item()),
         )
         assert fuse_shared_input_projections(mlp) == 1
-        mlp.forward = fused_ops.FusedSiluMLP(mlp, Built(variant))
+        mlp.forward = fused_modules.FusedGatedMLP(mlp, Built(variant), activation)
         assert mlp.forward.group is not None  # the gate/up product is the fused group's
         got = mlp(x)
     torch.testing.assert_close(
@@ -104,7 +132,7 @@ def test_silu_mlp_matches_transformers(dtype, rows, variant):
 
 def test_modules_run_their_own_forward_until_the_kernels_are_built():
     norm = LlamaRMSNorm(32)
-    norm.forward = fused_ops.FusedRMSNorm(norm, NotBuilt())
+    norm.forward = fused_modules.FusedRMSNorm(norm, NotBuilt())
     hidden = torch.randn(3, 32)
     torch.testing.assert_close(norm(hidden), LlamaRMSNorm.forward(norm, hidden), rtol=0, atol=0)
 
@@ -122,26 +150,32 @@ def test_only_modules_computing_the_llama_formulas_are_replaced():
     class GeluMLP(LlamaMLP):
         pass
 
+    def llama_mlp(hidden_act):
+        return LlamaMLP(LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, hidden_act=hidden_act))
+
     config = LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, hidden_act="gelu")
     model = nn.ModuleDict(
         {
             "norm": LlamaRMSNorm(8),
             "scaled": ScaledNorm(),
-            "silu": LlamaMLP(
-                LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, hidden_act="silu")
-            ),
-            "gelu": GeluMLP(config),
+            "gemma_norm": GemmaRMSNorm(8),
+            "silu": llama_mlp("silu"),
+            "gelu_tanh": llama_mlp("gelu_pytorch_tanh"),
+            "gelu": GeluMLP(config),  # the exact (erf) GELU: no kernel
         }
     )
-    counts = fused_ops.use_fused_ops(model, device=torch.device("cpu"), dtype="float32", build=NotBuilt())
-    assert counts == fused_ops.FusedModules(norms=1, mlps=1)
-    assert isinstance(vars(model["norm"]).get("forward"), fused_ops.FusedRMSNorm)
-    assert isinstance(vars(model["silu"]).get("forward"), fused_ops.FusedSiluMLP)
+    counts = fused_modules.use_fused_ops(model, device=torch.device("cpu"), dtype="float32", build=NotBuilt())
+    assert counts == fused_modules.FusedModules(norms=2, mlps=2)
+    assert isinstance(vars(model["norm"]).get("forward"), fused_modules.FusedRMSNorm)
+    assert isinstance(vars(model["gemma_norm"]).get("forward"), fused_modules.FusedGemmaRMSNorm)
+    assert [vars(model[name]).get("forward").activation for name in ("silu", "gelu_tanh")] == ["silu", "gelu_tanh"]
     assert "forward" not in vars(model["scaled"]) and "forward" not in vars(model["gelu"])
     # Off the CPU's float32/bfloat16 nothing changes.
     assert (
-        fused_ops.use_fused_ops(LlamaRMSNorm(8).half(), device=torch.device("cpu"), dtype="float16", build=NotBuilt())
-        == fused_ops.FusedModules()
+        fused_modules.use_fused_ops(
+            LlamaRMSNorm(8).half(), device=torch.device("cpu"), dtype="float16", build=NotBuilt()
+        )
+        == fused_modules.FusedModules()
     )
 
 
@@ -151,7 +185,7 @@ def test_greedy_tokens_match_transformers_with_the_kernels_on(tiny_llama):
     llm = patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32", runtime__fused_ops=True)
     config = llm.engine.model.model.config
     tiled = llm.engine.linear_paths.layout == TileLayout.name  # then whole layers fuse (test_fused_layer.py)
-    assert llm.engine.fused_modules == fused_ops.FusedModules(
+    assert llm.engine.fused_modules == fused_modules.FusedModules(
         norms=2 * config.num_hidden_layers + 1,
         mlps=config.num_hidden_layers,
         attentions=config.num_hidden_layers,

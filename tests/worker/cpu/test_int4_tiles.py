@@ -10,11 +10,12 @@ import patchbay
 from patchbay.sampling_params import SamplingParams
 from patchbay.plugins.attention._cpu_kernel import load_kernel as load_attention_kernel
 from patchbay.worker import runner_build
-from patchbay.worker.cpu import fused_layer, fused_ops
-from patchbay.worker.cpu.native_build import build_unavailable
-from patchbay.worker.cpu.packed_linear import PackedLinear
+from patchbay.toolkit import fused_ops
+from patchbay.worker.cpu import fused_layer
+from patchbay.toolkit.native_build import build_unavailable
+from patchbay.worker.cpu.onednn import PackedLinear
 from patchbay.worker.cpu.quantization import Int4TileLayout, dequantize_int4_tiles, int4_tiles, int4_tiles_unavailable
-from patchbay.worker.cpu.streaming_linear import load_streaming_linear
+from patchbay.toolkit.tiles import load_tile_kernels
 
 pytestmark = pytest.mark.skipif(
     build_unavailable() is not None or int4_tiles_unavailable() is not None,
@@ -42,7 +43,7 @@ def test_a_weight_on_the_q4_1_grid_is_kept_exactly():
     levels, scales, minimums = q4_1_grid(20, 96, seed=0)  # 20 outputs: a partial last tile of 8
     weight = grid_weight(levels, scales, minimums)
     tiles = int4_tiles(weight)
-    assert tiles.dtype == torch.uint8 and tiles.shape == (3, 3, load_streaming_linear().int4_block_bytes())
+    assert tiles.dtype == torch.uint8 and tiles.shape == (3, 3, load_tile_kernels().int4_block_bytes())
     assert tiles.numel() * 8 == 24 * 96 * 5  # five bits per weight, padding included
     torch.testing.assert_close(dequantize_int4_tiles(tiles, 20), weight, rtol=0, atol=0)
 
@@ -80,7 +81,7 @@ def test_the_product_is_int8_activations_times_the_grid(rows, dtype):
     inputs = torch.randn(rows, in_features, generator=generator).to(dtype)
     inputs[0, 32:64] = 0  # a group of zeros: scale 0, no division by it
     bias = torch.randn(out_features, generator=generator).to(dtype)
-    got = load_streaming_linear().tiled_linear(inputs, tiles, bias, out_features, 2)
+    got = load_tile_kernels().tiled_linear(inputs, tiles, bias, out_features, 2)
     assert got.dtype == dtype and got.shape == (rows, out_features)
     reference = int8_activations_reference(inputs, levels, scales, minimums, bias)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
@@ -100,7 +101,12 @@ def int4_llm(model_dir, **settings) -> patchbay.LLM:
     # activations can turn such a last-bit difference into a different level.
     fused_ops.load_fused_ops()
     load_attention_kernel()
-    return patchbay.LLM(model__path=str(model_dir), model__dtype="float32", model__quantization="int4", **settings)
+    return patchbay.LLM(
+        model__path=str(model_dir),
+        model__dtype="float32",
+        model__weight_format={"name": "int4", "options": {"products": "tiles"}},
+        **settings,
+    )
 
 
 def test_an_int4_engine_runs_every_linear_and_whole_layers_over_int4_tiles(tiny_llama, monkeypatch):

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from patchbay.plugins.attention import _cpu_kernel
-from patchbay.worker.cpu import fused_ops, heap, streaming_linear
-from patchbay.worker.cpu.native_build import CSRC, NativeExtension
+from patchbay.toolkit import fused_ops, tiles as streaming_linear
+from patchbay.worker.cpu import caching_allocator as heap
+from patchbay.toolkit.native_build import CSRC, NativeExtension
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+from repo_paths import REPO_ROOT
+
 EXTENSIONS = {
     "fused_ops": fused_ops.EXTENSION,
     "streaming_linear": streaming_linear.EXTENSION,

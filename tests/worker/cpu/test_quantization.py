@@ -17,7 +17,7 @@ from patchbay.worker.cpu.quantization import (
     quantize_int8,
     quantize_linears,
 )
-from patchbay.worker.cpu.streaming_linear import tiles_unavailable
+from patchbay.toolkit.tiles import tiles_unavailable
 
 TILED = [
     pytest.param(
@@ -127,7 +127,11 @@ def test_an_engine_with_integer_weights_runs_them_in_decode_steps(tiny_llama, sc
         pytest.skip("int4 runs over int4 tiles here (tests/worker/cpu/test_int4_tiles.py)")
     prompts = [list(range(10, 40)), [7, 8, 9]]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    llm = patchbay.LLM(model__path=str(tiny_llama), model__dtype="bfloat16", model__quantization=scheme)
+    llm = patchbay.LLM(
+        model__path=str(tiny_llama),
+        model__dtype="bfloat16",
+        model__weight_format=({"name": scheme, "options": {"products": "tiles"}} if scheme == "int4" else scheme),
+    )
     assert llm.engine.quantized_linears > 0
     calls = []
     linear = next(

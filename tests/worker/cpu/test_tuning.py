@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from patchbay.worker.cpu import tuning
-from patchbay.worker.cpu.tuning import CpuInfo, LayerShapes, Measurements, apply_linear_paths, choose
+from patchbay.toolkit.cpu import CpuInfo
+from patchbay.worker.cpu.tuning import LayerShapes, Measurements, apply_linear_paths, choose
 
 AVX2_EPYC = CpuInfo("AMD EPYC 7B13", frozenset({"avx2", "fma", "avx512f"}))
 AMX_XEON = CpuInfo(
@@ -184,7 +185,7 @@ def test_a_path_wins_from_where_its_straight_line_crosses_the_baselines_between_
 
 
 def test_auto_tiles_run_amx_from_the_tuned_row_count():
-    from patchbay.worker.cpu import streaming_linear
+    from patchbay.toolkit import tiles as streaming_linear
 
     if streaming_linear.tiles_unavailable(torch.bfloat16) is not None:
         pytest.skip(streaming_linear.tiles_unavailable(torch.bfloat16))
@@ -248,7 +249,7 @@ def test_tune_measures_once_caches_per_cpu_and_measures_again_when_asked(tmp_pat
     monkeypatch.setenv("PATCHBAY_CACHE_DIR", str(tmp_path))
     calls = []
 
-    def fake_measure(shapes, dtypes, threads, budget_seconds=1.5):
+    def fake_measure(shapes, dtypes, threads, budget_seconds=1.5, clock=None):
         calls.append(dtypes)
         return _measured(float32=[1, 2, 8, 30], bfloat16=[1, 1, 2, 8])
 
@@ -281,12 +282,13 @@ def test_a_burst_that_slows_one_rounds_tiles_does_not_decide(monkeypatch):
     rounds = [_measured(**burst), _measured(**clean), _measured(**clean), _measured(**burst)]
     calls = []
 
-    def fake_measure(shapes, dtypes, threads, budget_seconds=1.5):
+    def fake_measure(shapes, dtypes, threads, budget_seconds=1.5, clock=None):
         calls.append(dtypes)
         return rounds[len(calls) - 1]
 
     monkeypatch.setattr(tuning, "measure", fake_measure)
-    chosen = choose(AMX_XEON, tuning.measure_in_rounds(SHAPES, ("float32", "bfloat16"), threads=2), threads=2)
+    rounds = tuning.measure_in_rounds(SHAPES, ("float32", "bfloat16"), threads=2)
+    chosen = choose(AMX_XEON, rounds.measurements, threads=2)
     assert (chosen.tiled_dtypes, chosen.bfloat16_amx_from_rows) == (["bfloat16"], 12)  # the clean round's times
     assert len(calls) == 3  # the first two rounds disagreed: a third, which agreed with the second
     assert chosen.measurements["tiled_bfloat16_amx"]["256"] == 0.5
@@ -349,7 +351,7 @@ def test_auto_packs_the_linears_of_a_dtype_the_tuning_packs():
 
 
 def test_auto_tiles_the_linears_of_a_dtype_the_tuning_tiles():
-    from patchbay.worker.cpu.streaming_linear import tiles_unavailable
+    from patchbay.toolkit.tiles import tiles_unavailable
 
     if tiles_unavailable(torch.float32) is not None:
         pytest.skip(tiles_unavailable(torch.float32))
@@ -396,7 +398,7 @@ def test_bfloat16_tiles_run_the_faster_kernel_and_it_decides_the_dtype():
 
 @pytest.mark.parametrize("kernel", ["fma", "pairs"])
 def test_auto_tiles_bfloat16_with_the_tuned_kernel(kernel):
-    from patchbay.worker.cpu import streaming_linear
+    from patchbay.toolkit import tiles as streaming_linear
 
     if streaming_linear.tiles_unavailable(torch.bfloat16) is not None:
         pytest.skip(streaming_linear.tiles_unavailable(torch.bfloat16))
@@ -437,7 +439,9 @@ def test_an_engine_left_on_auto_runs_the_tuned_dtype(tiny_llama, tmp_path, monke
     monkeypatch.setattr(
         tuning,
         "measure",
-        lambda shapes, dtypes, threads, budget_seconds=1.5: _measured(float32=[1, 2, 8, 30], bfloat16=[1, 1, 2, 8]),
+        lambda shapes, dtypes, threads, budget_seconds=1.5, clock=None: _measured(
+            float32=[1, 2, 8, 30], bfloat16=[1, 1, 2, 8]
+        ),
     )
     llm = patchbay.LLM(model__path=str(tiny_llama))
     assert llm.engine.dtype == "bfloat16" and llm.engine.tuning.dtype == "bfloat16"
@@ -487,9 +491,9 @@ def test_an_int4_engine_left_on_auto_runs_bfloat16_where_float32_measured_faster
     monkeypatch.delenv("PATCHBAY_MODEL__DTYPE", raising=False)
     monkeypatch.setattr(tuning.CpuInfo, "read", classmethod(lambda cls, cpuinfo=None: XEON_WITHOUT_AMX))
     monkeypatch.setattr(
-        tuning, "measure", lambda shapes, dtypes, threads, budget_seconds=1.5: _measured(**FLOAT32_FASTEST)
+        tuning, "measure", lambda shapes, dtypes, threads, budget_seconds=1.5, clock=None: _measured(**FLOAT32_FASTEST)
     )
-    llm = patchbay.LLM(model__path=str(tiny_llama), model__quantization="int4")
+    llm = patchbay.LLM(model__path=str(tiny_llama), model__weight_format="int4")
     assert llm.engine.tuning.dtype == "float32" and llm.engine.dtype == "bfloat16"
     (output,) = llm.generate([[1, 2, 3]], patchbay.SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(output.token_ids) == 4
@@ -504,7 +508,7 @@ def test_patchbay_tune_measures_afresh_and_prints_the_choice(tiny_llama, tmp_pat
     monkeypatch.setattr(
         tuning,
         "measure",
-        lambda shapes, dtypes, threads, budget_seconds=1.5: (
+        lambda shapes, dtypes, threads, budget_seconds=1.5, clock=None: (
             calls.append(shapes) or _measured(float32=[1, 2, 8, 30], bfloat16=[1, 1, 2, 8], row_split=[0.5, 3, 9, 31])
         ),
     )
@@ -545,7 +549,9 @@ def test_a_full_cache_disk_at_start_runs_with_an_unsaved_tuning_and_one_warning(
     monkeypatch.setattr(
         tuning,
         "measure",
-        lambda shapes, dtypes, threads, budget_seconds=1.5: _measured(float32=[1, 2, 8, 30], bfloat16=[1, 1, 2, 8]),
+        lambda shapes, dtypes, threads, budget_seconds=1.5, clock=None: _measured(
+            float32=[1, 2, 8, 30], bfloat16=[1, 1, 2, 8]
+        ),
     )
     write_text = Path.write_text
 

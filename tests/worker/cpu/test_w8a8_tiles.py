@@ -12,9 +12,10 @@ from patchbay.contract.settings import ConfigError
 from patchbay.sampling_params import SamplingParams
 from patchbay.plugins.attention._cpu_kernel import load_kernel as load_attention_kernel
 from patchbay.worker import runner_build
-from patchbay.worker.cpu import fused_layer, fused_ops
-from patchbay.worker.cpu.native_build import build_unavailable
-from patchbay.worker.cpu.packed_linear import PackedLinear
+from patchbay.toolkit import fused_ops
+from patchbay.worker.cpu import fused_layer
+from patchbay.toolkit.native_build import build_unavailable
+from patchbay.worker.cpu.onednn import PackedLinear
 from patchbay.worker.cpu.quantization import (
     W8A8TileLayout,
     quantize_int8,
@@ -23,7 +24,7 @@ from patchbay.worker.cpu.quantization import (
     w8a8_tiles,
     w8a8_tiles_unavailable,
 )
-from patchbay.worker.cpu.streaming_linear import load_streaming_linear
+from patchbay.toolkit.tiles import load_tile_kernels
 
 needs_w8a8 = pytest.mark.skipif(
     build_unavailable() is not None or w8a8_tiles_unavailable() is not None,
@@ -77,7 +78,7 @@ def test_the_product_equals_the_int8_reference_bit_for_bit(rows, dtype):
     inputs = torch.randn(rows, in_features, generator=generator).to(dtype)
     inputs[-1] = 0  # a row of zeros: scale 0, no division by it
     bias = torch.randn(out_features, generator=generator).to(dtype)
-    got = load_streaming_linear().tiled_linear(inputs, w8a8_tiles(weight), bias, out_features, 2)
+    got = load_tile_kernels().tiled_linear(inputs, w8a8_tiles(weight), bias, out_features, 2)
     assert got.dtype == dtype and got.shape == (rows, out_features)
     assert torch.equal(got, w8a8_reference(inputs, weight, bias))
     assert not got[-1].sub(bias).any()
@@ -90,8 +91,8 @@ def test_many_rows_quantized_over_the_helpers_give_the_same_bits():
     inputs = torch.randn(70, 128, generator=generator).bfloat16()
     bias = torch.zeros(64, dtype=torch.bfloat16)
     tiles = w8a8_tiles(weight)
-    together = load_streaming_linear().tiled_linear(inputs, tiles, None, 64, 2)
-    one_by_one = torch.cat([load_streaming_linear().tiled_linear(row[None], tiles, None, 64, 1) for row in inputs])
+    together = load_tile_kernels().tiled_linear(inputs, tiles, None, 64, 2)
+    one_by_one = torch.cat([load_tile_kernels().tiled_linear(row[None], tiles, None, 64, 1) for row in inputs])
     assert torch.equal(together, one_by_one)
     assert torch.equal(together, w8a8_reference(inputs, weight, bias))
 
@@ -110,7 +111,7 @@ def test_products_through_amx_equal_the_int8_reference_bit_for_bit(rows, dtype):
     tiles = w8a8_tiles(weight)
     previous = use_w8a8_amx_from(1)
     try:
-        got = load_streaming_linear().tiled_linear(inputs, tiles, bias, out_features, 3)
+        got = load_tile_kernels().tiled_linear(inputs, tiles, bias, out_features, 3)
         with pytest.raises(RuntimeError, match="row count of 0 or more"):
             use_w8a8_amx_from(-1)
     finally:
@@ -132,7 +133,7 @@ def test_amx_products_cut_into_passes_over_the_depth_equal_the_int8_reference():
     tiles = w8a8_tiles(weight)
     previous = use_w8a8_amx_from(1)
     try:
-        got = load_streaming_linear().tiled_linear(inputs, tiles, bias, out_features, 1)
+        got = load_tile_kernels().tiled_linear(inputs, tiles, bias, out_features, 1)
     finally:
         use_w8a8_amx_from(previous)
     assert torch.equal(got, w8a8_reference(inputs, weight, bias))
@@ -149,7 +150,12 @@ def test_the_layout_refuses_weights_it_cannot_hold():
 def w8a8_llm(model_dir, **settings) -> patchbay.LLM:
     fused_ops.load_fused_ops()
     load_attention_kernel()
-    return patchbay.LLM(model__path=str(model_dir), model__dtype="bfloat16", model__quantization="w8a8", **settings)
+    return patchbay.LLM(
+        model__path=str(model_dir),
+        model__dtype="bfloat16",
+        model__weight_format={"name": "w8a8", "options": {"products": "tiles"}},
+        **settings,
+    )
 
 
 @needs_w8a8
@@ -177,5 +183,9 @@ def test_a_w8a8_engine_runs_every_linear_and_whole_layers_over_w8a8_tiles(tiny_l
 def test_w8a8_on_a_cpu_without_vnni_is_a_config_error(tiny_llama, monkeypatch):
     monkeypatch.setattr(runner_build, "w8a8_tiles_unavailable", lambda: "W8A8 tiles need AVX512-VNNI (faked)")
     with pytest.raises(ConfigError) as raised:
-        patchbay.LLM(model__path=str(tiny_llama), model__dtype="float32", model__quantization="w8a8")
-    assert "model.quantization" in str(raised.value) and "AVX512-VNNI (faked)" in str(raised.value)
+        patchbay.LLM(
+            model__path=str(tiny_llama),
+            model__dtype="float32",
+            model__weight_format={"name": "w8a8", "options": {"products": "tiles"}},
+        )
+    assert "model.weight_format" in str(raised.value) and "AVX512-VNNI (faked)" in str(raised.value)

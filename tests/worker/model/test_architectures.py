@@ -35,7 +35,7 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 def test_greedy_matches_transformers(tiny_model: Path, backend: str):
     llm = patchbay.LLM(
         model__path=str(tiny_model),
-        attention__backend=backend,
+        attention__name=backend,
         cache__block_size=16,
         scheduler__max_num_batched_tokens=64,
         runtime__threads=2,
@@ -48,9 +48,7 @@ def test_greedy_matches_transformers(tiny_model: Path, backend: str):
 
 
 def test_mixed_window_model_has_two_cache_groups(tmp_path):
-    llm = patchbay.LLM(
-        model__path=str(build_tiny_model(tmp_path, "qwen2-mixed-window")), attention__backend="reference"
-    )
+    llm = patchbay.LLM(model__path=str(build_tiny_model(tmp_path, "qwen2-mixed-window")), attention__name="reference")
     windows = sorted((g.spec.sliding_window or 0, len(g.layer_names)) for g in llm.engine.groups)
     assert windows == [(0, 2), (24, 2)]
 
@@ -59,5 +57,5 @@ def test_unsupported_architecture_is_named(tmp_path):
     from transformers import T5Config
 
     T5Config(vocab_size=100, d_model=16, num_layers=1, num_heads=2, d_kv=8, d_ff=32).save_pretrained(tmp_path)
-    with pytest.raises(patchbay.worker.model.model_loader.ModelLoadError, match="T5"):
+    with pytest.raises(patchbay.toolkit.model_files.ModelLoadError, match="T5"):
         patchbay.LLM(model__path=str(tmp_path))

@@ -73,7 +73,7 @@ CRAMPED = dict(
     cache__block_size=4,
     cache__num_blocks=17,
     model__max_model_len=64,
-    speculative={"method": "ngram", "num_speculative_tokens": 3},
+    spec_decode={"name": "ngram", "num_speculative_tokens": 3},
 )
 """16 usable blocks of 4 tokens: each request fits, the three at once do not (the scheduler preempts)."""
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from test_docs import CONFIGURATION, shell_lines
+from doc_text import CONFIGURATION, shell_lines
 from tiny_models import transformers_greedy
 
 from patchbay.contract.settings import ConfigError, load_settings

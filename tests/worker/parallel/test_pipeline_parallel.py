@@ -154,15 +154,15 @@ def test_stages_must_each_hold_every_kind_of_attention_layer(tmp_path_factory: p
 
 
 def test_hidden_states_of_another_stage_s_layers_cannot_be_captured_for_a_drafter(tiny_llama: Path) -> None:
-    from patchbay.worker.model.hf_model import AuxHiddenStates, HFCausalLM
-    from patchbay.worker.model.model_loader import ModelLoadError
+    from patchbay.toolkit.hidden_states import HiddenStatesError
+    from patchbay.worker.model.hf_model import HFCausalLM
     from patchbay.worker.parallel.pipeline_parallel import split_model, stage_layout
 
     model = HFCausalLM.load(tiny_llama, dtype="float32", device=torch.device("cpu"))
     split_model(model, stage_layout(model.model.config, 2), 0, link=None)  # type: ignore[arg-type]
-    AuxHiddenStates(model, [0, 1]).remove()
-    with pytest.raises(ModelLoadError, match=r"decoder layers \[2, 3\] run on other pipeline stages"):
-        AuxHiddenStates(model, [1, 2, 3])
+    model.capture_hidden_states([0, 1]).remove()
+    with pytest.raises(HiddenStatesError, match=r"decoder layers \[2, 3\] run on other pipeline stages"):
+        model.capture_hidden_states([1, 2, 3])
 
 
 # -- the same tokens over two stages --------------------------------------------------------------
@@ -245,7 +245,7 @@ def test_n_gram_drafts_verified_on_the_last_stage_leave_the_tokens_unchanged(
     # A prompt that repeats itself gives the random model's output an ngram match.
     prompts = [PROMPTS[0] + generated + PROMPTS[0] + generated[:3] for generated in greedy(single, PROMPTS[:1])]
     prompts += PROMPTS
-    llm = patchbay.LLM(model__path=str(tiny_llama), speculative={"method": "ngram", "num_speculative_tokens": 3}, **PP2)
+    llm = patchbay.LLM(model__path=str(tiny_llama), spec_decode={"name": "ngram", "num_speculative_tokens": 3}, **PP2)
     try:
         assert greedy(llm, prompts) == greedy(single, prompts)
         assert llm.engine.stats.num_overlapped_batches > 0
@@ -288,7 +288,7 @@ def test_seeded_sampling_over_two_stages_equals_one_process(pp2: patchbay.LLM, s
 def test_structured_output_over_two_stages_equals_one_process_with_llguidance(tiny_llama: Path) -> None:
     """The last stage masks with the rows rank 0 filled, its matchers fed the tokens that came back with the batches."""
     pytest.importorskip("llguidance")
-    grammar = {"structured_output__backend": "llguidance", "structured_output__options": {"any_whitespace": False}}
+    grammar = {"structured_output__name": "llguidance", "structured_output__options": {"any_whitespace": False}}
     # A pool that holds every request: a preempted seeded request restarts its generator when it resumes (in one
     # process too), so its tokens depend on when it was preempted, and overlapped batches, which admit requests
     # while others are in flight, preempt at other times than one process.

@@ -234,13 +234,12 @@ def test_kv_heads_fewer_than_ranks_are_replicated_to_the_ranks_that_read_them() 
 
 
 def test_unsupported_architectures_are_refused_before_any_rank_starts(tiny_llama: Path) -> None:
-    from transformers import Qwen3Config
+    from patchbay.testing.tiny_models import tiny_checkpoint
 
-    from patchbay.worker.parallel.tensor_parallel import shard_layout
-
+    olmo2 = tiny_checkpoint("Olmo2ForCausalLM")  # its architecture plugin does not declare it shards OLMo 2
     running = set(rank_processes())
-    with pytest.raises(ConfigError, match=r"qwen3\) cannot be sharded"):
-        shard_layout(Qwen3Config(num_attention_heads=4, num_key_value_heads=2), 2)
+    with pytest.raises(ConfigError, match=r"Olmo2ForCausalLM cannot be sharded over 2 tensor-parallel ranks"):
+        patchbay.LLM(model__path=str(olmo2), runtime__tensor_parallel_size=2)
     with pytest.raises(ConfigError) as caught:
         patchbay.LLM(model__path=str(tiny_llama), runtime__tensor_parallel_size=3)
     assert "8 attention heads, not divisible by 3 ranks" in str(caught.value)
@@ -252,6 +251,16 @@ def test_unsupported_architectures_are_refused_before_any_rank_starts(tiny_llama
             runtime__distributed_backend="nccl",
         )
     assert set(rank_processes()) <= running
+
+
+def test_a_norm_over_all_heads_is_refused_naming_the_layer() -> None:
+    from patchbay.testing.tiny_models import tiny_checkpoint
+    from patchbay.worker.parallel.tensor_parallel import shard_layout, shard_model
+
+    model = load_cpu(tiny_checkpoint("Olmo2ForCausalLM"))
+    layout = shard_layout(model.model.config, 2)
+    with pytest.raises(ConfigError, match=r"decoder layer 0 cannot be sharded: its q_norm normalizes 64 features"):
+        shard_model(model, layout, 0, lambda tensor: None, lambda tensor: tensor)
 
 
 @pytest.mark.slow
@@ -344,7 +353,7 @@ def test_each_rank_keeps_its_share_of_the_vocabulary_and_the_shares_add_up_to_th
 def test_the_lm_head_s_cpu_paths_run_on_its_shard(odd_tied: Path, path: str) -> None:
     """Rank 1 of 2 holds ids 512-1000 and 23 rows of padding: 512 rows, which int4's packing takes (1001 it
     would not)."""
-    from patchbay.worker.cpu.packed_linear import PackedLinear, packing_supported, use_packed_linears
+    from patchbay.worker.cpu.onednn import PackedLinear, packing_supported, use_packed_linears
     from patchbay.worker.cpu.quantization import IntegerLinear, quantize_linears
     from patchbay.worker.parallel.tensor_parallel import shard_vocab
 
@@ -387,7 +396,7 @@ def test_an_lm_head_of_another_width_than_the_embedding_names_the_setting_and_bo
 
 
 def test_drafters_that_read_the_whole_lm_head_refuse_a_sharded_one(odd_tied: Path) -> None:
-    from patchbay.plugins.drafters.heads import target_parts
+    from patchbay.plugins.spec_decode.heads import target_parts
     from patchbay.worker.parallel.tensor_parallel import shard_vocab
 
     model = load_cpu(odd_tied)
@@ -546,11 +555,11 @@ def test_preempted_constrained_requests_over_two_ranks_resume_with_the_same_toke
 def test_structured_output_with_speculative_decoding_over_two_ranks_equals_one_process(tiny_llama: Path) -> None:
     """Drafts the grammar refuses are masked out on every rank, and rank 0's matchers roll back what they tried."""
     pytest.importorskip("xgrammar")
-    speculative = {"method": "ngram", "num_speculative_tokens": 3}
-    llm = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative, **TP2)
+    spec_decode = {"name": "ngram", "num_speculative_tokens": 3}
+    llm = patchbay.LLM(model__path=str(tiny_llama), spec_decode=spec_decode, **TP2)
     try:
         reference = patchbay.LLM(
-            model__path=str(tiny_llama), speculative=speculative, **{**TP2, "runtime__tensor_parallel_size": 1}
+            model__path=str(tiny_llama), spec_decode=spec_decode, **{**TP2, "runtime__tensor_parallel_size": 1}
         )
         prompts, params = structured_batch()
         # Seeded drafts' samples depend on the step's token budget, so on when each grammar is ready: compile
@@ -598,14 +607,14 @@ def test_other_architectures_over_two_ranks_equal_transformers(
 def test_speculative_decoding_over_two_ranks_then_a_killed_rank_ends_the_run(
     tiny_llama: Path, single: patchbay.LLM
 ) -> None:
-    speculative = {"method": "ngram", "num_speculative_tokens": 3}
-    llm = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative, server__api_keys="secret", **TP2)
+    spec_decode = {"name": "ngram", "num_speculative_tokens": 3}
+    llm = patchbay.LLM(model__path=str(tiny_llama), spec_decode=spec_decode, server__api_keys="secret", **TP2)
     try:
         ranks = llm.engine.ranks
         assert ranks is not None
         assert ranks.setup.settings.server.api_keys == [], "the ranks need no server settings, least of all keys"
         reference = patchbay.LLM(
-            model__path=str(tiny_llama), speculative=speculative, **{**TP2, "runtime__tensor_parallel_size": 1}
+            model__path=str(tiny_llama), spec_decode=spec_decode, **{**TP2, "runtime__tensor_parallel_size": 1}
         )
         # A prompt that repeats itself gives the random model's output an ngram match.
         prompts = [PROMPTS[0] + generated + PROMPTS[0] + generated[:3] for generated in greedy(single, PROMPTS[:1])]
@@ -678,11 +687,11 @@ def test_the_bundled_model_over_three_ranks_writes_what_one_process_writes() -> 
 def test_a_drafter_reading_the_lm_head_keeps_the_vocabulary_whole_and_equals_one_process(tiny_llama: Path) -> None:
     """Medusa copies the target's LM head (DrafterCapabilities.reads_vocabulary_weights): the ranks keep the
     vocabulary whole for it, shard everything else, and its drafts give the tokens of one process."""
-    speculative = {"method": "medusa", "num_speculative_tokens": 2}
-    llm = patchbay.LLM(model__path=str(tiny_llama), speculative=speculative, **TP2)
+    spec_decode = {"name": "medusa", "num_speculative_tokens": 2}
+    llm = patchbay.LLM(model__path=str(tiny_llama), spec_decode=spec_decode, **TP2)
     try:
         reference = patchbay.LLM(
-            model__path=str(tiny_llama), speculative=speculative, **{**TP2, "runtime__tensor_parallel_size": 1}
+            model__path=str(tiny_llama), spec_decode=spec_decode, **{**TP2, "runtime__tensor_parallel_size": 1}
         )
         model = llm.engine.model
         assert model.layer_specs[0].num_heads == 4  # heads sharded over the two ranks ...
