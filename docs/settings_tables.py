@@ -30,16 +30,10 @@ from docsource import Linker, docstring_after, inline
 
 DOCS_DIR = Path(__file__).resolve().parent
 
-OPTIONS_KIND_OF_SECTION = {
-    "attention": "attention",
-    "sampler": "sampler",
-    "speculative": "drafter",
-    "kv_connector": "kv_connector",
-    "structured_output": "structured_output",
+VALUES_OF_VALIDATOR = {
+    "_byte_size_or_auto": "byte size or `auto`",
+    "choice_shorthand": "`{name, options}` or a plugin name",
 }
-"""The sections whose ``options`` go to a plugin, and the plugin kind that validates them."""
-
-VALUES_OF_VALIDATOR = {"_byte_size_or_auto": "byte size or `auto`"}
 """Fields whose accepted values a before-validator widens: what they accept, by the validator's name."""
 
 VALUES_OF_TYPE: dict[Any, str] = {ByteSize: "byte size", SecretStr: "secret string", Path: "path", str: "string"}
@@ -133,6 +127,8 @@ def describe_default(info: FieldInfo) -> str:
         value = value.human_readable()
     if isinstance(value, Path):
         value = str(value)
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
     return f"`{value}`" if isinstance(value, str) else f"`{json.dumps(value)}`"
 
 
@@ -191,8 +187,9 @@ def rows(model: type[BaseModel], page: Path, first_columns: Callable[[str], list
 # -- blocks ----------------------------------------------------------------------------------------------
 
 
-def builtin_options(kind: str) -> list[tuple[str, type[BaseModel]]]:
-    """``(name, Options model)`` of each built-in plugin of ``kind`` (distribution ``patchbay``) with options."""
+def builtin_options(kind: str, role: str | None = None) -> list[tuple[str, type[BaseModel]]]:
+    """``(name, Options model)`` of each built-in plugin of ``kind`` (distribution ``patchbay``) with options; of
+    those whose capabilities say ``role``, when given (samplers)."""
     from importlib import metadata
 
     from patchbay.contract.registry import ENTRY_POINT_GROUP, Registry
@@ -205,9 +202,11 @@ def builtin_options(kind: str) -> list[tuple[str, type[BaseModel]]]:
     registry = Registry.from_entry_points(strict=True, entry_points=builtin)
     found = []
     for registration in registry.registrations(kind):
-        options = registration.resolve().Options
-        if options.model_fields:
-            found.append((registration.name, options))
+        implementation = registration.resolve()
+        if role is not None and getattr(implementation.capabilities, "role", None) != role:
+            continue
+        if implementation.Options.model_fields:
+            found.append((registration.name, implementation.Options))
     return found
 
 
@@ -237,18 +236,22 @@ def section_block(section: str, page: Path) -> str:
             lines += ["Absent by default: the feature is off until the section is given.", ""]
     lines += ["| key | values | default | what it does |", "|---|---|---|---|"]
     lines += rows(model, page, lambda name: [f"`{name}`"])
-    kind = OPTIONS_KIND_OF_SECTION.get(section)
-    plugins = builtin_options(kind) if kind else []
-    if plugins:
-        lines += [
-            "",
-            f"Options of the built-in plugins (`{section}.options`):",
-            "",
-            "| option | plugin | values | default | what it does |",
-            "|---|---|---|---|---|",
-        ]
-        for name, options in plugins:
-            lines += rows(options, page, lambda option, plugin=name: [f"`{option}`", f"`{plugin}`"])
+    from patchbay.contract.kinds import KINDS
+
+    for kind in KINDS.values():
+        for site in kind.choices:
+            plugins = builtin_options(kind.name, site.role) if site.path[0] == section else []
+            if not plugins:
+                continue
+            lines += [
+                "",
+                f"Options of the built-in plugins (`{site.dotted}.options`):",
+                "",
+                "| option | plugin | values | default | what it does |",
+                "|---|---|---|---|---|",
+            ]
+            for name, options in plugins:
+                lines += rows(options, page, lambda option, plugin=name: [f"`{option}`", f"`{plugin}`"])
     return "\n".join(lines) + "\n"
 
 
