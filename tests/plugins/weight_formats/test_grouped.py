@@ -37,8 +37,6 @@ def test_a_gptq_group_size_the_scales_do_not_have_is_an_error_naming_file_tensor
 def _gptq_reference(tensors: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
     """The float weight ``[out, in]`` a GPTQ linear stands for, read straight from AutoGPTQ's layout:
     ``w[k, n] = scales[g_idx[k], n] * (q[k, n] - (stored_zero[g_idx[k], n] + 1))``."""
-    import torch
-
     qweight, qzeros = tensors[f"{prefix}.qweight"].to(torch.int64), tensors[f"{prefix}.qzeros"].to(torch.int64)
     scales, g_idx = tensors[f"{prefix}.scales"].float(), tensors[f"{prefix}.g_idx"].long()
     levels = torch.stack([(qweight >> (4 * j)) & 15 for j in range(8)], dim=1).reshape(-1, qweight.shape[1])
