@@ -670,7 +670,7 @@ def patchbay_names() -> dict[str, object]:
 def names_defined_in_examples() -> set[str]:
     """Classes and functions the docs' own code blocks and the example plugin define (they exist only there)."""
     sources = [body for doc in DOC_FILES for _, body in fenced_blocks(doc.read_text())]
-    sources += [path.read_text() for path in (REPO_ROOT / "tests").glob("*_plugin/**/*.py")]
+    sources += [path.read_text() for path in (REPO_ROOT / "tests" / "distributions").glob("*_plugin/**/*.py")]
     return {match for source in sources for match in re.findall(r"^\s*(?:class|def)\s+(\w+)", source, re.MULTILINE)}
 
 
