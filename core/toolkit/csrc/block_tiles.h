@@ -1,6 +1,6 @@
 // GGUF block tiles (patchbay.toolkit.block_tiles): a GGUF file's quantized blocks repacked losslessly into
 // tiles of 16 output features, their products with activations rounded to int8 per 32 inputs, and their rows.
-// The kernels are in block_tiles.cpp; streaming_linear.cpp's tiled_linear dispatches to them and binds them.
+// The kernels are in block_tiles.cpp; tiles.cpp's tiled_linear dispatches to them and binds them.
 #pragma once
 #include <torch/extension.h>
 

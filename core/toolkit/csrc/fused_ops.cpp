@@ -13,7 +13,7 @@ constexpr int64_t kParallelElements = 1 << 16;
 // Within a fused decoder layer, ops of at least this many elements share the products' helpers, which are awake.
 constexpr int64_t kPoolElements = 1 << 15;
 
-// The products' helper pool (patchbay.worker.cpu.streaming_linear.chunk_runner): runs work(context, i) for every
+// The products' helper pool (patchbay.toolkit.tiles.chunk_runner): runs work(context, i) for every
 // i in [0, chunks) on up to `threads` threads and returns when all are done.
 using RunChunks = void (*)(int threads, int64_t chunks, void (*work)(const void*, int64_t), const void* context);
 
@@ -457,7 +457,7 @@ torch::Tensor inverse_cdf_rows(torch::Tensor weights, torch::Tensor uniform) {
   return out;
 }
 
-// A tiled product, through the address patchbay.worker.cpu.streaming_linear.tiled_product_entry() hands out.
+// A tiled product, through the address patchbay.toolkit.tiles.tiled_product_entry() hands out.
 using TiledProduct = void (*)(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor* bias,
                               int64_t out_features, int64_t threads, torch::Tensor& out);
 
@@ -472,7 +472,7 @@ static torch::Tensor tiled(int64_t entry, const torch::Tensor& x, const torch::T
 // the rotation of queries and keys.  hidden: [rows, width], contiguous; returns the rotated queries [rows, q_size /
 // head_size, head_size] and keys [rows, k_size / head_size, head_size], and the values (a view of the product).
 // Both layer calls run the ops between their products on the products' helpers (chunk_runner: the helpers' entry
-// point, streaming_linear.chunk_runner(); 0: on this thread): OpenMP's threads would have to be woken for each.
+// point, patchbay.toolkit.tiles.chunk_runner(); 0: on this thread): OpenMP's threads would have to be woken for each.
 std::vector<torch::Tensor> decoder_attention_inputs(int64_t product, int64_t chunk_runner, torch::Tensor hidden,
                                                     torch::Tensor norm_weight, double eps, torch::Tensor qkv_tiles,
                                                     c10::optional<torch::Tensor> qkv_bias, int64_t q_size,

@@ -3,7 +3,7 @@
 #include <torch/extension.h>
 #include <cstdint>
 
-// A pool's entry point (patchbay.worker.cpu.streaming_linear.chunk_runner): runs work(context, i) for every i in
+// A pool's entry point (patchbay.toolkit.tiles.chunk_runner): runs work(context, i) for every i in
 // [0, chunks) over the calling thread and threads - 1 helpers.
 using RunChunks = void (*)(int threads, int64_t chunks, void (*work)(const void*, int64_t), const void* context);
 
