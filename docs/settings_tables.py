@@ -78,7 +78,18 @@ def _number(noun: str, metadata: list[Any]) -> str:
 
 
 def _plural(text: str) -> str:
-    return " or ".join(part if part.startswith("`") else f"{part}s" for part in text.split(" or "))
+    """Each alternative of ``text`` in the plural: ``positive integers``, ``integers 1–65535``, ``strings``."""
+
+    def plural(part: str) -> str:
+        if part.startswith("`"):
+            return part
+        words = part.split(" ")
+        nouns = [index for index, word in enumerate(words) if word in ("integer", "number")]
+        index = nouns[0] if nouns else len(words) - 1
+        words[index] += "s"
+        return " ".join(words)
+
+    return " or ".join(plural(part) for part in text.split(" or "))
 
 
 def describe_values(annotation: Any, metadata: Sequence[Any] = ()) -> str:

@@ -2,7 +2,7 @@
 (issue 54).  The official openai client talks to the router; 200 requests sharing 8 long prefixes keep the
 prefix-cache hit rate of one engine; greedy outputs are one engine's; killing a replica fails only its
 requests, the router stops sending to it, and sends again once it is back.  vLLM's own benchmark client runs
-against the router when a vLLM install is found (``PATCHBAY_VLLM_BIN`` or ``.peers/vllm/bin/vllm``).
+against the router when a vLLM install is found (``PATCHBAY_VLLM_PYTHON`` or ``.peers/vllm/bin/python``).
 
 The replicas live in subprocesses, so the numbers come from their ``/metrics`` (each asked directly).
 """
