@@ -117,11 +117,11 @@ def serve_process(*args: str, **env: str) -> Iterator[str]:
             process.wait()
 
 
-def ask(url: str, model: str) -> str:
+def ask(url: str, model: str, api_key: str = "none") -> str:
     """One chat completion through the official openai client; its answer's text."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    client = OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=120)
     reply = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0
     )
@@ -158,6 +158,7 @@ def test_serve_a_model_directory_with_typed_flags(tiny_llama):
         models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k"}).json()["data"]
         assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny", 256)]
         assert httpx.get(f"{url}/v1/models").status_code == 401
+        ask(url, "tiny", api_key="k")
 
 
 @pytest.mark.slow
